@@ -1,0 +1,36 @@
+# The README's commands. Each one installs what is missing first (scripts/install-deps.sh is
+# idempotent and fast when everything is there).
+BUILD_DIR ?= build
+JOBS ?= $(shell nproc)
+CMAKE_FLAGS ?=
+PORT ?= 8500
+METRICS_PORT ?= 9090
+export CCACHE_DIR ?= $(CURDIR)/.ccache
+export CCACHE_SLOPPINESS := pch_defines,time_macros,include_file_mtime,include_file_ctime
+
+.PHONY: all deps configure build test run bench clean
+
+all: build
+
+deps:
+	@scripts/install-deps.sh
+
+$(BUILD_DIR)/build.ninja:
+	cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS)
+
+configure: deps $(BUILD_DIR)/build.ninja
+
+build: configure
+	cmake --build $(BUILD_DIR) -j $(JOBS)
+
+test: build
+	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) --timeout 1500
+
+run: build
+	scripts/run-demo.sh $(BUILD_DIR) $(PORT) $(METRICS_PORT)
+
+bench: build
+	scripts/run-bench.sh $(BUILD_DIR)
+
+clean:
+	rm -rf $(BUILD_DIR)

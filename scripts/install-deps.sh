@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Installs every Debian package collabserve needs to build, test and run. Idempotent: a package that
+# is already installed is not touched, and apt is only called when something is missing.
+#   scripts/install-deps.sh            build + runtime + test packages
+#   scripts/install-deps.sh --runtime  only what the server needs at run time (container images)
+set -euo pipefail
+
+BUILD_PKGS=(
+  build-essential cmake ninja-build ccache pkg-config
+  libtorch-dev libopenblas0-pthread libgoogle-glog-dev
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  prometheus-cpp-dev libabsl-dev nlohmann-json3-dev
+  libgtest-dev libgmock-dev libbenchmark-dev libssl-dev zlib1g-dev
+)
+TEST_PKGS=(python3-torch python3-numpy python3-grpcio curl)
+RUNTIME_PKGS=(libtorch1.13 libopenblas0-pthread libgoogle-glog0v6 libgrpc++1.51 libprotobuf32 libprometheus-cpp-core1.0 libprometheus-cpp-pull1.0)
+
+mode=${1:-all}
+if [ "$mode" = "--runtime" ]; then want=("${RUNTIME_PKGS[@]}"); else want=("${BUILD_PKGS[@]}" "${TEST_PKGS[@]}"); fi
+
+missing=()
+for p in "${want[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+# Node.js and npm: any installation will do (NodeSource's nodejs conflicts with Debian's npm package).
+if [ "$mode" != "--runtime" ] && ! command -v npm >/dev/null 2>&1; then missing+=(nodejs npm); fi
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "install-deps: installing ${missing[*]}"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO=sudo
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+# The tokenizer parity tests use Hugging Face's tokenizers (Rust) through its Node binding.
+if [ "$mode" != "--runtime" ]; then
+  here=$(cd "$(dirname "$0")/.." && pwd)
+  if [ ! -d "$here/tests/reference/node_modules/@anush008/tokenizers" ] && [ -f "$here/tests/reference/package.json" ]; then
+    echo "install-deps: npm install in tests/reference"
+    (cd "$here/tests/reference" && npm install --no-audit --no-fund --loglevel=error)
+  fi
+fi

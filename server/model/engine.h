@@ -1,0 +1,95 @@
+// The inference engine: one loaded BERT sequence classifier (standard or collaborative), its
+// tokenizer and its metadata. This header is torch-free so that the service layer does not pay for
+// LibTorch's headers.
+#ifndef COLLABSERVE_SERVER_MODEL_ENGINE_H_
+#define COLLABSERVE_SERVER_MODEL_ENGINE_H_
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+
+namespace collabserve::text {
+class BertTokenizer;
+}
+
+namespace collabserve::model {
+
+struct EngineOptions {
+  // "cpu", "cuda" or "cuda:N".
+  std::string device = "cpu";
+  // "float32" everywhere; "float16" / "bfloat16" on CUDA only.
+  std::string dtype = "float32";
+};
+
+// Parameter counts by part of the model (the numbers `inspect` and the metrics report).
+struct ParamCounts {
+  int64_t total = 0;
+  int64_t embeddings = 0;
+  int64_t attention_qk = 0;  // query/key projections, or the collaborative W~Q, W~K, M, v
+  int64_t attention_vo = 0;  // value and attention-output projections
+  int64_t ffn = 0;           // intermediate + output dense
+  int64_t layer_norm = 0;    // every LayerNorm outside embeddings
+  int64_t head = 0;          // pooler + classifier
+};
+
+struct ModelInfo {
+  std::vector<std::string> labels;  // id2label in id order
+  std::string problem_type;         // "single_label_classification" | "multi_label_classification" | "regression"
+  int max_length = 512;             // min(max_position_embeddings, tokenizer model_max_length)
+  int num_layers = 0;
+  int num_heads = 0;
+  int head_size = 0;
+  int hidden_size = 0;
+  int intermediate_size = 0;
+  // Shared key/query rank per layer for a collaborative model; empty for a standard one.
+  std::vector<int> collaborative_ranks;
+  ParamCounts params;
+  std::string device;
+  std::string dtype;
+};
+
+// One tokenized input (with [CLS]/[SEP]); attention mask is implied by the length.
+struct TokenizedInput {
+  std::vector<int32_t> input_ids;
+  std::vector<int32_t> token_type_ids;
+};
+
+struct Prediction {
+  std::vector<float> logits;
+  std::vector<float> probabilities;  // softmax, or sigmoid for multi-label; equals logits for regression
+  int label = 0;                     // argmax
+};
+
+// Thread-safety: after Load, all const methods are safe to call concurrently from many threads.
+// Each Run call runs one forward pass under InferenceMode; concurrent Runs execute in parallel.
+class Engine {
+ public:
+  virtual ~Engine() = default;
+
+  // Loads the checkpoint directory `dir`: config.json, vocab.txt, optional tokenizer_config.json and
+  // model.safetensors or pytorch_model.bin (standard or collaborative). Errors name the file and the
+  // problem (NOT_FOUND, INVALID_ARGUMENT, UNIMPLEMENTED for unsupported architectures/options).
+  static absl::StatusOr<std::unique_ptr<Engine>> Load(const std::string& dir,
+                                                      const EngineOptions& options = {});
+
+  virtual const ModelInfo& info() const = 0;
+  virtual const text::BertTokenizer& tokenizer() const = 0;
+
+  // Runs one batch: pads to the longest input, masks the padding, returns one Prediction per
+  // input in order. A sequence's result does not depend on what it is batched with. INVALID_ARGUMENT
+  // for an empty input, an input longer than max_length, or an id outside the vocabulary.
+  virtual absl::StatusOr<std::vector<Prediction>> Run(
+      absl::Span<const TokenizedInput* const> batch) const = 0;
+
+  // Convenience: Run over owned inputs.
+  absl::StatusOr<std::vector<Prediction>> Run(const std::vector<TokenizedInput>& batch) const;
+};
+
+}  // namespace collabserve::model
+
+#endif  // COLLABSERVE_SERVER_MODEL_ENGINE_H_

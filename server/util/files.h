@@ -1,0 +1,27 @@
+// Small file helpers shared by the loaders and writers: whole-file reads with clear errors, and
+// atomic writes (temp file + fsync + rename) so that a reader never sees a half-written file.
+#ifndef COLLABSERVE_SERVER_UTIL_FILES_H_
+#define COLLABSERVE_SERVER_UTIL_FILES_H_
+
+#include <string>
+#include <string_view>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace collabserve::util {
+
+// Reads the whole file. NOT_FOUND if it does not exist; FAILED_PRECONDITION if it is larger than
+// `max_bytes`; the message names the path.
+absl::StatusOr<std::string> ReadFile(const std::string& path, size_t max_bytes = size_t{1} << 34);
+
+// Writes `contents` to `path` atomically: a temporary file in the same directory, fsync, rename.
+absl::Status WriteFileAtomic(const std::string& path, std::string_view contents);
+
+bool FileExists(const std::string& path);
+bool IsDirectory(const std::string& path);
+std::string JoinPath(std::string_view dir, std::string_view name);
+
+}  // namespace collabserve::util
+
+#endif  // COLLABSERVE_SERVER_UTIL_FILES_H_
