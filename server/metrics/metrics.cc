@@ -1,0 +1,216 @@
+#include "server/metrics/metrics.h"
+
+#include <exception>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "prometheus/counter.h"
+#include "prometheus/exposer.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+#include "prometheus/text_serializer.h"
+
+namespace collabserve::metrics {
+namespace {
+
+using prometheus::Histogram;
+
+Histogram::BucketBoundaries SecondsBuckets() {
+  // 50us .. ~26s, doubling.
+  Histogram::BucketBoundaries b;
+  for (double v = 50e-6; v < 30; v *= 2) b.push_back(v);
+  return b;
+}
+Histogram::BucketBoundaries CountBuckets(double max) {
+  Histogram::BucketBoundaries b;
+  for (double v = 1; v <= max; v *= 2) b.push_back(v);
+  return b;
+}
+Histogram::BucketBoundaries RatioBuckets() {
+  return {0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0};
+}
+
+}  // namespace
+
+Metrics::Metrics(const std::string& build_version, const std::string& torch_version)
+    : registry_(std::make_shared<prometheus::Registry>()) {
+  auto& r = *registry_;
+  requests_total_ = &prometheus::BuildCounter()
+                         .Name("collabserve_requests_total")
+                         .Help("Inference calls by model, version and final gRPC status code.")
+                         .Register(r);
+  request_duration_ = &prometheus::BuildHistogram()
+                           .Name("collabserve_request_duration_seconds")
+                           .Help("Time from a call's arrival to its response.")
+                           .Register(r);
+  queue_duration_ = &prometheus::BuildHistogram()
+                         .Name("collabserve_queue_duration_seconds")
+                         .Help("Time an input waited in the batch queue.")
+                         .Register(r);
+  tokenization_duration_ = &prometheus::BuildHistogram()
+                                .Name("collabserve_tokenization_duration_seconds")
+                                .Help("Time to tokenize one request's inputs.")
+                                .Register(r);
+  inference_duration_ = &prometheus::BuildHistogram()
+                             .Name("collabserve_inference_duration_seconds")
+                             .Help("Time of one batched forward pass.")
+                             .Register(r);
+  batch_size_ = &prometheus::BuildHistogram()
+                     .Name("collabserve_batch_size")
+                     .Help("Inputs per batched forward pass.")
+                     .Register(r);
+  batch_tokens_ = &prometheus::BuildHistogram()
+                       .Name("collabserve_batch_tokens")
+                       .Help("Real (unpadded) tokens per batched forward pass.")
+                       .Register(r);
+  batch_padding_ratio_ = &prometheus::BuildHistogram()
+                              .Name("collabserve_batch_padding_ratio")
+                              .Help("Fraction of a padded batch that is padding.")
+                              .Register(r);
+  queue_depth_ = &prometheus::BuildGauge()
+                      .Name("collabserve_queue_depth")
+                      .Help("Inputs waiting in a model version's batch queue.")
+                      .Register(r);
+  inflight_ = &prometheus::BuildGauge()
+                   .Name("collabserve_inflight_requests")
+                   .Help("Inference calls being processed.")
+                   .Register(r)
+                   .Add({});
+  model_parameters_ = &prometheus::BuildGauge()
+                           .Name("collabserve_model_parameters")
+                           .Help("Parameter count of a model version by part.")
+                           .Register(r);
+  model_layer_rank_ = &prometheus::BuildGauge()
+                           .Name("collabserve_model_layer_rank")
+                           .Help("Shared key/query rank of each layer (heads*head_size if standard).")
+                           .Register(r);
+  compression_ratio_ = &prometheus::BuildGauge()
+                            .Name("collabserve_model_compression_ratio")
+                            .Help("Query/key parameters of a standard layer over the actual ones.")
+                            .Register(r);
+  load_seconds_ = &prometheus::BuildGauge()
+                       .Name("collabserve_model_load_seconds")
+                       .Help("Time to load and warm up a model version.")
+                       .Register(r);
+  prometheus::BuildGauge()
+      .Name("collabserve_build_info")
+      .Help("Build facts; the value is always 1.")
+      .Register(r)
+      .Add({{"version", build_version}, {"torch_version", torch_version}})
+      .Set(1);
+}
+
+Metrics::~Metrics() = default;
+
+absl::Status Metrics::StartExposer(const std::string& bind_address, int* port) {
+  if (exposer_ != nullptr) return absl::FailedPreconditionError("metrics exposer already started");
+  try {
+    exposer_ = std::make_unique<prometheus::Exposer>(bind_address, 2);
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot serve metrics on ", bind_address, ": ", e.what()));
+  }
+  exposer_->RegisterCollectable(registry_);
+  auto ports = exposer_->GetListeningPorts();
+  if (ports.empty()) {
+    exposer_.reset();
+    return absl::UnavailableError(absl::StrCat("metrics exposer on ", bind_address, " has no port"));
+  }
+  if (port != nullptr) *port = ports.front();
+  return absl::OkStatus();
+}
+
+std::string Metrics::TextFormat() const {
+  prometheus::TextSerializer serializer;
+  return serializer.Serialize(registry_->Collect());
+}
+
+ModelMetrics Metrics::ForModel(const std::string& model) {
+  absl::MutexLock lock(&mu_);
+  auto it = models_.find(model);
+  if (it != models_.end()) return it->second;
+  ModelMetrics m;
+  const prometheus::Labels l{{"model", model}};
+  m.request_duration = &request_duration_->Add(l, SecondsBuckets());
+  m.queue_duration = &queue_duration_->Add(l, SecondsBuckets());
+  m.tokenization_duration = &tokenization_duration_->Add(l, SecondsBuckets());
+  m.inference_duration = &inference_duration_->Add(l, SecondsBuckets());
+  m.batch_size = &batch_size_->Add(l, CountBuckets(1024));
+  m.batch_tokens = &batch_tokens_->Add(l, CountBuckets(65536));
+  m.batch_padding_ratio = &batch_padding_ratio_->Add(l, RatioBuckets());
+  models_[model] = m;
+  return m;
+}
+
+void Metrics::CountRequest(const std::string& model, const std::string& version,
+                           const std::string& code) {
+  // Under mu_ so that RemoveVersion cannot free the counter between Add and Increment.
+  absl::MutexLock lock(&mu_);
+  auto& c = requests_total_->Add({{"model", model}, {"version", version}, {"code", code}});
+  c.Increment();
+  auto& v = version_counters_[{model, version}];
+  for (auto* p : v) {
+    if (p == &c) return;
+  }
+  v.push_back(&c);
+}
+
+prometheus::Gauge* Metrics::QueueDepth(const std::string& model, int64_t version) {
+  auto* g = &queue_depth_->Add({{"model", model}, {"version", std::to_string(version)}});
+  absl::MutexLock lock(&mu_);
+  auto& v = version_gauges_[{model, version}];
+  for (auto& [f, p] : v) {
+    if (p == g) return g;
+  }
+  v.emplace_back(queue_depth_, g);
+  return g;
+}
+
+void Metrics::SetVersionFacts(const std::string& model, int64_t version,
+                              const ModelVersionFacts& facts) {
+  const std::string ver = std::to_string(version);
+  std::vector<std::pair<prometheus::Family<prometheus::Gauge>*, prometheus::Gauge*>> added;
+  for (const auto& [part, count] : facts.parameters) {
+    auto& g = model_parameters_->Add({{"model", model}, {"version", ver}, {"part", part}});
+    g.Set(static_cast<double>(count));
+    added.emplace_back(model_parameters_, &g);
+  }
+  for (size_t i = 0; i < facts.layer_ranks.size(); ++i) {
+    auto& g = model_layer_rank_->Add(
+        {{"model", model}, {"version", ver}, {"layer", std::to_string(i)}});
+    g.Set(facts.layer_ranks[i]);
+    added.emplace_back(model_layer_rank_, &g);
+  }
+  auto& cr = compression_ratio_->Add({{"model", model}, {"version", ver}});
+  cr.Set(facts.compression_ratio);
+  added.emplace_back(compression_ratio_, &cr);
+  auto& ls = load_seconds_->Add({{"model", model}, {"version", ver}});
+  ls.Set(facts.load_seconds);
+  added.emplace_back(load_seconds_, &ls);
+
+  absl::MutexLock lock(&mu_);
+  auto& v = version_gauges_[{model, version}];
+  for (auto& a : added) {
+    bool seen = false;
+    for (auto& e : v) seen = seen || e.second == a.second;
+    if (!seen) v.push_back(a);
+  }
+}
+
+void Metrics::RemoveVersion(const std::string& model, int64_t version) {
+  absl::MutexLock lock(&mu_);
+  auto it = version_gauges_.find({model, version});
+  if (it != version_gauges_.end()) {
+    for (auto& [family, gauge] : it->second) family->Remove(gauge);
+    version_gauges_.erase(it);
+  }
+  auto ct = version_counters_.find({model, std::to_string(version)});
+  if (ct != version_counters_.end()) {
+    for (auto* c : ct->second) requests_total_->Remove(c);
+    version_counters_.erase(ct);
+  }
+}
+
+}  // namespace collabserve::metrics

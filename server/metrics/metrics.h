@@ -1,0 +1,115 @@
+// The server's Prometheus metrics: one registry holding every collabserve_* family, per-model and
+// per-version handles, and the optional HTTP exposer serving them on /metrics.
+#ifndef COLLABSERVE_SERVER_METRICS_METRICS_H_
+#define COLLABSERVE_SERVER_METRICS_METRICS_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+
+namespace prometheus {
+class Counter;
+class Exposer;
+class Gauge;
+class Histogram;
+class Registry;
+template <typename T>
+class Family;
+}  // namespace prometheus
+
+namespace collabserve::metrics {
+
+// Static facts about a loaded model version, exported as gauges.
+struct ModelVersionFacts {
+  // part name ("total", "embeddings", "attention_qk", "attention_vo", "ffn", "layer_norm", "head")
+  // -> parameter count.
+  std::vector<std::pair<std::string, int64_t>> parameters;
+  // Shared key/query rank per layer (collaborative), or the full rank (heads * head_size) per layer.
+  std::vector<int> layer_ranks;
+  double compression_ratio = 1.0;
+  double load_seconds = 0.0;
+};
+
+// Histograms for one model (all versions share them). Pointers stay valid for the life of Metrics.
+struct ModelMetrics {
+  prometheus::Histogram* request_duration = nullptr;
+  prometheus::Histogram* queue_duration = nullptr;
+  prometheus::Histogram* tokenization_duration = nullptr;
+  prometheus::Histogram* inference_duration = nullptr;
+  prometheus::Histogram* batch_size = nullptr;
+  prometheus::Histogram* batch_tokens = nullptr;
+  prometheus::Histogram* batch_padding_ratio = nullptr;
+};
+
+// Thread-safe. Owns its registry; handles it returns are valid until the series is removed
+// (RemoveVersion) or Metrics is destroyed.
+class Metrics {
+ public:
+  // `build_version` and `torch_version` label collabserve_build_info.
+  Metrics(const std::string& build_version, const std::string& torch_version);
+  ~Metrics();
+  Metrics(const Metrics&) = delete;
+  Metrics& operator=(const Metrics&) = delete;
+
+  // Serves /metrics on `bind_address` ("0.0.0.0:9090"; port 0 picks one). Returns the bound port
+  // through `port`. UNAVAILABLE if the address cannot be bound. Call at most once.
+  absl::Status StartExposer(const std::string& bind_address, int* port);
+
+  // The metrics in the Prometheus text format (what /metrics returns).
+  std::string TextFormat() const;
+
+  ModelMetrics ForModel(const std::string& model);
+
+  // collabserve_requests_total{model,version,code} += 1. `version` may be "" when no version was
+  // resolved (e.g. unknown model).
+  void CountRequest(const std::string& model, const std::string& version, const std::string& code);
+
+  // Gauge collabserve_queue_depth{model,version}; created on first use.
+  prometheus::Gauge* QueueDepth(const std::string& model, int64_t version);
+  prometheus::Gauge* inflight_requests() { return inflight_; }
+
+  // Sets the per-version static gauges (parameters, ranks, compression ratio, load time).
+  void SetVersionFacts(const std::string& model, int64_t version, const ModelVersionFacts& facts);
+
+  // Removes every series labelled with this model version (gauges and request counters).
+  void RemoveVersion(const std::string& model, int64_t version);
+
+ private:
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+
+  prometheus::Family<prometheus::Counter>* requests_total_;
+  prometheus::Family<prometheus::Histogram>* request_duration_;
+  prometheus::Family<prometheus::Histogram>* queue_duration_;
+  prometheus::Family<prometheus::Histogram>* tokenization_duration_;
+  prometheus::Family<prometheus::Histogram>* inference_duration_;
+  prometheus::Family<prometheus::Histogram>* batch_size_;
+  prometheus::Family<prometheus::Histogram>* batch_tokens_;
+  prometheus::Family<prometheus::Histogram>* batch_padding_ratio_;
+  prometheus::Family<prometheus::Gauge>* queue_depth_;
+  prometheus::Family<prometheus::Gauge>* model_parameters_;
+  prometheus::Family<prometheus::Gauge>* model_layer_rank_;
+  prometheus::Family<prometheus::Gauge>* compression_ratio_;
+  prometheus::Family<prometheus::Gauge>* load_seconds_;
+  prometheus::Gauge* inflight_;
+
+  absl::Mutex mu_;
+  std::map<std::string, ModelMetrics> models_ ABSL_GUARDED_BY(mu_);
+  // (model, version) -> every gauge labelled with it, with its family, for RemoveVersion.
+  std::map<std::pair<std::string, int64_t>,
+           std::vector<std::pair<prometheus::Family<prometheus::Gauge>*, prometheus::Gauge*>>>
+      version_gauges_ ABSL_GUARDED_BY(mu_);
+  std::map<std::pair<std::string, std::string>, std::vector<prometheus::Counter*>> version_counters_
+      ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace collabserve::metrics
+
+#endif  // COLLABSERVE_SERVER_METRICS_METRICS_H_

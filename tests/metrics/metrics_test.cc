@@ -1,0 +1,86 @@
+#include "server/metrics/metrics.h"
+
+#include <string>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+
+namespace collabserve::metrics {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+TEST(MetricsTest, ExportsEveryFamilyWithItsLabels) {
+  Metrics m("0.1.0", "1.13.1");
+  ModelMetrics mm = m.ForModel("sst2");
+  mm.request_duration->Observe(0.01);
+  mm.batch_size->Observe(4);
+  m.CountRequest("sst2", "3", "OK");
+  m.QueueDepth("sst2", 3)->Set(2);
+  m.inflight_requests()->Increment();
+  ModelVersionFacts facts;
+  facts.parameters = {{"total", 100}, {"attention_qk", 10}};
+  facts.layer_ranks = {64, 32};
+  facts.compression_ratio = 2.0;
+  facts.load_seconds = 0.5;
+  m.SetVersionFacts("sst2", 3, facts);
+
+  const std::string text = m.TextFormat();
+  EXPECT_THAT(text, HasSubstr("collabserve_requests_total{code=\"OK\",model=\"sst2\",version=\"3\"} 1"));
+  EXPECT_THAT(text, HasSubstr("collabserve_request_duration_seconds_count{model=\"sst2\"} 1"));
+  EXPECT_THAT(text, HasSubstr("collabserve_batch_size_sum{model=\"sst2\"} 4"));
+  EXPECT_THAT(text, HasSubstr("collabserve_queue_depth{model=\"sst2\",version=\"3\"} 2"));
+  EXPECT_THAT(text, HasSubstr("collabserve_inflight_requests 1"));
+  EXPECT_THAT(text, HasSubstr("collabserve_model_parameters{model=\"sst2\",part=\"attention_qk\",version=\"3\"} 10"));
+  EXPECT_THAT(text, HasSubstr("collabserve_model_layer_rank{layer=\"1\",model=\"sst2\",version=\"3\"} 32"));
+  EXPECT_THAT(text, HasSubstr("collabserve_model_compression_ratio{model=\"sst2\",version=\"3\"} 2"));
+  EXPECT_THAT(text, HasSubstr("collabserve_model_load_seconds{model=\"sst2\",version=\"3\"} 0.5"));
+  EXPECT_THAT(text, HasSubstr("collabserve_build_info{torch_version=\"1.13.1\",version=\"0.1.0\"} 1"));
+  for (const char* name : {"collabserve_queue_duration_seconds", "collabserve_tokenization_duration_seconds",
+                           "collabserve_inference_duration_seconds", "collabserve_batch_tokens",
+                           "collabserve_batch_padding_ratio"}) {
+    EXPECT_THAT(text, HasSubstr(std::string("# TYPE ") + name + " histogram")) << name;
+  }
+}
+
+TEST(MetricsTest, RemoveVersionDropsOnlyThatVersionsSeries) {
+  Metrics m("0.1.0", "1.13.1");
+  ModelVersionFacts facts;
+  facts.parameters = {{"total", 100}};
+  facts.layer_ranks = {8};
+  m.SetVersionFacts("a", 1, facts);
+  m.SetVersionFacts("a", 2, facts);
+  m.QueueDepth("a", 1)->Set(1);
+  m.CountRequest("a", "1", "OK");
+  m.CountRequest("a", "2", "OK");
+  m.RemoveVersion("a", 1);
+  const std::string text = m.TextFormat();
+  EXPECT_THAT(text, Not(HasSubstr("version=\"1\"")));
+  EXPECT_THAT(text, HasSubstr("collabserve_model_parameters{model=\"a\",part=\"total\",version=\"2\"} 100"));
+  EXPECT_THAT(text, HasSubstr("collabserve_requests_total{code=\"OK\",model=\"a\",version=\"2\"} 1"));
+}
+
+TEST(MetricsTest, ExposerPicksAPortWhenAskedForZero) {
+  Metrics m("0.1.0", "1.13.1");
+  int port = 0;
+  ASSERT_TRUE(m.StartExposer("127.0.0.1:0", &port).ok());
+  EXPECT_GT(port, 0);
+  EXPECT_FALSE(m.StartExposer("127.0.0.1:0", &port).ok());
+}
+
+TEST(MetricsTest, ExposerReportsAnUnbindableAddress) {
+  Metrics a("0.1.0", "1.13.1");
+  int port = 0;
+  ASSERT_TRUE(a.StartExposer("127.0.0.1:0", &port).ok());
+  Metrics b("0.1.0", "1.13.1");
+  int port_b = 0;
+  absl::Status s = b.StartExposer("127.0.0.1:" + std::to_string(port), &port_b);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr(std::to_string(port)));
+}
+
+}  // namespace
+}  // namespace collabserve::metrics
