@@ -1,0 +1,46 @@
+// Closed-loop load generator: `concurrency` workers, each sending one Classify at a time and the
+// next as soon as the previous answers, for a bounded time and count.
+#ifndef COLLABSERVE_CLIENT_BENCH_H_
+#define COLLABSERVE_CLIENT_BENCH_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "client/client.h"
+
+namespace collabserve::client {
+
+struct BenchOptions {
+  std::string model = "demo";
+  int concurrency = 4;
+  double duration_s = 10;
+  // Stop after this many requests in total (0 = only the duration bounds the run).
+  int64_t max_requests = 0;
+  // Token counts of the generated inputs (including [CLS]/[SEP]), used round-robin.
+  std::vector<int> lengths = {32};
+  int inputs_per_request = 1;
+  std::chrono::milliseconds deadline{30000};
+};
+
+struct BenchResult {
+  int64_t requests = 0;  // completed OK
+  int64_t errors = 0;
+  std::string first_error;
+  double elapsed_s = 0;
+  double requests_per_s = 0;
+  double inputs_per_s = 0;
+  double p50_ms = 0, p90_ms = 0, p99_ms = 0;
+};
+
+// Text that the bert-base-uncased vocabulary splits into exactly `num_tokens - 2` word pieces (one
+// per word), so that with [CLS]/[SEP] the model sees `num_tokens` tokens. `seed` varies the words.
+std::string MakeText(int num_tokens, uint64_t seed);
+
+// Runs the load. INVALID_ARGUMENT for bad options; call errors are counted, not returned.
+absl::StatusOr<BenchResult> RunBench(const Client& client, const BenchOptions& options);
+
+}  // namespace collabserve::client
+
+#endif  // COLLABSERVE_CLIENT_BENCH_H_

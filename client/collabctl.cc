@@ -1,0 +1,175 @@
+// collabctl: command-line client for a collabserve server.
+//   collabctl [--address=HOST:PORT] classify [--model=NAME] TEXT...
+//   collabctl models | model NAME | health [--service=NAME] | tokenize [--model=NAME] TEXT...
+//   collabctl bench [--model=NAME] [--concurrency=N] [--duration_s=S] [--input_tokens=N | --lengths=a,b]
+#include <cstdio>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "client/bench.h"
+#include "client/client.h"
+#include "google/protobuf/util/json_util.h"
+
+ABSL_FLAG(std::string, address, "127.0.0.1:8500", "server address host:port");
+ABSL_FLAG(std::string, model, "demo", "model name");
+ABSL_FLAG(int64_t, version, 0, "model version (0 = newest)");
+ABSL_FLAG(int, deadline_ms, 10000, "per-call deadline in milliseconds");
+ABSL_FLAG(bool, tls, false, "use TLS");
+ABSL_FLAG(std::string, service, "", "health: service name to check (\"\" = server)");
+ABSL_FLAG(int, top_k, 0, "classify: labels to return per input");
+ABSL_FLAG(bool, raw_scores, false, "classify: logits instead of probabilities");
+ABSL_FLAG(bool, json, false, "print responses as JSON");
+ABSL_FLAG(int, concurrency, 4, "bench: concurrent closed-loop clients");
+ABSL_FLAG(double, duration_s, 10, "bench: seconds to run");
+ABSL_FLAG(int64_t, max_requests, 0, "bench: stop after this many requests (0 = duration only)");
+ABSL_FLAG(int, input_tokens, 32, "bench: tokens per input (with [CLS]/[SEP])");
+ABSL_FLAG(std::string, lengths, "", "bench: comma-separated token counts used round-robin (overrides --input_tokens)");
+ABSL_FLAG(int, inputs_per_request, 1, "bench: inputs per Classify call");
+
+namespace {
+
+using collabserve::client::Client;
+namespace v1 = collabserve::v1;
+
+int Fail(const absl::Status& s) {
+  std::cerr << "collabctl: " << s << "\n";
+  return 1;
+}
+
+template <typename M>
+void PrintJson(const M& m) {
+  std::string out;
+  google::protobuf::util::JsonPrintOptions o;
+  o.add_whitespace = false;
+  (void)google::protobuf::util::MessageToJsonString(m, &out, o);
+  std::cout << out << "\n";
+}
+
+int Classify(const Client& client, const std::vector<std::string>& texts) {
+  if (texts.empty()) return Fail(absl::InvalidArgumentError("classify: give at least one TEXT"));
+  v1::ClassifyRequest req;
+  req.set_model_name(absl::GetFlag(FLAGS_model));
+  if (absl::GetFlag(FLAGS_version) > 0) req.set_model_version(absl::GetFlag(FLAGS_version));
+  for (const auto& t : texts) req.add_inputs()->set_text(t);
+  req.mutable_options()->set_top_k(absl::GetFlag(FLAGS_top_k));
+  req.mutable_options()->set_raw_scores(absl::GetFlag(FLAGS_raw_scores));
+  auto r = client.Classify(req);
+  if (!r.ok()) return Fail(r.status());
+  if (absl::GetFlag(FLAGS_json)) {
+    PrintJson(*r);
+    return 0;
+  }
+  for (int i = 0; i < r->results_size(); ++i) {
+    const auto& res = r->results(i);
+    std::printf("%s\t%.6f\t%s\n", res.label().c_str(), res.score(), texts[i].c_str());
+  }
+  std::printf("# model %s version %lld, %lld tokens, queue %lld us, inference %lld us, total %lld us\n",
+              r->model_name().c_str(), static_cast<long long>(r->model_version()),
+              static_cast<long long>(r->num_tokens()), static_cast<long long>(r->timings().queue_us()),
+              static_cast<long long>(r->timings().inference_us()),
+              static_cast<long long>(r->timings().total_us()));
+  return 0;
+}
+
+int Tokenize(const Client& client, const std::vector<std::string>& texts) {
+  v1::TokenizeRequest req;
+  req.set_model_name(absl::GetFlag(FLAGS_model));
+  for (const auto& t : texts) req.add_inputs()->set_text(t);
+  auto r = client.Tokenize(req);
+  if (!r.ok()) return Fail(r.status());
+  PrintJson(*r);
+  return 0;
+}
+
+int Models(const Client& client) {
+  auto r = client.ListModels();
+  if (!r.ok()) return Fail(r.status());
+  if (absl::GetFlag(FLAGS_json)) {
+    PrintJson(*r);
+    return 0;
+  }
+  for (const auto& m : r->models()) {
+    std::vector<std::string> v;
+    for (auto x : m.versions()) v.push_back(std::to_string(x));
+    std::printf("%s\tversions %s\n", m.name().c_str(), absl::StrJoin(v, ",").c_str());
+  }
+  return 0;
+}
+
+int Model(const Client& client, const std::vector<std::string>& args) {
+  auto r = client.GetModel(args.empty() ? absl::GetFlag(FLAGS_model) : args[0]);
+  if (!r.ok()) return Fail(r.status());
+  PrintJson(*r);
+  return 0;
+}
+
+int Health(const Client& client) {
+  auto r = client.IsServing(absl::GetFlag(FLAGS_service));
+  if (!r.ok()) return Fail(r.status());
+  std::printf("%s\n", *r ? "SERVING" : "NOT_SERVING");
+  return *r ? 0 : 1;
+}
+
+int Bench(const Client& client) {
+  collabserve::client::BenchOptions o;
+  o.model = absl::GetFlag(FLAGS_model);
+  o.concurrency = absl::GetFlag(FLAGS_concurrency);
+  o.duration_s = absl::GetFlag(FLAGS_duration_s);
+  o.max_requests = absl::GetFlag(FLAGS_max_requests);
+  o.inputs_per_request = absl::GetFlag(FLAGS_inputs_per_request);
+  o.lengths = {absl::GetFlag(FLAGS_input_tokens)};
+  if (!absl::GetFlag(FLAGS_lengths).empty()) {
+    o.lengths.clear();
+    for (auto p : absl::StrSplit(absl::GetFlag(FLAGS_lengths), ',')) {
+      int n = 0;
+      if (!absl::SimpleAtoi(p, &n)) {
+        return Fail(absl::InvalidArgumentError("--lengths: not an integer: " + std::string(p)));
+      }
+      o.lengths.push_back(n);
+    }
+  }
+  auto r = collabserve::client::RunBench(client, o);
+  if (!r.ok()) return Fail(r.status());
+  std::printf("concurrency=%d requests=%lld errors=%lld elapsed_s=%.3f rps=%.2f inputs_per_s=%.2f "
+              "p50_ms=%.3f p90_ms=%.3f p99_ms=%.3f\n",
+              o.concurrency, static_cast<long long>(r->requests), static_cast<long long>(r->errors),
+              r->elapsed_s, r->requests_per_s, r->inputs_per_s, r->p50_ms, r->p90_ms, r->p99_ms);
+  if (r->errors > 0) std::fprintf(stderr, "first error: %s\n", r->first_error.c_str());
+  return r->errors > 0 ? 1 : 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "collabctl [--address=HOST:PORT] (classify TEXT... | tokenize TEXT... | models | model [NAME] "
+      "| health | bench)");
+  std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
+  if (rest.size() < 2) {
+    std::cerr << absl::ProgramUsageMessage() << "\n";
+    return 2;
+  }
+  const std::string command = rest[1];
+  std::vector<std::string> args(rest.begin() + 2, rest.end());
+  collabserve::client::ClientOptions options;
+  options.address = absl::GetFlag(FLAGS_address);
+  options.default_deadline = std::chrono::milliseconds(absl::GetFlag(FLAGS_deadline_ms));
+  options.use_tls = absl::GetFlag(FLAGS_tls);
+  auto client = Client::Create(options);
+  if (!client.ok()) return Fail(client.status());
+  if (command == "classify") return Classify(**client, args);
+  if (command == "tokenize") return Tokenize(**client, args);
+  if (command == "models") return Models(**client);
+  if (command == "model") return Model(**client, args);
+  if (command == "health") return Health(**client);
+  if (command == "bench") return Bench(**client);
+  std::cerr << "collabctl: unknown command '" << command << "'\n" << absl::ProgramUsageMessage() << "\n";
+  return 2;
+}
