@@ -1,0 +1,467 @@
+#include "server/compress/cp_als.h"
+
+#include <ATen/ATen.h>
+#include <glog/logging.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <exception>
+#include <limits>
+#include <memory>
+#include <random>
+#include <string>
+#include <tuple>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "server/util/status_macros.h"
+
+namespace collabserve::compress {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double SecondsSince(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+std::string ShapeString(const at::Tensor& t) {
+  return absl::StrCat("[", absl::StrJoin(t.sizes(), ", "), "]");
+}
+
+at::ScalarType ComputeType(const CpAlsOptions& options) {
+  return options.precision == CpAlsOptions::Precision::kFloat32 ? at::kFloat : at::kDouble;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Argument checks. Every message starts with the function's name and names the argument.
+
+absl::Status CheckTensor(const char* fn, const char* name, const at::Tensor& t, int64_t dim) {
+  if (!t.defined()) return absl::InvalidArgumentError(absl::StrCat(fn, ": ", name, " is undefined"));
+  if (t.dim() != dim) {
+    return absl::InvalidArgumentError(absl::StrCat(fn, ": ", name, " must have ", dim,
+                                                   " dimensions, got shape ", ShapeString(t)));
+  }
+  if (!at::isFloatingType(t.scalar_type())) {
+    return absl::InvalidArgumentError(absl::StrCat(fn, ": ", name, " must be floating point, got ",
+                                                   c10::toString(t.scalar_type())));
+  }
+  for (int64_t i = 0; i < dim; ++i) {
+    if (t.size(i) == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(fn, ": ", name, " must not be empty, got shape ", ShapeString(t)));
+    }
+  }
+  if (!at::isfinite(t).all().item<bool>()) {
+    return absl::InvalidArgumentError(absl::StrCat(fn, ": ", name, " contains NaN or Inf"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckSameDevice(const char* fn, const char* name_a, const at::Tensor& a,
+                             const char* name_b, const at::Tensor& b) {
+  if (a.device() != b.device()) {
+    return absl::InvalidArgumentError(absl::StrCat(fn, ": ", name_a, " is on ", a.device().str(),
+                                                   " but ", name_b, " is on ", b.device().str()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckFactors(const char* fn, const at::Tensor& P, const at::Tensor& Q) {
+  RETURN_IF_ERROR(CheckTensor(fn, "P", P, 3));
+  RETURN_IF_ERROR(CheckTensor(fn, "Q", Q, 3));
+  RETURN_IF_ERROR(CheckSameDevice(fn, "P", P, "Q", Q));
+  if (P.size(0) != Q.size(0) || P.size(2) != Q.size(2)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(fn, ": P and Q must both be [N_h, D, d_k] with the same N_h and d_k, got P ",
+                     ShapeString(P), " and Q ", ShapeString(Q)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckOptions(const char* fn, const CpAlsOptions& options) {
+  if (options.rank <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(fn, ": options.rank must be positive, got ", options.rank));
+  }
+  if (options.max_iters < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(fn, ": options.max_iters must be at least 1, got ", options.max_iters));
+  }
+  if (!std::isfinite(options.tol) || options.tol < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(fn, ": options.tol must be finite and non-negative, got ", options.tol));
+  }
+  return absl::OkStatus();
+}
+
+// Runs `body` and turns any exception LibTorch (or the standard library) throws into INTERNAL.
+template <typename T, typename Body>
+absl::StatusOr<T> CatchAll(const char* fn, Body&& body) {
+  try {
+    return body();
+  } catch (const c10::Error& e) {
+    return absl::InternalError(absl::StrCat(fn, ": LibTorch error: ", e.what_without_backtrace()));
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat(fn, ": ", e.what()));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Linear algebra helpers.
+
+// Standard normal [rows, cols] from a seeded Mersenne Twister through Box–Muller (not
+// std::normal_distribution, whose output differs between standard libraries), so that the
+// initialisation is the same everywhere for a seed.
+at::Tensor RandomNormal(int64_t rows, int64_t cols, std::mt19937_64& rng,
+                        const at::TensorOptions& to) {
+  at::Tensor out = at::empty({rows, cols}, at::TensorOptions().dtype(at::kDouble));
+  double* data = out.data_ptr<double>();
+  const int64_t n = rows * cols;
+  constexpr double kTwoPi = 6.283185307179586476925286766559;
+  for (int64_t i = 0; i < n; i += 2) {
+    // 53 random bits → (0, 1]; never 0, so the log is finite.
+    const double u1 = (static_cast<double>(rng() >> 11) + 1.0) * 0x1.0p-53;
+    const double u2 = static_cast<double>(rng() >> 11) * 0x1.0p-53;
+    const double radius = std::sqrt(-2.0 * std::log(u1));
+    data[i] = radius * std::cos(kTwoPi * u2);
+    if (i + 1 < n) data[i + 1] = radius * std::sin(kTwoPi * u2);
+  }
+  return out.to(to);
+}
+
+// Makes each column's largest-magnitude entry positive (svd_flip), so that singular vectors
+// computed by different routes (from factors or from T) agree.
+at::Tensor FixSigns(const at::Tensor& X) {
+  at::Tensor idx = X.abs().argmax(0, /*keepdim=*/true);
+  at::Tensor pivots = X.gather(0, idx);
+  return X * at::where(pivots < 0, -1.0, 1.0).to(X.scalar_type());
+}
+
+// The `rank` leading left singular vectors of W ([D, m]); random columns when rank exceeds the
+// number of singular vectors.
+at::Tensor LeadingLeftSingularVectors(const at::Tensor& W, int64_t rank, std::mt19937_64& rng) {
+  at::Tensor U = std::get<0>(at::linalg_svd(W, /*full_matrices=*/false));
+  const int64_t k = std::min<int64_t>(rank, U.size(1));
+  at::Tensor X = FixSigns(U.narrow(1, 0, k));
+  if (k < rank) X = at::cat({X, RandomNormal(W.size(0), rank - k, rng, W.options())}, 1);
+  return X.contiguous();
+}
+
+// M G⁻¹ for a symmetric positive semi-definite G ([R, R]); M: [n, R]. Cholesky with a ridge at
+// rounding level; if G is numerically singular, the eigenvalue pseudo-inverse instead.
+at::Tensor SolveGram(const at::Tensor& M, const at::Tensor& G) {
+  const int64_t r = G.size(0);
+  const double eps = G.scalar_type() == at::kFloat ? std::numeric_limits<float>::epsilon()
+                                                   : std::numeric_limits<double>::epsilon();
+  const double scale = G.diagonal().max().item<double>();
+  if (!(scale > 0)) return at::zeros_like(M);
+  at::Tensor ridged = G + at::eye(r, G.options()) * (10 * eps * scale);
+  at::Tensor L, info;
+  std::tie(L, info) = at::linalg_cholesky_ex(ridged);
+  if (info.item<int64_t>() == 0) return at::matmul(M, at::cholesky_inverse(L));
+  at::Tensor w, V;
+  std::tie(w, V) = at::linalg_eigh(G);
+  const double cutoff = w.max().item<double>() * r * eps;
+  at::Tensor w_inv = at::where(w > cutoff, w.reciprocal(), at::zeros_like(w));
+  return at::matmul(at::matmul(M, V * w_inv), V.t());
+}
+
+// Divides X's columns by their norms and multiplies A's columns by them (the model T̂ is
+// unchanged), so that the weights live in the mixing matrix.
+void NormalizeInto(at::Tensor& X, at::Tensor& A) {
+  at::Tensor norms = (X * X).sum(0).sqrt();
+  at::Tensor safe = at::where(norms > 0, norms, at::ones_like(norms));
+  X = X / safe;
+  A = A * safe;
+}
+
+double SumAsDouble(const at::Tensor& t) { return t.to(at::kDouble).sum().item<double>(); }
+
+// ---------------------------------------------------------------------------------------------
+// The MTTKRPs (matricised tensor times Khatri–Rao product) of the three modes of T, with the
+// query factor B and key factor C held as state: the only place where the factorised and the
+// dense algorithms differ.
+class MttkrpSource {
+ public:
+  virtual ~MttkrpSource() = default;
+  virtual void SetQuery(const at::Tensor& B) = 0;
+  virtual void SetKey(const at::Tensor& C) = 0;
+  // Σ_jk T_i[j,k] B[j,r] C[k,r]: [N_h, R].
+  virtual at::Tensor ForMixing() = 0;
+  // Σ_ik T_i[j,k] A[i,r] C[k,r]: [D_q, R].
+  virtual at::Tensor ForQuery(const at::Tensor& A) = 0;
+  // Σ_ij T_i[j,k] A[i,r] B[j,r]: [D_k, R].
+  virtual at::Tensor ForKey(const at::Tensor& A) = 0;
+};
+
+// T_i = P_i Q_iᵀ. With U_i = P_iᵀ B and V_i = Q_iᵀ C ([d_k, R]): the mixing MTTKRP is
+// Σ_t U_i[t,r] V_i[t,r], the query MTTKRP Σ_i P_i (V_i diag A_i), the key one Σ_i Q_i (U_i diag A_i).
+// Each is one GEMM over the heads stacked along d_k: [D, N_h·d_k] × [N_h·d_k, R].
+class FactorizedSource : public MttkrpSource {
+ public:
+  FactorizedSource(const at::Tensor& P, const at::Tensor& Q)
+      : heads_(P.size(0)),
+        head_size_(P.size(2)),
+        p_flat_(P.permute({1, 0, 2}).reshape({P.size(1), heads_ * head_size_}).contiguous()),
+        q_flat_(Q.permute({1, 0, 2}).reshape({Q.size(1), heads_ * head_size_}).contiguous()) {}
+
+  void SetQuery(const at::Tensor& B) override {
+    u_ = at::matmul(p_flat_.t(), B).view({heads_, head_size_, B.size(1)});
+  }
+  void SetKey(const at::Tensor& C) override {
+    v_ = at::matmul(q_flat_.t(), C).view({heads_, head_size_, C.size(1)});
+  }
+  at::Tensor ForMixing() override { return (u_ * v_).sum(1); }
+  at::Tensor ForQuery(const at::Tensor& A) override { return Stacked(p_flat_, v_, A); }
+  at::Tensor ForKey(const at::Tensor& A) override { return Stacked(q_flat_, u_, A); }
+
+ private:
+  at::Tensor Stacked(const at::Tensor& flat, const at::Tensor& projected, const at::Tensor& A) {
+    const int64_t r = A.size(1);
+    return at::matmul(flat, (projected * A.unsqueeze(1)).view({heads_ * head_size_, r}));
+  }
+
+  const int64_t heads_, head_size_;
+  const at::Tensor p_flat_, q_flat_;  // [D, N_h·d_k], column i·d_k + t = P_i[:, t]
+  at::Tensor u_, v_;                  // [N_h, d_k, R]
+};
+
+// The textbook route: unfolding × explicit Khatri–Rao product.
+class DenseSource : public MttkrpSource {
+ public:
+  explicit DenseSource(const at::Tensor& T)
+      : heads_(T.size(0)),
+        dq_(T.size(1)),
+        dk_(T.size(2)),
+        unfold_mixing_(T.reshape({heads_, dq_ * dk_})),
+        unfold_query_(T.permute({1, 0, 2}).reshape({dq_, heads_ * dk_}).contiguous()),
+        unfold_key_(T.permute({2, 0, 1}).reshape({dk_, heads_ * dq_}).contiguous()) {}
+
+  const at::Tensor& unfold_query() const { return unfold_query_; }
+  const at::Tensor& unfold_key() const { return unfold_key_; }
+
+  void SetQuery(const at::Tensor& B) override { b_ = B; }
+  void SetKey(const at::Tensor& C) override { c_ = C; }
+  at::Tensor ForMixing() override { return at::matmul(unfold_mixing_, KhatriRao(b_, c_)); }
+  at::Tensor ForQuery(const at::Tensor& A) override {
+    return at::matmul(unfold_query_, KhatriRao(A, c_));
+  }
+  at::Tensor ForKey(const at::Tensor& A) override {
+    return at::matmul(unfold_key_, KhatriRao(A, b_));
+  }
+
+ private:
+  // Row i·J + j is X[i, :] ∗ Y[j, :].
+  static at::Tensor KhatriRao(const at::Tensor& X, const at::Tensor& Y) {
+    return (X.unsqueeze(1) * Y.unsqueeze(0)).reshape({X.size(0) * Y.size(0), X.size(1)});
+  }
+
+  const int64_t heads_, dq_, dk_;
+  const at::Tensor unfold_mixing_, unfold_query_, unfold_key_;
+  at::Tensor b_, c_;
+};
+
+// The ALS sweeps shared by both algorithms. Sweep order A, B, C; after the B and C updates their
+// columns are normalised into A. The error comes from the last MTTKRP and the Gram matrices:
+// ||T − T̂||² = ||T||² − 2<T, T̂> + ||T̂||², <T, T̂> = Σ MTTKRP_C ∗ C, ||T̂||² = Σ AᵀA ∗ BᵀB ∗ CᵀC.
+CpResult RunAls(MttkrpSource& source, double norm_sq, at::Tensor B, at::Tensor C,
+                const CpAlsOptions& options) {
+  const double norm = std::sqrt(norm_sq);
+  CpResult result;
+  source.SetQuery(B);
+  source.SetKey(C);
+  at::Tensor gram_b = at::matmul(B.t(), B);
+  at::Tensor gram_c = at::matmul(C.t(), C);
+  at::Tensor A;
+  for (int iter = 1; iter <= options.max_iters; ++iter) {
+    A = SolveGram(source.ForMixing(), gram_b * gram_c);
+    at::Tensor gram_a = at::matmul(A.t(), A);
+
+    B = SolveGram(source.ForQuery(A), gram_a * gram_c);
+    NormalizeInto(B, A);
+    gram_a = at::matmul(A.t(), A);
+    gram_b = at::matmul(B.t(), B);
+    source.SetQuery(B);
+
+    at::Tensor mttkrp_c = source.ForKey(A);
+    C = SolveGram(mttkrp_c, gram_a * gram_b);
+    const double inner = SumAsDouble(mttkrp_c.to(at::kDouble) * C.to(at::kDouble));
+    NormalizeInto(C, A);
+    gram_a = at::matmul(A.t(), A);
+    gram_c = at::matmul(C.t(), C);
+    source.SetKey(C);
+
+    const double estimate_sq =
+        (gram_a.to(at::kDouble) * gram_b.to(at::kDouble) * gram_c.to(at::kDouble))
+            .sum()
+            .item<double>();
+    const double residual = std::sqrt(std::max(0.0, norm_sq - 2 * inner + estimate_sq));
+    const double rel = norm > 0 ? residual / norm : residual;
+    result.error_history.push_back(rel);
+    result.iterations = iter;
+    VLOG(2) << "CP-ALS sweep " << iter << ": relative error " << rel;
+    if (iter >= 2 && std::abs(rel - result.error_history[iter - 2]) < options.tol) break;
+  }
+  result.relative_error = result.error_history.back();
+  result.mixing = A.to(at::kFloat).contiguous();
+  result.query = B.to(at::kFloat).contiguous();
+  result.key = C.to(at::kFloat).contiguous();
+  return result;
+}
+
+// ||T||² for T_i = P_i Q_iᵀ: Σ_i Σ (P_iᵀP_i) ∗ (Q_iᵀQ_i), in float64.
+double FactorizedNormSq(const at::Tensor& P64, const at::Tensor& Q64) {
+  at::Tensor pp = at::matmul(P64.transpose(1, 2), P64);
+  at::Tensor qq = at::matmul(Q64.transpose(1, 2), Q64);
+  return (pp * qq).sum().item<double>();
+}
+
+CpResult ExactBlockCpUnchecked(const at::Tensor& P, const at::Tensor& Q, int64_t rank) {
+  const auto start = Clock::now();
+  const int64_t heads = P.size(0), head_size = P.size(2);
+  const int64_t block = heads * head_size;
+  at::TensorOptions to = P.options().dtype(at::kFloat);
+  CpResult result;
+  result.query = at::zeros({P.size(1), rank}, to);
+  result.key = at::zeros({Q.size(1), rank}, to);
+  result.mixing = at::zeros({heads, rank}, to);
+  result.query.narrow(1, 0, block).copy_(P.permute({1, 0, 2}).reshape({P.size(1), block}));
+  result.key.narrow(1, 0, block).copy_(Q.permute({1, 0, 2}).reshape({Q.size(1), block}));
+  // A[i, i·d_k + t] = 1: the identity with each column repeated d_k times.
+  result.mixing.narrow(1, 0, block)
+      .copy_(at::eye(heads, to).unsqueeze(2).expand({heads, heads, head_size}).reshape({heads, block}));
+  result.exact = true;
+  result.iterations = 0;
+  result.seconds = SecondsSince(start);
+  return result;
+}
+
+absl::StatusOr<double> RelativeErrorUnchecked(const at::Tensor& P, const at::Tensor& Q,
+                                              const at::Tensor& A, const at::Tensor& B,
+                                              const at::Tensor& C) {
+  const at::Tensor P64 = P.to(at::kDouble), Q64 = Q.to(at::kDouble);
+  const at::Tensor A64 = A.to(at::kDouble), B64 = B.to(at::kDouble), C64 = C.to(at::kDouble);
+  const double norm_sq = FactorizedNormSq(P64, Q64);
+  at::Tensor u = at::matmul(P64.transpose(1, 2), B64);  // [N_h, d_k, R]
+  at::Tensor v = at::matmul(Q64.transpose(1, 2), C64);
+  const double inner = (A64 * (u * v).sum(1)).sum().item<double>();
+  const double estimate_sq =
+      (at::matmul(A64.t(), A64) * at::matmul(B64.t(), B64) * at::matmul(C64.t(), C64))
+          .sum()
+          .item<double>();
+  const double residual = std::sqrt(std::max(0.0, norm_sq - 2 * inner + estimate_sq));
+  return norm_sq > 0 ? residual / std::sqrt(norm_sq) : residual;
+}
+
+}  // namespace
+
+absl::StatusOr<CpResult> FactorizedCpAls(const at::Tensor& P, const at::Tensor& Q,
+                                         const CpAlsOptions& options) {
+  constexpr char kFn[] = "FactorizedCpAls";
+  return CatchAll<CpResult>(kFn, [&]() -> absl::StatusOr<CpResult> {
+    RETURN_IF_ERROR(CheckOptions(kFn, options));
+    RETURN_IF_ERROR(CheckFactors(kFn, P, Q));
+    const auto start = Clock::now();
+    const int64_t heads = P.size(0), head_size = P.size(2);
+    if (options.rank >= heads * head_size) {
+      CpResult result = ExactBlockCpUnchecked(P, Q, options.rank);
+      ASSIGN_OR_RETURN(result.relative_error,
+                       RelativeErrorUnchecked(P, Q, result.mixing, result.query, result.key));
+      result.seconds = SecondsSince(start);
+      return result;
+    }
+    const at::ScalarType dtype = ComputeType(options);
+    const at::Tensor Pc = P.to(dtype), Qc = Q.to(dtype);
+    const double norm_sq = FactorizedNormSq(P.to(at::kDouble), Q.to(at::kDouble));
+
+    std::mt19937_64 rng(options.seed);
+    at::Tensor B, C;
+    if (options.init == CpAlsOptions::Init::kSvd) {
+      // Mode-2 unfolding [T_1 … T_N] = [P_1 Q_1ᵀ … P_N Q_Nᵀ]. With Q_i = O_i R_i (thin QR, O_i
+      // orthonormal columns) its left singular vectors are those of [P_1 R_1ᵀ … P_N R_Nᵀ], a
+      // [D_q, N_h·d_k] matrix; symmetrically for the key mode.
+      at::Tensor rq = std::get<1>(at::linalg_qr(Qc));  // [N_h, min(D_k, d_k), d_k]
+      at::Tensor rp = std::get<1>(at::linalg_qr(Pc));
+      at::Tensor wq = at::matmul(Pc, rq.transpose(1, 2));  // [N_h, D_q, min(D_k, d_k)]
+      at::Tensor wk = at::matmul(Qc, rp.transpose(1, 2));
+      B = LeadingLeftSingularVectors(
+          wq.permute({1, 0, 2}).reshape({Pc.size(1), heads * wq.size(2)}), options.rank, rng);
+      C = LeadingLeftSingularVectors(
+          wk.permute({1, 0, 2}).reshape({Qc.size(1), heads * wk.size(2)}), options.rank, rng);
+    } else {
+      B = RandomNormal(Pc.size(1), options.rank, rng, Pc.options());
+      C = RandomNormal(Qc.size(1), options.rank, rng, Qc.options());
+    }
+    FactorizedSource source(Pc, Qc);
+    CpResult result = RunAls(source, norm_sq, std::move(B), std::move(C), options);
+    result.seconds = SecondsSince(start);
+    return result;
+  });
+}
+
+absl::StatusOr<CpResult> ExactBlockCp(const at::Tensor& P, const at::Tensor& Q) {
+  constexpr char kFn[] = "ExactBlockCp";
+  return CatchAll<CpResult>(kFn, [&]() -> absl::StatusOr<CpResult> {
+    RETURN_IF_ERROR(CheckFactors(kFn, P, Q));
+    const auto start = Clock::now();
+    CpResult result = ExactBlockCpUnchecked(P, Q, P.size(0) * P.size(2));
+    ASSIGN_OR_RETURN(result.relative_error,
+                     RelativeErrorUnchecked(P, Q, result.mixing, result.query, result.key));
+    result.seconds = SecondsSince(start);
+    return result;
+  });
+}
+
+absl::StatusOr<CpResult> DenseCpAls(const at::Tensor& T, const CpAlsOptions& options) {
+  constexpr char kFn[] = "DenseCpAls";
+  return CatchAll<CpResult>(kFn, [&]() -> absl::StatusOr<CpResult> {
+    RETURN_IF_ERROR(CheckOptions(kFn, options));
+    RETURN_IF_ERROR(CheckTensor(kFn, "T", T, 3));
+    const auto start = Clock::now();
+    const at::Tensor Tc = T.to(ComputeType(options));
+    const double norm_sq = T.to(at::kDouble).square().sum().item<double>();
+    DenseSource source(Tc);
+    std::mt19937_64 rng(options.seed);
+    at::Tensor B, C;
+    if (options.init == CpAlsOptions::Init::kSvd) {
+      B = LeadingLeftSingularVectors(source.unfold_query(), options.rank, rng);
+      C = LeadingLeftSingularVectors(source.unfold_key(), options.rank, rng);
+    } else {
+      B = RandomNormal(Tc.size(1), options.rank, rng, Tc.options());
+      C = RandomNormal(Tc.size(2), options.rank, rng, Tc.options());
+    }
+    CpResult result = RunAls(source, norm_sq, std::move(B), std::move(C), options);
+    result.seconds = SecondsSince(start);
+    return result;
+  });
+}
+
+absl::StatusOr<double> FactorizedRelativeError(const at::Tensor& P, const at::Tensor& Q,
+                                               const at::Tensor& A, const at::Tensor& B,
+                                               const at::Tensor& C) {
+  constexpr char kFn[] = "FactorizedRelativeError";
+  return CatchAll<double>(kFn, [&]() -> absl::StatusOr<double> {
+    RETURN_IF_ERROR(CheckFactors(kFn, P, Q));
+    RETURN_IF_ERROR(CheckTensor(kFn, "A", A, 2));
+    RETURN_IF_ERROR(CheckTensor(kFn, "B", B, 2));
+    RETURN_IF_ERROR(CheckTensor(kFn, "C", C, 2));
+    RETURN_IF_ERROR(CheckSameDevice(kFn, "P", P, "A", A));
+    RETURN_IF_ERROR(CheckSameDevice(kFn, "P", P, "B", B));
+    RETURN_IF_ERROR(CheckSameDevice(kFn, "P", P, "C", C));
+    const int64_t rank = A.size(1);
+    if (A.size(0) != P.size(0) || B.size(0) != P.size(1) || C.size(0) != Q.size(1) ||
+        B.size(1) != rank || C.size(1) != rank) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          kFn, ": A, B, C must be [N_h, R], [D_q, R], [D_k, R] for P ", ShapeString(P), " and Q ",
+          ShapeString(Q), ", got A ", ShapeString(A), ", B ", ShapeString(B), ", C ",
+          ShapeString(C)));
+    }
+    return RelativeErrorUnchecked(P, Q, A, B, C);
+  });
+}
+
+}  // namespace collabserve::compress
