@@ -1,0 +1,192 @@
+#include "server/model/bert.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <limits>
+
+namespace collabserve::model {
+
+at::Tensor& ParamNode::Add(const std::string& name, std::vector<int64_t> shape) {
+  return register_parameter(name, torch::empty(shape), /*requires_grad=*/false);
+}
+
+std::shared_ptr<ParamNode> ParamNode::Child(const std::string& name) {
+  return register_module(name, std::make_shared<ParamNode>());
+}
+
+BertClassifier::BertClassifier(const BertConfig& c) : config_(c) {
+  const int64_t D = c.hidden_size, H = c.num_attention_heads, F = c.intermediate_size;
+  auto bert = Child("bert");
+  auto emb = bert->Child("embeddings");
+  word_emb_ = emb->Child("word_embeddings")->Add("weight", {c.vocab_size, D});
+  pos_emb_ = emb->Child("position_embeddings")->Add("weight", {c.max_position_embeddings, D});
+  type_emb_ = emb->Child("token_type_embeddings")->Add("weight", {c.type_vocab_size, D});
+  auto eln = emb->Child("LayerNorm");
+  emb_ln_w_ = eln->Add("weight", {D});
+  emb_ln_b_ = eln->Add("bias", {D});
+
+  auto encoder = bert->Child("encoder");
+  auto layer_list = encoder->Child("layer");
+  layers_.resize(c.num_hidden_layers);
+  for (int i = 0; i < c.num_hidden_layers; ++i) {
+    EncoderLayer& l = layers_[i];
+    auto layer = layer_list->Child(std::to_string(i));
+    auto attention = layer->Child("attention");
+    auto self = attention->Child("self");
+    int rank = c.collaborative.present() ? c.collaborative.ranks[i] : 0;
+    if (rank > 0) {
+      l.collaborative = true;
+      l.rank = rank;
+      l.collab_query_w = self->Child("collab_query")->Add("weight", {rank, D});
+      l.collab_key_w = self->Child("collab_key")->Add("weight", {rank, D});
+      l.mixing = self->Add("mixing", {H, rank});
+      l.content_bias = self->Add("content_bias", {H, D});
+    } else {
+      auto q = self->Child("query");
+      l.query_w = q->Add("weight", {D, D});
+      l.query_b = q->Add("bias", {D});
+      auto k = self->Child("key");
+      l.key_w = k->Add("weight", {D, D});
+      l.key_b = k->Add("bias", {D});
+    }
+    auto v = self->Child("value");
+    l.value_w = v->Add("weight", {D, D});
+    l.value_b = v->Add("bias", {D});
+    auto aout = attention->Child("output");
+    auto aout_dense = aout->Child("dense");
+    l.attn_out_w = aout_dense->Add("weight", {D, D});
+    l.attn_out_b = aout_dense->Add("bias", {D});
+    auto aln = aout->Child("LayerNorm");
+    l.attn_ln_w = aln->Add("weight", {D});
+    l.attn_ln_b = aln->Add("bias", {D});
+    auto inter = layer->Child("intermediate")->Child("dense");
+    l.inter_w = inter->Add("weight", {F, D});
+    l.inter_b = inter->Add("bias", {F});
+    auto out = layer->Child("output");
+    auto out_dense = out->Child("dense");
+    l.out_w = out_dense->Add("weight", {D, F});
+    l.out_b = out_dense->Add("bias", {D});
+    auto oln = out->Child("LayerNorm");
+    l.out_ln_w = oln->Add("weight", {D});
+    l.out_ln_b = oln->Add("bias", {D});
+  }
+  auto pooler = bert->Child("pooler")->Child("dense");
+  pooler_w_ = pooler->Add("weight", {D, D});
+  pooler_b_ = pooler->Add("bias", {D});
+  auto cls = Child("classifier");
+  cls_w_ = cls->Add("weight", {c.num_labels(), D});
+  cls_b_ = cls->Add("bias", {c.num_labels()});
+}
+
+void BertClassifier::Prepare(const c10::Device& device, c10::ScalarType dtype) {
+  device_ = device;
+  dtype_ = dtype;
+  auto mv = [&](at::Tensor& t) {
+    if (t.defined()) t = t.to(device, dtype).contiguous();
+  };
+  for (at::Tensor* t : {&word_emb_, &pos_emb_, &type_emb_, &emb_ln_w_, &emb_ln_b_, &pooler_w_,
+                        &pooler_b_, &cls_w_, &cls_b_}) {
+    mv(*t);
+  }
+  const int64_t H = config_.num_attention_heads;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(config_.head_size()));
+  for (EncoderLayer& l : layers_) {
+    for (at::Tensor* t : {&l.query_w, &l.query_b, &l.key_w, &l.key_b, &l.collab_query_w,
+                          &l.collab_key_w, &l.mixing, &l.content_bias, &l.value_w, &l.value_b,
+                          &l.attn_out_w, &l.attn_out_b, &l.attn_ln_w, &l.attn_ln_b, &l.inter_w,
+                          &l.inter_b, &l.out_w, &l.out_b, &l.out_ln_w, &l.out_ln_b}) {
+      mv(*t);
+    }
+    if (l.collaborative) {
+      auto zeros = at::zeros({2 * l.rank}, l.value_b.options());
+      auto zeros_h = at::zeros({H}, l.value_b.options());
+      l.fused_w = at::cat({l.collab_query_w, l.collab_key_w, l.value_w, l.content_bias}, 0).contiguous();
+      l.fused_b = at::cat({zeros, l.value_b, zeros_h}, 0).contiguous();
+      l.mixing_4d = l.mixing.view({1, H, 1, l.rank}).contiguous();
+    } else {
+      // Fold the 1/sqrt(d_k) score scale into the query projection.
+      l.fused_w = at::cat({l.query_w * scale, l.key_w, l.value_w}, 0).contiguous();
+      l.fused_b = at::cat({l.query_b * scale, l.key_b, l.value_b}, 0).contiguous();
+    }
+  }
+}
+
+at::Tensor BertClassifier::Activation(const at::Tensor& x) const {
+  switch (config_.hidden_act) {
+    case Activation::kGelu: return at::gelu(x);
+    case Activation::kGeluNew:
+    case Activation::kGeluPytorchTanh: return at::gelu(x, "tanh");
+    case Activation::kRelu: return at::relu(x);
+  }
+  return at::gelu(x);
+}
+
+at::Tensor BertClassifier::Embed(const at::Tensor& ids, const at::Tensor& types) const {
+  const int64_t S = ids.size(1);
+  auto h = at::embedding(word_emb_, ids);
+  h.add_(pos_emb_.narrow(0, 0, S).unsqueeze(0));
+  h.add_(at::embedding(type_emb_, types));
+  return at::layer_norm(h, {config_.hidden_size}, emb_ln_w_, emb_ln_b_, config_.layer_norm_eps);
+}
+
+at::Tensor BertClassifier::Layer(const EncoderLayer& l, const at::Tensor& h,
+                                 const at::Tensor& mask_add) const {
+  const int64_t B = h.size(0), S = h.size(1), D = config_.hidden_size;
+  const int64_t H = config_.num_attention_heads, dk = config_.head_size();
+  at::Tensor proj = at::linear(h, l.fused_w, l.fused_b);  // [B, S, *]
+  at::Tensor scores, v;
+  if (l.collaborative) {
+    const int64_t R = l.rank;
+    auto qc = proj.narrow(2, 0, R).unsqueeze(1);                 // [B, 1, S, R]
+    auto kc = proj.narrow(2, R, R).unsqueeze(1);                 // [B, 1, S, R]
+    v = proj.narrow(2, 2 * R, D).view({B, S, H, dk}).transpose(1, 2);
+    auto content = proj.narrow(2, 2 * R + D, H).transpose(1, 2).unsqueeze(2);  // [B, H, 1, S]
+    scores = at::matmul(qc * l.mixing_4d, kc.transpose(-1, -2));               // [B, H, S, S]
+    scores.add_(content);
+  } else {
+    auto qkv = proj.view({B, S, 3, H, dk});
+    auto q = qkv.select(2, 0).transpose(1, 2);  // [B, H, S, dk]
+    auto k = qkv.select(2, 1).transpose(1, 2);
+    v = qkv.select(2, 2).transpose(1, 2);
+    scores = at::matmul(q, k.transpose(-1, -2));
+  }
+  if (mask_add.defined()) scores.add_(mask_add);
+  auto probs = at::softmax(scores, -1);
+  auto ctx = at::matmul(probs, v).transpose(1, 2).reshape({B, S, D});
+  auto attn = at::linear(ctx, l.attn_out_w, l.attn_out_b);
+  attn.add_(h);
+  auto h1 = at::layer_norm(attn, {D}, l.attn_ln_w, l.attn_ln_b, config_.layer_norm_eps);
+  auto inter = Activation(at::linear(h1, l.inter_w, l.inter_b));
+  auto out = at::linear(inter, l.out_w, l.out_b);
+  out.add_(h1);
+  return at::layer_norm(out, {D}, l.out_ln_w, l.out_ln_b, config_.layer_norm_eps);
+}
+
+at::Tensor BertClassifier::EncoderOutput(const at::Tensor& input_ids,
+                                         const at::Tensor& token_type_ids,
+                                         const at::Tensor& attention_mask) const {
+  auto ids = input_ids.to(device_);
+  auto types = token_type_ids.to(device_);
+  at::Tensor mask_add;
+  if (attention_mask.defined()) {
+    // HF: (1 - mask) * finfo(dtype).min, broadcast over heads and query positions.
+    auto m = attention_mask.to(device_).to(dtype_).view({ids.size(0), 1, 1, ids.size(1)});
+    double lowest = dtype_ == c10::kHalf       ? -65504.0
+                    : dtype_ == c10::kBFloat16 ? -3.3895313892515355e38
+                                               : static_cast<double>(std::numeric_limits<float>::lowest());
+    mask_add = (1.0 - m) * lowest;
+  }
+  auto h = Embed(ids, types);
+  for (const EncoderLayer& l : layers_) h = Layer(l, h, mask_add);
+  return h;
+}
+
+at::Tensor BertClassifier::Forward(const at::Tensor& input_ids, const at::Tensor& token_type_ids,
+                                   const at::Tensor& attention_mask) const {
+  auto h = EncoderOutput(input_ids, token_type_ids, attention_mask);
+  auto pooled = at::tanh(at::linear(h.select(1, 0), pooler_w_, pooler_b_));
+  return at::linear(pooled, cls_w_, cls_b_).to(at::kCPU, at::kFloat);
+}
+
+}  // namespace collabserve::model

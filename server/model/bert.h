@@ -1,0 +1,95 @@
+// BertForSequenceClassification in LibTorch, eval mode, with standard or collaborative
+// self-attention per layer. Parameter names equal the Hugging Face checkpoint keys
+// (`bert.encoder.layer.3.attention.self.query.weight`, `classifier.bias`, ...), so
+// named_parameters() is the checkpoint's key set with no mapping table.
+//
+// Collaborative layers (Cordonnier et al. 2020) replace `query` and `key` by
+//   attention.self.collab_query.weight  [R, D]   W~_Q transposed (nn.Linear layout [out, in])
+//   attention.self.collab_key.weight    [R, D]   W~_K transposed
+//   attention.self.mixing               [H, R]   M, with the original 1/sqrt(d_k) folded in
+//   attention.self.content_bias         [H, D]   v_i = W_K^(i) b_Q^(i), with 1/sqrt(d_k) folded in
+// and compute score_i(n, m) = (x_n W~_Q) diag(m_i) (W~_K^T y_m) + v_i^T y_m. The key bias is
+// dropped: it adds x_n W_Q^(i) b_K^(i) + b_Q^(i)·b_K^(i), a constant for each query row n, which the
+// softmax over m cancels. Value and output projections are unchanged.
+#ifndef COLLABSERVE_SERVER_MODEL_BERT_H_
+#define COLLABSERVE_SERVER_MODEL_BERT_H_
+
+#include <torch/nn/module.h>
+
+#include <string>
+#include <vector>
+
+#include "server/model/config.h"
+
+namespace collabserve::model {
+
+// A node in the parameter tree: exists only to give parameters their Hugging Face names.
+class ParamNode : public torch::nn::Module {
+ public:
+  using torch::nn::Module::register_module;
+  using torch::nn::Module::register_parameter;
+  at::Tensor& Add(const std::string& name, std::vector<int64_t> shape);
+  std::shared_ptr<ParamNode> Child(const std::string& name);
+};
+
+// One encoder layer's tensors (references into the parameter tree) plus the fused forms built by
+// BertClassifier::Prepare.
+struct EncoderLayer {
+  bool collaborative = false;
+  int rank = 0;  // collaborative only
+  // Standard attention.
+  at::Tensor query_w, query_b, key_w, key_b;
+  // Collaborative attention.
+  at::Tensor collab_query_w, collab_key_w, mixing, content_bias;
+  at::Tensor value_w, value_b;
+  at::Tensor attn_out_w, attn_out_b, attn_ln_w, attn_ln_b;
+  at::Tensor inter_w, inter_b, out_w, out_b, out_ln_w, out_ln_b;
+  // Fused input projection: standard [3D, D] = [q/sqrt(dk); k; v];
+  // collaborative [2R + D + H, D] = [W~Q^T; W~K^T; value; content_bias].
+  at::Tensor fused_w, fused_b;
+  at::Tensor mixing_4d;  // [1, H, 1, R]
+};
+
+class BertClassifier : public ParamNode {
+ public:
+  // Builds the parameter tree for `config` (collaborative layers where config.collaborative.ranks
+  // is non-zero), every tensor uninitialised (torch::empty). Fill by LoadStateDict.
+  explicit BertClassifier(const BertConfig& config);
+
+  const BertConfig& config() const { return config_; }
+
+  // Moves to `device`/`dtype` and builds the fused weights. Call once after loading, before Forward.
+  void Prepare(const c10::Device& device, c10::ScalarType dtype);
+
+  // input_ids, token_type_ids: int64 [B, S]; attention_mask: int64 [B, S] of 0/1 or an undefined
+  // tensor (no padding). Returns float32 logits [B, num_labels] on the CPU. Call under
+  // c10::InferenceMode. Thread-safe (reads parameters only).
+  at::Tensor Forward(const at::Tensor& input_ids, const at::Tensor& token_type_ids,
+                     const at::Tensor& attention_mask) const;
+
+  // Hidden states after the embeddings and after each layer (for tests and the fidelity report).
+  at::Tensor EncoderOutput(const at::Tensor& input_ids, const at::Tensor& token_type_ids,
+                           const at::Tensor& attention_mask) const;
+
+  std::vector<EncoderLayer>& layers() { return layers_; }
+  const std::vector<EncoderLayer>& layers() const { return layers_; }
+
+  c10::Device device() const { return device_; }
+  c10::ScalarType dtype() const { return dtype_; }
+
+ private:
+  at::Tensor Embed(const at::Tensor& input_ids, const at::Tensor& token_type_ids) const;
+  at::Tensor Layer(const EncoderLayer& l, const at::Tensor& h, const at::Tensor& mask_add) const;
+  at::Tensor Activation(const at::Tensor& x) const;
+
+  BertConfig config_;
+  at::Tensor word_emb_, pos_emb_, type_emb_, emb_ln_w_, emb_ln_b_;
+  at::Tensor pooler_w_, pooler_b_, cls_w_, cls_b_;
+  std::vector<EncoderLayer> layers_;
+  c10::Device device_ = c10::Device(c10::kCPU);
+  c10::ScalarType dtype_ = c10::kFloat;
+};
+
+}  // namespace collabserve::model
+
+#endif  // COLLABSERVE_SERVER_MODEL_BERT_H_

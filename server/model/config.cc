@@ -1,0 +1,219 @@
+#include "server/model/config.h"
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "server/util/files.h"
+#include "server/util/status_macros.h"
+
+namespace collabserve::model {
+namespace {
+
+using json = nlohmann::json;
+
+// Limits that keep a hostile config from asking for absurd allocations before any weight is read.
+constexpr int64_t kMaxVocab = 1 << 22;
+constexpr int64_t kMaxHidden = 1 << 14;
+constexpr int64_t kMaxLayers = 256;
+constexpr int64_t kMaxPositions = 1 << 16;
+constexpr int64_t kMaxLabels = 1 << 16;
+
+absl::Status Invalid(absl::string_view name, absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat(name, ": ", what));
+}
+
+absl::StatusOr<int> GetInt(const json& j, const char* key, int def, int64_t lo, int64_t hi,
+                           absl::string_view name) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return def;
+  if (!it->is_number_integer()) return Invalid(name, absl::StrCat("'", key, "' must be an integer"));
+  int64_t v = it->get<int64_t>();
+  if (v < lo || v > hi) {
+    return Invalid(name, absl::StrCat("'", key, "' = ", v, " is outside [", lo, ", ", hi, "]"));
+  }
+  return static_cast<int>(v);
+}
+
+}  // namespace
+
+absl::string_view ActivationName(Activation a) {
+  switch (a) {
+    case Activation::kGelu: return "gelu";
+    case Activation::kGeluNew: return "gelu_new";
+    case Activation::kGeluPytorchTanh: return "gelu_pytorch_tanh";
+    case Activation::kRelu: return "relu";
+  }
+  return "gelu";
+}
+
+OutputFunction BertConfig::output_function() const {
+  if (problem_type == ProblemType::kRegression) return OutputFunction::kNone;
+  if (problem_type == ProblemType::kMultiLabel || num_labels() == 1) return OutputFunction::kSigmoid;
+  return OutputFunction::kSoftmax;
+}
+
+absl::StatusOr<BertConfig> BertConfig::Parse(absl::string_view text, absl::string_view name) {
+  json j = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return Invalid(name, "not valid JSON");
+  if (!j.is_object()) return Invalid(name, "must be a JSON object");
+  BertConfig c;
+
+  if (auto it = j.find("model_type"); it != j.end() && !it->is_null()) {
+    if (!it->is_string() || it->get<std::string>() != "bert") {
+      return absl::UnimplementedError(absl::StrCat(name, ": model_type ", it->dump(),
+                                                   " is not supported (only \"bert\")"));
+    }
+  }
+  if (auto it = j.find("architectures"); it != j.end() && !it->is_null()) {
+    if (!it->is_array()) return Invalid(name, "'architectures' must be a list");
+    for (const auto& a : *it) {
+      if (!a.is_string() || (a != "BertForSequenceClassification")) {
+        return absl::UnimplementedError(
+            absl::StrCat(name, ": architecture ", a.dump(),
+                         " is not supported (only BertForSequenceClassification)"));
+      }
+    }
+  }
+  if (auto it = j.find("position_embedding_type"); it != j.end() && !it->is_null()) {
+    if (*it != "absolute") {
+      return absl::UnimplementedError(absl::StrCat(
+          name, ": position_embedding_type ", it->dump(), " is not supported (only \"absolute\")"));
+    }
+  }
+  for (const char* flag : {"is_decoder", "add_cross_attention"}) {
+    if (auto it = j.find(flag); it != j.end() && it->is_boolean() && it->get<bool>()) {
+      return absl::UnimplementedError(absl::StrCat(name, ": '", flag, "' = true is not supported"));
+    }
+  }
+
+  ASSIGN_OR_RETURN(c.vocab_size, GetInt(j, "vocab_size", 30522, 1, kMaxVocab, name));
+  ASSIGN_OR_RETURN(c.hidden_size, GetInt(j, "hidden_size", 768, 1, kMaxHidden, name));
+  ASSIGN_OR_RETURN(c.num_hidden_layers, GetInt(j, "num_hidden_layers", 12, 1, kMaxLayers, name));
+  ASSIGN_OR_RETURN(c.num_attention_heads, GetInt(j, "num_attention_heads", 12, 1, kMaxHidden, name));
+  ASSIGN_OR_RETURN(c.intermediate_size, GetInt(j, "intermediate_size", 3072, 1, 4 * kMaxHidden, name));
+  ASSIGN_OR_RETURN(c.max_position_embeddings,
+                   GetInt(j, "max_position_embeddings", 512, 1, kMaxPositions, name));
+  ASSIGN_OR_RETURN(c.type_vocab_size, GetInt(j, "type_vocab_size", 2, 1, 1 << 10, name));
+  ASSIGN_OR_RETURN(c.pad_token_id, GetInt(j, "pad_token_id", 0, 0, kMaxVocab, name));
+  if (c.hidden_size % c.num_attention_heads != 0) {
+    return Invalid(name, absl::StrCat("hidden_size ", c.hidden_size,
+                                      " is not a multiple of num_attention_heads ",
+                                      c.num_attention_heads));
+  }
+  if (auto it = j.find("layer_norm_eps"); it != j.end() && !it->is_null()) {
+    if (!it->is_number() || it->get<double>() <= 0) return Invalid(name, "'layer_norm_eps' must be > 0");
+    c.layer_norm_eps = it->get<double>();
+  }
+  if (auto it = j.find("hidden_act"); it != j.end() && !it->is_null()) {
+    std::string act = it->is_string() ? it->get<std::string>() : it->dump();
+    if (act == "gelu") c.hidden_act = Activation::kGelu;
+    else if (act == "gelu_new" || act == "gelu_fast") c.hidden_act = Activation::kGeluNew;
+    else if (act == "gelu_pytorch_tanh") c.hidden_act = Activation::kGeluPytorchTanh;
+    else if (act == "relu") c.hidden_act = Activation::kRelu;
+    else {
+      return absl::UnimplementedError(absl::StrCat(
+          name, ": hidden_act '", act, "' is not supported (gelu, gelu_new, gelu_pytorch_tanh, relu)"));
+    }
+  }
+
+  // Labels: id2label (keys are decimal strings), else num_labels, else HF's default of 2.
+  if (auto it = j.find("id2label"); it != j.end() && !it->is_null()) {
+    if (!it->is_object() || it->empty()) return Invalid(name, "'id2label' must be a non-empty object");
+    if (it->size() > kMaxLabels) return Invalid(name, "'id2label' has too many labels");
+    c.id2label.assign(it->size(), "");
+    std::vector<bool> seen(it->size(), false);
+    for (const auto& [k, v] : it->items()) {
+      size_t pos = 0;
+      long id = -1;
+      try { id = std::stol(k, &pos); } catch (...) { pos = 0; }
+      if (pos != k.size() || id < 0 || id >= static_cast<long>(c.id2label.size()) || seen[id]) {
+        return Invalid(name, absl::StrCat("'id2label' key '", k, "' is not an id in [0, ",
+                                          c.id2label.size(), ") or is repeated"));
+      }
+      if (!v.is_string()) return Invalid(name, absl::StrCat("'id2label'[", k, "] must be a string"));
+      seen[id] = true;
+      c.id2label[id] = v.get<std::string>();
+    }
+  } else {
+    ASSIGN_OR_RETURN(int n, GetInt(j, "num_labels", 2, 1, kMaxLabels, name));
+    for (int i = 0; i < n; ++i) c.id2label.push_back(absl::StrCat("LABEL_", i));
+  }
+
+  if (auto it = j.find("problem_type"); it != j.end() && !it->is_null()) {
+    if (!it->is_string()) return Invalid(name, "'problem_type' must be a string");
+    c.problem_type_name = it->get<std::string>();
+    if (c.problem_type_name == "single_label_classification") c.problem_type = ProblemType::kSingleLabel;
+    else if (c.problem_type_name == "multi_label_classification") c.problem_type = ProblemType::kMultiLabel;
+    else if (c.problem_type_name == "regression") c.problem_type = ProblemType::kRegression;
+    else return Invalid(name, absl::StrCat("unknown problem_type '", c.problem_type_name, "'"));
+  }
+
+  if (auto it = j.find("collaborative"); it != j.end() && !it->is_null()) {
+    const json& cj = *it;
+    if (!cj.is_object()) return Invalid(name, "'collaborative' must be an object");
+    auto ranks = cj.find("ranks");
+    if (ranks == cj.end() || !ranks->is_array()) return Invalid(name, "'collaborative.ranks' must be a list");
+    if (static_cast<int>(ranks->size()) != c.num_hidden_layers) {
+      return Invalid(name, absl::StrCat("'collaborative.ranks' has ", ranks->size(),
+                                        " entries but the model has ", c.num_hidden_layers, " layers"));
+    }
+    for (const auto& r : *ranks) {
+      if (!r.is_number_integer() || r.get<int64_t>() < 0 || r.get<int64_t>() > kMaxHidden * 4) {
+        return Invalid(name, absl::StrCat("'collaborative.ranks' entry ", r.dump(), " is not a valid rank"));
+      }
+      c.collaborative.ranks.push_back(r.get<int>());
+    }
+    if (auto s = cj.find("source"); s != cj.end() && s->is_string()) c.collaborative.source = *s;
+    if (auto s = cj.find("algorithm"); s != cj.end() && s->is_string()) c.collaborative.algorithm = *s;
+    if (auto e = cj.find("errors"); e != cj.end() && e->is_array()) {
+      for (const auto& x : *e) c.collaborative.errors.push_back(x.is_number() ? x.get<double>() : -1.0);
+    }
+  }
+  return c;
+}
+
+absl::StatusOr<BertConfig> BertConfig::FromFile(const std::string& path) {
+  ASSIGN_OR_RETURN(std::string text, util::ReadFile(path, 16 << 20));
+  return Parse(text, path);
+}
+
+std::string BertConfig::ToJson() const {
+  json j;
+  j["architectures"] = {"BertForSequenceClassification"};
+  j["model_type"] = "bert";
+  j["vocab_size"] = vocab_size;
+  j["hidden_size"] = hidden_size;
+  j["num_hidden_layers"] = num_hidden_layers;
+  j["num_attention_heads"] = num_attention_heads;
+  j["intermediate_size"] = intermediate_size;
+  j["hidden_act"] = std::string(ActivationName(hidden_act));
+  j["hidden_dropout_prob"] = 0.1;
+  j["attention_probs_dropout_prob"] = 0.1;
+  j["layer_norm_eps"] = layer_norm_eps;
+  j["max_position_embeddings"] = max_position_embeddings;
+  j["type_vocab_size"] = type_vocab_size;
+  j["pad_token_id"] = pad_token_id;
+  j["position_embedding_type"] = "absolute";
+  j["initializer_range"] = 0.02;
+  json id2l = json::object(), l2id = json::object();
+  for (size_t i = 0; i < id2label.size(); ++i) {
+    id2l[std::to_string(i)] = id2label[i];
+    l2id[id2label[i]] = i;
+  }
+  j["id2label"] = id2l;
+  j["label2id"] = l2id;
+  if (!problem_type_name.empty()) j["problem_type"] = problem_type_name;
+  if (collaborative.present()) {
+    json cj;
+    cj["format_version"] = 1;
+    cj["ranks"] = collaborative.ranks;
+    cj["source"] = collaborative.source;
+    cj["algorithm"] = collaborative.algorithm;
+    cj["errors"] = collaborative.errors;
+    j["collaborative"] = cj;
+  }
+  return j.dump(2) + "\n";
+}
+
+}  // namespace collabserve::model

@@ -1,0 +1,213 @@
+#include "server/model/engine.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
+#include <glog/logging.h>
+#include <torch/cuda.h>
+
+#include <algorithm>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "server/model/bert.h"
+#include "server/model/config.h"
+#include "server/model/io/checkpoint.h"
+#include "server/model/param_counts.h"
+#include "server/model/state_dict.h"
+#include "server/text/bert_tokenizer.h"
+#include "server/util/files.h"
+#include "server/util/status_macros.h"
+
+namespace collabserve::model {
+namespace {
+
+absl::StatusOr<c10::Device> ParseDevice(const std::string& s) {
+  if (s == "cpu") return c10::Device(c10::kCPU);
+  if (s == "cuda" || absl::StartsWith(s, "cuda:")) {
+    int index = 0;
+    if (s.size() > 5 && !absl::SimpleAtoi(s.substr(5), &index)) {
+      return absl::InvalidArgumentError(absl::StrCat("device '", s, "': bad CUDA index"));
+    }
+    if (!torch::cuda::is_available()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("device '", s, "' requested but CUDA is not available in this build or machine"));
+    }
+    if (index < 0 || index >= static_cast<int>(torch::cuda::device_count())) {
+      return absl::InvalidArgumentError(absl::StrCat("device '", s, "': only ",
+                                                     torch::cuda::device_count(), " CUDA devices"));
+    }
+    return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index));
+  }
+  return absl::InvalidArgumentError(absl::StrCat("device '", s, "' is not cpu, cuda or cuda:N"));
+}
+
+absl::StatusOr<c10::ScalarType> ParseDType(const std::string& s, const c10::Device& device) {
+  if (s == "float32" || s == "fp32") return c10::kFloat;
+  if (s == "float16" || s == "fp16" || s == "bfloat16" || s == "bf16") {
+    if (!device.is_cuda()) {
+      return absl::InvalidArgumentError(absl::StrCat("dtype '", s, "' is only available on CUDA; use float32 on CPU"));
+    }
+    return (s == "float16" || s == "fp16") ? c10::kHalf : c10::kBFloat16;
+  }
+  return absl::InvalidArgumentError(absl::StrCat("dtype '", s, "' is not float32, float16 or bfloat16"));
+}
+
+class TorchEngine final : public Engine {
+ public:
+  TorchEngine(std::unique_ptr<BertClassifier> model, std::unique_ptr<text::BertTokenizer> tokenizer,
+              ModelInfo info)
+      : model_(std::move(model)), tokenizer_(std::move(tokenizer)), info_(std::move(info)) {}
+
+  const ModelInfo& info() const override { return info_; }
+  const text::BertTokenizer& tokenizer() const override { return *tokenizer_; }
+
+  absl::StatusOr<std::vector<Prediction>> Run(
+      absl::Span<const TokenizedInput* const> batch) const override {
+    if (batch.empty()) return std::vector<Prediction>{};
+    const int64_t B = static_cast<int64_t>(batch.size());
+    int64_t S = 0;
+    bool ragged = false;
+    const BertConfig& c = model_->config();
+    for (size_t i = 0; i < batch.size(); ++i) {
+      const TokenizedInput& in = *batch[i];
+      const int64_t n = static_cast<int64_t>(in.input_ids.size());
+      if (n == 0) return absl::InvalidArgumentError(absl::StrCat("input ", i, " is empty"));
+      if (n > info_.max_length) {
+        return absl::InvalidArgumentError(absl::StrCat("input ", i, " has ", n,
+                                                       " tokens; the model takes at most ", info_.max_length));
+      }
+      if (!in.token_type_ids.empty() && in.token_type_ids.size() != in.input_ids.size()) {
+        return absl::InvalidArgumentError(absl::StrCat("input ", i, ": token_type_ids has ",
+                                                       in.token_type_ids.size(), " entries, input_ids ", n));
+      }
+      for (int32_t id : in.input_ids) {
+        if (id < 0 || id >= c.vocab_size) {
+          return absl::InvalidArgumentError(absl::StrCat("input ", i, ": token id ", id,
+                                                         " is outside the vocabulary [0, ", c.vocab_size, ")"));
+        }
+      }
+      for (int32_t t : in.token_type_ids) {
+        if (t < 0 || t >= c.type_vocab_size) {
+          return absl::InvalidArgumentError(absl::StrCat("input ", i, ": token type ", t,
+                                                         " is outside [0, ", c.type_vocab_size, ")"));
+        }
+      }
+      if (i > 0 && n != S) ragged = true;
+      S = std::max(S, n);
+    }
+    at::Tensor ids = at::full({B, S}, c.pad_token_id, at::kLong);
+    at::Tensor types = at::zeros({B, S}, at::kLong);
+    at::Tensor mask = ragged ? at::zeros({B, S}, at::kLong) : at::Tensor();
+    auto ids_a = ids.accessor<int64_t, 2>();
+    auto types_a = types.accessor<int64_t, 2>();
+    for (int64_t b = 0; b < B; ++b) {
+      const TokenizedInput& in = *batch[b];
+      for (size_t s = 0; s < in.input_ids.size(); ++s) {
+        ids_a[b][s] = in.input_ids[s];
+        if (!in.token_type_ids.empty()) types_a[b][s] = in.token_type_ids[s];
+      }
+      if (ragged) mask.narrow(0, b, 1).narrow(1, 0, in.input_ids.size()).fill_(1);
+    }
+    at::Tensor logits;
+    try {
+      c10::InferenceMode guard;
+      logits = model_->Forward(ids, types, mask).contiguous();
+    } catch (const std::exception& e) {
+      return absl::InternalError(absl::StrCat("forward pass failed: ", e.what()));
+    }
+    at::Tensor probs;
+    switch (c.output_function()) {
+      case OutputFunction::kSoftmax: probs = at::softmax(logits, -1); break;
+      case OutputFunction::kSigmoid: probs = at::sigmoid(logits); break;
+      case OutputFunction::kNone: probs = logits; break;
+    }
+    probs = probs.contiguous();
+    const int64_t C = logits.size(1);
+    std::vector<Prediction> out(B);
+    const float* lp = logits.data_ptr<float>();
+    const float* pp = probs.data_ptr<float>();
+    for (int64_t b = 0; b < B; ++b) {
+      out[b].logits.assign(lp + b * C, lp + (b + 1) * C);
+      out[b].probabilities.assign(pp + b * C, pp + (b + 1) * C);
+      out[b].label = static_cast<int>(std::max_element(lp + b * C, lp + (b + 1) * C) - (lp + b * C));
+    }
+    return out;
+  }
+
+ private:
+  std::unique_ptr<BertClassifier> model_;
+  std::unique_ptr<text::BertTokenizer> tokenizer_;
+  ModelInfo info_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::vector<Prediction>> Engine::Run(const std::vector<TokenizedInput>& batch) const {
+  std::vector<const TokenizedInput*> ptrs;
+  ptrs.reserve(batch.size());
+  for (const auto& b : batch) ptrs.push_back(&b);
+  return Run(absl::MakeConstSpan(ptrs));
+}
+
+absl::StatusOr<std::string> FindWeightsFile(const std::string& dir) {
+  for (const char* name : {"model.safetensors", "pytorch_model.bin"}) {
+    std::string p = util::JoinPath(dir, name);
+    if (util::FileExists(p)) return p;
+  }
+  return absl::NotFoundError(
+      absl::StrCat(dir, ": no model.safetensors or pytorch_model.bin in the model directory"));
+}
+
+absl::StatusOr<std::unique_ptr<BertClassifier>> LoadClassifier(const std::string& dir,
+                                                               const BertConfig& config) {
+  ASSIGN_OR_RETURN(std::string weights, FindWeightsFile(dir));
+  ASSIGN_OR_RETURN(io::Checkpoint ckpt, io::ReadCheckpointFile(weights));
+  try {
+    auto model = std::make_unique<BertClassifier>(config);
+    RETURN_IF_ERROR(LoadStateDict(*model, ckpt, weights));
+    return model;
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat(weights, ": ", e.what()));
+  }
+}
+
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Load(const std::string& dir,
+                                                     const EngineOptions& options) {
+  if (!util::IsDirectory(dir)) {
+    return absl::NotFoundError(absl::StrCat(dir, ": model directory does not exist"));
+  }
+  ASSIGN_OR_RETURN(c10::Device device, ParseDevice(options.device));
+  ASSIGN_OR_RETURN(c10::ScalarType dtype, ParseDType(options.dtype, device));
+  ASSIGN_OR_RETURN(BertConfig config, BertConfig::FromFile(util::JoinPath(dir, "config.json")));
+  ASSIGN_OR_RETURN(auto tokenizer, text::BertTokenizer::FromDirectory(dir));
+  if (tokenizer->vocab_size() > config.vocab_size) {
+    return absl::InvalidArgumentError(absl::StrCat(dir, ": vocab.txt has ", tokenizer->vocab_size(),
+                                                   " tokens but config.json's vocab_size is ",
+                                                   config.vocab_size));
+  }
+  ASSIGN_OR_RETURN(auto model, LoadClassifier(dir, config));
+  try {
+    model->Prepare(device, dtype);
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat(dir, ": moving the model to ", options.device, ": ", e.what()));
+  }
+  ModelInfo info;
+  info.labels = config.id2label;
+  info.problem_type = config.problem_type_name.empty() ? "single_label_classification"
+                                                       : config.problem_type_name;
+  info.max_length = std::min(config.max_position_embeddings, tokenizer->options().model_max_length);
+  info.num_layers = config.num_hidden_layers;
+  info.num_heads = config.num_attention_heads;
+  info.head_size = config.head_size();
+  info.hidden_size = config.hidden_size;
+  info.intermediate_size = config.intermediate_size;
+  info.collaborative_ranks = config.collaborative.ranks;
+  info.params = CountParams(*model);
+  info.device = device.str();
+  info.dtype = options.dtype;
+  return std::unique_ptr<Engine>(
+      std::make_unique<TorchEngine>(std::move(model), std::move(tokenizer), std::move(info)));
+}
+
+}  // namespace collabserve::model

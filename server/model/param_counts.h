@@ -1,0 +1,27 @@
+// Parameter counts of a BertClassifier by part (for `inspect`, GetModel and the metrics).
+#ifndef COLLABSERVE_SERVER_MODEL_PARAM_COUNTS_H_
+#define COLLABSERVE_SERVER_MODEL_PARAM_COUNTS_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "server/model/bert.h"
+#include "server/model/config.h"
+#include "server/model/engine.h"
+
+namespace collabserve::model {
+
+ParamCounts CountParams(const BertClassifier& model);
+
+// Q/K parameters a standard layer of this config has (for compression ratios).
+int64_t StandardQkParamsPerLayer(const BertConfig& config);
+
+// Loads config.json + weights of `dir` (no tokenizer, no device move): for tools and compression.
+absl::StatusOr<std::unique_ptr<BertClassifier>> LoadClassifier(const std::string& dir,
+                                                               const BertConfig& config);
+absl::StatusOr<std::string> FindWeightsFile(const std::string& dir);
+
+}  // namespace collabserve::model
+
+#endif  // COLLABSERVE_SERVER_MODEL_PARAM_COUNTS_H_

@@ -1,0 +1,158 @@
+#include "server/model/state_dict.h"
+
+#include <ATen/ATen.h>
+
+#include <map>
+#include <set>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "server/model/io/safetensors.h"
+#include "server/model/io/torch_zip.h"
+#include "server/util/files.h"
+
+namespace collabserve::model {
+namespace {
+
+std::string ListSome(const std::vector<std::string>& names, size_t limit = 8) {
+  std::vector<std::string> shown(names.begin(), names.begin() + std::min(limit, names.size()));
+  std::string s = absl::StrJoin(shown, ", ");
+  if (names.size() > limit) absl::StrAppend(&s, " (and ", names.size() - limit, " more)");
+  return s;
+}
+
+std::string ShapeString(at::IntArrayRef shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+}  // namespace
+
+absl::StatusOr<at::Tensor> RawToFloatTensor(const io::RawTensor& raw, absl::string_view name) {
+  at::ScalarType st;
+  switch (raw.dtype) {
+    case io::DType::kF32: st = at::kFloat; break;
+    case io::DType::kF16: st = at::kHalf; break;
+    case io::DType::kBF16: st = at::kBFloat16; break;
+    case io::DType::kF64: st = at::kDouble; break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "' has dtype ",
+                                                     std::string(io::DTypeName(raw.dtype)),
+                                                     "; a weight must be F32, F16, BF16 or F64"));
+  }
+  const int64_t numel = raw.numel();
+  if (numel == 0) return at::empty(raw.shape, at::kFloat);
+  // The bytes may be unaligned (a hostile or odd file): gather into an aligned contiguous buffer of
+  // the source dtype first, then convert.
+  at::Tensor src = at::empty(raw.shape, at::TensorOptions().dtype(st));
+  const size_t esize = io::DTypeSize(raw.dtype);
+  uint8_t* dst = static_cast<uint8_t*>(src.data_ptr());
+  if (raw.is_contiguous()) {
+    std::memcpy(dst, raw.data, static_cast<size_t>(numel) * esize);
+  } else {
+    const size_t ndim = raw.shape.size();
+    std::vector<int64_t> idx(ndim, 0);
+    for (int64_t n = 0; n < numel; ++n) {
+      int64_t off = 0;
+      for (size_t d = 0; d < ndim; ++d) off += idx[d] * raw.strides[d];
+      std::memcpy(dst + n * esize, raw.data + off * esize, esize);
+      for (size_t d = ndim; d-- > 0;) {
+        if (++idx[d] < raw.shape[d]) break;
+        idx[d] = 0;
+      }
+    }
+  }
+  return st == at::kFloat ? src : src.to(at::kFloat);
+}
+
+std::string NormalizeKey(absl::string_view key) {
+  std::string k(key);
+  if (absl::StartsWith(k, "embeddings.") || absl::StartsWith(k, "encoder.") ||
+      absl::StartsWith(k, "pooler.")) {
+    k = "bert." + k;
+  }
+  if (absl::EndsWith(k, "LayerNorm.gamma")) k = k.substr(0, k.size() - 5) + "weight";
+  if (absl::EndsWith(k, "LayerNorm.beta")) k = k.substr(0, k.size() - 4) + "bias";
+  return k;
+}
+
+absl::Status LoadStateDict(BertClassifier& model, const io::Checkpoint& checkpoint,
+                           absl::string_view file) {
+  std::map<std::string, const io::RawTensor*> by_key;
+  std::vector<std::string> unexpected;
+  for (const auto& [key, raw] : checkpoint.tensors) {
+    std::string k = NormalizeKey(key);
+    if (absl::EndsWith(k, "position_ids") || absl::StartsWith(k, "cls.")) continue;
+    by_key[k] = &raw;
+  }
+  auto params = model.named_parameters(/*recurse=*/true);
+  std::set<std::string> known;
+  std::vector<std::string> missing, misshaped;
+  for (auto& item : params) {
+    known.insert(item.key());
+    auto it = by_key.find(item.key());
+    if (it == by_key.end()) {
+      missing.push_back(item.key());
+      continue;
+    }
+    const io::RawTensor& raw = *it->second;
+    at::Tensor& p = item.value();
+    if (at::IntArrayRef(raw.shape) != p.sizes()) {
+      misshaped.push_back(absl::StrCat(item.key(), " is ", ShapeString(raw.shape), ", expected ",
+                                       ShapeString(p.sizes())));
+      continue;
+    }
+    auto t = RawToFloatTensor(raw, item.key());
+    if (!t.ok()) return absl::InvalidArgumentError(absl::StrCat(file, ": ", t.status().message()));
+    if (!at::isfinite(*t).all().item<bool>()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(file, ": tensor '", item.key(), "' has non-finite values (NaN or Inf)"));
+    }
+    at::NoGradGuard no_grad;
+    p.copy_(*t);
+  }
+  for (const auto& [k, raw] : by_key) {
+    if (!known.count(k)) unexpected.push_back(k);
+  }
+  std::vector<std::string> problems;
+  if (!missing.empty()) problems.push_back(absl::StrCat("missing tensors: ", ListSome(missing)));
+  if (!misshaped.empty()) problems.push_back(absl::StrCat("wrong shapes: ", ListSome(misshaped)));
+  if (!unexpected.empty()) {
+    problems.push_back(absl::StrCat("unexpected tensors: ", ListSome(unexpected)));
+  }
+  if (!problems.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(file, ": ", absl::StrJoin(problems, "; ")));
+  }
+  return absl::OkStatus();
+}
+
+std::vector<std::pair<std::string, at::Tensor>> NamedWeights(const BertClassifier& model) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& item : model.named_parameters(/*recurse=*/true)) {
+    out.emplace_back(item.key(), item.value());
+  }
+  return out;
+}
+
+absl::Status SaveWeights(const BertClassifier& model, const std::string& dir, WeightFormat format,
+                         WeightDType dtype, const std::map<std::string, std::string>& metadata) {
+  at::ScalarType st = dtype == WeightDType::kF16    ? at::kHalf
+                      : dtype == WeightDType::kBF16 ? at::kBFloat16
+                                                    : at::kFloat;
+  io::DType io_dtype = dtype == WeightDType::kF16    ? io::DType::kF16
+                       : dtype == WeightDType::kBF16 ? io::DType::kBF16
+                                                     : io::DType::kF32;
+  std::vector<at::Tensor> keep;
+  std::vector<io::TensorToWrite> tensors;
+  for (auto& [name, t] : NamedWeights(model)) {
+    at::Tensor c = t.to(at::kCPU).to(st).contiguous();
+    keep.push_back(c);
+    tensors.push_back(io::TensorToWrite{name, io_dtype, c.sizes().vec(), c.data_ptr()});
+  }
+  if (format == WeightFormat::kSafetensors) {
+    return io::WriteSafetensors(util::JoinPath(dir, "model.safetensors"), tensors, metadata);
+  }
+  return io::WriteTorchZip(util::JoinPath(dir, "pytorch_model.bin"), tensors);
+}
+
+}  // namespace collabserve::model
