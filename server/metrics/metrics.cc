@@ -191,6 +191,7 @@ void Metrics::SetVersionFacts(const std::string& model, int64_t version,
   added.emplace_back(load_seconds_, &ls);
 
   absl::MutexLock lock(&mu_);
+  ++version_refs_[{model, version}];
   auto& v = version_gauges_[{model, version}];
   for (auto& a : added) {
     bool seen = false;
@@ -201,6 +202,11 @@ void Metrics::SetVersionFacts(const std::string& model, int64_t version,
 
 void Metrics::RemoveVersion(const std::string& model, int64_t version) {
   absl::MutexLock lock(&mu_);
+  auto ref = version_refs_.find({model, version});
+  if (ref != version_refs_.end()) {
+    if (--ref->second > 0) return;
+    version_refs_.erase(ref);
+  }
   auto it = version_gauges_.find({model, version});
   if (it != version_gauges_.end()) {
     for (auto& [family, gauge] : it->second) family->Remove(gauge);

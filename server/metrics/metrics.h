@@ -75,10 +75,14 @@ class Metrics {
   prometheus::Gauge* QueueDepth(const std::string& model, int64_t version);
   prometheus::Gauge* inflight_requests() { return inflight_; }
 
-  // Sets the per-version static gauges (parameters, ranks, compression ratio, load time).
+  // Sets the per-version static gauges (parameters, ranks, compression ratio, load time) and takes
+  // one reference on the version's series.
   void SetVersionFacts(const std::string& model, int64_t version, const ModelVersionFacts& facts);
 
-  // Removes every series labelled with this model version (gauges and request counters).
+  // Drops one reference taken by SetVersionFacts; when the last one goes, removes every series
+  // labelled with this model version (gauges, including queue depth, and request counters). The
+  // count lets a reloaded version (new servable, same id) keep its series while the old servable
+  // drains.
   void RemoveVersion(const std::string& model, int64_t version);
 
  private:
@@ -108,6 +112,7 @@ class Metrics {
       version_gauges_ ABSL_GUARDED_BY(mu_);
   std::map<std::pair<std::string, std::string>, std::vector<prometheus::Counter*>> version_counters_
       ABSL_GUARDED_BY(mu_);
+  std::map<std::pair<std::string, int64_t>, int> version_refs_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace collabserve::metrics

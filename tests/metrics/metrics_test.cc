@@ -84,3 +84,21 @@ TEST(MetricsTest, ExposerReportsAnUnbindableAddress) {
 
 }  // namespace
 }  // namespace collabserve::metrics
+
+namespace collabserve::metrics {
+namespace {
+
+TEST(MetricsTest, ReloadedVersionKeepsItsSeriesUntilTheLastHolderGoes) {
+  Metrics m("0.1.0", "1.13.1");
+  ModelVersionFacts facts;
+  facts.parameters = {{"total", 7}};
+  m.SetVersionFacts("a", 1, facts);  // old servable
+  m.SetVersionFacts("a", 1, facts);  // reloaded servable
+  m.RemoveVersion("a", 1);           // old one drained
+  EXPECT_THAT(m.TextFormat(), ::testing::HasSubstr("part=\"total\",version=\"1\"} 7"));
+  m.RemoveVersion("a", 1);
+  EXPECT_THAT(m.TextFormat(), ::testing::Not(::testing::HasSubstr("version=\"1\"")));
+}
+
+}  // namespace
+}  // namespace collabserve::metrics

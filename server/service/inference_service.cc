@@ -1,0 +1,529 @@
+#include "server/service/inference_service.h"
+
+#include <algorithm>
+#include <chrono>
+#include <deque>
+#include <numeric>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include <glog/logging.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "server/batching/request_tracker.h"
+#include "server/service/inference_task.h"
+#include "server/service/model_servable.h"
+#include "server/service/status_mapping.h"
+#include "server/text/bert_tokenizer.h"
+
+namespace collabserve::service {
+namespace {
+
+absl::Time ToAbslTime(std::chrono::system_clock::time_point tp) {
+  if (tp == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
+  return absl::FromChrono(tp);
+}
+
+int64_t Micros(absl::Duration d) { return absl::ToInt64Microseconds(d); }
+
+std::optional<int64_t> OptionalVersion(bool has, int64_t version) {
+  if (!has) return std::nullopt;
+  return version;
+}
+
+// Checks the parts of a request that do not need the model.
+absl::Status ValidateInputs(const google::protobuf::RepeatedPtrField<v1::Input>& inputs,
+                            const InferenceServiceOptions& options) {
+  if (inputs.empty()) {
+    return absl::InvalidArgumentError("the request has no inputs; send 1 to " +
+                                      std::to_string(options.max_inputs_per_request));
+  }
+  if (inputs.size() > options.max_inputs_per_request) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the request has ", inputs.size(), " inputs, more than the limit of ",
+        options.max_inputs_per_request, " (--max_inputs_per_request); split it into several"));
+  }
+  for (int i = 0; i < inputs.size(); ++i) {
+    const v1::Input& in = inputs[i];
+    if (in.text().empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("inputs[", i, "].text is empty"));
+    }
+    if (static_cast<int64_t>(in.text().size()) > options.max_text_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "inputs[", i, "].text is ", in.text().size(), " bytes, more than the limit of ",
+          options.max_text_bytes, " (--max_text_bytes)"));
+    }
+    if (in.has_text_pair() && static_cast<int64_t>(in.text_pair().size()) > options.max_text_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "inputs[", i, "].text_pair is ", in.text_pair().size(), " bytes, more than the limit of ",
+          options.max_text_bytes, " (--max_text_bytes)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+struct Encoded {
+  model::TokenizedInput input;
+  bool truncated = false;
+  int num_tokens_before_truncation = 0;
+};
+
+// Tokenizes input `index` for `servable`'s model; with !truncate an over-long input is an error.
+absl::StatusOr<Encoded> EncodeInput(const ModelServable& servable, const v1::Input& in, int index,
+                                    bool truncate) {
+  const int max_length = servable.info().max_length;
+  std::optional<std::string_view> pair;
+  if (in.has_text_pair()) pair = in.text_pair();
+  auto enc = servable.engine().tokenizer().Encode(in.text(), pair, max_length, truncate);
+  if (!enc.ok()) {
+    return absl::Status(enc.status().code(),
+                        absl::StrCat("inputs[", index, "]: ", enc.status().message()));
+  }
+  Encoded out;
+  out.input.input_ids.assign(enc->input_ids.begin(), enc->input_ids.end());
+  out.input.token_type_ids.assign(enc->token_type_ids.begin(), enc->token_type_ids.end());
+  out.truncated = enc->truncated;
+  out.num_tokens_before_truncation = enc->num_tokens_before_truncation;
+  if (static_cast<int>(out.input.input_ids.size()) > max_length) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "inputs[", index, "] has ", out.input.input_ids.size(), " tokens, more than model ",
+        servable.id().DebugString(), "'s max length of ", max_length,
+        "; shorten it or leave options.truncate unset (true)"));
+  }
+  return out;
+}
+
+void FillResult(const model::ModelInfo& info, const model::Prediction& p,
+                const v1::ClassifyOptions& options, v1::Result* r) {
+  const std::vector<float>& scores = options.raw_scores() ? p.logits : p.probabilities;
+  const int best = std::clamp(p.label, 0, static_cast<int>(scores.size()) - 1);
+  auto label_of = [&info](int i) {
+    return i < static_cast<int>(info.labels.size()) ? info.labels[i] : absl::StrCat("LABEL_", i);
+  };
+  r->set_label(label_of(best));
+  if (!scores.empty()) r->set_score(scores[best]);
+  if (options.top_k() > 0) {
+    std::vector<int> order(scores.size());
+    std::iota(order.begin(), order.end(), 0);
+    const int k = std::min<int>(options.top_k(), static_cast<int>(order.size()));
+    std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                      [&scores](int a, int b) { return scores[a] > scores[b]; });
+    for (int i = 0; i < k; ++i) {
+      v1::LabelScore* ls = r->add_top_k();
+      ls->set_label(label_of(order[i]));
+      ls->set_score(scores[order[i]]);
+    }
+  }
+  for (float l : p.logits) r->add_logits(l);
+}
+
+absl::StatusOr<std::shared_ptr<ModelServable>> Resolve(repository::ModelRepository* repository,
+                                                       const std::string& model,
+                                                       std::optional<int64_t> version) {
+  if (model.empty()) {
+    return absl::InvalidArgumentError("model_name is empty; ListModels lists the served models");
+  }
+  if (version.has_value() && *version <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("model_version ", *version, " is not a version; versions are >= 1 (or leave "
+                     "it unset for the newest)"));
+  }
+  auto s = repository->Get(model, version);
+  if (!s.ok()) return s.status();
+  return std::static_pointer_cast<ModelServable>(std::move(s).value());
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Reactors.
+
+class InferenceService::ClassifyReactor final : public grpc::ServerUnaryReactor {
+ public:
+  ClassifyReactor() : cancelled_(std::make_shared<std::atomic<bool>>(false)) {}
+  void OnCancel() override { cancelled_->store(true, std::memory_order_relaxed); }
+  void OnDone() override { delete this; }
+  const std::shared_ptr<std::atomic<bool>>& cancelled() const { return cancelled_; }
+
+ private:
+  const std::shared_ptr<std::atomic<bool>> cancelled_;
+};
+
+// Reads requests as they come, starts each one at once, and writes the responses in completion
+// order (one write in flight at a time, the rest queued). Finishes when the client has half-closed
+// and every started request has been answered, or once the call is cancelled and nothing is
+// pending any more.
+class InferenceService::StreamReactor final
+    : public grpc::ServerBidiReactor<v1::StreamClassifyRequest, v1::StreamClassifyResponse> {
+ public:
+  StreamReactor(InferenceService* service, grpc::CallbackServerContext* context)
+      : service_(service),
+        deadline_(ToAbslTime(context->deadline())),
+        cancelled_(std::make_shared<std::atomic<bool>>(false)) {
+    StartRead(&request_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      absl::MutexLock lock(&mu_);
+      reads_done_ = true;
+      MaybeFinishLocked();
+      return;
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      ++pending_;
+    }
+    const std::string id = request_.id();
+    service_->StartClassify(
+        request_.request(), deadline_, cancelled_,
+        [this, id](const grpc::Status& status, v1::ClassifyResponse* response) {
+          v1::StreamClassifyResponse out;
+          out.set_id(id);
+          if (status.ok()) {
+            out.mutable_response()->Swap(response);
+          } else {
+            out.mutable_error()->set_code(static_cast<int>(status.error_code()));
+            out.mutable_error()->set_message(status.error_message());
+          }
+          absl::MutexLock lock(&mu_);
+          --pending_;
+          if (!write_failed_) queue_.push_back(std::move(out));
+          MaybeWriteLocked();
+          MaybeFinishLocked();
+        });
+    request_.Clear();
+    StartRead(&request_);
+  }
+
+  void OnWriteDone(bool ok) override {
+    absl::MutexLock lock(&mu_);
+    writing_ = false;
+    if (!ok) {
+      write_failed_ = true;
+      queue_.clear();
+    }
+    MaybeWriteLocked();
+    MaybeFinishLocked();
+  }
+
+  void OnCancel() override {
+    cancelled_->store(true, std::memory_order_relaxed);
+    absl::MutexLock lock(&mu_);
+    call_cancelled_ = true;
+    MaybeFinishLocked();
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  void MaybeWriteLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (writing_ || queue_.empty() || finished_) return;
+    current_ = std::move(queue_.front());
+    queue_.pop_front();
+    writing_ = true;
+    StartWrite(&current_);
+  }
+
+  void MaybeFinishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (finished_ || pending_ > 0 || writing_) return;
+    if (call_cancelled_ || write_failed_) {
+      finished_ = true;
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "stream cancelled"));
+    } else if (reads_done_ && queue_.empty()) {
+      finished_ = true;
+      Finish(grpc::Status::OK);
+    }
+  }
+
+  InferenceService* const service_;
+  const absl::Time deadline_;
+  const std::shared_ptr<std::atomic<bool>> cancelled_;
+  v1::StreamClassifyRequest request_;  // owned by the one outstanding read
+
+  absl::Mutex mu_;
+  int pending_ ABSL_GUARDED_BY(mu_) = 0;
+  bool reads_done_ ABSL_GUARDED_BY(mu_) = false;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool write_failed_ ABSL_GUARDED_BY(mu_) = false;
+  bool call_cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  std::deque<v1::StreamClassifyResponse> queue_ ABSL_GUARDED_BY(mu_);
+  v1::StreamClassifyResponse current_ ABSL_GUARDED_BY(mu_);
+};
+
+// ---------------------------------------------------------------------------------------------
+
+InferenceService::InferenceService(InferenceServiceOptions options, metrics::Metrics* metrics)
+    : options_(std::move(options)), metrics_(metrics) {}
+
+grpc::Status InferenceService::CheckServing() const {
+  if (draining()) {
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                        "collabserve is shutting down and takes no new requests; retry on another "
+                        "replica");
+  }
+  if (repository_.load(std::memory_order_acquire) == nullptr) {
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                        "collabserve is still loading its models; retry once grpc.health.v1 "
+                        "reports SERVING");
+  }
+  return grpc::Status::OK;
+}
+
+void InferenceService::EndCall(const std::string& model, const std::string& version,
+                               const grpc::Status& status, absl::Time arrival) {
+  metrics_->CountRequest(model, version, CodeName(status.error_code()));
+  if (!model.empty()) {
+    metrics_->ForModel(model).request_duration->Observe(absl::ToDoubleSeconds(absl::Now() - arrival));
+  }
+  metrics_->inflight_requests()->Decrement();
+  inflight_.fetch_sub(1, std::memory_order_acq_rel);
+}
+
+void InferenceService::StartClassify(const v1::ClassifyRequest& request, absl::Time deadline,
+                                     std::shared_ptr<std::atomic<bool>> cancelled,
+                                     FinishCallback finish) {
+  const absl::Time arrival = absl::Now();
+  inflight_.fetch_add(1, std::memory_order_acq_rel);
+  metrics_->inflight_requests()->Increment();
+  auto reject = [&](const absl::Status& status, const std::string& model,
+                    const std::string& version) {
+    const grpc::Status g = ToGrpcStatus(status);
+    VLOG(1) << "Classify(" << request.model_name() << ") rejected: " << status;
+    EndCall(model, version, g, arrival);
+    finish(g, nullptr);
+  };
+
+  grpc::Status serving = CheckServing();
+  if (!serving.ok()) return reject(FromGrpcStatus(serving), "", "");
+  absl::Status valid = ValidateInputs(request.inputs(), options_);
+  if (valid.ok() && request.options().top_k() < 0) {
+    valid = absl::InvalidArgumentError(
+        absl::StrCat("options.top_k is ", request.options().top_k(), "; it must be >= 0"));
+  }
+  if (!valid.ok()) return reject(valid, "", "");
+  auto resolved = Resolve(repository_.load(std::memory_order_acquire), request.model_name(),
+                          OptionalVersion(request.has_model_version(), request.model_version()));
+  if (!resolved.ok()) return reject(resolved.status(), "", "");
+  std::shared_ptr<ModelServable> servable = std::move(resolved).value();
+  const std::string& model = servable->id().model;
+  const std::string version = std::to_string(servable->id().version);
+
+  // Tokenization runs inline: WordPiece over a few hundred bytes takes microseconds, less than a
+  // hop to another thread would (see the collabserve_tokenization_duration_seconds histogram).
+  const bool truncate = !request.options().has_truncate() || request.options().truncate();
+  const absl::Time tok_start = absl::Now();
+  const int n = request.inputs_size();
+  std::vector<Encoded> encoded;
+  encoded.reserve(n);
+  int64_t total_tokens = 0;
+  for (int i = 0; i < n; ++i) {
+    auto e = EncodeInput(*servable, request.inputs(i), i, truncate);
+    if (!e.ok()) return reject(e.status(), model, version);
+    total_tokens += static_cast<int64_t>(e->input.input_ids.size());
+    encoded.push_back(std::move(e).value());
+  }
+  const absl::Duration tokenization = absl::Now() - tok_start;
+  servable->model_metrics().tokenization_duration->Observe(absl::ToDoubleSeconds(tokenization));
+
+  std::vector<int> num_tokens(n);
+  std::vector<bool> truncated(n);
+  for (int i = 0; i < n; ++i) {
+    num_tokens[i] = static_cast<int>(encoded[i].input.input_ids.size());
+    truncated[i] = encoded[i].truncated;
+  }
+  auto state = std::make_shared<CallState>();
+  state->deadline = deadline;
+  state->cancelled = std::move(cancelled);
+  // Runs on the thread that reports the last input: a batch thread, or this one if scheduling
+  // failed. It owns the servable reference until the response is built.
+  state->tracker = batching::RequestTracker<InputResult>::Create(
+      n, [this, servable, arrival, tokenization, total_tokens, num_tokens = std::move(num_tokens),
+          truncated = std::move(truncated), options = request.options(),
+          finish = std::move(finish)](absl::StatusOr<std::vector<InputResult>> results) {
+        const std::string& model = servable->id().model;
+        const std::string version = std::to_string(servable->id().version);
+        if (!results.ok()) {
+          const grpc::Status g = ToGrpcStatus(results.status());
+          EndCall(model, version, g, arrival);
+          finish(g, nullptr);
+          return;
+        }
+        v1::ClassifyResponse response;
+        absl::Duration queue = absl::ZeroDuration(), inference = absl::ZeroDuration();
+        for (size_t i = 0; i < results->size(); ++i) {
+          const InputResult& r = (*results)[i];
+          v1::Result* out = response.add_results();
+          FillResult(servable->info(), r.prediction, options, out);
+          out->set_num_tokens(num_tokens[i]);
+          out->set_truncated(truncated[i]);
+          queue = std::max(queue, r.queue_wait);
+          inference = std::max(inference, r.inference);
+        }
+        response.set_model_name(model);
+        response.set_model_version(servable->id().version);
+        response.set_num_tokens(total_tokens);
+        v1::Timings* t = response.mutable_timings();
+        t->set_queue_us(Micros(queue));
+        t->set_tokenization_us(Micros(tokenization));
+        t->set_inference_us(Micros(inference));
+        t->set_total_us(Micros(absl::Now() - arrival));
+        EndCall(model, version, grpc::Status::OK, arrival);
+        finish(grpc::Status::OK, &response);
+      });
+
+  std::vector<std::unique_ptr<InferenceTask>> tasks;
+  tasks.reserve(n);
+  std::shared_ptr<const CallState> shared_state = state;
+  for (int i = 0; i < n; ++i) {
+    tasks.push_back(std::make_unique<InferenceTask>(shared_state, i, std::move(encoded[i].input)));
+  }
+  absl::Status scheduled = servable->Schedule(&tasks);
+  if (!scheduled.ok()) {
+    // Nothing was taken: report every input failed, which fires the tracker once with the error.
+    if (scheduled.code() == absl::StatusCode::kResourceExhausted) {
+      scheduled = absl::ResourceExhaustedError(
+          absl::StrCat(scheduled.message(), "; the server is overloaded, retry with backoff"));
+    }
+    for (auto& t : tasks) t->Fail(scheduled);
+  }
+}
+
+grpc::ServerUnaryReactor* InferenceService::Classify(grpc::CallbackServerContext* context,
+                                                     const v1::ClassifyRequest* request,
+                                                     v1::ClassifyResponse* response) {
+  auto* reactor = new ClassifyReactor();
+  StartClassify(*request, ToAbslTime(context->deadline()), reactor->cancelled(),
+                [reactor, response](const grpc::Status& status, v1::ClassifyResponse* result) {
+                  if (status.ok() && result != nullptr) response->Swap(result);
+                  reactor->Finish(status);
+                });
+  return reactor;
+}
+
+grpc::ServerBidiReactor<v1::StreamClassifyRequest, v1::StreamClassifyResponse>*
+InferenceService::ClassifyStream(grpc::CallbackServerContext* context) {
+  return new StreamReactor(this, context);
+}
+
+grpc::ServerUnaryReactor* InferenceService::Tokenize(grpc::CallbackServerContext* context,
+                                                     const v1::TokenizeRequest* request,
+                                                     v1::TokenizeResponse* response) {
+  auto* reactor = context->DefaultReactor();
+  grpc::Status serving = CheckServing();
+  if (!serving.ok()) {
+    reactor->Finish(serving);
+    return reactor;
+  }
+  absl::Status valid = ValidateInputs(request->inputs(), options_);
+  if (!valid.ok()) {
+    reactor->Finish(ToGrpcStatus(valid));
+    return reactor;
+  }
+  auto servable = Resolve(repository_.load(std::memory_order_acquire), request->model_name(),
+                          OptionalVersion(request->has_model_version(), request->model_version()));
+  if (!servable.ok()) {
+    reactor->Finish(ToGrpcStatus(servable.status()));
+    return reactor;
+  }
+  const bool truncate = !request->has_truncate() || request->truncate();
+  const auto& tokenizer = (*servable)->engine().tokenizer();
+  for (int i = 0; i < request->inputs_size(); ++i) {
+    auto e = EncodeInput(**servable, request->inputs(i), i, truncate);
+    if (!e.ok()) {
+      reactor->Finish(ToGrpcStatus(e.status()));
+      return reactor;
+    }
+    v1::Tokens* t = response->add_results();
+    for (int32_t id : e->input.input_ids) {
+      t->add_input_ids(id);
+      t->add_tokens(std::string(tokenizer.IdToToken(id)));
+    }
+    for (int32_t id : e->input.token_type_ids) t->add_token_type_ids(id);
+    t->set_truncated(e->truncated);
+    t->set_num_tokens_before_truncation(e->num_tokens_before_truncation);
+  }
+  response->set_model_version((*servable)->id().version);
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* InferenceService::ListModels(grpc::CallbackServerContext* context,
+                                                       const v1::ListModelsRequest* request,
+                                                       v1::ListModelsResponse* response) {
+  auto* reactor = context->DefaultReactor();
+  repository::ModelRepository* repository = repository_.load(std::memory_order_acquire);
+  grpc::Status serving = CheckServing();
+  if (!serving.ok()) {
+    reactor->Finish(serving);
+    return reactor;
+  }
+  for (const auto& [name, versions] : repository->List()) {
+    v1::ModelSummary* m = response->add_models();
+    m->set_name(name);
+    for (const auto& v : versions) {
+      if (v.state == repository::ModelRepository::VersionStatus::State::kAvailable) {
+        m->add_versions(v.version);
+      }
+      v1::ModelVersionStatus* s = m->add_version_status();
+      s->set_version(v.version);
+      s->set_state(std::string(repository::ModelRepository::StateName(v.state)));
+      if (!v.error.ok()) s->set_error(v.error.ToString());
+    }
+  }
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* InferenceService::GetModel(grpc::CallbackServerContext* context,
+                                                     const v1::GetModelRequest* request,
+                                                     v1::ModelMetadata* response) {
+  auto* reactor = context->DefaultReactor();
+  grpc::Status serving = CheckServing();
+  if (!serving.ok()) {
+    reactor->Finish(serving);
+    return reactor;
+  }
+  auto servable = Resolve(repository_.load(std::memory_order_acquire), request->model_name(),
+                          OptionalVersion(request->has_model_version(), request->model_version()));
+  if (!servable.ok()) {
+    reactor->Finish(ToGrpcStatus(servable.status()));
+    return reactor;
+  }
+  const ModelServable& s = **servable;
+  const model::ModelInfo& info = s.info();
+  response->set_name(s.id().model);
+  response->set_version(s.id().version);
+  for (const auto& l : info.labels) response->add_labels(l);
+  response->set_problem_type(info.problem_type);
+  response->set_max_length(info.max_length);
+  response->set_num_layers(info.num_layers);
+  response->set_num_heads(info.num_heads);
+  response->set_head_size(info.head_size);
+  response->set_hidden_size(info.hidden_size);
+  response->set_intermediate_size(info.intermediate_size);
+  for (int r : info.collaborative_ranks) response->add_collaborative_ranks(r);
+  response->set_collaborative(!info.collaborative_ranks.empty());
+  v1::ParameterCounts* p = response->mutable_parameters();
+  p->set_total(info.params.total);
+  p->set_embeddings(info.params.embeddings);
+  p->set_attention_qk(info.params.attention_qk);
+  p->set_attention_vo(info.params.attention_vo);
+  p->set_ffn(info.params.ffn);
+  p->set_layer_norm(info.params.layer_norm);
+  p->set_head(info.params.head);
+  response->set_compression_ratio(s.compression_ratio());
+  response->set_device(info.device);
+  response->set_dtype(info.dtype);
+  response->set_vocab_size(s.engine().tokenizer().vocab_size());
+  response->set_load_seconds(s.load_seconds());
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+}  // namespace collabserve::service

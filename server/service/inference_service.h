@@ -1,0 +1,83 @@
+// collabserve.v1.Inference on gRPC's callback API: handlers validate, tokenize inline and queue
+// the inputs on the model version's batch scheduler, then return; the batch thread that completes
+// a call's last input finishes its reactor. No handler thread ever waits for the model.
+#ifndef COLLABSERVE_SERVER_SERVICE_INFERENCE_SERVICE_H_
+#define COLLABSERVE_SERVER_SERVICE_INFERENCE_SERVICE_H_
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/time/time.h"
+#include "collabserve/v1/inference.grpc.pb.h"
+#include "grpcpp/support/status.h"
+#include "server/metrics/metrics.h"
+#include "server/repository/model_repository.h"
+
+namespace collabserve::service {
+
+struct InferenceServiceOptions {
+  // Most inputs in one ClassifyRequest / TokenizeRequest.
+  int max_inputs_per_request = 64;
+  // Most bytes in one text (or text_pair).
+  int64_t max_text_bytes = 64 * 1024;
+};
+
+// Thread-safe. The repository is attached once the models are loaded (until then calls get
+// UNAVAILABLE); it must stay alive until the gRPC server has shut down.
+class InferenceService final : public v1::Inference::CallbackService {
+ public:
+  InferenceService(InferenceServiceOptions options, metrics::Metrics* metrics);
+
+  void AttachRepository(repository::ModelRepository* repository) {
+    repository_.store(repository, std::memory_order_release);
+  }
+  // New calls (and new requests on open streams) get UNAVAILABLE from now on.
+  void StartDraining() { draining_.store(true, std::memory_order_release); }
+  bool draining() const { return draining_.load(std::memory_order_acquire); }
+  // Unary calls and stream requests being processed.
+  int64_t inflight() const { return inflight_.load(std::memory_order_acquire); }
+
+  // Used by the unary and the streaming handler: validates `request`, tokenizes it and queues its
+  // inputs; `finish` is called exactly once, possibly before this returns, possibly on a batch
+  // thread, with the outcome. `cancelled` turns true when the client gives up.
+  using FinishCallback = std::function<void(const grpc::Status&, v1::ClassifyResponse*)>;
+  void StartClassify(const v1::ClassifyRequest& request, absl::Time deadline,
+                     std::shared_ptr<std::atomic<bool>> cancelled, FinishCallback finish);
+
+  grpc::ServerUnaryReactor* Classify(grpc::CallbackServerContext* context,
+                                     const v1::ClassifyRequest* request,
+                                     v1::ClassifyResponse* response) override;
+  grpc::ServerBidiReactor<v1::StreamClassifyRequest, v1::StreamClassifyResponse>* ClassifyStream(
+      grpc::CallbackServerContext* context) override;
+  grpc::ServerUnaryReactor* Tokenize(grpc::CallbackServerContext* context,
+                                     const v1::TokenizeRequest* request,
+                                     v1::TokenizeResponse* response) override;
+  grpc::ServerUnaryReactor* ListModels(grpc::CallbackServerContext* context,
+                                       const v1::ListModelsRequest* request,
+                                       v1::ListModelsResponse* response) override;
+  grpc::ServerUnaryReactor* GetModel(grpc::CallbackServerContext* context,
+                                     const v1::GetModelRequest* request,
+                                     v1::ModelMetadata* response) override;
+
+ private:
+  class ClassifyReactor;
+  class StreamReactor;
+
+  // OK, or UNAVAILABLE while loading / draining.
+  grpc::Status CheckServing() const;
+  void EndCall(const std::string& model, const std::string& version, const grpc::Status& status,
+               absl::Time arrival);
+
+  const InferenceServiceOptions options_;
+  metrics::Metrics* const metrics_;
+  std::atomic<repository::ModelRepository*> repository_{nullptr};
+  std::atomic<bool> draining_{false};
+  std::atomic<int64_t> inflight_{0};
+};
+
+}  // namespace collabserve::service
+
+#endif  // COLLABSERVE_SERVER_SERVICE_INFERENCE_SERVICE_H_

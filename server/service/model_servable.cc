@@ -1,0 +1,202 @@
+#include "server/service/model_servable.h"
+
+#include <algorithm>
+#include <utility>
+
+#include <glog/logging.h>
+
+#include "absl/strings/str_cat.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "server/util/status_macros.h"
+
+namespace collabserve::service {
+namespace {
+
+// [CLS] w w ... [SEP] with ids that exist in any BERT vocabulary (1000+ are word pieces).
+model::TokenizedInput WarmUpInput(int length) {
+  model::TokenizedInput in;
+  in.input_ids.assign(length, 1996);
+  in.input_ids.front() = 101;
+  in.input_ids.back() = 102;
+  in.token_type_ids.assign(length, 0);
+  return in;
+}
+
+}  // namespace
+
+ModelServable::ModelServable(repository::ServableId id, const ServableOptions& options,
+                             metrics::Metrics* metrics)
+    : id_(std::move(id)),
+      options_(options),
+      clock_(options.clock != nullptr ? options.clock : batching::RealClock::Get()),
+      metrics_(metrics) {}
+
+absl::StatusOr<std::unique_ptr<ModelServable>> ModelServable::Load(
+    const repository::ServableId& id, const std::string& path, const ServableOptions& options,
+    metrics::Metrics* metrics) {
+  const absl::Time start = absl::Now();
+  std::unique_ptr<ModelServable> s(new ModelServable(id, options, metrics));
+  auto engine = model::Engine::Load(path, options.engine);
+  if (!engine.ok()) {
+    return absl::Status(engine.status().code(),
+                        absl::StrCat("model ", id.DebugString(), ": ", engine.status().message()));
+  }
+  s->engine_ = std::move(engine).value();
+  const model::ModelInfo& info = s->engine_->info();
+  if (info.labels.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("model ", id.DebugString(), " at ", path, " has no labels (id2label)"));
+  }
+
+  batching::SchedulerOptions so = options.batching;
+  so.name = id.DebugString();
+  so.clock = s->clock_;
+  // The model cannot take more than max_length tokens per input; a batch must fit one such input.
+  so.max_batch_tokens = std::max<int64_t>(so.max_batch_tokens, info.max_length);
+  ModelServable* raw = s.get();
+  absl::Status created = batching::BatchScheduler<InferenceTask>::Create(
+      so,
+      [raw](std::unique_ptr<batching::Batch<InferenceTask>> batch) {
+        raw->ProcessBatch(std::move(batch));
+      },
+      &s->scheduler_);
+  if (!created.ok()) {
+    return absl::Status(created.code(),
+                        absl::StrCat("model ", id.DebugString(), ": ", created.message()));
+  }
+  RETURN_IF_ERROR(s->WarmUp());
+
+  // Q/K parameters of a standard layer: W_Q and W_K (hidden x hidden) with their biases.
+  const int64_t standard_qk =
+      int64_t{2} * info.num_layers * (int64_t{info.hidden_size} * info.hidden_size + info.hidden_size);
+  s->compression_ratio_ =
+      (info.collaborative_ranks.empty() || info.params.attention_qk == 0)
+          ? 1.0
+          : static_cast<double>(standard_qk) / static_cast<double>(info.params.attention_qk);
+  s->load_seconds_ = absl::ToDoubleSeconds(absl::Now() - start);
+
+  metrics::ModelVersionFacts facts;
+  const auto& p = info.params;
+  facts.parameters = {{"total", p.total},           {"embeddings", p.embeddings},
+                      {"attention_qk", p.attention_qk}, {"attention_vo", p.attention_vo},
+                      {"ffn", p.ffn},               {"layer_norm", p.layer_norm},
+                      {"head", p.head}};
+  if (info.collaborative_ranks.empty()) {
+    facts.layer_ranks.assign(info.num_layers, info.num_heads * info.head_size);
+  } else {
+    facts.layer_ranks = info.collaborative_ranks;
+  }
+  facts.compression_ratio = s->compression_ratio_;
+  facts.load_seconds = s->load_seconds_;
+  metrics->SetVersionFacts(id.model, id.version, facts);
+  s->facts_published_ = true;
+  s->model_metrics_ = metrics->ForModel(id.model);
+  s->queue_depth_ = metrics->QueueDepth(id.model, id.version);
+  LOG(INFO) << "loaded " << id.DebugString() << " from " << path << " in " << s->load_seconds_
+            << " s (" << info.num_layers << " layers, " << p.total << " parameters, "
+            << (info.collaborative_ranks.empty() ? "standard" : "collaborative") << ")";
+  return s;
+}
+
+ModelServable::~ModelServable() {
+  // Drain first: queued tasks still run on the engine and report to their calls.
+  if (scheduler_ != nullptr) scheduler_->Shutdown(batching::ShutdownMode::kDrain);
+  scheduler_.reset();
+  if (facts_published_) metrics_->RemoveVersion(id_.model, id_.version);
+  VLOG(1) << "unloaded " << id_.DebugString();
+}
+
+absl::Status ModelServable::WarmUp() {
+  // One short input, then one full batch of medium inputs: the first passes allocate and pick
+  // kernels, so that the first client requests do not pay for it.
+  const int max_len = engine_->info().max_length;
+  std::vector<model::TokenizedInput> inputs = {WarmUpInput(std::min(8, max_len))};
+  auto r = engine_->Run(inputs);
+  if (!r.ok()) {
+    return absl::Status(r.status().code(), absl::StrCat("warm-up of ", id_.DebugString(),
+                                                        " failed: ", r.status().message()));
+  }
+  const int n = static_cast<int>(std::min<int64_t>(options_.batching.max_batch_size, 8));
+  inputs.assign(n, WarmUpInput(std::min(64, max_len)));
+  r = engine_->Run(inputs);
+  if (!r.ok()) {
+    return absl::Status(r.status().code(), absl::StrCat("warm-up of ", id_.DebugString(),
+                                                        " failed: ", r.status().message()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ModelServable::Schedule(std::vector<std::unique_ptr<InferenceTask>>* tasks) {
+  absl::Status s = scheduler_->ScheduleAll(tasks);
+  queue_depth_->Set(static_cast<double>(scheduler_->NumEnqueuedTasks()));
+  return s;
+}
+
+void ModelServable::Stop() { scheduler_->Shutdown(batching::ShutdownMode::kFailQueued); }
+
+void ModelServable::ProcessBatch(std::unique_ptr<batching::Batch<InferenceTask>> batch) {
+  queue_depth_->Set(static_cast<double>(scheduler_->NumEnqueuedTasks()));
+  if (options_.before_batch_hook) options_.before_batch_hook();
+
+  // Queue waits are known only while the tasks are in the batch.
+  std::vector<absl::Duration> waits(batch->num_tasks());
+  for (int64_t i = 0; i < batch->num_tasks(); ++i) waits[i] = batch->queue_wait(i);
+  std::vector<std::unique_ptr<InferenceTask>> tasks = batch->RemoveAllTasks();
+
+  // The scheduler already dropped dead tasks; this catches those that died while the batch waited
+  // for this thread (e.g. behind the hook), so that they still never reach the model.
+  const absl::Time now = clock_->Now();
+  std::vector<std::unique_ptr<InferenceTask>> live;
+  std::vector<absl::Duration> live_waits;
+  live.reserve(tasks.size());
+  int64_t tokens = 0, longest = 0;
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    if (tasks[i]->cancelled()) {
+      tasks[i]->Fail(absl::CancelledError("the client cancelled the call before inference"));
+    } else if (tasks[i]->deadline() <= now) {
+      tasks[i]->Fail(absl::DeadlineExceededError(
+          "the call's deadline passed while its input waited for the model"));
+    } else {
+      tokens += tasks[i]->size();
+      longest = std::max(longest, tasks[i]->size());
+      live.push_back(std::move(tasks[i]));
+      live_waits.push_back(waits[i]);
+    }
+  }
+  if (live.empty()) return;
+
+  std::vector<const model::TokenizedInput*> inputs;
+  inputs.reserve(live.size());
+  for (const auto& t : live) inputs.push_back(&t->input());
+  const absl::Time t0 = absl::Now();
+  auto predictions = engine_->Run(absl::MakeConstSpan(inputs));
+  const absl::Duration inference = absl::Now() - t0;
+
+  const auto& m = model_metrics_;
+  const int64_t padded = static_cast<int64_t>(live.size()) * longest;
+  m.inference_duration->Observe(absl::ToDoubleSeconds(inference));
+  m.batch_size->Observe(static_cast<double>(live.size()));
+  m.batch_tokens->Observe(static_cast<double>(tokens));
+  m.batch_padding_ratio->Observe(padded == 0 ? 0.0 : static_cast<double>(padded - tokens) / padded);
+  for (const absl::Duration& w : live_waits) m.queue_duration->Observe(absl::ToDoubleSeconds(w));
+
+  if (!predictions.ok() || predictions->size() != live.size()) {
+    const absl::Status error =
+        predictions.ok()
+            ? absl::InternalError(absl::StrCat("model ", id_.DebugString(), " returned ",
+                                               predictions->size(), " predictions for ",
+                                               live.size(), " inputs"))
+            : absl::Status(predictions.status().code(),
+                           absl::StrCat("model ", id_.DebugString(), ": ",
+                                        predictions.status().message()));
+    LOG(ERROR) << error;
+    for (auto& t : live) t->Fail(error);
+    return;
+  }
+  for (size_t i = 0; i < live.size(); ++i) {
+    live[i]->Complete(std::move((*predictions)[i]), live_waits[i], inference);
+  }
+}
+
+}  // namespace collabserve::service

@@ -1,0 +1,83 @@
+// A served model version: the engine, its batch scheduler and its metric handles. The batch
+// callback pads and runs each batch on the engine and completes every task of it.
+#ifndef COLLABSERVE_SERVER_SERVICE_MODEL_SERVABLE_H_
+#define COLLABSERVE_SERVER_SERVICE_MODEL_SERVABLE_H_
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "server/batching/batch_scheduler.h"
+#include "server/metrics/metrics.h"
+#include "server/model/engine.h"
+#include "server/repository/model_repository.h"
+#include "server/service/inference_task.h"
+
+namespace collabserve::service {
+
+struct ServableOptions {
+  model::EngineOptions engine;
+  // Batching (see batching::SchedulerOptions); name and clock are set per version.
+  batching::SchedulerOptions batching;
+  batching::Clock* clock = nullptr;  // nullptr: the real clock
+  // Testing only: runs on the batch thread before each forward pass (e.g. to hold the model busy).
+  std::function<void()> before_batch_hook;
+};
+
+// Thread-safe. Destruction drains the scheduler (queued tasks still run), so it must not happen on
+// one of its own batch threads; Server hands destruction to a separate thread (see ServableReaper).
+class ModelServable final : public repository::Servable {
+ public:
+  // Loads the engine from `path`, starts the scheduler, warms the model up with a few forward
+  // passes and publishes the version's gauges. `metrics` must outlive the servable. Errors name the
+  // version and the problem (the engine's load error, bad batching options).
+  static absl::StatusOr<std::unique_ptr<ModelServable>> Load(const repository::ServableId& id,
+                                                             const std::string& path,
+                                                             const ServableOptions& options,
+                                                             metrics::Metrics* metrics);
+  ~ModelServable() override;
+
+  const repository::ServableId& id() const { return id_; }
+  const model::Engine& engine() const { return *engine_; }
+  const model::ModelInfo& info() const { return engine_->info(); }
+  const metrics::ModelMetrics& model_metrics() const { return model_metrics_; }
+  double load_seconds() const { return load_seconds_; }
+  // Q/K parameters of a standard layer over the actual ones (1 for a standard model).
+  double compression_ratio() const { return compression_ratio_; }
+
+  // Queues every task of one request, all or nothing (batching::BatchScheduler::ScheduleAll):
+  // RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE when shutting down.
+  absl::Status Schedule(std::vector<std::unique_ptr<InferenceTask>>* tasks);
+
+  // Stops accepting tasks and fails the queued ones with UNAVAILABLE; batches already formed run.
+  void Stop();
+
+  batching::SchedulerStats scheduler_stats() const { return scheduler_->stats(); }
+
+ private:
+  ModelServable(repository::ServableId id, const ServableOptions& options,
+                metrics::Metrics* metrics);
+  void ProcessBatch(std::unique_ptr<batching::Batch<InferenceTask>> batch);
+  absl::Status WarmUp();
+
+  const repository::ServableId id_;
+  const ServableOptions options_;
+  batching::Clock* const clock_;
+  metrics::Metrics* const metrics_;
+  metrics::ModelMetrics model_metrics_;
+  prometheus::Gauge* queue_depth_ = nullptr;
+  bool facts_published_ = false;
+  double load_seconds_ = 0;
+  double compression_ratio_ = 1;
+  std::unique_ptr<model::Engine> engine_;
+  // Declared after engine_: destroyed (drained) first, while the engine can still run batches.
+  std::unique_ptr<batching::BatchScheduler<InferenceTask>> scheduler_;
+};
+
+}  // namespace collabserve::service
+
+#endif  // COLLABSERVE_SERVER_SERVICE_MODEL_SERVABLE_H_

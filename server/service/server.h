@@ -1,0 +1,113 @@
+// The collabserve server: the Inference service, grpc.health.v1 and server reflection on one port,
+// the model repository with its batching servables, and /metrics. main() and the tests use it.
+#ifndef COLLABSERVE_SERVER_SERVICE_SERVER_H_
+#define COLLABSERVE_SERVER_SERVICE_SERVER_H_
+
+#include <functional>
+#include <map>
+#include <set>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "server/metrics/metrics.h"
+#include "server/repository/model_repository.h"
+#include "server/service/inference_service.h"
+#include "server/service/model_servable.h"
+
+namespace grpc {
+class Server;
+class Service;
+}  // namespace grpc
+
+namespace collabserve::service {
+
+class ServableReaper;
+
+struct ServerOptions {
+  // gRPC address; port 0 picks a free one (see Server::port()).
+  std::string host = "0.0.0.0";
+  int port = 8500;
+  // /metrics: port 0 picks one, -1 disables it.
+  std::string metrics_host = "0.0.0.0";
+  int metrics_port = 9090;
+  // Directory of models (root/<model>/<version>/). Required.
+  std::string model_repository;
+  absl::Duration poll_interval = absl::Seconds(30);
+  int versions_to_keep = 1;
+  int num_load_threads = 1;
+  ServableOptions servable;
+  InferenceServiceOptions inference;
+  int max_message_bytes = 16 << 20;
+  // PEM files; both set = TLS, both empty = plaintext.
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  // How long Shutdown waits for in-flight calls before cancelling them.
+  absl::Duration drain_timeout = absl::Seconds(30);
+  std::string build_version = "0.1.0";
+  std::string torch_version = "unknown";
+  // Extra services served on the same port (e.g. Admin); not owned, must outlive the Server.
+  std::vector<grpc::Service*> extra_services;
+};
+
+// Start() then Shutdown() (or destroy). Thread-safe after Start: Shutdown may be called from a
+// signal-watching thread while other threads use the accessors.
+class Server {
+ public:
+  explicit Server(ServerOptions options);
+  ~Server();  // Shutdown()
+  Server(const Server&) = delete;
+  Server& operator=(const Server&) = delete;
+
+  // StartServing() then LoadModels().
+  absl::Status Start();
+
+  // Binds the ports and starts answering: health is NOT_SERVING and Inference calls get
+  // UNAVAILABLE until LoadModels() finishes. Errors: UNAVAILABLE if a port cannot be bound,
+  // INVALID_ARGUMENT for bad options, NOT_FOUND for unreadable TLS files.
+  absl::Status StartServing();
+  // Creates the repository (loading and warming up every model's newest versions), then turns
+  // health to SERVING for "" and each model. The repository's error if the root is unusable.
+  absl::Status LoadModels();
+
+  // Health -> NOT_SERVING, new calls -> UNAVAILABLE, waits up to drain_timeout for in-flight
+  // calls, then stops gRPC (cancelling what is left), the repository and /metrics. Idempotent.
+  void Shutdown();
+
+  // Blocks until Shutdown() has completed.
+  void Wait();
+
+  int port() const { return port_; }
+  int metrics_port() const { return metrics_port_; }
+  metrics::Metrics& metrics() { return *metrics_; }
+  // Null before LoadModels().
+  repository::ModelRepository* repository() const { return repository_.get(); }
+  InferenceService& inference_service() { return *inference_; }
+
+ private:
+  void OnVersionEvent(const repository::ServableId& id, repository::VersionEvent event);
+  void SetHealth(const std::string& service, bool serving);
+
+  const ServerOptions options_;
+  std::unique_ptr<metrics::Metrics> metrics_;
+  std::unique_ptr<InferenceService> inference_;
+  std::shared_ptr<ServableReaper> reaper_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<repository::ModelRepository> repository_;
+  int port_ = 0;
+  int metrics_port_ = -1;
+
+  absl::Mutex mu_;
+  bool serving_ ABSL_GUARDED_BY(mu_) = false;  // models loaded: "" is SERVING
+  bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
+  bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
+  std::map<std::string, std::set<int64_t>> available_ ABSL_GUARDED_BY(mu_);  // served versions
+};
+
+}  // namespace collabserve::service
+
+#endif  // COLLABSERVE_SERVER_SERVICE_SERVER_H_

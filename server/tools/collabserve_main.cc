@@ -1,0 +1,147 @@
+// collabserve: the gRPC inference server. Without --model_repository it serves the built-in demo
+// model ("demo", version 1: tiny random-weight BERT, labels negative/positive) from a temporary
+// directory.
+#include <signal.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+#include <string>
+
+#include <ATen/Parallel.h>
+#include <glog/logging.h>
+#include <torch/version.h>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "server/model/checkpoint_maker.h"
+#include "server/service/server.h"
+#include "server/util/files.h"
+
+ABSL_FLAG(std::string, host, "0.0.0.0", "address to listen on");
+ABSL_FLAG(int, port, 8500, "gRPC port (0 = pick a free one; printed on stdout)");
+ABSL_FLAG(int, metrics_port, 9090, "Prometheus /metrics port (0 = pick, printed; -1 = off)");
+ABSL_FLAG(std::string, model_repository, "",
+          "directory of <model>/<version>/ checkpoints; empty = the built-in demo model");
+ABSL_FLAG(double, poll_interval_s, 30, "seconds between repository scans (0 = only at start)");
+ABSL_FLAG(int, versions_to_keep, 1, "newest versions of each model to serve");
+ABSL_FLAG(int, num_load_threads, 1, "versions loaded in parallel");
+ABSL_FLAG(std::string, device, "cpu", "cpu, cuda or cuda:N");
+ABSL_FLAG(std::string, dtype, "float32", "float32; float16/bfloat16 on CUDA");
+ABSL_FLAG(int, num_batch_threads, 1, "batch threads per model version (concurrent forward passes)");
+ABSL_FLAG(int, inference_threads, 0, "torch intra-op threads (0 = torch's default)");
+ABSL_FLAG(int, max_batch_size, 32, "most inputs in one forward pass (1 = no batching)");
+ABSL_FLAG(int64_t, max_batch_tokens, 16384, "most padded tokens in one forward pass");
+ABSL_FLAG(int64_t, max_queue_delay_micros, 2000, "longest an input waits for its batch to fill");
+ABSL_FLAG(int64_t, max_queue_size, 1024, "most queued inputs per model version (then RESOURCE_EXHAUSTED)");
+ABSL_FLAG(bool, length_aware_batching, true, "group inputs of similar length");
+ABSL_FLAG(int, max_inputs_per_request, 64, "most inputs in one request");
+ABSL_FLAG(int64_t, max_text_bytes, 65536, "most bytes in one input text");
+ABSL_FLAG(int, max_message_bytes, 16 << 20, "largest gRPC message");
+ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain (with --tls_key: serve TLS)");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key");
+ABSL_FLAG(double, drain_timeout_s, 30, "on SIGTERM/SIGINT, how long in-flight calls may finish");
+
+namespace {
+
+using collabserve::service::Server;
+using collabserve::service::ServerOptions;
+
+// A repository holding only demo/1, in a fresh temporary directory.
+absl::StatusOr<std::string> MakeDemoRepository() {
+  const char* tmp = std::getenv("TMPDIR");
+  std::string templ = absl::StrCat(tmp != nullptr && *tmp ? tmp : "/tmp", "/collabserve-demo-XXXXXX");
+  if (mkdtemp(templ.data()) == nullptr) {
+    return absl::UnavailableError(absl::StrCat("cannot create a temporary directory from ", templ));
+  }
+  const std::string version_dir = absl::StrCat(templ, "/demo/1");
+  absl::Status s = collabserve::model::MakeDemoCheckpoint(version_dir);
+  if (!s.ok()) return s;
+  return templ;
+}
+
+int Run(int argc, char** argv) {
+  absl::SetProgramUsageMessage("collabserve [--port=8500] [--model_repository=DIR] ...");
+  absl::ParseCommandLine(argc, argv);
+  google::InitGoogleLogging(argv[0]);
+  FLAGS_logtostderr = true;
+
+  // SIGTERM/SIGINT are taken with sigwait below; every thread started from here inherits the mask.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  if (absl::GetFlag(FLAGS_inference_threads) > 0) {
+    at::set_num_threads(absl::GetFlag(FLAGS_inference_threads));
+  }
+
+  ServerOptions o;
+  o.host = absl::GetFlag(FLAGS_host);
+  o.port = absl::GetFlag(FLAGS_port);
+  o.metrics_host = o.host;
+  o.metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  o.model_repository = absl::GetFlag(FLAGS_model_repository);
+  if (o.model_repository.empty()) {
+    auto demo = MakeDemoRepository();
+    if (!demo.ok()) {
+      std::cerr << "collabserve: cannot build the demo model: " << demo.status() << "\n";
+      return 1;
+    }
+    o.model_repository = *demo;
+    LOG(INFO) << "no --model_repository: serving the built-in demo model from " << *demo;
+  }
+  o.poll_interval = absl::Seconds(absl::GetFlag(FLAGS_poll_interval_s));
+  o.versions_to_keep = absl::GetFlag(FLAGS_versions_to_keep);
+  o.num_load_threads = absl::GetFlag(FLAGS_num_load_threads);
+  o.servable.engine.device = absl::GetFlag(FLAGS_device);
+  o.servable.engine.dtype = absl::GetFlag(FLAGS_dtype);
+  auto& b = o.servable.batching;
+  b.max_batch_size = absl::GetFlag(FLAGS_max_batch_size);
+  b.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
+  b.max_queue_delay_micros = absl::GetFlag(FLAGS_max_queue_delay_micros);
+  b.max_queue_size = absl::GetFlag(FLAGS_max_queue_size);
+  b.num_batch_threads = absl::GetFlag(FLAGS_num_batch_threads);
+  b.length_aware = absl::GetFlag(FLAGS_length_aware_batching);
+  o.inference.max_inputs_per_request = absl::GetFlag(FLAGS_max_inputs_per_request);
+  o.inference.max_text_bytes = absl::GetFlag(FLAGS_max_text_bytes);
+  o.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  o.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
+  o.tls_key_file = absl::GetFlag(FLAGS_tls_key);
+  o.drain_timeout = absl::Seconds(absl::GetFlag(FLAGS_drain_timeout_s));
+  o.build_version = "0.1.0";
+  o.torch_version = TORCH_VERSION;
+
+  Server server(o);
+  absl::Status s = server.StartServing();
+  if (!s.ok()) {
+    std::cerr << "collabserve: " << s << "\n";
+    return 1;
+  }
+  // Tests and scripts read these lines to find the ports.
+  std::printf("listening on 127.0.0.1:%d\n", server.port());
+  if (server.metrics_port() >= 0) std::printf("metrics on 127.0.0.1:%d\n", server.metrics_port());
+  std::fflush(stdout);
+  s = server.LoadModels();
+  if (!s.ok()) {
+    std::cerr << "collabserve: " << s << "\n";
+    server.Shutdown();
+    return 1;
+  }
+  std::printf("serving\n");
+  std::fflush(stdout);
+
+  int sig = 0;
+  sigwait(&signals, &sig);
+  LOG(INFO) << "signal " << sig << ": draining (up to " << absl::GetFlag(FLAGS_drain_timeout_s)
+            << " s)";
+  server.Shutdown();
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) { return Run(argc, argv); }
