@@ -1,0 +1,895 @@
+#include "server/repository/model_repository.h"
+
+#include <fcntl.h>
+#include <stdio.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <utility>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_join.h"
+#include "glog/logging.h"
+#include "server/util/status_macros.h"
+
+namespace collabserve::repository {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string Join(const std::string& dir, std::string_view name) {
+  return (fs::path(dir) / fs::path(std::string(name))).string();
+}
+
+std::string ErrnoText(int err) { return std::strerror(err); }
+
+// Debian's abseil has its own string_view, distinct from std::string_view.
+absl::string_view Sv(std::string_view s) { return absl::string_view(s.data(), s.size()); }
+
+// A positive decimal integer without sign or leading zeros that fits int64_t.
+std::optional<int64_t> ParseVersion(std::string_view name) {
+  if (name.empty() || name.size() > 18 || name[0] == '0') return std::nullopt;
+  for (char c : name) {
+    if (!absl::ascii_isdigit(static_cast<unsigned char>(c))) return std::nullopt;
+  }
+  int64_t v = 0;
+  if (!absl::SimpleAtoi(Sv(name), &v) || v <= 0) return std::nullopt;
+  return v;
+}
+
+std::optional<struct stat> Stat(const std::string& path, bool follow) {
+  struct stat st;
+  if ((follow ? ::stat(path.c_str(), &st) : ::lstat(path.c_str(), &st)) != 0) return std::nullopt;
+  return st;
+}
+
+bool IsDir(const std::string& path) {
+  auto st = Stat(path, /*follow=*/true);
+  return st && S_ISDIR(st->st_mode);
+}
+
+absl::Time MTime(const struct stat& st) {
+  return absl::TimeFromTimespec(st.st_mtim);
+}
+
+// Names, types, sizes and mtimes of the directory's entries, plus its own mtime: changes when a
+// file is added, removed, renamed or rewritten, which is what "the directory changed" means for
+// retrying a failed load.
+std::string Fingerprint(const std::string& dir) {
+  std::vector<std::string> parts;
+  if (auto st = Stat(dir, true)) {
+    parts.push_back(absl::StrCat(".:", absl::ToUnixNanos(MTime(*st))));
+  }
+  std::error_code ec;
+  fs::directory_iterator it(dir, ec);
+  if (ec) return absl::StrCat("unreadable:", ec.message());
+  for (; !ec && it != fs::directory_iterator(); it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    auto st = Stat(it->path().string(), /*follow=*/true);
+    if (!st) {
+      parts.push_back(absl::StrCat(name, ":?"));
+      continue;
+    }
+    parts.push_back(absl::StrCat(name, ":", st->st_mode, ":", st->st_size, ":",
+                                 absl::ToUnixNanos(MTime(*st))));
+  }
+  if (ec) parts.push_back(absl::StrCat("error:", ec.message()));
+  std::sort(parts.begin(), parts.end());
+  return absl::StrJoin(parts, "/");
+}
+
+// When this process started (from /proc), minus a margin for the one-second resolution of the
+// boot time; the time of the first call if /proc cannot be read.
+absl::Time ProcessStartTime() {
+  static const absl::Time start = [] {
+    const absl::Time fallback = absl::Now();
+    std::ifstream self("/proc/self/stat");
+    std::string line;
+    if (!std::getline(self, line)) return fallback;
+    // Field 2 (comm) may contain spaces and parentheses; the fields after the last ')' start at
+    // field 3, and starttime is field 22 (clock ticks after boot).
+    size_t close = line.rfind(')');
+    if (close == std::string::npos) return fallback;
+    std::istringstream fields(line.substr(close + 1));
+    std::string field;
+    int64_t start_ticks = -1;
+    for (int i = 3; i <= 22 && (fields >> field); ++i) {
+      if (i == 22 && !absl::SimpleAtoi(field, &start_ticks)) return fallback;
+    }
+    std::ifstream stat("/proc/stat");
+    int64_t boot_seconds = -1;
+    while (std::getline(stat, line)) {
+      if (absl::StartsWith(line, "btime ")) {
+        if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(line.substr(6)), &boot_seconds)) {
+          return fallback;
+        }
+      }
+    }
+    const long ticks_per_second = ::sysconf(_SC_CLK_TCK);
+    if (start_ticks < 0 || boot_seconds < 0 || ticks_per_second <= 0) return fallback;
+    absl::Time t = absl::FromUnixSeconds(boot_seconds) +
+                   absl::Seconds(static_cast<double>(start_ticks) / ticks_per_second) -
+                   absl::Seconds(2);
+    return std::min(t, fallback);
+  }();
+  return start;
+}
+
+// Removes `path` (a leftover); returns an error naming it on failure.
+absl::Status RemoveTree(const std::string& path) {
+  std::error_code ec;
+  fs::remove_all(path, ec);
+  if (ec) return absl::InternalError(absl::StrCat("cannot remove ", path, ": ", ec.message()));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::string ServableId::DebugString() const { return absl::StrCat(model, ":", version); }
+
+const char* VersionEventName(VersionEvent event) {
+  switch (event) {
+    case VersionEvent::kLoading: return "loading";
+    case VersionEvent::kAvailable: return "available";
+    case VersionEvent::kLoadFailed: return "load_failed";
+    case VersionEvent::kUnloaded: return "unloaded";
+  }
+  return "unknown";
+}
+
+const char* ModelRepository::StateName(VersionStatus::State state) {
+  switch (state) {
+    case State::kLoading: return "loading";
+    case State::kAvailable: return "available";
+    case State::kFailed: return "failed";
+    case State::kUnloaded: return "unloaded";
+  }
+  return "unknown";
+}
+
+absl::Status ModelRepository::ValidateModelName(std::string_view name) {
+  const absl::string_view model = Sv(name);
+  if (model.empty()) return absl::InvalidArgumentError("model name is empty");
+  if (model.size() > 255) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("model name \"", model.substr(0, 32), "...\" is longer than 255 characters"));
+  }
+  if (model[0] == '.') {
+    return absl::InvalidArgumentError(
+        absl::StrCat("model name \"", model, "\" must not start with '.'"));
+  }
+  for (char c : model) {
+    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '_' && c != '.' && c != '-') {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "model name \"", absl::CHexEscape(model), "\" may contain only letters, digits, '_', "
+          "'.' and '-'"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ModelRepository::ValidateId(const ServableId& id) {
+  RETURN_IF_ERROR(ValidateModelName(id.model));
+  if (id.version <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("version ", id.version, " of model \"",
+                                                   id.model, "\" is not a positive integer"));
+  }
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Construction, polling thread.
+
+ModelRepository::ModelRepository(RepositoryOptions options, ServableLoader loader)
+    : options_(std::move(options)), loader_(std::move(loader)) {}
+
+absl::StatusOr<std::unique_ptr<ModelRepository>> ModelRepository::Create(
+    RepositoryOptions options, ServableLoader loader) {
+  if (options.root.empty()) {
+    return absl::InvalidArgumentError("model repository root is empty");
+  }
+  if (options.versions_to_keep < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "versions_to_keep must be at least 1, got ", options.versions_to_keep));
+  }
+  if (options.num_load_threads < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "num_load_threads must be at least 1, got ", options.num_load_threads));
+  }
+  if (options.poll_interval < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "poll_interval must not be negative, got ", absl::FormatDuration(options.poll_interval)));
+  }
+  if (!loader) return absl::InvalidArgumentError("the servable loader is empty");
+  struct stat st;
+  if (::stat(options.root.c_str(), &st) != 0) {
+    const int err = errno;
+    if (err == ENOENT) {
+      return absl::NotFoundError(
+          absl::StrCat("model repository root ", options.root, " does not exist"));
+    }
+    return absl::FailedPreconditionError(
+        absl::StrCat("model repository root ", options.root, ": ", ErrnoText(err)));
+  }
+  if (!S_ISDIR(st.st_mode)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("model repository root ", options.root, " is not a directory"));
+  }
+  std::unique_ptr<ModelRepository> repo(new ModelRepository(std::move(options), std::move(loader)));
+  absl::Status cleaned = repo->CleanLeftovers();
+  if (!cleaned.ok()) LOG(WARNING) << "model repository: " << cleaned.message();
+  RETURN_IF_ERROR(repo->Poll());
+  repo->StartPolling();
+  return repo;
+}
+
+ModelRepository::~ModelRepository() {
+  StopPolling();
+  // Admin operations in progress on other threads finish before the members go.
+  absl::MutexLock ops(&ops_mu_);
+}
+
+void ModelRepository::StartPolling() {
+  if (options_.poll_interval <= absl::ZeroDuration()) return;
+  absl::MutexLock l(&poll_mu_);
+  if (poller_.joinable()) return;
+  poller_ = std::thread(&ModelRepository::PollLoop, this, poll_generation_);
+}
+
+void ModelRepository::StopPolling() {
+  std::thread poller;
+  {
+    absl::MutexLock l(&poll_mu_);
+    ++poll_generation_;
+    poller = std::move(poller_);
+  }
+  poll_cv_.SignalAll();
+  if (poller.joinable()) poller.join();
+}
+
+void ModelRepository::PollLoop(int64_t generation) {
+  for (;;) {
+    {
+      absl::MutexLock l(&poll_mu_);
+      const absl::Time deadline = absl::Now() + options_.poll_interval;
+      while (poll_generation_ == generation && !poll_cv_.WaitWithDeadline(&poll_mu_, deadline)) {
+      }
+      if (poll_generation_ != generation) return;
+    }
+    Poll().IgnoreError();  // Poll() logs its errors (once per distinct error).
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scanning.
+
+void ModelRepository::LogOnce(const std::string& path, const std::string& why) {
+  if (logged_.insert(path).second) {
+    LOG(WARNING) << "model repository: ignoring " << path << ": " << why;
+  }
+}
+
+absl::StatusOr<ModelRepository::DiskModel> ModelRepository::ScanModel(const std::string& model) {
+  const std::string dir = Join(options_.root, model);
+  std::error_code ec;
+  fs::directory_iterator it(dir, ec);
+  if (ec) {
+    if (ec == std::errc::no_such_file_or_directory) {
+      return absl::NotFoundError(absl::StrCat("model directory ", dir, " does not exist"));
+    }
+    return absl::FailedPreconditionError(absl::StrCat("cannot list ", dir, ": ", ec.message()));
+  }
+  DiskModel versions;
+  for (; !ec && it != fs::directory_iterator(); it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.empty() || name[0] == '.') continue;
+    const std::string path = it->path().string();
+    std::optional<int64_t> version = ParseVersion(name);
+    if (!version) {
+      LogOnce(path, "a version directory name must be a positive integer without leading zeros");
+      continue;
+    }
+    if (!IsDir(path)) {
+      LogOnce(path, "not a directory");
+      continue;
+    }
+    versions[*version] = DiskVersion{path, Fingerprint(path)};
+  }
+  if (ec) {
+    return absl::FailedPreconditionError(absl::StrCat("cannot list ", dir, ": ", ec.message()));
+  }
+  return versions;
+}
+
+absl::StatusOr<ModelRepository::DiskScan> ModelRepository::ScanRoot() {
+  const std::string& root = options_.root;
+  std::error_code ec;
+  fs::directory_iterator it(root, ec);
+  if (ec) {
+    if (ec == std::errc::no_such_file_or_directory) {
+      return absl::NotFoundError(absl::StrCat("model repository root ", root, " does not exist"));
+    }
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot list model repository root ", root, ": ", ec.message()));
+  }
+  DiskScan scan;
+  for (; !ec && it != fs::directory_iterator(); it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.empty() || name[0] == '.') continue;
+    const std::string path = it->path().string();
+    if (!IsDir(path)) continue;  // READMEs and the like
+    absl::Status valid = ValidateModelName(name);
+    if (!valid.ok()) {
+      LogOnce(path, std::string(valid.message()));
+      continue;
+    }
+    absl::StatusOr<DiskModel> versions = ScanModel(name);
+    if (!versions.ok()) {
+      // Vanished between the listing and now, or unreadable: leave what is served alone.
+      if (!absl::IsNotFound(versions.status())) {
+        LogOnce(path, std::string(versions.status().message()));
+        scan.unreadable.insert(name);
+      }
+      continue;
+    }
+    if (!versions->empty()) scan.models[name] = *std::move(versions);
+  }
+  if (ec) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot list model repository root ", root, ": ", ec.message()));
+  }
+  return scan;
+}
+
+void ModelRepository::ApplyScanLocked(const DiskScan& scan, const std::set<std::string>& models) {
+  const absl::Time now = absl::Now();
+  for (const std::string& name : models) {
+    if (scan.unreadable.count(name)) continue;
+    auto disk = scan.models.find(name);
+    auto known = models_.find(name);
+    if (disk == scan.models.end()) {
+      if (known != models_.end()) {
+        for (auto& [version, entry] : known->second) entry.on_disk = false;
+      }
+      continue;
+    }
+    if (known == models_.end()) known = models_.emplace(name, ModelEntry()).first;
+    ModelEntry& model = known->second;
+    for (auto& [version, entry] : model) entry.on_disk = disk->second.count(version) > 0;
+    for (const auto& [version, found] : disk->second) {
+      auto [it, inserted] = model.try_emplace(version);
+      Entry& entry = it->second;
+      if (inserted) entry.since = now;
+      entry.on_disk = true;
+      entry.path = found.path;
+      entry.fingerprint = found.fingerprint;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Loading and the policy.
+
+std::set<int64_t> ModelRepository::DesiredLocked(const ModelEntry& model) const {
+  std::set<int64_t> desired;
+  int newest = 0;
+  for (auto it = model.rbegin(); it != model.rend(); ++it) {
+    const Entry& e = it->second;
+    if (!e.on_disk || e.disabled) continue;
+    if (e.pinned) desired.insert(it->first);
+    const bool failed_unchanged =
+        e.state == State::kFailed && e.failed_fingerprint == e.fingerprint;
+    if (newest < options_.versions_to_keep && !failed_unchanged) {
+      desired.insert(it->first);
+      ++newest;
+    }
+  }
+  return desired;
+}
+
+absl::StatusOr<std::shared_ptr<Servable>> ModelRepository::LoadOne(const LoadJob& job) const {
+  const absl::Time start = absl::Now();
+  absl::StatusOr<std::shared_ptr<Servable>> result;
+  try {
+    result = loader_(job.id, job.path);
+  } catch (const std::exception& e) {
+    result = absl::InternalError(absl::StrCat("the loader threw: ", e.what()));
+  } catch (...) {
+    result = absl::InternalError("the loader threw a non-standard exception");
+  }
+  if (result.ok() && *result == nullptr) {
+    result = absl::InternalError("the loader returned no servable");
+  }
+  if (!result.ok()) {
+    const absl::Status& s = result.status();
+    LOG(WARNING) << "model repository: loading " << job.id.DebugString() << " from " << job.path
+                 << " failed: " << s;
+    return absl::Status(s.code(), absl::StrCat("loading ", job.id.DebugString(), " from ",
+                                               job.path, ": ", s.message()));
+  }
+  LOG(INFO) << "model repository: loaded " << job.id.DebugString() << " from " << job.path
+            << " in " << absl::FormatDuration(absl::Now() - start);
+  return result;
+}
+
+std::vector<ModelRepository::LoadResult> ModelRepository::RunLoads(
+    std::vector<LoadJob> jobs) const {
+  std::vector<LoadResult> results;
+  results.reserve(jobs.size());
+  for (LoadJob& job : jobs) {
+    results.push_back(LoadResult{std::move(job), absl::UnknownError("not loaded")});
+  }
+  const size_t num_threads =
+      std::min(results.size(), static_cast<size_t>(options_.num_load_threads));
+  if (num_threads <= 1) {
+    for (LoadResult& r : results) r.servable = LoadOne(r.job);
+    return results;
+  }
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t i = next++; i < results.size(); i = next++) {
+      results[i].servable = LoadOne(results[i].job);
+    }
+  };
+  std::vector<std::thread> threads;
+  for (size_t t = 1; t < num_threads; ++t) threads.emplace_back(work);
+  work();
+  for (std::thread& t : threads) t.join();
+  return results;
+}
+
+void ModelRepository::InstallLocked(std::vector<LoadResult>* results, std::vector<Event>* events,
+                                    std::vector<std::shared_ptr<Servable>>* garbage) {
+  const absl::Time now = absl::Now();
+  for (LoadResult& r : *results) {
+    const ServableId& id = r.job.id;
+    Entry* entry = nullptr;
+    if (auto m = models_.find(id.model); m != models_.end()) {
+      if (auto v = m->second.find(id.version); v != m->second.end()) entry = &v->second;
+    }
+    if (entry == nullptr) {  // Cannot happen while operations are serialized; drop the result.
+      if (r.servable.ok()) garbage->push_back(*std::move(r.servable));
+      continue;
+    }
+    if (r.servable.ok()) {
+      if (entry->servable) garbage->push_back(std::move(entry->servable));
+      entry->servable = *std::move(r.servable);
+      entry->state = State::kAvailable;
+      entry->error = absl::OkStatus();
+      entry->since = now;
+      entry->failed_fingerprint.clear();
+      events->push_back(Event{id, VersionEvent::kAvailable, absl::OkStatus()});
+    } else {
+      entry->error = r.servable.status();
+      entry->failed_fingerprint = r.job.fingerprint;
+      if (!entry->servable) {  // A failed reload leaves the loaded servable serving.
+        entry->state = State::kFailed;
+        entry->since = now;
+      }
+      events->push_back(Event{id, VersionEvent::kLoadFailed, r.servable.status()});
+    }
+  }
+  results->clear();
+}
+
+void ModelRepository::FireEvents(std::vector<Event>* events) const {
+  if (options_.on_event) {
+    for (const Event& e : *events) options_.on_event(e.id, e.event, e.status);
+  }
+  events->clear();
+}
+
+void ModelRepository::Reconcile(const std::set<std::string>& models) {
+  std::vector<Event> events;
+  std::vector<std::shared_ptr<Servable>> garbage;  // released after the lock
+  std::vector<LoadResult> results;
+  for (bool done = false; !done;) {
+    std::vector<LoadJob> jobs;
+    {
+      absl::MutexLock l(&mu_);
+      InstallLocked(&results, &events, &garbage);
+      const absl::Time now = absl::Now();
+      std::map<std::string, std::set<int64_t>> desired;
+      for (const std::string& name : models) {
+        auto m = models_.find(name);
+        if (m == models_.end()) continue;
+        std::set<int64_t>& want = desired[name] = DesiredLocked(m->second);
+        for (int64_t version : want) {
+          Entry& e = m->second[version];
+          if (e.state == State::kAvailable) continue;
+          e.state = State::kLoading;
+          e.since = now;
+          jobs.push_back(LoadJob{ServableId{name, version}, e.path, e.fingerprint});
+          events.push_back(Event{jobs.back().id, VersionEvent::kLoading, absl::OkStatus()});
+        }
+      }
+      // Everything wanted has settled (loaded or failed; a failure makes the next older version
+      // wanted on the next round): now unload what is no longer wanted.
+      if (jobs.empty()) {
+        done = true;
+        for (auto& [name, want] : desired) {
+          ModelEntry& model = models_[name];
+          for (auto it = model.begin(); it != model.end();) {
+            Entry& e = it->second;
+            if (e.state == State::kAvailable && !want.count(it->first)) {
+              garbage.push_back(std::move(e.servable));
+              e.state = State::kUnloaded;
+              e.since = now;
+              events.push_back(Event{ServableId{name, it->first}, VersionEvent::kUnloaded,
+                                     absl::OkStatus()});
+              LOG(INFO) << "model repository: unloaded " << name << ":" << it->first
+                        << (e.on_disk ? "" : " (its directory is gone)");
+            }
+            it = e.on_disk ? std::next(it) : model.erase(it);
+          }
+        }
+        for (const std::string& name : models) {
+          auto m = models_.find(name);
+          if (m != models_.end() && m->second.empty()) models_.erase(m);
+        }
+      }
+    }
+    FireEvents(&events);
+    if (!done) results = RunLoads(std::move(jobs));
+  }
+  garbage.clear();
+}
+
+void ModelRepository::RescanAndReconcile(const std::string& model) {
+  DiskScan scan;
+  absl::StatusOr<DiskModel> versions = ScanModel(model);
+  if (versions.ok()) {
+    scan.models[model] = *std::move(versions);
+  } else if (!absl::IsNotFound(versions.status())) {
+    LOG(WARNING) << "model repository: " << versions.status().message();
+    scan.unreadable.insert(model);
+  }
+  {
+    absl::MutexLock l(&mu_);
+    ApplyScanLocked(scan, {model});
+  }
+  Reconcile({model});
+}
+
+absl::Status ModelRepository::Poll() {
+  absl::MutexLock ops(&ops_mu_);
+  absl::StatusOr<DiskScan> scan = ScanRoot();
+  if (!scan.ok()) {
+    const std::string text = scan.status().ToString();
+    if (text != last_poll_error_) LOG(ERROR) << "model repository: " << scan.status().message();
+    last_poll_error_ = text;
+    return scan.status();
+  }
+  if (!last_poll_error_.empty()) LOG(INFO) << "model repository: the root is readable again";
+  last_poll_error_.clear();
+  std::set<std::string> names;
+  {
+    absl::MutexLock l(&mu_);
+    for (const auto& [name, model] : scan->models) names.insert(name);
+    for (const auto& [name, model] : models_) names.insert(name);
+    ApplyScanLocked(*scan, names);
+  }
+  Reconcile(names);
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Serving.
+
+absl::StatusOr<std::shared_ptr<Servable>> ModelRepository::Get(
+    std::string_view name, std::optional<int64_t> version) const {
+  const absl::string_view model = Sv(name);
+  absl::ReaderMutexLock l(&mu_);
+  auto m = models_.find(name);
+  std::vector<std::string> available;
+  if (m == models_.end()) {
+    for (const auto& [name, entries] : models_) {
+      for (const auto& [v, e] : entries) {
+        if (e.state == State::kAvailable) {
+          available.push_back(name);
+          break;
+        }
+      }
+    }
+    return absl::NotFoundError(absl::StrCat(
+        "model \"", model, "\" not found; ",
+        available.empty() ? "no model is available"
+                          : absl::StrCat("available models: ", absl::StrJoin(available, ", "))));
+  }
+  const ModelEntry& entries = m->second;
+  if (!version) {
+    for (auto it = entries.rbegin(); it != entries.rend(); ++it) {
+      if (it->second.state == State::kAvailable) return it->second.servable;
+    }
+  } else if (auto it = entries.find(*version);
+             it != entries.end() && it->second.state == State::kAvailable) {
+    return it->second.servable;
+  }
+  std::vector<std::string> why;  // for the versions that are not served
+  for (const auto& [v, e] : entries) {
+    if (e.state == State::kAvailable) {
+      available.push_back(absl::StrCat(v));
+    } else if (!version || v == *version) {
+      std::string reason;
+      switch (e.state) {
+        case State::kLoading: reason = "is loading"; break;
+        case State::kFailed: reason = absl::StrCat("failed to load: ", e.error.message()); break;
+        default:
+          reason = e.disabled ? "was unloaded by an admin"
+                              : absl::StrCat("is not loaded (only the newest ",
+                                             options_.versions_to_keep, " are served)");
+      }
+      why.push_back(absl::StrCat("version ", v, " ", reason));
+    }
+  }
+  std::string head = version ? absl::StrCat("version ", *version, " of model \"", model,
+                                            "\" is not available")
+                             : absl::StrCat("model \"", model, "\" has no available version");
+  if (version && !entries.count(*version)) head += " (no such version)";
+  if (!why.empty()) absl::StrAppend(&head, " (", absl::StrJoin(why, "; "), ")");
+  absl::StrAppend(&head, "; ", available.empty() ? "no version is available"
+                                                 : absl::StrCat("available versions: ",
+                                                                absl::StrJoin(available, ", ")));
+  return absl::NotFoundError(head);
+}
+
+std::map<std::string, std::vector<ModelRepository::VersionStatus>> ModelRepository::List() const {
+  absl::ReaderMutexLock l(&mu_);
+  std::map<std::string, std::vector<VersionStatus>> out;
+  for (const auto& [name, entries] : models_) {
+    std::vector<VersionStatus>& versions = out[name];
+    for (const auto& [v, e] : entries) {
+      versions.push_back(VersionStatus{v, e.state, e.error, e.path, e.since, e.pinned, e.disabled});
+    }
+  }
+  return out;
+}
+
+bool ModelRepository::AllLoaded() const {
+  absl::ReaderMutexLock l(&mu_);
+  for (const auto& [name, entries] : models_) {
+    for (const auto& [v, e] : entries) {
+      if (e.state == State::kLoading) return false;
+    }
+  }
+  return true;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Admin operations.
+
+absl::Status ModelRepository::LoadVersion(const ServableId& id) {
+  RETURN_IF_ERROR(ValidateId(id));
+  absl::MutexLock ops(&ops_mu_);
+  absl::StatusOr<DiskModel> versions = ScanModel(id.model);
+  if (!versions.ok() && !absl::IsNotFound(versions.status())) return versions.status();
+  if (!versions.ok() || !versions->count(id.version)) {
+    return absl::NotFoundError(absl::StrCat("version ", id.version, " of model \"", id.model,
+                                            "\" is not on disk (no directory ",
+                                            Join(Join(options_.root, id.model),
+                                                 absl::StrCat(id.version)),
+                                            ")"));
+  }
+  std::vector<Event> events;
+  std::vector<LoadJob> jobs;
+  {
+    absl::MutexLock l(&mu_);
+    DiskScan scan;
+    scan.models[id.model] = *versions;
+    ApplyScanLocked(scan, {id.model});
+    Entry& e = models_[id.model][id.version];
+    e.disabled = false;
+    jobs.push_back(LoadJob{id, e.path, e.fingerprint});
+    if (e.state != State::kAvailable) {
+      e.state = State::kLoading;
+      e.since = absl::Now();
+    }
+    events.push_back(Event{id, VersionEvent::kLoading, absl::OkStatus()});
+  }
+  FireEvents(&events);
+  std::vector<LoadResult> results = RunLoads(std::move(jobs));
+  const absl::Status status = results[0].servable.status();
+  std::vector<std::shared_ptr<Servable>> garbage;
+  {
+    absl::MutexLock l(&mu_);
+    if (status.ok()) models_[id.model][id.version].pinned = true;
+    InstallLocked(&results, &events, &garbage);
+  }
+  FireEvents(&events);
+  garbage.clear();
+  Reconcile({id.model});
+  return status;
+}
+
+absl::Status ModelRepository::UnloadVersion(const ServableId& id) {
+  RETURN_IF_ERROR(ValidateId(id));
+  absl::MutexLock ops(&ops_mu_);
+  {
+    absl::MutexLock l(&mu_);
+    auto m = models_.find(id.model);
+    auto v = m == models_.end() ? ModelEntry::iterator() : m->second.find(id.version);
+    if (m == models_.end() || v == m->second.end()) {
+      return absl::NotFoundError(absl::StrCat("version ", id.version, " of model \"", id.model,
+                                              "\" is not known to the repository"));
+    }
+    v->second.disabled = true;
+    v->second.pinned = false;
+  }
+  RescanAndReconcile(id.model);
+  return absl::OkStatus();
+}
+
+absl::Status ModelRepository::DeleteVersion(const ServableId& id) {
+  RETURN_IF_ERROR(ValidateId(id));
+  absl::MutexLock ops(&ops_mu_);
+  const std::string path = Join(Join(options_.root, id.model), absl::StrCat(id.version));
+  const bool on_disk = Stat(path, /*follow=*/false).has_value();
+  bool known = false;
+  {
+    absl::MutexLock l(&mu_);
+    auto m = models_.find(id.model);
+    if (m != models_.end()) {
+      if (auto v = m->second.find(id.version); v != m->second.end()) {
+        known = true;
+        v->second.pinned = false;
+      }
+    }
+  }
+  if (!on_disk && !known) {
+    return absl::NotFoundError(absl::StrCat("version ", id.version, " of model \"", id.model,
+                                            "\" does not exist (no directory ", path, ")"));
+  }
+  if (on_disk) {
+    // The rename makes the version vanish from the tree at once; the slow removal happens in a
+    // dot-directory that scans ignore and CleanLeftovers() finishes after a crash.
+    const std::string trash = Join(
+        options_.root, absl::StrCat(".trash-", id.model, "-", id.version, "-", ::getpid(), "-",
+                                    absl::ToUnixNanos(absl::Now())));
+    if (::rename(path.c_str(), trash.c_str()) != 0) {
+      const int err = errno;
+      return absl::FailedPreconditionError(
+          absl::StrCat("cannot move ", path, " to ", trash, ": ", ErrnoText(err)));
+    }
+    absl::Status removed = RemoveTree(trash);
+    if (!removed.ok()) {
+      LOG(WARNING) << "model repository: " << removed.message()
+                   << " (removed at the next start)";
+    }
+    LOG(INFO) << "model repository: deleted " << id.DebugString() << " (" << path << ")";
+  }
+  // The deleted version keeps serving until the replacement the policy picks is loaded.
+  RescanAndReconcile(id.model);
+  return absl::OkStatus();
+}
+
+int64_t ModelRepository::NextVersion(std::string_view model) const {
+  int64_t highest = 0;
+  std::error_code ec;
+  for (fs::directory_iterator it(Join(options_.root, model), ec), end; !ec && it != end;
+       it.increment(ec)) {
+    if (auto v = ParseVersion(it->path().filename().string())) highest = std::max(highest, *v);
+  }
+  absl::ReaderMutexLock l(&mu_);
+  if (auto m = models_.find(model); m != models_.end() && !m->second.empty()) {
+    highest = std::max(highest, m->second.rbegin()->first);
+  }
+  return highest + 1;
+}
+
+absl::Status ModelRepository::Publish(const std::string& staging_dir, const ServableId& id,
+                                      bool load_now) {
+  RETURN_IF_ERROR(ValidateId(id));
+  if (!IsDir(staging_dir)) {
+    return absl::NotFoundError(
+        absl::StrCat("staging directory ", staging_dir, " does not exist or is not a directory"));
+  }
+  absl::MutexLock ops(&ops_mu_);
+  {
+    absl::MutexLock l(&mu_);
+    auto m = models_.find(id.model);
+    if (m != models_.end()) {
+      auto v = m->second.find(id.version);
+      if (v != m->second.end() && v->second.state == State::kAvailable) {
+        return absl::AlreadyExistsError(absl::StrCat(
+            "version ", id.version, " of model \"", id.model, "\" is already being served"));
+      }
+    }
+  }
+  const std::string model_dir = Join(options_.root, id.model);
+  if (::mkdir(model_dir.c_str(), 0755) != 0 && errno != EEXIST) {
+    const int err = errno;
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot create model directory ", model_dir, ": ", ErrnoText(err)));
+  }
+  if (!IsDir(model_dir)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(model_dir, " exists and is not a directory"));
+  }
+  const std::string target = Join(model_dir, absl::StrCat(id.version));
+  auto exists_error = [&] {
+    return absl::AlreadyExistsError(absl::StrCat("version ", id.version, " of model \"", id.model,
+                                                 "\" already exists at ", target));
+  };
+  // RENAME_NOREPLACE refuses an existing target even when it is an empty directory, which a
+  // plain rename(2) would silently replace.
+  int rc = ::renameat2(AT_FDCWD, staging_dir.c_str(), AT_FDCWD, target.c_str(), RENAME_NOREPLACE);
+  if (rc != 0 && (errno == EINVAL || errno == ENOSYS)) {  // a filesystem without the flag
+    if (Stat(target, /*follow=*/false)) return exists_error();
+    rc = ::rename(staging_dir.c_str(), target.c_str());
+  }
+  if (rc != 0) {
+    const int err = errno;
+    if (err == EEXIST || err == ENOTEMPTY) return exists_error();
+    if (err == EXDEV) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "staging directory ", staging_dir, " is not on the same filesystem as ", target));
+    }
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot move ", staging_dir, " to ", target, ": ", ErrnoText(err)));
+  }
+  // Make the rename durable before anyone is told the version exists.
+  if (int fd = ::open(model_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC); fd >= 0) {
+    ::fsync(fd);
+    ::close(fd);
+  }
+  LOG(INFO) << "model repository: published " << id.DebugString() << " at " << target;
+  if (!load_now) return absl::OkStatus();
+  RescanAndReconcile(id.model);
+  absl::ReaderMutexLock l(&mu_);
+  auto m = models_.find(id.model);
+  if (m != models_.end()) {
+    auto v = m->second.find(id.version);
+    if (v != m->second.end() && v->second.state == State::kFailed) return v->second.error;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ModelRepository::CleanLeftovers() {
+  const absl::Time cutoff = ProcessStartTime();
+  absl::Status first;
+  auto remove_if_old = [&](const std::string& path) {
+    auto st = Stat(path, /*follow=*/false);
+    if (!st || MTime(*st) >= cutoff) return;
+    absl::Status s = RemoveTree(path);
+    if (s.ok()) {
+      LOG(INFO) << "model repository: removed leftover " << path;
+    } else {
+      LOG(WARNING) << "model repository: " << s.message();
+      first.Update(s);
+    }
+  };
+  // Collected first: removing entries while a directory is being listed is unspecified.
+  std::vector<std::string> candidates;
+  std::error_code ec;
+  for (fs::directory_iterator it(options_.root, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    const std::string path = it->path().string();
+    if (absl::StartsWith(name, ".trash-")) {
+      candidates.push_back(path);
+    } else if (name == ".staging" && IsDir(path)) {
+      std::error_code sec;
+      for (fs::directory_iterator s(path, sec), send; !sec && s != send; s.increment(sec)) {
+        candidates.push_back(s->path().string());
+      }
+    }
+  }
+  for (const std::string& path : candidates) remove_if_old(path);
+  if (ec) {
+    first.Update(absl::FailedPreconditionError(
+        absl::StrCat("cannot list ", options_.root, ": ", ec.message())));
+  }
+  return first;
+}
+
+}  // namespace collabserve::repository

@@ -1,0 +1,282 @@
+// The model repository: the versions of each model found under a directory on disk, which of them
+// are loaded, and the atomic swap from one loaded version to the next. It knows nothing about what
+// a model is; the service hands it a loader that turns a version directory into a Servable.
+//
+// Layout: `root/<model>/<version>/` where <model> matches [A-Za-z0-9_.-]+ without a leading '.',
+// and <version> is a positive decimal integer without leading zeros. Names starting with '.'
+// (`root/.staging/`, `root/.trash-*`) are the repository's own and are never served; any other
+// name that is not a valid model or version is ignored and logged once.
+#ifndef COLLABSERVE_SERVER_REPOSITORY_MODEL_REPOSITORY_H_
+#define COLLABSERVE_SERVER_REPOSITORY_MODEL_REPOSITORY_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+
+namespace collabserve::repository {
+
+struct ServableId {
+  std::string model;
+  int64_t version = 0;
+
+  std::string DebugString() const;  // "model:version"
+  bool operator==(const ServableId& o) const { return model == o.model && version == o.version; }
+  bool operator<(const ServableId& o) const {
+    return model != o.model ? model < o.model : version < o.version;
+  }
+};
+
+// A loaded, warmed-up model version. The service subclasses it (engine, batch scheduler, metric
+// labels). The repository holds one shared_ptr while the version is served; callers of Get() hold
+// theirs for as long as a request is in flight, so unloading never breaks an in-flight request:
+// the destructor runs when the last holder lets go, on that holder's thread.
+class Servable {
+ public:
+  virtual ~Servable() = default;
+};
+
+// Loads the version directory `path` (== root/<id.model>/<id.version>). Returns the loaded
+// servable, or an error that names what is wrong; it is logged and shown by List(). May be called
+// from several threads at once (RepositoryOptions::num_load_threads) and never with the
+// repository's lock held. An exception thrown by the loader is caught and recorded as INTERNAL.
+using ServableLoader =
+    std::function<absl::StatusOr<std::shared_ptr<Servable>>(const ServableId& id,
+                                                            const std::string& path)>;
+
+// What happened to a version; passed to RepositoryOptions::on_event.
+enum class VersionEvent { kLoading, kAvailable, kLoadFailed, kUnloaded };
+const char* VersionEventName(VersionEvent event);  // "loading", "available", ...
+
+struct RepositoryOptions {
+  // The directory that holds one directory per model. Must exist.
+  std::string root;
+  // The newest N (by version number) loadable versions of each model are served; older ones are
+  // unloaded once the newer ones are available. Versions pinned with LoadVersion() come on top.
+  int versions_to_keep = 1;
+  // How often a background thread calls Poll(). Zero: only at Create() and on explicit Poll().
+  absl::Duration poll_interval = absl::ZeroDuration();
+  // How many versions load in parallel within one Poll().
+  int num_load_threads = 1;
+  // Called after a version starts loading, becomes available, fails to load or is unloaded
+  // (health, metrics). The status is the load error for kLoadFailed, OK otherwise. Called without
+  // the repository's lock held, from the thread doing the change, one call at a time and in order;
+  // it may call List()/Get()/AllLoaded() but not the admin methods (they would deadlock).
+  std::function<void(const ServableId& id, VersionEvent event, const absl::Status& status)>
+      on_event;
+};
+
+// Thread-safe: all methods may be called concurrently. Get(), List(), AllLoaded() and root() never
+// wait for a load. Poll() and the admin methods (LoadVersion, UnloadVersion, DeleteVersion,
+// Publish) run one at a time; each blocks until the loads it started have finished.
+//
+// Every change of the served set goes the same way: the versions the policy now wants are loaded
+// without the lock (the versions already served keep serving), then installed under the lock, and
+// only then are the versions no longer wanted unloaded. So a Get() that races with a swap returns
+// either the old or the new version, never an error, as long as one of them loads.
+class ModelRepository {
+ public:
+  struct VersionStatus {
+    enum class State {
+      kLoading,    // the loader is running
+      kAvailable,  // served by Get()
+      kFailed,     // the last load failed (`error`); retried when the directory changes
+      kUnloaded,   // on disk but not served: older than the newest N, replaced, or unloaded
+    };
+    int64_t version = 0;
+    State state = State::kUnloaded;
+    absl::Status error;  // why the last load failed (kFailed), else OK
+    std::string path;
+    absl::Time since;     // when the version entered `state`
+    bool pinned = false;  // loaded with LoadVersion(): served regardless of versions_to_keep
+    bool disabled = false;  // unloaded with UnloadVersion(): not loaded again until LoadVersion()
+  };
+
+  // Checks the options, removes crash leftovers (CleanLeftovers), scans `root` and loads every
+  // model's newest versions before returning (a version that fails to load is logged, recorded as
+  // kFailed and skipped: the next older version serves instead). Starts polling when
+  // options.poll_interval > 0. Errors: INVALID_ARGUMENT for bad options or a null loader;
+  // NOT_FOUND / FAILED_PRECONDITION when the root is missing, not a directory or unreadable.
+  static absl::StatusOr<std::unique_ptr<ModelRepository>> Create(RepositoryOptions options,
+                                                                 ServableLoader loader);
+
+  // Stops polling and waits for the loads in progress. Servables still held by callers live on.
+  ~ModelRepository();
+
+  ModelRepository(const ModelRepository&) = delete;
+  ModelRepository& operator=(const ModelRepository&) = delete;
+
+  // One scan of the root: loads new versions the policy wants, installs them atomically, then
+  // unloads versions that are surplus or whose directory is gone. A version that failed to load
+  // is retried only once its directory changed (the names, sizes or mtimes of its entries). A
+  // loaded version's files are not watched: publish a new version, or LoadVersion() to reload.
+  // Returns an error only if the root cannot be read (nothing is unloaded then).
+  absl::Status Poll();
+
+  // Starts / stops the background poller (no-op when poll_interval is zero or it is already in
+  // the requested state). StopPolling() wakes the poller at once and waits for a Poll() in progress.
+  void StartPolling();
+  void StopPolling();
+
+  // The servable for `model` at `version`, or its newest available version if `version` is
+  // unset. NOT_FOUND names the model and lists the available versions (or, for an unknown model,
+  // the available models), and says why the asked-for version is not served if it is known.
+  absl::StatusOr<std::shared_ptr<Servable>> Get(
+      std::string_view model, std::optional<int64_t> version = std::nullopt) const;
+
+  // Every known model with its versions on disk (and any still served after their directory went
+  // away), oldest version first.
+  std::map<std::string, std::vector<VersionStatus>> List() const;
+
+  // True when no version is loading: every discovered version is available, failed or unloaded.
+  bool AllLoaded() const;
+
+  // Admin operations. All validate `id` (INVALID_ARGUMENT for a bad model name or version <= 0).
+
+  // Loads (or reloads, swapping atomically) a version present on disk, even one older than
+  // versions_to_keep would pick; it stays "pinned" until UnloadVersion/DeleteVersion. Clears a
+  // previous UnloadVersion. Blocks until loaded. NOT_FOUND if the directory does not exist; the
+  // loader's error if loading fails (a version already served then keeps serving).
+  absl::Status LoadVersion(const ServableId& id);
+
+  // Stops serving a version (it stays on disk) and keeps polling from loading it again until
+  // LoadVersion(). Whatever the policy now picks instead is loaded first, so the model is not left
+  // without a version while another one can serve. NOT_FOUND if the version is unknown.
+  absl::Status UnloadVersion(const ServableId& id);
+
+  // Unloads a version and removes its directory: renamed to root/.trash-<...> first (so a crash
+  // never leaves half a version visible), then removed. Loads the replacement the policy picks
+  // before the deleted version stops serving. NOT_FOUND if neither on disk nor known.
+  absl::Status DeleteVersion(const ServableId& id);
+
+  // 1 + the highest version of `model` on disk (or known), 1 for a new model. For uploads; two
+  // concurrent uploads may get the same number, and the second Publish() then fails.
+  int64_t NextVersion(std::string_view model) const;
+
+  const std::string& root() const { return options_.root; }
+
+  // Moves a fully written directory `staging_dir` (on the same filesystem as the root, e.g.
+  // root/.staging/<x>) to root/<id.model>/<id.version> with one rename(2), creating the model
+  // directory if needed, so the version appears complete or not at all. With `load_now`, then
+  // applies the policy to the model as Poll() would (the new version loads if it is among the
+  // newest N) and returns its load error if it fails; otherwise the next Poll() picks it up.
+  // ALREADY_EXISTS if that version exists (nothing is moved); NOT_FOUND if `staging_dir` is not a
+  // directory; FAILED_PRECONDITION if it is on another filesystem.
+  absl::Status Publish(const std::string& staging_dir, const ServableId& id, bool load_now);
+
+  // Removes leftovers of a crashed process: entries of root/.staging/ and root/.trash-* whose
+  // mtime is older than the start of this process (newer ones may belong to a live upload).
+  // Called by Create(). Failures are logged; the error returned is the first one.
+  absl::Status CleanLeftovers();
+
+  // The name rules above. Exposed for the upload path, which validates before writing anything.
+  static absl::Status ValidateModelName(std::string_view model);
+  static absl::Status ValidateId(const ServableId& id);
+
+  static const char* StateName(VersionStatus::State state);  // "loading", "available", ...
+
+ private:
+  using State = VersionStatus::State;
+
+  // One version directory as found on disk.
+  struct DiskVersion {
+    std::string path;
+    std::string fingerprint;  // names, sizes and mtimes of its entries
+  };
+  using DiskModel = std::map<int64_t, DiskVersion>;
+  struct DiskScan {
+    std::map<std::string, DiskModel> models;
+    std::set<std::string> unreadable;  // models whose directory could not be listed: left alone
+  };
+
+  struct Entry {
+    State state = State::kUnloaded;
+    absl::Status error;
+    std::string path;
+    absl::Time since;
+    std::shared_ptr<Servable> servable;  // set iff state is kAvailable
+    std::string fingerprint;             // as last scanned
+    std::string failed_fingerprint;      // the fingerprint the last failed load saw
+    bool on_disk = true;
+    bool pinned = false;
+    bool disabled = false;
+  };
+  using ModelEntry = std::map<int64_t, Entry>;
+
+  struct Event {
+    ServableId id;
+    VersionEvent event;
+    absl::Status status;
+  };
+  struct LoadJob {
+    ServableId id;
+    std::string path;
+    std::string fingerprint;
+  };
+  struct LoadResult {
+    LoadJob job;
+    absl::StatusOr<std::shared_ptr<Servable>> servable;
+  };
+
+  ModelRepository(RepositoryOptions options, ServableLoader loader);
+
+  absl::StatusOr<DiskScan> ScanRoot() ABSL_EXCLUSIVE_LOCKS_REQUIRED(ops_mu_);
+  // Lists root/<model>. NOT_FOUND if it does not exist.
+  absl::StatusOr<DiskModel> ScanModel(const std::string& model)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(ops_mu_);
+  void LogOnce(const std::string& path, const std::string& why)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(ops_mu_);
+
+  // Records what `scan` saw for `models` (new versions, fingerprints, vanished directories).
+  void ApplyScanLocked(const DiskScan& scan, const std::set<std::string>& models)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Scans one model and reconciles it (after an admin change).
+  void RescanAndReconcile(const std::string& model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(ops_mu_);
+  // Loads what the policy wants for `models`, installs it, then unloads what it no longer wants.
+  void Reconcile(const std::set<std::string>& models) ABSL_EXCLUSIVE_LOCKS_REQUIRED(ops_mu_);
+  // The versions of `model` that should be served.
+  std::set<int64_t> DesiredLocked(const ModelEntry& model) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  void InstallLocked(std::vector<LoadResult>* results, std::vector<Event>* events,
+                     std::vector<std::shared_ptr<Servable>>* garbage)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  std::vector<LoadResult> RunLoads(std::vector<LoadJob> jobs) const;
+  absl::StatusOr<std::shared_ptr<Servable>> LoadOne(const LoadJob& job) const;
+  void FireEvents(std::vector<Event>* events) const;
+  void PollLoop(int64_t generation);
+
+  const RepositoryOptions options_;
+  const ServableLoader loader_;
+
+  // Serializes Poll() and the admin operations; held while loading (mu_ is not).
+  mutable absl::Mutex ops_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  std::set<std::string> logged_ ABSL_GUARDED_BY(ops_mu_);  // paths already warned about
+  std::string last_poll_error_ ABSL_GUARDED_BY(ops_mu_);
+
+  // Guards the served set; held only for short, non-blocking sections.
+  mutable absl::Mutex mu_;
+  std::map<std::string, ModelEntry, std::less<>> models_ ABSL_GUARDED_BY(mu_);
+
+  // The poller.
+  absl::Mutex poll_mu_;
+  // Bumped by StopPolling(); a poller thread exits once it differs from the one it started with.
+  int64_t poll_generation_ ABSL_GUARDED_BY(poll_mu_) = 0;
+  absl::CondVar poll_cv_;  // signalled when poll_generation_ changes
+  std::thread poller_ ABSL_GUARDED_BY(poll_mu_);
+};
+
+}  // namespace collabserve::repository
+
+#endif  // COLLABSERVE_SERVER_REPOSITORY_MODEL_REPOSITORY_H_

@@ -1,0 +1,664 @@
+#include "server/repository/model_repository.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace collabserve::repository {
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::IsEmpty;
+using ::testing::Pair;
+using State = ModelRepository::VersionStatus::State;
+
+// What the fake loader hands out: remembers which version it is and counts its destruction.
+class FakeServable : public Servable {
+ public:
+  FakeServable(ServableId id, std::string path, std::atomic<int>* destroyed)
+      : id(std::move(id)), path(std::move(path)), destroyed_(destroyed) {}
+  ~FakeServable() override { destroyed_->fetch_add(1); }
+  const ServableId id;
+  const std::string path;
+
+ private:
+  std::atomic<int>* destroyed_;
+};
+
+int64_t VersionOf(const std::shared_ptr<Servable>& s) {
+  auto* fake = dynamic_cast<FakeServable*>(s.get());
+  return fake == nullptr ? -1 : fake->id.version;
+}
+
+// Counts loads; fails a version whose directory holds a file named "broken"; can block one
+// version's load until a gate opens.
+class FakeLoader {
+ public:
+  ServableLoader AsLoader() {
+    return [this](const ServableId& id, const std::string& path) { return Load(id, path); };
+  }
+
+  absl::StatusOr<std::shared_ptr<Servable>> Load(const ServableId& id, const std::string& path) {
+    absl::Notification* started = nullptr;
+    absl::Notification* gate = nullptr;
+    {
+      absl::MutexLock l(&mu_);
+      ++loads_[id.DebugString()];
+      auto it = blocked_.find(id.DebugString());
+      if (it != blocked_.end()) {
+        std::tie(started, gate) = it->second;
+        blocked_.erase(it);
+      }
+    }
+    if (started != nullptr) {
+      started->Notify();
+      gate->WaitForNotification();
+    }
+    if (fs::exists(fs::path(path) / "broken")) {
+      return absl::DataLossError("config.json: unexpected end of input");
+    }
+    if (fs::exists(fs::path(path) / "throw")) throw std::runtime_error("bad_alloc in warm-up");
+    return std::make_shared<FakeServable>(id, path, &destroyed);
+  }
+
+  // The next load of `id` notifies `started`, then waits for `gate`.
+  void Block(const ServableId& id, absl::Notification* started, absl::Notification* gate) {
+    absl::MutexLock l(&mu_);
+    blocked_[id.DebugString()] = {started, gate};
+  }
+
+  int loads(const std::string& model, int64_t version) {
+    absl::MutexLock l(&mu_);
+    return loads_[absl::StrCat(model, ":", version)];
+  }
+
+  std::atomic<int> destroyed{0};
+
+ private:
+  absl::Mutex mu_;
+  std::map<std::string, int> loads_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::pair<absl::Notification*, absl::Notification*>> blocked_
+      ABSL_GUARDED_BY(mu_);
+};
+
+class ModelRepositoryTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    root_ = (fs::path(::testing::TempDir()) /
+             absl::StrCat("repo_", info->name(), "_", ::getpid()))
+                .string();
+    fs::remove_all(root_);
+    fs::create_directories(root_);
+  }
+  void TearDown() override {
+    repo_.reset();
+    fs::remove_all(root_);
+  }
+
+  std::string VersionDir(const std::string& model, int64_t version) {
+    return (fs::path(root_) / model / std::to_string(version)).string();
+  }
+  std::string MakeVersion(const std::string& model, int64_t version, bool broken = false) {
+    const std::string dir = VersionDir(model, version);
+    fs::create_directories(dir);
+    std::ofstream(fs::path(dir) / "config.json") << "{\"hidden_size\": 8}";
+    if (broken) std::ofstream(fs::path(dir) / "broken") << "";
+    return dir;
+  }
+
+  RepositoryOptions Options(int keep = 1) {
+    RepositoryOptions o;
+    o.root = root_;
+    o.versions_to_keep = keep;
+    o.on_event = [this](const ServableId& id, VersionEvent event, const absl::Status& s) {
+      absl::MutexLock l(&events_mu_);
+      events_.push_back(absl::StrCat(id.DebugString(), " ", VersionEventName(event)));
+    };
+    return o;
+  }
+  void Open(RepositoryOptions options) {
+    auto repo = ModelRepository::Create(std::move(options), loader_.AsLoader());
+    ASSERT_TRUE(repo.ok()) << repo.status();
+    repo_ = *std::move(repo);
+  }
+  void Open(int keep = 1) { Open(Options(keep)); }
+
+  int64_t Served(const std::string& model, std::optional<int64_t> version = std::nullopt) {
+    auto s = repo_->Get(model, version);
+    return s.ok() ? VersionOf(*s) : -1;
+  }
+  // model -> "version:state" for every known version.
+  std::map<std::string, std::vector<std::string>> States() {
+    std::map<std::string, std::vector<std::string>> out;
+    for (const auto& [model, versions] : repo_->List()) {
+      for (const auto& v : versions) {
+        out[model].push_back(absl::StrCat(v.version, ":", ModelRepository::StateName(v.state)));
+      }
+    }
+    return out;
+  }
+  std::vector<std::string> TakeEvents() {
+    absl::MutexLock l(&events_mu_);
+    return std::exchange(events_, {});
+  }
+
+  std::string root_;
+  FakeLoader loader_;
+  std::unique_ptr<ModelRepository> repo_;
+  absl::Mutex events_mu_;
+  std::vector<std::string> events_ ABSL_GUARDED_BY(events_mu_);
+};
+
+TEST_F(ModelRepositoryTest, DiscoversModelsAndServesTheNewestVersion) {
+  MakeVersion("sst2", 1);
+  MakeVersion("sst2", 2);
+  MakeVersion("imdb", 7);
+  Open();
+  EXPECT_EQ(Served("sst2"), 2);
+  EXPECT_EQ(Served("imdb"), 7);
+  EXPECT_EQ(Served("imdb", 7), 7);
+  EXPECT_THAT(States()["sst2"], ElementsAre("1:unloaded", "2:available"));
+  EXPECT_THAT(States()["imdb"], ElementsAre("7:available"));
+  EXPECT_EQ(loader_.loads("sst2", 1), 0);
+  EXPECT_TRUE(repo_->AllLoaded());
+  auto s = repo_->Get("sst2");
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ(dynamic_cast<FakeServable*>(s->get())->path, VersionDir("sst2", 2));
+  EXPECT_EQ(repo_->List()["sst2"][1].path, VersionDir("sst2", 2));
+}
+
+TEST_F(ModelRepositoryTest, IgnoresDotDirectoriesAndNonIntegerVersions) {
+  MakeVersion("sst2", 3);
+  fs::create_directories(fs::path(root_) / ".staging" / "upload-1" / "1");
+  fs::create_directories(fs::path(root_) / ".hidden" / "1");
+  fs::create_directories(fs::path(root_) / "sst2" / ".partial");
+  fs::create_directories(fs::path(root_) / "sst2" / "latest");
+  fs::create_directories(fs::path(root_) / "sst2" / "007");
+  fs::create_directories(fs::path(root_) / "sst2" / "0");
+  fs::create_directories(fs::path(root_) / "sst2" / "-4");
+  fs::create_directories(fs::path(root_) / "sst2" / "99999999999999999999999");
+  std::ofstream(fs::path(root_) / "sst2" / "12") << "a file, not a directory";
+  std::ofstream(fs::path(root_) / "README") << "not a model";
+  fs::create_directories(fs::path(root_) / "bad name" / "1");
+  fs::create_directories(fs::path(root_) / "empty-model");
+  Open();
+  EXPECT_THAT(States(), ElementsAre(Pair("sst2", ElementsAre("3:available"))));
+  EXPECT_EQ(Served("sst2"), 3);
+  ASSERT_TRUE(repo_->Poll().ok());  // logged once; still ignored
+  EXPECT_EQ(repo_->List().size(), 1u);
+}
+
+TEST_F(ModelRepositoryTest, ServesTheNewestNVersions) {
+  for (int v = 1; v <= 4; ++v) MakeVersion("m", v);
+  Open(/*keep=*/2);
+  EXPECT_THAT(States()["m"], ElementsAre("1:unloaded", "2:unloaded", "3:available", "4:available"));
+  EXPECT_EQ(Served("m"), 4);
+  EXPECT_EQ(Served("m", 3), 3);
+  EXPECT_EQ(Served("m", 2), -1);
+  EXPECT_EQ(loader_.loads("m", 1) + loader_.loads("m", 2), 0);
+}
+
+TEST_F(ModelRepositoryTest, NewVersionIsServedAfterPollAndTheOldOneUnloaded) {
+  MakeVersion("m", 1);
+  Open();
+  EXPECT_THAT(TakeEvents(), ElementsAre("m:1 loading", "m:1 available"));
+  MakeVersion("m", 2);
+  EXPECT_EQ(Served("m"), 1);  // not yet polled
+  ASSERT_TRUE(repo_->Poll().ok());
+  EXPECT_EQ(Served("m"), 2);
+  EXPECT_THAT(States()["m"], ElementsAre("1:unloaded", "2:available"));
+  EXPECT_THAT(TakeEvents(), ElementsAre("m:2 loading", "m:2 available", "m:1 unloaded"));
+  EXPECT_EQ(loader_.destroyed.load(), 1);
+  // A second poll changes nothing.
+  ASSERT_TRUE(repo_->Poll().ok());
+  EXPECT_EQ(loader_.loads("m", 2), 1);
+  EXPECT_THAT(TakeEvents(), IsEmpty());
+}
+
+TEST_F(ModelRepositoryTest, RemovedVersionIsUnloadedAndTheNextNewestServes) {
+  MakeVersion("m", 1);
+  MakeVersion("m", 2);
+  Open();
+  EXPECT_EQ(Served("m"), 2);
+  fs::remove_all(VersionDir("m", 2));
+  ASSERT_TRUE(repo_->Poll().ok());
+  EXPECT_EQ(Served("m"), 1);
+  EXPECT_THAT(States()["m"], ElementsAre("1:available"));
+  TakeEvents();
+  // The whole model directory goes: the model is gone.
+  fs::remove_all(fs::path(root_) / "m");
+  ASSERT_TRUE(repo_->Poll().ok());
+  EXPECT_THAT(repo_->List(), IsEmpty());
+  EXPECT_EQ(repo_->Get("m").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(TakeEvents(), ElementsAre("m:1 unloaded"));
+}
+
+TEST_F(ModelRepositoryTest, FailingVersionIsSkippedAndRetriedOnlyWhenItsDirectoryChanges) {
+  MakeVersion("m", 1);
+  MakeVersion("m", 2, /*broken=*/true);
+  Open();
+  EXPECT_EQ(Served("m"), 1);
+  auto list = repo_->List();
+  ASSERT_EQ(list["m"].size(), 2u);
+  EXPECT_EQ(list["m"][1].state, State::kFailed);
+  EXPECT_THAT(list["m"][1].error.message(), HasSubstr("config.json: unexpected end of input"));
+  EXPECT_THAT(list["m"][1].error.message(), HasSubstr(VersionDir("m", 2)));
+  EXPECT_EQ(list["m"][1].error.code(), absl::StatusCode::kDataLoss);
+  EXPECT_TRUE(repo_->AllLoaded());
+  EXPECT_THAT(repo_->Get("m", 2).status().message(), HasSubstr("failed to load"));
+  EXPECT_EQ(loader_.loads("m", 2), 1);
+
+  ASSERT_TRUE(repo_->Poll().ok());
+  ASSERT_TRUE(repo_->Poll().ok());
+  EXPECT_EQ(loader_.loads("m", 2), 1);  // unchanged directory: not retried
+  EXPECT_EQ(Served("m"), 1);
+
+  fs::remove(fs::path(VersionDir("m", 2)) / "broken");  // fixed
+  ASSERT_TRUE(repo_->Poll().ok());
+  EXPECT_EQ(loader_.loads("m", 2), 2);
+  EXPECT_EQ(Served("m"), 2);
+  EXPECT_THAT(States()["m"], ElementsAre("1:unloaded", "2:available"));
+}
+
+TEST_F(ModelRepositoryTest, FailedNewestVersionWhileOlderWasUnloadedLoadsTheOlder) {
+  MakeVersion("m", 1);
+  Open();
+  MakeVersion("m", 2);
+  ASSERT_TRUE(repo_->Poll().ok());
+  EXPECT_EQ(Served("m"), 2);
+  // v2 disappears and v3 arrives broken: v1 must come back.
+  fs::remove_all(VersionDir("m", 2));
+  MakeVersion("m", 3, /*broken=*/true);
+  ASSERT_TRUE(repo_->Poll().ok());
+  EXPECT_EQ(Served("m"), 1);
+  EXPECT_THAT(States()["m"], ElementsAre("1:available", "3:failed"));
+}
+
+TEST_F(ModelRepositoryTest, LoaderExceptionsAndNullServablesAreRecordedAsFailures) {
+  MakeVersion("m", 1);
+  const std::string v2 = MakeVersion("m", 2);
+  std::ofstream(fs::path(v2) / "throw") << "";
+  Open();
+  EXPECT_EQ(Served("m"), 1);
+  auto list = repo_->List();
+  EXPECT_EQ(list["m"][1].error.code(), absl::StatusCode::kInternal);
+  EXPECT_THAT(list["m"][1].error.message(), HasSubstr("bad_alloc in warm-up"));
+
+  std::unique_ptr<ModelRepository> null_repo;
+  auto r = ModelRepository::Create(Options(), [](const ServableId&, const std::string&) {
+    return absl::StatusOr<std::shared_ptr<Servable>>(nullptr);
+  });
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_THAT((*r)->Get("m").status().message(), HasSubstr("returned no servable"));
+}
+
+TEST_F(ModelRepositoryTest, GetDuringABlockedLoadReturnsTheOldVersion) {
+  MakeVersion("m", 1);
+  Open();
+  MakeVersion("m", 2);
+  absl::Notification started, gate;
+  loader_.Block({"m", 2}, &started, &gate);
+  std::thread poller([&] { EXPECT_TRUE(repo_->Poll().ok()); });
+  started.WaitForNotification();
+  EXPECT_EQ(Served("m"), 1);
+  EXPECT_EQ(Served("m", 1), 1);
+  EXPECT_THAT(States()["m"], ElementsAre("1:available", "2:loading"));
+  EXPECT_FALSE(repo_->AllLoaded());
+  EXPECT_THAT(repo_->Get("m", 2).status().message(), HasSubstr("is loading"));
+  gate.Notify();
+  poller.join();
+  EXPECT_EQ(Served("m"), 2);
+  EXPECT_TRUE(repo_->AllLoaded());
+}
+
+TEST_F(ModelRepositoryTest, InFlightServableOutlivesItsUnload) {
+  MakeVersion("m", 1);
+  Open();
+  std::shared_ptr<Servable> in_flight = *repo_->Get("m");
+  MakeVersion("m", 2);
+  ASSERT_TRUE(repo_->Poll().ok());
+  EXPECT_THAT(States()["m"], ElementsAre("1:unloaded", "2:available"));
+  EXPECT_EQ(loader_.destroyed.load(), 0);  // still held by the request
+  EXPECT_EQ(VersionOf(in_flight), 1);
+  in_flight.reset();
+  EXPECT_EQ(loader_.destroyed.load(), 1);
+}
+
+TEST_F(ModelRepositoryTest, NotFoundMessagesNameTheModelAndWhatIsAvailable) {
+  MakeVersion("sst2", 1);
+  MakeVersion("sst2", 2);
+  MakeVersion("imdb", 1);
+  Open(/*keep=*/2);
+  absl::Status s = repo_->Get("qnli").status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(s.message(), HasSubstr("model \"qnli\" not found"));
+  EXPECT_THAT(s.message(), HasSubstr("available models: imdb, sst2"));
+
+  s = repo_->Get("sst2", 9).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(s.message(), HasSubstr("version 9 of model \"sst2\""));
+  EXPECT_THAT(s.message(), HasSubstr("no such version"));
+  EXPECT_THAT(s.message(), HasSubstr("available versions: 1, 2"));
+
+  MakeVersion("sst2", 3);
+  ASSERT_TRUE(repo_->Poll().ok());
+  s = repo_->Get("sst2", 1).status();
+  EXPECT_THAT(s.message(), HasSubstr("version 1 is not loaded (only the newest 2 are served)"));
+  EXPECT_THAT(s.message(), HasSubstr("available versions: 2, 3"));
+
+  fs::remove_all(fs::path(root_) / "imdb");
+  fs::remove_all(fs::path(root_) / "sst2");
+  ASSERT_TRUE(repo_->Poll().ok());
+  EXPECT_THAT(repo_->Get("imdb").status().message(), HasSubstr("no model is available"));
+}
+
+TEST_F(ModelRepositoryTest, ModelWithOnlyFailedVersionsSaysWhy) {
+  MakeVersion("m", 1, /*broken=*/true);
+  Open();
+  absl::Status s = repo_->Get("m").status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(s.message(), HasSubstr("model \"m\" has no available version"));
+  EXPECT_THAT(s.message(), HasSubstr("version 1 failed to load"));
+  EXPECT_THAT(s.message(), HasSubstr("no version is available"));
+}
+
+TEST_F(ModelRepositoryTest, LoadVersionPinsAnOlderVersionUntilUnloaded) {
+  MakeVersion("m", 1);
+  MakeVersion("m", 2);
+  Open();
+  EXPECT_EQ(Served("m", 1), -1);
+  ASSERT_TRUE(repo_->LoadVersion({"m", 1}).ok());
+  EXPECT_EQ(Served("m", 1), 1);
+  EXPECT_EQ(Served("m"), 2);  // the newest stays the default
+  ASSERT_TRUE(repo_->Poll().ok());
+  EXPECT_EQ(Served("m", 1), 1);  // pinned: polling keeps it
+  EXPECT_TRUE(repo_->List()["m"][0].pinned);
+
+  ASSERT_TRUE(repo_->UnloadVersion({"m", 1}).ok());
+  EXPECT_EQ(Served("m", 1), -1);
+  EXPECT_THAT(repo_->Get("m", 1).status().message(), HasSubstr("unloaded by an admin"));
+  EXPECT_EQ(Served("m"), 2);
+
+  EXPECT_EQ(repo_->LoadVersion({"m", 5}).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(repo_->LoadVersion({"m", 0}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(repo_->LoadVersion({"../etc", 1}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(repo_->UnloadVersion({"m", 5}).code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(ModelRepositoryTest, LoadVersionReloadsAServedVersionAndReportsFailures) {
+  MakeVersion("m", 1);
+  Open();
+  std::shared_ptr<Servable> before = *repo_->Get("m");
+  ASSERT_TRUE(repo_->LoadVersion({"m", 1}).ok());
+  std::shared_ptr<Servable> after = *repo_->Get("m");
+  EXPECT_NE(before.get(), after.get());
+  EXPECT_EQ(loader_.loads("m", 1), 2);
+
+  // A failed reload keeps the loaded one serving and returns the loader's error.
+  std::ofstream(fs::path(VersionDir("m", 1)) / "broken") << "";
+  absl::Status s = repo_->LoadVersion({"m", 1});
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(s.message(), HasSubstr("loading m:1"));
+  EXPECT_EQ(repo_->Get("m")->get(), after.get());
+}
+
+TEST_F(ModelRepositoryTest, UnloadingTheNewestServesTheNextAndPollingDoesNotReloadIt) {
+  MakeVersion("m", 1);
+  MakeVersion("m", 2);
+  Open();
+  ASSERT_TRUE(repo_->UnloadVersion({"m", 2}).ok());
+  EXPECT_EQ(Served("m"), 1);
+  EXPECT_THAT(States()["m"], ElementsAre("1:available", "2:unloaded"));
+  ASSERT_TRUE(repo_->Poll().ok());
+  EXPECT_EQ(loader_.loads("m", 2), 1);
+  EXPECT_EQ(Served("m"), 1);
+  // Until LoadVersion.
+  ASSERT_TRUE(repo_->LoadVersion({"m", 2}).ok());
+  EXPECT_EQ(Served("m"), 2);
+  EXPECT_THAT(States()["m"], ElementsAre("1:unloaded", "2:available"));
+}
+
+TEST_F(ModelRepositoryTest, DeleteVersionRemovesItFromDiskAndServesTheNext) {
+  MakeVersion("m", 1);
+  MakeVersion("m", 2);
+  Open();
+  std::shared_ptr<Servable> in_flight = *repo_->Get("m");
+  ASSERT_TRUE(repo_->DeleteVersion({"m", 2}).ok());
+  EXPECT_FALSE(fs::exists(VersionDir("m", 2)));
+  EXPECT_EQ(Served("m"), 1);
+  EXPECT_THAT(States()["m"], ElementsAre("1:available"));
+  for (const auto& e : fs::directory_iterator(root_)) {
+    EXPECT_NE(e.path().filename().string().rfind(".trash-", 0), 0u) << e.path();
+  }
+  EXPECT_EQ(VersionOf(in_flight), 2);  // still usable by the request that holds it
+
+  ASSERT_TRUE(repo_->DeleteVersion({"m", 1}).ok());
+  EXPECT_EQ(repo_->Get("m").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(repo_->DeleteVersion({"m", 1}).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(repo_->DeleteVersion({"nope", 3}).code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(ModelRepositoryTest, PublishMovesAStagingDirectoryAtomicallyAndLoadsIt) {
+  MakeVersion("m", 1);
+  MakeVersion("m", 2);
+  Open();
+  EXPECT_EQ(repo_->NextVersion("m"), 3);
+  EXPECT_EQ(repo_->NextVersion("new-model"), 1);
+
+  const fs::path staging = fs::path(root_) / ".staging" / "upload-a";
+  fs::create_directories(staging);
+  std::ofstream(staging / "config.json") << "{\"v\": 3}";
+  ASSERT_TRUE(repo_->Publish(staging.string(), {"m", 3}, /*load_now=*/true).ok());
+  EXPECT_FALSE(fs::exists(staging));
+  EXPECT_TRUE(fs::exists(fs::path(VersionDir("m", 3)) / "config.json"));
+  EXPECT_EQ(Served("m"), 3);
+  EXPECT_EQ(repo_->NextVersion("m"), 4);
+
+  // An existing version is refused and nothing moves, even onto an empty directory.
+  const fs::path second = fs::path(root_) / ".staging" / "upload-b";
+  fs::create_directories(second);
+  std::ofstream(second / "config.json") << "{\"v\": \"other\"}";
+  absl::Status s = repo_->Publish(second.string(), {"m", 3}, true);
+  EXPECT_EQ(s.code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_THAT(s.message(), HasSubstr("version 3 of model \"m\""));
+  EXPECT_TRUE(fs::exists(second / "config.json"));
+  fs::create_directories(VersionDir("m", 9));
+  EXPECT_EQ(repo_->Publish(second.string(), {"m", 9}, false).code(),
+            absl::StatusCode::kAlreadyExists);
+  EXPECT_TRUE(fs::is_empty(VersionDir("m", 9)));
+  fs::remove(VersionDir("m", 9));
+
+  // Without load_now the next poll picks it up; a new model directory is created.
+  ASSERT_TRUE(repo_->Publish(second.string(), {"fresh", 1}, /*load_now=*/false).ok());
+  EXPECT_EQ(Served("fresh"), -1);
+  ASSERT_TRUE(repo_->Poll().ok());
+  EXPECT_EQ(Served("fresh"), 1);
+
+  EXPECT_EQ(repo_->Publish((fs::path(root_) / ".staging" / "gone").string(), {"m", 5}, true).code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(repo_->Publish(staging.string(), {".hidden", 1}, true).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(ModelRepositoryTest, PublishReturnsTheLoadErrorOfABrokenUpload) {
+  MakeVersion("m", 1);
+  Open();
+  const fs::path staging = fs::path(root_) / ".staging" / "u";
+  fs::create_directories(staging);
+  std::ofstream(staging / "broken") << "";
+  absl::Status s = repo_->Publish(staging.string(), {"m", 2}, /*load_now=*/true);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(Served("m"), 1);
+  EXPECT_THAT(States()["m"], ElementsAre("1:available", "2:failed"));
+}
+
+TEST_F(ModelRepositoryTest, CreateRemovesCrashLeftoversOlderThanTheProcess) {
+  MakeVersion("m", 1);
+  const fs::path old_upload = fs::path(root_) / ".staging" / "old-upload";
+  const fs::path live_upload = fs::path(root_) / ".staging" / "live-upload";
+  const fs::path old_trash = fs::path(root_) / ".trash-m-7-123-456";
+  for (const auto& p : {old_upload, live_upload, old_trash}) {
+    fs::create_directories(p);
+    std::ofstream(p / "model.safetensors") << "partial";
+  }
+  const auto an_hour_ago = fs::file_time_type::clock::now() - std::chrono::hours(1);
+  fs::last_write_time(old_upload, an_hour_ago);
+  fs::last_write_time(old_trash, an_hour_ago);
+  Open();
+  EXPECT_FALSE(fs::exists(old_upload));
+  EXPECT_FALSE(fs::exists(old_trash));
+  EXPECT_TRUE(fs::exists(live_upload / "model.safetensors"));  // may belong to a live upload
+  EXPECT_EQ(Served("m"), 1);
+}
+
+TEST_F(ModelRepositoryTest, CreateRejectsBadOptionsAndAMissingRoot) {
+  auto loader = loader_.AsLoader();
+  RepositoryOptions o = Options();
+  o.root = (fs::path(root_) / "missing").string();
+  auto r = ModelRepository::Create(o, loader);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(r.status().message(), HasSubstr(o.root));
+
+  std::ofstream(fs::path(root_) / "file") << "";
+  o.root = (fs::path(root_) / "file").string();
+  EXPECT_EQ(ModelRepository::Create(o, loader).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+
+  o = Options();
+  o.versions_to_keep = 0;
+  EXPECT_EQ(ModelRepository::Create(o, loader).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  o = Options();
+  o.num_load_threads = 0;
+  EXPECT_EQ(ModelRepository::Create(o, loader).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ModelRepository::Create(Options(), nullptr).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(ModelRepositoryTest, PollFailsWithoutUnloadingWhenTheRootDisappears) {
+  MakeVersion("m", 1);
+  Open();
+  const std::string moved = root_ + ".moved";
+  fs::rename(root_, moved);
+  EXPECT_EQ(repo_->Poll().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(Served("m"), 1);
+  fs::rename(moved, root_);
+  EXPECT_TRUE(repo_->Poll().ok());
+}
+
+TEST_F(ModelRepositoryTest, LoadsInParallelWithSeveralLoadThreads) {
+  MakeVersion("a", 1);
+  MakeVersion("b", 1);
+  // Each load waits until the other one has started: only completes if both run at once.
+  absl::Notification a_started, b_started;
+  std::atomic<bool> both_ran{true};
+  RepositoryOptions o = Options();
+  o.num_load_threads = 2;
+  auto r = ModelRepository::Create(
+      o, [&](const ServableId& id,
+             const std::string& path) -> absl::StatusOr<std::shared_ptr<Servable>> {
+        (id.model == "a" ? a_started : b_started).Notify();
+        if (!(id.model == "a" ? b_started : a_started)
+                 .WaitForNotificationWithTimeout(absl::Seconds(30))) {
+          both_ran = false;
+        }
+        return std::make_shared<FakeServable>(id, path, &loader_.destroyed);
+      });
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(both_ran);
+  EXPECT_TRUE((*r)->Get("a").ok());
+  EXPECT_TRUE((*r)->Get("b").ok());
+}
+
+TEST_F(ModelRepositoryTest, BackgroundPollerPicksUpNewVersionsAndStopsPromptly) {
+  MakeVersion("m", 1);
+  absl::Notification v2_available;
+  RepositoryOptions o = Options();
+  o.poll_interval = absl::Milliseconds(5);
+  o.on_event = [&](const ServableId& id, VersionEvent event, const absl::Status&) {
+    if (id.version == 2 && event == VersionEvent::kAvailable) v2_available.Notify();
+  };
+  Open(o);
+  MakeVersion("m", 2);
+  ASSERT_TRUE(v2_available.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  EXPECT_EQ(Served("m"), 2);
+  repo_->StopPolling();
+  repo_->StopPolling();  // idempotent
+  repo_->StartPolling();
+
+  // An hour-long interval: the destructor must wake the poller instead of waiting it out
+  // (the test would time out otherwise).
+  o.poll_interval = absl::Hours(1);
+  o.on_event = nullptr;
+  auto slow = ModelRepository::Create(o, loader_.AsLoader());
+  ASSERT_TRUE(slow.ok());
+  slow->reset();
+}
+
+// Many readers while the served version changes under them on every poll: no Get ever fails, and
+// each reader sees versions only move forward.
+TEST_F(ModelRepositoryTest, ConcurrentGetsDuringRepeatedPollsNeverFail) {
+  MakeVersion("m", 1);
+  RepositoryOptions o = Options(/*keep=*/1);
+  o.num_load_threads = 2;
+  o.on_event = nullptr;
+  Open(o);
+  constexpr int kReaders = 6;
+  constexpr int kVersions = 40;
+  std::atomic<bool> done{false};
+  std::atomic<int> failures{0}, regressions{0};
+  std::atomic<int64_t> gets{0};
+  std::vector<std::thread> readers;
+  for (int t = 0; t < kReaders; ++t) {
+    readers.emplace_back([&, t] {
+      int64_t last = 0;
+      while (!done.load()) {
+        auto s = (t % 2 == 0) ? repo_->Get("m") : repo_->Get("m", std::nullopt);
+        if (!s.ok()) {
+          ++failures;
+          continue;
+        }
+        const int64_t v = VersionOf(*s);
+        if (v < last) ++regressions;
+        last = v;
+        ++gets;
+        if (t == 0) repo_->List();
+        if (t == 1) repo_->AllLoaded();
+      }
+    });
+  }
+  for (int v = 2; v <= kVersions; ++v) {
+    MakeVersion("m", v);
+    if (v % 3 == 0) fs::remove_all(VersionDir("m", v - 2));  // old ones vanish as well
+    ASSERT_TRUE(repo_->Poll().ok());
+  }
+  done = true;
+  for (auto& t : readers) t.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_EQ(regressions.load(), 0);
+  EXPECT_GT(gets.load(), 0);
+  EXPECT_EQ(Served("m"), kVersions);
+  for (int v = 1; v < kVersions; ++v) EXPECT_LE(loader_.loads("m", v), 1) << v;
+}
+
+}  // namespace
+}  // namespace collabserve::repository
