@@ -1,0 +1,388 @@
+#include "server/text/bert_tokenizer.h"
+
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <sstream>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "nlohmann/json.hpp"
+#include "server/text/bert_normalizer.h"
+#include "server/text/bert_pre_tokenizer.h"
+#include "server/text/unicode.h"
+#include "server/text/utf8.h"
+#include "server/util/status_macros.h"  // header-only
+
+namespace collabserve::text {
+namespace {
+
+constexpr size_t kMaxVocabFileBytes = size_t{1} << 30;
+constexpr size_t kMaxConfigFileBytes = size_t{64} << 20;
+
+// Debian's abseil has its own string_view type, which StrCat does not take a std::string_view as.
+absl::string_view AV(std::string_view s) { return absl::string_view(s.data(), s.size()); }
+
+bool IsRegularFile(const std::string& path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+absl::StatusOr<std::string> ReadWholeFile(const std::string& path, size_t max_bytes) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) {
+    const int err = errno;
+    if (err == ENOENT) return absl::NotFoundError(absl::StrCat(path, ": no such file"));
+    return absl::FailedPreconditionError(absl::StrCat(path, ": ", std::strerror(err)));
+  }
+  if (!S_ISREG(st.st_mode)) return absl::FailedPreconditionError(absl::StrCat(path, ": not a regular file"));
+  if (static_cast<uint64_t>(st.st_size) > max_bytes) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(path, ": ", st.st_size, " bytes is over the limit of ", max_bytes));
+  }
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream buf;
+  buf << in.rdbuf();
+  if (!in.good() && !in.eof()) {
+    return absl::FailedPreconditionError(absl::StrCat(path, ": read error"));
+  }
+  return std::move(buf).str();
+}
+
+std::string JoinPath(const std::string& dir, const char* name) {
+  if (dir.empty() || dir.back() == '/') return dir + name;
+  return dir + "/" + name;
+}
+
+// Splits vocab.txt the way tokenizers' WordPiece::read_file does: BufRead::lines (ends at "\n",
+// drops one "\r" before it, no empty line after a final "\n"), then str::trim_end.
+absl::StatusOr<std::vector<std::string>> ParseVocab(const std::string& path,
+                                                    const std::string& contents) {
+  std::vector<std::string> vocab;
+  std::vector<char32_t> cps;
+  size_t pos = 0;
+  while (pos < contents.size()) {
+    size_t nl = contents.find('\n', pos);
+    if (nl == std::string::npos) nl = contents.size();
+    std::string_view line(contents.data() + pos, nl - pos);
+    if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
+    cps.clear();
+    absl::Status s = DecodeUtf8(line, &cps);
+    if (!s.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": line ", vocab.size() + 1, " (id ", vocab.size(), "): ", s.message()));
+    }
+    size_t keep = cps.size();
+    while (keep > 0 && (unicode::Properties(cps[keep - 1]) & unicode::kWhitespace)) --keep;
+    if (keep == cps.size()) {
+      vocab.emplace_back(line);
+    } else {
+      std::string trimmed;
+      for (size_t i = 0; i < keep; ++i) AppendUtf8(cps[i], &trimmed);
+      vocab.push_back(std::move(trimmed));
+    }
+    pos = nl + 1;
+  }
+  if (vocab.empty()) return absl::InvalidArgumentError(absl::StrCat(path, ": the vocabulary is empty"));
+  return vocab;
+}
+
+absl::Status WrongType(const std::string& path, const std::string& key, std::string_view want,
+                       const nlohmann::json& got) {
+  return absl::InvalidArgumentError(absl::StrCat(path, ": \"", key, "\" must be ", AV(want), ", not ",
+                                                 got.type_name(), " ", got.dump()));
+}
+
+// Applies the keys of a tokenizer_config.json or special_tokens_map.json to `o`.
+absl::Status ApplyConfig(const std::string& path, TokenizerOptions* o) {
+  ASSIGN_OR_RETURN(std::string contents, ReadWholeFile(path, kMaxConfigFileBytes));
+  nlohmann::json j = nlohmann::json::parse(contents, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) {
+    // Parse again with exceptions for the message (where and what).
+    try {
+      nlohmann::json ignored = nlohmann::json::parse(contents);
+    } catch (const nlohmann::json::exception& e) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": malformed JSON: ", e.what()));
+    }
+    return absl::InvalidArgumentError(absl::StrCat(path, ": malformed JSON"));
+  }
+  if (!j.is_object()) return absl::InvalidArgumentError(absl::StrCat(path, ": not a JSON object"));
+  auto get_bool = [&](const char* key, bool* out) -> absl::Status {
+    auto it = j.find(key);
+    if (it == j.end()) return absl::OkStatus();
+    if (!it->is_boolean()) return WrongType(path, key, "true or false", *it);
+    *out = it->get<bool>();
+    return absl::OkStatus();
+  };
+  RETURN_IF_ERROR(get_bool("do_lower_case", &o->do_lower_case));
+  RETURN_IF_ERROR(get_bool("tokenize_chinese_chars", &o->tokenize_chinese_chars));
+  RETURN_IF_ERROR(get_bool("split_special_tokens", &o->split_special_tokens));
+  if (auto it = j.find("strip_accents"); it != j.end()) {
+    if (it->is_null()) {
+      o->strip_accents.reset();
+    } else if (it->is_boolean()) {
+      o->strip_accents = it->get<bool>();
+    } else {
+      return WrongType(path, "strip_accents", "true, false or null", *it);
+    }
+  }
+  if (auto it = j.find("model_max_length"); it != j.end()) {
+    if (!it->is_number()) return WrongType(path, "model_max_length", "a number", *it);
+    const double v = it->get<double>();
+    if (!(v >= 2) || (it->is_number_float() && v < std::numeric_limits<int>::max() && v != static_cast<int>(v))) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": \"model_max_length\" must be an integer >= 2, not ", it->dump()));
+    }
+    // Hugging Face writes 1e30 (VERY_LARGE_INTEGER) for "no limit".
+    o->model_max_length = v >= std::numeric_limits<int>::max() ? std::numeric_limits<int>::max()
+                                                               : static_cast<int>(v);
+  }
+  const std::pair<const char*, std::string*> tokens[] = {
+      {"unk_token", &o->unk_token}, {"sep_token", &o->sep_token},   {"pad_token", &o->pad_token},
+      {"cls_token", &o->cls_token}, {"mask_token", &o->mask_token}};
+  for (const auto& [key, out] : tokens) {
+    auto it = j.find(key);
+    if (it == j.end()) continue;
+    if (it->is_string()) {
+      *out = it->get<std::string>();
+    } else if (it->is_object() && it->contains("content") && (*it)["content"].is_string()) {
+      *out = (*it)["content"].get<std::string>();  // a serialized AddedToken
+    } else {
+      return WrongType(path, key, "a string or an object with a string \"content\"", *it);
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+BertTokenizer::BertTokenizer(std::vector<std::string> vocab, TokenizerOptions options, int32_t unk_id)
+    : vocab_(std::move(vocab)),
+      options_(std::move(options)),
+      wordpiece_(vocab_, unk_id),
+      unk_id_(unk_id) {}
+
+absl::StatusOr<std::unique_ptr<BertTokenizer>> BertTokenizer::Create(std::vector<std::string> vocab,
+                                                                     TokenizerOptions options) {
+  if (vocab.empty()) return absl::InvalidArgumentError("the vocabulary is empty");
+  if (vocab.size() > static_cast<size_t>(std::numeric_limits<int32_t>::max())) {
+    return absl::InvalidArgumentError(absl::StrCat("the vocabulary has ", vocab.size(), " tokens"));
+  }
+  if (options.model_max_length < 2) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model_max_length must be at least 2 (room for [CLS] and [SEP]), not ", options.model_max_length));
+  }
+  for (const auto& [name, token] : {std::pair<const char*, const std::string*>{"unk_token", &options.unk_token},
+                                    {"sep_token", &options.sep_token},
+                                    {"pad_token", &options.pad_token},
+                                    {"cls_token", &options.cls_token}}) {
+    if (token->empty()) return absl::InvalidArgumentError(absl::StrCat(name, " is empty"));
+  }
+  // Later duplicates win, as in WordPiece.
+  auto find = [&vocab](const std::string& token) -> int32_t {
+    for (size_t i = vocab.size(); i-- > 0;) {
+      if (vocab[i] == token) return static_cast<int32_t>(i);
+    }
+    return -1;
+  };
+  int32_t ids[5];
+  const std::pair<const char*, const std::string*> specials[] = {
+      {"unk_token", &options.unk_token}, {"sep_token", &options.sep_token},
+      {"pad_token", &options.pad_token}, {"cls_token", &options.cls_token},
+      {"mask_token", &options.mask_token}};
+  for (int k = 0; k < 5; ++k) {
+    const std::string& token = *specials[k].second;
+    ids[k] = token.empty() ? -1 : find(token);
+    if (!token.empty() && ids[k] < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(specials[k].first, " \"", token,
+                                                     "\" is not in the vocabulary (", vocab.size(),
+                                                     " tokens)"));
+    }
+  }
+  std::vector<std::pair<std::u32string, int32_t>> special_tokens;
+  if (!options.split_special_tokens) {
+    for (int k = 0; k < 5; ++k) {
+      if (ids[k] < 0) continue;
+      std::vector<char32_t> cps;
+      RETURN_IF_ERROR(DecodeUtf8(*specials[k].second, &cps));
+      special_tokens.emplace_back(std::u32string(cps.begin(), cps.end()), ids[k]);
+    }
+  }
+  auto tokenizer = std::unique_ptr<BertTokenizer>(
+      new BertTokenizer(std::move(vocab), std::move(options), ids[0]));
+  tokenizer->sep_id_ = ids[1];
+  tokenizer->pad_id_ = ids[2];
+  tokenizer->cls_id_ = ids[3];
+  tokenizer->mask_id_ = ids[4];
+  tokenizer->special_tokens_ = std::move(special_tokens);
+  return tokenizer;
+}
+
+absl::StatusOr<std::unique_ptr<BertTokenizer>> BertTokenizer::FromFiles(
+    const std::string& vocab_path, const std::string& tokenizer_config_path) {
+  TokenizerOptions options;
+  if (!tokenizer_config_path.empty()) RETURN_IF_ERROR(ApplyConfig(tokenizer_config_path, &options));
+  ASSIGN_OR_RETURN(std::string contents, ReadWholeFile(vocab_path, kMaxVocabFileBytes));
+  ASSIGN_OR_RETURN(std::vector<std::string> vocab, ParseVocab(vocab_path, contents));
+  auto tokenizer = Create(std::move(vocab), std::move(options));
+  if (!tokenizer.ok()) {
+    return absl::Status(tokenizer.status().code(),
+                        absl::StrCat(vocab_path, ": ", tokenizer.status().message()));
+  }
+  return tokenizer;
+}
+
+absl::StatusOr<std::unique_ptr<BertTokenizer>> BertTokenizer::FromDirectory(const std::string& dir) {
+  const std::string vocab_path = JoinPath(dir, "vocab.txt");
+  const std::string config_path = JoinPath(dir, "tokenizer_config.json");
+  const std::string map_path = JoinPath(dir, "special_tokens_map.json");
+  TokenizerOptions options;
+  if (IsRegularFile(config_path)) RETURN_IF_ERROR(ApplyConfig(config_path, &options));
+  if (IsRegularFile(map_path)) RETURN_IF_ERROR(ApplyConfig(map_path, &options));
+  ASSIGN_OR_RETURN(std::string contents, ReadWholeFile(vocab_path, kMaxVocabFileBytes));
+  ASSIGN_OR_RETURN(std::vector<std::string> vocab, ParseVocab(vocab_path, contents));
+  auto tokenizer = Create(std::move(vocab), std::move(options));
+  if (!tokenizer.ok()) {
+    return absl::Status(tokenizer.status().code(),
+                        absl::StrCat(vocab_path, ": ", tokenizer.status().message()));
+  }
+  return tokenizer;
+}
+
+const std::string& BertTokenizer::IdToToken(int32_t id) const {
+  static const std::string* const kEmpty = new std::string();
+  if (id < 0 || static_cast<size_t>(id) >= vocab_.size()) return *kEmpty;
+  return vocab_[id];
+}
+
+void BertTokenizer::AppendSegmentIds(const char32_t* begin, const char32_t* end,
+                                     std::vector<int32_t>* ids) const {
+  if (begin == end) return;
+  BertNormalizerOptions norm;
+  norm.handle_chinese_chars = options_.tokenize_chinese_chars;
+  norm.lowercase = options_.do_lower_case;
+  norm.strip_accents = options_.strip_accents.value_or(options_.do_lower_case);
+  // Scratch buffers, reused by every call on this thread.
+  thread_local std::vector<char32_t> normalized;
+  thread_local std::vector<WordSpan> words;
+  thread_local std::string word, scratch;
+  normalized.clear();
+  words.clear();
+  BertNormalize(begin, end, norm, &normalized);
+  BertPreTokenize(normalized.data(), normalized.size(), &words);
+  for (const auto& [b, e] : words) {
+    word.clear();
+    for (size_t i = b; i < e; ++i) AppendUtf8(normalized[i], &word);
+    wordpiece_.Tokenize(word, e - b, ids, &scratch);
+  }
+}
+
+absl::Status BertTokenizer::AppendIds(std::string_view text, std::string_view what,
+                                      std::vector<int32_t>* ids) const {
+  thread_local std::vector<char32_t> cps;
+  cps.clear();
+  absl::Status s = DecodeUtf8(text, &cps);
+  if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat(AV(what), ": ", s.message()));
+  const char32_t* data = cps.data();
+  const size_t n = cps.size();
+  // Special tokens: leftmost match first, the longest at that position (Hugging Face's
+  // AddedVocabulary uses Aho-Corasick with LeftmostLongest); the text between is tokenized normally.
+  size_t segment_start = 0, i = 0;
+  while (i < n && !special_tokens_.empty()) {
+    size_t best_len = 0;
+    int32_t best_id = -1;
+    for (const auto& [token, id] : special_tokens_) {
+      if (token.size() > best_len && token.size() <= n - i && token[0] == data[i] &&
+          std::equal(token.begin(), token.end(), data + i)) {
+        best_len = token.size();
+        best_id = id;
+      }
+    }
+    if (best_len == 0) {
+      ++i;
+      continue;
+    }
+    AppendSegmentIds(data + segment_start, data + i, ids);
+    ids->push_back(best_id);
+    i += best_len;
+    segment_start = i;
+  }
+  AppendSegmentIds(data + segment_start, data + n, ids);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<int32_t>> BertTokenizer::TokenizeToIds(std::string_view text) const {
+  std::vector<int32_t> ids;
+  RETURN_IF_ERROR(AppendIds(text, "text", &ids));
+  return ids;
+}
+
+absl::StatusOr<std::vector<std::string>> BertTokenizer::Tokenize(std::string_view text) const {
+  ASSIGN_OR_RETURN(std::vector<int32_t> ids, TokenizeToIds(text));
+  std::vector<std::string> tokens;
+  tokens.reserve(ids.size());
+  for (int32_t id : ids) tokens.push_back(vocab_[id]);
+  return tokens;
+}
+
+absl::StatusOr<Encoding> BertTokenizer::Encode(std::string_view text,
+                                               std::optional<std::string_view> text_pair,
+                                               int max_length, bool truncate) const {
+  std::vector<int32_t> a, b;
+  RETURN_IF_ERROR(AppendIds(text, "text", &a));
+  if (text_pair) RETURN_IF_ERROR(AppendIds(*text_pair, "text_pair", &b));
+  const size_t limit = static_cast<size_t>(max_length > 0 ? max_length : options_.model_max_length);
+  const size_t added = text_pair ? 3 : 2;
+  if (limit < added) {
+    return absl::InvalidArgumentError(absl::StrCat("max_length ", limit, " leaves no room for the ",
+                                                   added, " special tokens of ",
+                                                   text_pair ? "a text pair" : "a single text"));
+  }
+  Encoding enc;
+  const size_t total = a.size() + b.size() + added;
+  enc.num_tokens_before_truncation = static_cast<int>(total);
+  if (total > limit) {
+    if (!truncate) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the input is ", total, " tokens long (special tokens included), over max_length ", limit,
+          max_length > 0 ? "" : " (model_max_length)", ", and truncation is off"));
+    }
+    // tokenizers' truncate_encodings (utils/truncation.rs) with max_length - added special tokens.
+    const size_t max = limit - added;
+    size_t n1 = a.size(), n2 = b.size();
+    if (!text_pair) {
+      n1 = max;
+    } else if (max == 0) {
+      n1 = n2 = 0;
+    } else {
+      const bool swap = n1 > n2;
+      if (swap) std::swap(n1, n2);
+      n2 = n1 > max ? n1 : std::max(n1, max - n1);
+      if (n1 + n2 > max) {
+        n1 = max / 2;
+        n2 = n1 + max % 2;
+      }
+      if (swap) std::swap(n1, n2);
+    }
+    if (n1 < a.size()) a.resize(n1);
+    if (n2 < b.size()) b.resize(n2);
+    enc.truncated = true;
+  }
+  enc.input_ids.reserve(a.size() + b.size() + added);
+  enc.input_ids.push_back(cls_id_);
+  enc.input_ids.insert(enc.input_ids.end(), a.begin(), a.end());
+  enc.input_ids.push_back(sep_id_);
+  enc.token_type_ids.assign(enc.input_ids.size(), 0);
+  if (text_pair) {
+    enc.input_ids.insert(enc.input_ids.end(), b.begin(), b.end());
+    enc.input_ids.push_back(sep_id_);
+    enc.token_type_ids.resize(enc.input_ids.size(), 1);
+  }
+  return enc;
+}
+
+}  // namespace collabserve::text

@@ -1,0 +1,110 @@
+// BERT WordPiece tokenization that gives the same ids as Hugging Face's BertTokenizerFast (the Rust
+// `tokenizers` crate): BertNormalizer, BertPreTokenizer, WordPiece, BertProcessing and LongestFirst
+// truncation, with the special tokens matched in the input as BertTokenizerFast does.
+#ifndef COLLABSERVE_SERVER_TEXT_BERT_TOKENIZER_H_
+#define COLLABSERVE_SERVER_TEXT_BERT_TOKENIZER_H_
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "server/text/wordpiece.h"
+
+namespace collabserve::text {
+
+struct TokenizerOptions {
+  bool do_lower_case = true;
+  // Unset: follows do_lower_case, as in Hugging Face.
+  std::optional<bool> strip_accents;
+  bool tokenize_chinese_chars = true;
+  // The limit Encode applies when called with max_length <= 0. Must be >= 2.
+  int model_max_length = 512;
+  std::string unk_token = "[UNK]", sep_token = "[SEP]", pad_token = "[PAD]", cls_token = "[CLS]",
+              mask_token = "[MASK]";
+  // false (Hugging Face's default): the special tokens above, written literally in the input
+  // ("a [SEP] b"), become their ids, matched case-sensitively before normalization. true: they are
+  // tokenized like any other text ("[", "sep", "]").
+  bool split_special_tokens = false;
+};
+
+struct Encoding {
+  std::vector<int32_t> input_ids;
+  std::vector<int32_t> token_type_ids;  // 0 for [CLS] a [SEP], 1 for b [SEP]
+  bool truncated = false;
+  // Length of input_ids (special tokens included) had nothing been truncated.
+  int num_tokens_before_truncation = 0;
+};
+
+// Immutable after creation; all methods are thread-safe.
+class BertTokenizer {
+ public:
+  // Loads `vocab_path` (vocab.txt: one token a line, the line number is the id; as Hugging Face's
+  // reader, "\n" or "\r\n" ends a line and trailing whitespace is trimmed; a token that appears twice
+  // maps to its later id) and, unless `tokenizer_config_path` is "", tokenizer_config.json: the keys
+  // do_lower_case, strip_accents (bool or null), tokenize_chinese_chars, model_max_length (values
+  // above 2^31-1, like Hugging Face's 1e30 "no limit", become 2^31-1), unk/sep/pad/cls/mask_token
+  // (string or {"content": ...}) and split_special_tokens; other keys are ignored.
+  // Errors name the file: NOT_FOUND for a missing file; INVALID_ARGUMENT for an empty vocabulary,
+  // invalid UTF-8 in it, a special token missing from it, malformed JSON or a key of the wrong type.
+  static absl::StatusOr<std::unique_ptr<BertTokenizer>> FromFiles(
+      const std::string& vocab_path, const std::string& tokenizer_config_path);
+
+  // `dir`/vocab.txt plus `dir`/tokenizer_config.json and `dir`/special_tokens_map.json when they
+  // exist (the latter's special tokens override the former's, as in Hugging Face).
+  static absl::StatusOr<std::unique_ptr<BertTokenizer>> FromDirectory(const std::string& dir);
+
+  // `vocab[i]` is the token of id i. INVALID_ARGUMENT if the vocabulary is empty or lacks one of
+  // the special tokens (mask_token may be "" for none), or model_max_length < 2.
+  static absl::StatusOr<std::unique_ptr<BertTokenizer>> Create(std::vector<std::string> vocab,
+                                                               TokenizerOptions options);
+
+  // The word-piece ids of `text` (normalizer, pre-tokenizer, WordPiece), without [CLS]/[SEP].
+  // INVALID_ARGUMENT, naming the byte offset, if `text` is not valid UTF-8.
+  absl::StatusOr<std::vector<int32_t>> TokenizeToIds(std::string_view text) const;
+  // The same as tokens (vocabulary strings).
+  absl::StatusOr<std::vector<std::string>> Tokenize(std::string_view text) const;
+
+  // [CLS] text [SEP], or [CLS] text [SEP] text_pair [SEP]. `max_length` counts the special tokens;
+  // <= 0 means options().model_max_length. When the result would be longer: with `truncate`, the
+  // word pieces are cut exactly as Hugging Face's LongestFirst strategy does (from the right; the
+  // longer side first, see utils/truncation.rs); without, INVALID_ARGUMENT naming the length and the
+  // limit. INVALID_ARGUMENT too if max_length is below the number of special tokens (2, or 3 for a
+  // pair) or either text is not valid UTF-8.
+  absl::StatusOr<Encoding> Encode(std::string_view text, std::optional<std::string_view> text_pair,
+                                  int max_length = 0, bool truncate = true) const;
+
+  int32_t cls_id() const { return cls_id_; }
+  int32_t sep_id() const { return sep_id_; }
+  int32_t pad_id() const { return pad_id_; }
+  int32_t unk_id() const { return unk_id_; }
+  int32_t mask_id() const { return mask_id_; }  // -1 when mask_token is ""
+  // The number of ids (lines of vocab.txt), which is the embedding size the model needs. It exceeds
+  // the number of distinct tokens when the vocabulary repeats a token.
+  int vocab_size() const { return static_cast<int>(vocab_.size()); }
+  const TokenizerOptions& options() const { return options_; }
+  // The token of `id`; "" when `id` is out of range.
+  const std::string& IdToToken(int32_t id) const;
+  // The id of `token`, or -1.
+  int32_t TokenToId(const std::string& token) const { return wordpiece_.TokenToId(token); }
+
+ private:
+  BertTokenizer(std::vector<std::string> vocab, TokenizerOptions options, int32_t unk_id);
+  absl::Status AppendIds(std::string_view text, std::string_view what,
+                         std::vector<int32_t>* ids) const;
+  void AppendSegmentIds(const char32_t* begin, const char32_t* end, std::vector<int32_t>* ids) const;
+
+  std::vector<std::string> vocab_;
+  TokenizerOptions options_;
+  WordPiece wordpiece_;
+  int32_t unk_id_, cls_id_ = -1, sep_id_ = -1, pad_id_ = -1, mask_id_ = -1;
+  // Special tokens matched in the input (empty when split_special_tokens), as UTF-32 with their ids.
+  std::vector<std::pair<std::u32string, int32_t>> special_tokens_;
+};
+
+}  // namespace collabserve::text
+
+#endif  // COLLABSERVE_SERVER_TEXT_BERT_TOKENIZER_H_

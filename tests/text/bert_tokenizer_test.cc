@@ -1,0 +1,291 @@
+#include "server/text/bert_tokenizer.h"
+
+#include <cstdlib>
+#include <fstream>
+#include <limits>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace collabserve::text {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+std::string SourceDir() {
+  const char* dir = std::getenv("COLLABSERVE_SOURCE_DIR");
+  return dir ? dir : ".";
+}
+std::string VocabPath() { return SourceDir() + "/tests/data/bert-base-uncased-vocab.txt"; }
+
+std::string TempPath(const std::string& name) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  return std::string(tmp ? tmp : "/tmp") + "/collabserve_text_test_" + std::to_string(::getpid()) + "_" + name;
+}
+std::string WriteTemp(const std::string& name, const std::string& contents) {
+  const std::string path = TempPath(name);
+  std::ofstream(path, std::ios::binary) << contents;
+  return path;
+}
+
+class BertTokenizerTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    auto t = BertTokenizer::FromFiles(VocabPath(), "");
+    ASSERT_TRUE(t.ok()) << t.status();
+    tokenizer_ = t->release();
+  }
+  static void TearDownTestSuite() { delete tokenizer_; }
+  static BertTokenizer* tokenizer_;
+};
+BertTokenizer* BertTokenizerTest::tokenizer_ = nullptr;
+
+TEST_F(BertTokenizerTest, TokenizesTheReadmeExample) {
+  auto ids = tokenizer_->TokenizeToIds("i like strawberries");
+  ASSERT_TRUE(ids.ok()) << ids.status();
+  EXPECT_THAT(*ids, ElementsAre(1045, 2066, 13137, 20968));
+  auto tokens = tokenizer_->Tokenize("I like strawberries!");
+  ASSERT_TRUE(tokens.ok());
+  EXPECT_THAT(*tokens, ElementsAre("i", "like", "straw", "##berries", "!"));
+  EXPECT_EQ(tokenizer_->vocab_size(), 30522);
+  EXPECT_EQ(tokenizer_->cls_id(), 101);
+  EXPECT_EQ(tokenizer_->sep_id(), 102);
+  EXPECT_EQ(tokenizer_->pad_id(), 0);
+  EXPECT_EQ(tokenizer_->unk_id(), 100);
+  EXPECT_EQ(tokenizer_->mask_id(), 103);
+  EXPECT_EQ(tokenizer_->IdToToken(13137), "straw");
+  EXPECT_EQ(tokenizer_->IdToToken(-1), "");
+  EXPECT_EQ(tokenizer_->IdToToken(30522), "");
+}
+
+TEST_F(BertTokenizerTest, MatchesSpecialTokensWrittenInTheText) {
+  auto tokens = tokenizer_->Tokenize("hello[SEP]world [MASK] [mask]");
+  ASSERT_TRUE(tokens.ok());
+  EXPECT_THAT(*tokens, ElementsAre("hello", "[SEP]", "world", "[MASK]", "[", "mask", "]"));
+}
+
+TEST_F(BertTokenizerTest, EncodesSinglesAndPairs) {
+  auto e = tokenizer_->Encode("i like", std::nullopt);
+  ASSERT_TRUE(e.ok());
+  EXPECT_THAT(e->input_ids, ElementsAre(101, 1045, 2066, 102));
+  EXPECT_THAT(e->token_type_ids, ElementsAre(0, 0, 0, 0));
+  EXPECT_FALSE(e->truncated);
+  EXPECT_EQ(e->num_tokens_before_truncation, 4);
+  e = tokenizer_->Encode("i like", "strawberries");
+  ASSERT_TRUE(e.ok());
+  EXPECT_THAT(e->input_ids, ElementsAre(101, 1045, 2066, 102, 13137, 20968, 102));
+  EXPECT_THAT(e->token_type_ids, ElementsAre(0, 0, 0, 0, 1, 1, 1));
+  e = tokenizer_->Encode("", "");
+  ASSERT_TRUE(e.ok());
+  EXPECT_THAT(e->input_ids, ElementsAre(101, 102, 102));
+}
+
+// Lengths of the two sides after Encode(a words, b words, max_length) with single-piece words.
+std::pair<size_t, size_t> PairLengths(const BertTokenizer& t, int a, int b, int max_length) {
+  std::string x, y;
+  for (int i = 0; i < a; ++i) x += "a ";
+  for (int i = 0; i < b; ++i) y += "b ";
+  auto e = t.Encode(x, y, max_length);
+  EXPECT_TRUE(e.ok()) << e.status();
+  size_t first = 0;
+  while (e->input_ids[first + 1] != 102) ++first;
+  return {first, e->input_ids.size() - first - 3};
+}
+
+TEST_F(BertTokenizerTest, TruncatesLongestFirstAsHuggingFace) {
+  // The cases of tokenizers' truncation.rs test with max_length 7 (+3 special tokens).
+  EXPECT_EQ(PairLengths(*tokenizer_, 2, 8, 10), std::make_pair(size_t{2}, size_t{5}));
+  EXPECT_EQ(PairLengths(*tokenizer_, 4, 4, 10), std::make_pair(size_t{3}, size_t{4}));
+  EXPECT_EQ(PairLengths(*tokenizer_, 4, 8, 10), std::make_pair(size_t{3}, size_t{4}));
+  EXPECT_EQ(PairLengths(*tokenizer_, 8, 2, 10), std::make_pair(size_t{5}, size_t{2}));
+  EXPECT_EQ(PairLengths(*tokenizer_, 8, 4, 10), std::make_pair(size_t{4}, size_t{3}));
+  EXPECT_EQ(PairLengths(*tokenizer_, 8, 8, 10), std::make_pair(size_t{3}, size_t{4}));
+  EXPECT_EQ(PairLengths(*tokenizer_, 0, 8, 10), std::make_pair(size_t{0}, size_t{7}));
+  EXPECT_EQ(PairLengths(*tokenizer_, 2, 2, 10), std::make_pair(size_t{2}, size_t{2}));
+  EXPECT_EQ(PairLengths(*tokenizer_, 5, 5, 3), std::make_pair(size_t{0}, size_t{0}));
+
+  auto e = tokenizer_->Encode("a b c d e f", std::nullopt, 5);
+  ASSERT_TRUE(e.ok());
+  EXPECT_THAT(e->input_ids, ElementsAre(101, 1037, 1038, 1039, 102));
+  EXPECT_TRUE(e->truncated);
+  EXPECT_EQ(e->num_tokens_before_truncation, 8);
+}
+
+TEST_F(BertTokenizerTest, RefusesTooLongInputWithoutTruncation) {
+  auto e = tokenizer_->Encode("a b c d e f", std::nullopt, 5, /*truncate=*/false);
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(e.status().message(), HasSubstr("8 tokens"));
+  EXPECT_THAT(e.status().message(), HasSubstr("max_length 5"));
+  EXPECT_TRUE(tokenizer_->Encode("a b c", std::nullopt, 5, false).ok());
+  e = tokenizer_->Encode("a", "b", 2);
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(e.status().message(), HasSubstr("3 special tokens"));
+}
+
+TEST_F(BertTokenizerTest, DefaultLimitIsModelMaxLength) {
+  std::string text;
+  for (int i = 0; i < 600; ++i) text += "a ";
+  auto e = tokenizer_->Encode(text, std::nullopt);
+  ASSERT_TRUE(e.ok());
+  EXPECT_EQ(e->input_ids.size(), 512u);
+  EXPECT_EQ(e->num_tokens_before_truncation, 602);
+  EXPECT_THAT(tokenizer_->Encode(text, std::nullopt, 0, false).status().message(),
+              HasSubstr("model_max_length"));
+}
+
+TEST_F(BertTokenizerTest, RejectsInvalidUtf8NamingTheOffset) {
+  auto ids = tokenizer_->TokenizeToIds("ok \xC0\xAF");
+  EXPECT_EQ(ids.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(ids.status().message(), HasSubstr("byte offset 3"));
+  auto e = tokenizer_->Encode("fine", "bad \xED\xA0\x80 surrogate");
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(e.status().message(), HasSubstr("text_pair"));
+  EXPECT_THAT(e.status().message(), HasSubstr("byte offset 4"));
+  EXPECT_EQ(tokenizer_->Encode("trunc \xE2\x82", std::nullopt).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(BertTokenizerTest, IsSafeToShareAcrossThreads) {
+  const std::string text = "Concurrent café tokenization, 中文 and emoji 😀 [SEP] repeated.";
+  auto expected = tokenizer_->Encode(text, "second part", 16);
+  ASSERT_TRUE(expected.ok());
+  std::vector<std::thread> threads;
+  std::vector<int> mismatches(4, 0);
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 200; ++i) {
+        auto e = tokenizer_->Encode(text, "second part", 16);
+        if (!e.ok() || e->input_ids != expected->input_ids) ++mismatches[t];
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_THAT(mismatches, ElementsAre(0, 0, 0, 0));
+}
+
+TEST(BertTokenizerOptionsTest, CasedAndAccentOptionsFollowHuggingFace) {
+  std::vector<std::string> vocab = {"[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "Café", "cafe", "café", "Cafe"};
+  TokenizerOptions o;
+  o.do_lower_case = false;
+  auto cased = BertTokenizer::Create(vocab, o);
+  ASSERT_TRUE(cased.ok()) << cased.status();
+  EXPECT_THAT(*(*cased)->Tokenize("Café"), ElementsAre("Café"));  // strip_accents follows lowercasing
+  o.strip_accents = true;
+  EXPECT_THAT(*(*BertTokenizer::Create(vocab, o))->Tokenize("Café"), ElementsAre("Cafe"));
+  o.do_lower_case = true;
+  o.strip_accents = false;
+  EXPECT_THAT(*(*BertTokenizer::Create(vocab, o))->Tokenize("Café"), ElementsAre("café"));
+  o.strip_accents.reset();
+  EXPECT_THAT(*(*BertTokenizer::Create(vocab, o))->Tokenize("Café"), ElementsAre("cafe"));
+  o.split_special_tokens = true;
+  EXPECT_THAT(*(*BertTokenizer::Create(vocab, o))->TokenizeToIds("[SEP]"), ElementsAre(1, 1, 1));
+}
+
+TEST(BertTokenizerCreateTest, RejectsMissingSpecialTokens) {
+  auto t = BertTokenizer::Create({"[PAD]", "[UNK]", "[CLS]", "[MASK]"}, TokenizerOptions{});
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(t.status().message(), HasSubstr("sep_token \"[SEP]\" is not in the vocabulary"));
+  TokenizerOptions o;
+  o.mask_token = "";
+  EXPECT_TRUE(BertTokenizer::Create({"[PAD]", "[UNK]", "[CLS]", "[SEP]"}, o).ok());
+  o.model_max_length = 1;
+  EXPECT_THAT(BertTokenizer::Create({"[PAD]", "[UNK]", "[CLS]", "[SEP]"}, o).status().message(),
+              HasSubstr("model_max_length"));
+  EXPECT_EQ(BertTokenizer::Create({}, TokenizerOptions{}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(BertTokenizerFilesTest, ReadsVocabLinesAsHuggingFace) {
+  // CRLF endings and trailing whitespace are trimmed; a repeated token maps to its later line.
+  const std::string vocab = WriteTemp("v1.txt", "[PAD]\r\n[UNK]\n[CLS] \n[SEP]\t\n[MASK]\nhello\nworld\nhello\n");
+  auto t = BertTokenizer::FromFiles(vocab, "");
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ((*t)->vocab_size(), 8);
+  EXPECT_EQ((*t)->cls_id(), 2);
+  EXPECT_EQ((*t)->sep_id(), 3);
+  EXPECT_THAT(*(*t)->TokenizeToIds("hello world"), ElementsAre(7, 6));
+  EXPECT_EQ((*t)->IdToToken(5), "hello");
+}
+
+TEST(BertTokenizerFilesTest, AppliesTokenizerConfig) {
+  const std::string vocab = WriteTemp("v2.txt", "<pad>\n<unk>\n<s>\n</s>\nHello\nhello\n");
+  const std::string config = WriteTemp("c2.json", R"({
+    "do_lower_case": false, "strip_accents": null, "tokenize_chinese_chars": false,
+    "model_max_length": 1000000000000000019884624838656, "tokenizer_class": "BertTokenizer",
+    "unk_token": "<unk>", "sep_token": {"content": "</s>", "lstrip": false, "__type": "AddedToken"},
+    "pad_token": "<pad>", "cls_token": "<s>", "mask_token": "", "unknown_key": [1, 2]})");
+  auto t = BertTokenizer::FromFiles(vocab, config);
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_FALSE((*t)->options().do_lower_case);
+  EXPECT_FALSE((*t)->options().strip_accents.has_value());
+  EXPECT_FALSE((*t)->options().tokenize_chinese_chars);
+  EXPECT_EQ((*t)->options().model_max_length, std::numeric_limits<int>::max());
+  EXPECT_EQ((*t)->sep_id(), 3);
+  EXPECT_THAT(*(*t)->TokenizeToIds("Hello hello"), ElementsAre(4, 5));
+}
+
+TEST(BertTokenizerFilesTest, ErrorsNameTheFileAndTheProblem) {
+  auto t = BertTokenizer::FromFiles(TempPath("absent.txt"), "");
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(t.status().message(), HasSubstr("absent.txt"));
+
+  const std::string empty = WriteTemp("empty.txt", "");
+  t = BertTokenizer::FromFiles(empty, "");
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(t.status().message(), HasSubstr("empty.txt: the vocabulary is empty"));
+
+  const std::string no_unk = WriteTemp("nounk.txt", "[PAD]\n[CLS]\n[SEP]\n[MASK]\n");
+  t = BertTokenizer::FromFiles(no_unk, "");
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(t.status().message(), HasSubstr("nounk.txt"));
+  EXPECT_THAT(t.status().message(), HasSubstr("unk_token \"[UNK]\" is not in the vocabulary"));
+
+  const std::string bad_utf8 = WriteTemp("bad.txt", "[PAD]\n[UNK]\nab\xFF\n");
+  t = BertTokenizer::FromFiles(bad_utf8, "");
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(t.status().message(), HasSubstr("bad.txt: line 3"));
+
+  const std::string malformed = WriteTemp("bad.json", "{\"do_lower_case\": tru}");
+  t = BertTokenizer::FromFiles(VocabPath(), malformed);
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(t.status().message(), HasSubstr("bad.json: malformed JSON"));
+
+  const std::string wrong_type = WriteTemp("type.json", "{\"do_lower_case\": \"yes\"}");
+  t = BertTokenizer::FromFiles(VocabPath(), wrong_type);
+  EXPECT_THAT(t.status().message(), HasSubstr("type.json: \"do_lower_case\" must be true or false"));
+
+  const std::string bad_len = WriteTemp("len.json", "{\"model_max_length\": -5}");
+  t = BertTokenizer::FromFiles(VocabPath(), bad_len);
+  EXPECT_THAT(t.status().message(), HasSubstr("\"model_max_length\" must be an integer >= 2"));
+
+  const std::string not_object = WriteTemp("arr.json", "[1]");
+  EXPECT_THAT(BertTokenizer::FromFiles(VocabPath(), not_object).status().message(),
+              HasSubstr("not a JSON object"));
+
+  EXPECT_EQ(BertTokenizer::FromFiles(VocabPath(), TempPath("nope.json")).status().code(),
+            absl::StatusCode::kNotFound);
+}
+
+TEST(BertTokenizerFilesTest, FromDirectoryReadsConfigAndSpecialTokensMap) {
+  const std::string dir = TempPath("dir");
+  ASSERT_EQ(std::system(("mkdir -p " + dir).c_str()), 0);
+  std::ofstream(dir + "/vocab.txt") << "[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\n<m>\nA\na\n";
+  auto t = BertTokenizer::FromDirectory(dir);  // no config files: defaults
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_THAT(*(*t)->TokenizeToIds("A"), ElementsAre(7));
+  std::ofstream(dir + "/tokenizer_config.json") << R"({"do_lower_case": false, "mask_token": "[MASK]"})";
+  std::ofstream(dir + "/special_tokens_map.json") << R"({"mask_token": "<m>"})";
+  t = BertTokenizer::FromDirectory(dir);
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_THAT(*(*t)->TokenizeToIds("A"), ElementsAre(6));
+  EXPECT_EQ((*t)->mask_id(), 5);
+  EXPECT_EQ(BertTokenizer::FromDirectory(dir + "/missing").status().code(), absl::StatusCode::kNotFound);
+  std::system(("rm -rf " + dir).c_str());
+}
+
+}  // namespace
+}  // namespace collabserve::text
