@@ -87,12 +87,19 @@ FileBytes BytesOfString(std::shared_ptr<const std::string> bytes) {
   return out;
 }
 
+bool LooksLikeLegacyTorchSave(const uint8_t* data, size_t size) {
+  // Protocol-2 pickle of the legacy magic number 0x1950a86a20f9469cfc6c (LONG1, 10 bytes).
+  static const uint8_t kMagic[] = {0x80, 0x02, 0x8a, 0x0a, 0x6c, 0xfc, 0x9c, 0x46, 0xf9, 0x20, 0x6a, 0xa8, 0x50, 0x19};
+  return size >= sizeof(kMagic) && std::memcmp(data, kMagic, sizeof(kMagic)) == 0;
+}
+
 absl::StatusOr<Checkpoint> ReadCheckpointFile(const std::string& path) {
   ASSIGN_OR_RETURN(FileBytes bytes, MapFileReadOnly(path));
   if (bytes.size >= 4 && bytes.data[0] == 'P' && bytes.data[1] == 'K' &&
       ((bytes.data[2] == 3 && bytes.data[3] == 4) || (bytes.data[2] == 5 && bytes.data[3] == 6))) {
     return ParseTorchZipBytes(std::move(bytes), path);
   }
+  if (LooksLikeLegacyTorchSave(bytes.data, bytes.size)) return ParseTorchZipBytes(std::move(bytes), path);
   return ParseSafetensorsBytes(std::move(bytes), path);
 }
 

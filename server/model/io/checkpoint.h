@@ -83,6 +83,9 @@ struct FileBytes {
 };
 absl::StatusOr<FileBytes> MapFileReadOnly(const std::string& path);
 
+// True if `bytes` starts like a pre-1.6 torch.save file (a pickle, not a zip), which we refuse.
+bool LooksLikeLegacyTorchSave(const uint8_t* data, size_t size);
+
 // Wraps an in-memory string as FileBytes sharing its ownership.
 FileBytes BytesOfString(std::shared_ptr<const std::string> bytes);
 

@@ -102,6 +102,10 @@ absl::StatusOr<uint64_t> CheckTensorToWrite(const TensorToWrite& t, std::set<std
 
 absl::StatusOr<Checkpoint> ParseTorchZipBytes(FileBytes bytes, std::string_view file) {
   if (bytes.size == 0) return Invalid(file, "file is empty");
+  if (LooksLikeLegacyTorchSave(bytes.data, bytes.size)) {
+    return Invalid(file, "legacy (pre-1.6, non-zip) torch.save format is not supported; re-save it "
+                         "with torch >= 1.6 or convert it to safetensors");
+  }
   ASSIGN_OR_RETURN(ZipArchive zip, ZipArchive::Open(std::move(bytes), file));
 
   // The folder is whatever prefix data.pkl has (torch 1.x uses the file's stem, 2.x "archive").
