@@ -45,7 +45,7 @@ absl::StatusOr<std::string> ReadFile(const std::string& path, size_t max_bytes) 
   return out;
 }
 
-absl::Status WriteFileAtomic(const std::string& path, std::string_view contents) {
+absl::Status WriteFileAtomic(const std::string& path, absl::string_view contents) {
   std::random_device rd;
   std::string tmp = absl::StrCat(path, ".tmp.", ::getpid(), ".", rd());
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
@@ -88,7 +88,7 @@ bool IsDirectory(const std::string& path) {
   return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
 }
 
-std::string JoinPath(std::string_view dir, std::string_view name) {
+std::string JoinPath(absl::string_view dir, absl::string_view name) {
   if (dir.empty()) return std::string(name);
   if (dir.back() == '/') return absl::StrCat(dir, name);
   return absl::StrCat(dir, "/", name);

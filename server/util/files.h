@@ -4,7 +4,7 @@
 #define COLLABSERVE_SERVER_UTIL_FILES_H_
 
 #include <string>
-#include <string_view>
+#include "absl/strings/string_view.h"
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -16,11 +16,11 @@ namespace collabserve::util {
 absl::StatusOr<std::string> ReadFile(const std::string& path, size_t max_bytes = size_t{1} << 34);
 
 // Writes `contents` to `path` atomically: a temporary file in the same directory, fsync, rename.
-absl::Status WriteFileAtomic(const std::string& path, std::string_view contents);
+absl::Status WriteFileAtomic(const std::string& path, absl::string_view contents);
 
 bool FileExists(const std::string& path);
 bool IsDirectory(const std::string& path);
-std::string JoinPath(std::string_view dir, std::string_view name);
+std::string JoinPath(absl::string_view dir, absl::string_view name);
 
 }  // namespace collabserve::util
 
