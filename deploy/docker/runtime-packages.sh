@@ -10,17 +10,10 @@ excludes=()
 while [ $# -gt 0 ] && [ "$1" = "--exclude" ]; do excludes+=("${2%/}/"); shift 2; done
 [ $# -gt 0 ] || { echo "usage: $0 [--exclude DIR]... BINARY..." >&2; exit 2; }
 
-owner() {  # package owning library path $1; tries the /usr-merged alias of the path too
-  local f=$1 alt pkg
-  for alt in "$f" "$(readlink -f "$f")" "${f#/usr}" "/usr$f"; do
-    pkg=$(dpkg -S "$alt" 2>/dev/null | head -n1 | cut -d: -f1) || true
-    [ -n "$pkg" ] && { echo "$pkg"; return 0; }
-  done
-  return 1
-}
-
+# Resolved library paths, then one dpkg -S call for all of them (it reads its whole database per
+# call), trying each path's /usr-merged alias and its symlink target as well.
+libs=()
 status=0
-declare -A seen=()
 for bin in "$@"; do
   [ -f "$bin" ] || { echo "runtime-packages: $bin: no such file" >&2; exit 1; }
   while read -r line; do
@@ -31,13 +24,27 @@ for bin in "$@"; do
     [ -n "$lib" ] && [ "${lib#/}" != "$lib" ] || continue
     skip=0
     for e in "${excludes[@]}"; do case $lib in "$e"*) skip=1 ;; esac; done
-    [ $skip = 1 ] && continue
-    if pkg=$(owner "$lib"); then
-      seen[$pkg]=1
-    else
-      echo "runtime-packages: $lib (needed by $bin) belongs to no package" >&2; status=1
-    fi
+    [ $skip = 1 ] || libs+=("$lib")
   done < <(ldd "$bin")
+done
+[ $status = 0 ] || exit $status
+[ ${#libs[@]} -gt 0 ] || exit 0
+declare -A candidates=()
+for lib in "${libs[@]}"; do
+  for alt in "$lib" "$(readlink -f "$lib")" "${lib#/usr}" "/usr$lib"; do candidates[$alt]=1; done
+done
+declare -A owner_of=()
+while IFS= read -r line; do
+  pkg=${line%%: *}; file=${line#*: }
+  pkg=${pkg%%,*}; owner_of[$file]=${pkg%%:*}
+done < <(dpkg -S "${!candidates[@]}" 2>/dev/null | grep -v '^diversion ' || true)
+declare -A seen=()
+for lib in "${libs[@]}"; do
+  found=""
+  for alt in "$lib" "$(readlink -f "$lib")" "${lib#/usr}" "/usr$lib"; do
+    [ -n "${owner_of[$alt]:-}" ] && { found=${owner_of[$alt]}; break; }
+  done
+  if [ -n "$found" ]; then seen[$found]=1; else echo "runtime-packages: $lib belongs to no package" >&2; status=1; fi
 done
 [ $status = 0 ] || exit $status
 printf '%s\n' "${!seen[@]}" | sort
