@@ -1,0 +1,501 @@
+// A dynamic batch scheduler: tasks (one tokenized input each) are queued, grouped into batches of
+// similar length under a size and a padded-token budget, and handed to a callback on batch threads.
+// Modelled on TensorFlow Serving's BasicBatchScheduler: the scheduler's policy decides WHEN a batch
+// forms; the process-batch callback decides WHAT is done with it (pad, run the model, split).
+//
+// Policy. A batch is released when
+//   (a) it is full: it holds max_batch_size tasks, or queued tasks had to be left out of it because
+//       of the limits (the queue holds more than one batch's worth), or
+//   (b) the oldest queued task has waited max_queue_delay_micros (immediately if that is 0), or
+//   (c) the scheduler is shutting down (draining).
+// A batch always contains the oldest queued task (no starvation). With length_aware, the rest of it
+// is the queued tasks whose lengths are closest to the oldest one's (ties: shorter, then older);
+// otherwise the tasks that follow the oldest in arrival order, up to the first that does not fit.
+// Limits: num_tasks <= max_batch_size and num_tasks x longest <= max_batch_tokens. Tasks left
+// behind keep their arrival order.
+//
+// Dead tasks (cancelled() or deadline() <= Now()) never enter a batch: they are failed with
+// CANCELLED / DEADLINE_EXCEEDED whenever a batch thread looks at the queue (each time it forms a
+// batch, and at the earliest task deadline when a thread is idle), and when Schedule finds the
+// queue full (so a queue full of dead tasks makes room at once).
+#ifndef COLLABSERVE_SERVER_BATCHING_BATCH_SCHEDULER_H_
+#define COLLABSERVE_SERVER_BATCHING_BATCH_SCHEDULER_H_
+
+#include <algorithm>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <system_error>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <glog/logging.h>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "server/batching/batch.h"
+#include "server/batching/clock.h"
+
+namespace collabserve::batching {
+
+struct SchedulerOptions {
+  // Most tasks in one batch. >= 1.
+  int64_t max_batch_size = 32;
+  // Most padded tokens in one batch: num_tasks x longest task. >= 1. A task longer than this can
+  // never be batched and is refused by Schedule.
+  int64_t max_batch_tokens = 16384;
+  // How long the oldest queued task may wait for its batch to fill. 0: release whatever is queued
+  // as soon as a batch thread is free. >= 0.
+  int64_t max_queue_delay_micros = 2000;
+  // Most tasks waiting (not yet in a batch). Beyond it Schedule fails at once. >= 1.
+  int64_t max_queue_size = 1024;
+  // Threads that form batches and run the callback; batches are processed concurrently. >= 1.
+  int num_batch_threads = 1;
+  // Group tasks of similar length (see the policy above) instead of taking them in arrival order.
+  bool length_aware = true;
+  // Time source; nullptr means RealClock::Get(). Must outlive the scheduler's threads.
+  Clock* clock = nullptr;
+  // For logs and error messages.
+  std::string name;
+};
+
+// INVALID_ARGUMENT naming the first out-of-range field, else OK.
+absl::Status ValidateSchedulerOptions(const SchedulerOptions& options);
+
+// Cumulative counters since Create; a consistent snapshot (all fields read under one lock).
+struct SchedulerStats {
+  int64_t tasks_scheduled = 0;            // accepted by Schedule / ScheduleAll
+  int64_t tasks_rejected_queue_full = 0;  // RESOURCE_EXHAUSTED (ownership not taken)
+  int64_t batches_formed = 0;
+  int64_t tasks_batched = 0;              // tasks handed to the callback
+  int64_t tokens_batched = 0;             // sum of Batch::size()
+  int64_t padded_tokens_batched = 0;      // sum of Batch::padded_size()
+  int64_t tasks_failed_deadline = 0;      // Fail(DEADLINE_EXCEEDED)
+  int64_t tasks_failed_cancelled = 0;     // Fail(CANCELLED)
+  int64_t tasks_failed_shutdown = 0;      // Fail(UNAVAILABLE)
+};
+
+enum class ShutdownMode {
+  kDrain,       // process everything already queued (released at once, limits still apply)
+  kFailQueued,  // fail everything queued with UNAVAILABLE; batches already formed still run
+};
+
+namespace internal {
+
+// Status messages and the batch-selection rule, shared by every BatchScheduler<T>.
+std::string SchedulerLabel(const std::string& name);
+
+// Picks the tasks of the next batch from a queue whose task sizes (in arrival order) are `sizes`
+// (non-empty; each <= options.max_batch_tokens). Returns their indices, ascending. Sets *full when
+// the batch reached max_batch_size or a queued task was left out.
+std::vector<size_t> SelectBatch(const std::vector<int64_t>& sizes, const SchedulerOptions& options,
+                                bool* full);
+
+template <typename TaskType>
+class SchedulerCore;
+
+}  // namespace internal
+
+// Thread-safe: every method may be called concurrently from any thread, including from inside the
+// process-batch callback (except that Shutdown/the destructor called there cannot wait for the
+// calling thread itself; see Shutdown). Schedule never blocks on batch processing: it takes a
+// mutex for a short, bounded time.
+//
+// TaskType derives from BatchTask. The callback receives each batch (closed, non-empty) on a batch
+// thread and owns it; it must deliver a result to (or Fail) each task, and must not throw.
+template <typename TaskType>
+class BatchScheduler {
+ public:
+  static_assert(std::is_base_of_v<BatchTask, TaskType>, "TaskType must derive from BatchTask");
+  using ProcessBatchCallback = std::function<void(std::unique_ptr<Batch<TaskType>>)>;
+
+  // Starts options.num_batch_threads threads. INVALID_ARGUMENT for bad options (the message names
+  // the field), a null callback or a null `scheduler`; INTERNAL if threads cannot be started.
+  static absl::Status Create(const SchedulerOptions& options, ProcessBatchCallback process_batch,
+                             std::unique_ptr<BatchScheduler>* scheduler);
+
+  // Shutdown(ShutdownMode::kDrain).
+  ~BatchScheduler();
+  BatchScheduler(const BatchScheduler&) = delete;
+  BatchScheduler& operator=(const BatchScheduler&) = delete;
+
+  // Queues *task. On OK the scheduler owns it and *task is null; on any error *task is untouched.
+  // INVALID_ARGUMENT: null task, negative size, or size > max_batch_tokens (can never fit).
+  // UNAVAILABLE: Shutdown has begun. CANCELLED / DEADLINE_EXCEEDED: the task is already dead.
+  // RESOURCE_EXHAUSTED: the queue is full (after failing any dead tasks in it), returned at once.
+  absl::Status Schedule(std::unique_ptr<TaskType>* task);
+
+  // All-or-nothing Schedule of several tasks (e.g. the inputs of one request), queued
+  // consecutively in vector order. On OK *tasks is empty; on error no task was taken and *tasks is
+  // untouched. Errors as Schedule (for the first offending task), and INVALID_ARGUMENT when there
+  // are more tasks than QueueCapacity() (they could never all fit). An empty vector is OK.
+  absl::Status ScheduleAll(std::vector<std::unique_ptr<TaskType>>* tasks);
+
+  // Tasks waiting for a batch (including dead ones not yet failed).
+  int64_t NumEnqueuedTasks() const;
+  // options.max_queue_size.
+  int64_t QueueCapacity() const;
+  SchedulerStats stats() const;
+
+  // Stops accepting tasks (Schedule then returns UNAVAILABLE), disposes of the queued ones per
+  // `mode`, waits until every batch has been processed, and joins the threads. Idempotent; only
+  // the first call's mode counts. Called from inside the callback (a batch thread), it cannot wait
+  // for that thread: that thread finishes the drain after the callback returns, and then exits.
+  void Shutdown(ShutdownMode mode = ShutdownMode::kDrain);
+
+ private:
+  explicit BatchScheduler(std::shared_ptr<internal::SchedulerCore<TaskType>> core)
+      : core_(std::move(core)) {}
+
+  // Batch threads hold the core too, so that a thread still running after the scheduler is
+  // destroyed from inside the callback touches only live state.
+  const std::shared_ptr<internal::SchedulerCore<TaskType>> core_;
+  absl::Mutex threads_mu_;
+  std::vector<std::thread> threads_ ABSL_GUARDED_BY(threads_mu_);
+};
+
+// ----------------------------------------------------------------------------------------------
+// Implementation.
+
+namespace internal {
+
+template <typename TaskType>
+class SchedulerCore {
+ public:
+  using ProcessBatchCallback = typename BatchScheduler<TaskType>::ProcessBatchCallback;
+
+  SchedulerCore(const SchedulerOptions& options, ProcessBatchCallback process_batch)
+      : options_(options),
+        clock_(options.clock != nullptr ? options.clock : RealClock::Get()),
+        label_(SchedulerLabel(options.name)),
+        process_batch_(std::move(process_batch)) {}
+
+  // Schedules tasks[0..n) all-or-nothing.
+  absl::Status Schedule(std::unique_ptr<TaskType>* tasks, size_t n) {
+    if (n == 0) return absl::OkStatus();
+    std::vector<int64_t> sizes(n);
+    for (size_t i = 0; i < n; ++i) {
+      if (tasks[i] == nullptr) {
+        return absl::InvalidArgumentError(absl::StrCat(label_, ": task ", i, " is null"));
+      }
+      sizes[i] = tasks[i]->size();
+      if (sizes[i] < 0 || sizes[i] > options_.max_batch_tokens) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            label_, ": task ", i, " has ", sizes[i], " tokens; a task must have between 0 and ",
+            options_.max_batch_tokens, " (max_batch_tokens)"));
+      }
+    }
+    if (static_cast<int64_t>(n) > options_.max_queue_size) {
+      return absl::InvalidArgumentError(absl::StrCat(label_, ": ", n,
+                                                     " tasks can never be queued together; the "
+                                                     "queue holds at most ",
+                                                     options_.max_queue_size));
+    }
+    std::vector<Dropped> dropped;
+    absl::Status status;
+    {
+      absl::MutexLock lock(&mu_);
+      status = ScheduleLocked(tasks, sizes, &dropped);
+    }
+    FailDropped(&dropped);
+    return status;
+  }
+
+  // The loop of each batch thread.
+  void Run() {
+    for (;;) {
+      std::vector<Dropped> dropped;
+      std::unique_ptr<Batch<TaskType>> batch;
+      bool exit = false;
+      {
+        absl::MutexLock lock(&mu_);
+        for (;;) {
+          const absl::Time now = clock_->Now();
+          const absl::Time earliest_deadline = SweepDeadLocked(now, &dropped);
+          if (queue_.empty()) {
+            if (closing_) {
+              exit = true;
+              break;
+            }
+            if (!dropped.empty()) break;
+            clock_->WaitWithDeadline(&mu_, &cv_, absl::InfiniteFuture());
+            continue;
+          }
+          std::vector<int64_t> sizes;
+          sizes.reserve(queue_.size());
+          for (const Entry& e : queue_) sizes.push_back(e.size);
+          bool full = false;
+          std::vector<size_t> chosen = SelectBatch(sizes, options_, &full);
+          const absl::Time release_time =
+              queue_.front().enqueue_time + absl::Microseconds(options_.max_queue_delay_micros);
+          if (full || closing_ || now >= release_time) {
+            batch = FormBatchLocked(chosen, now);
+            // Another idle thread may be able to form the next batch right away.
+            if (!queue_.empty()) cv_.Signal();
+            break;
+          }
+          if (!dropped.empty()) break;
+          clock_->WaitWithDeadline(&mu_, &cv_, std::min(release_time, earliest_deadline));
+        }
+      }
+      FailDropped(&dropped);
+      if (batch != nullptr) {
+        VLOG(2) << label_ << ": batch of " << batch->num_tasks() << " tasks, "
+                << batch->padded_size() << " padded tokens, padding ratio "
+                << batch->padding_ratio();
+        process_batch_(std::move(batch));
+      }
+      if (exit) return;
+    }
+  }
+
+  // Stops accepting; with kFailQueued also empties the queue (failing its tasks with UNAVAILABLE).
+  void BeginShutdown(ShutdownMode mode) {
+    std::vector<Dropped> dropped;
+    {
+      absl::MutexLock lock(&mu_);
+      if (closing_) return;
+      closing_ = true;
+      if (mode == ShutdownMode::kFailQueued) {
+        const absl::Status status =
+            absl::UnavailableError(absl::StrCat(label_, " shut down before the task was batched"));
+        for (Entry& e : queue_) dropped.push_back(Dropped{std::move(e.task), status});
+        stats_.tasks_failed_shutdown += static_cast<int64_t>(queue_.size());
+        queue_.clear();
+      }
+      cv_.SignalAll();
+    }
+    VLOG(1) << label_ << ": shutting down ("
+            << (mode == ShutdownMode::kDrain ? "draining" : "failing queued tasks") << ")";
+    FailDropped(&dropped);
+  }
+
+  int64_t NumEnqueuedTasks() const {
+    absl::MutexLock lock(&mu_);
+    return static_cast<int64_t>(queue_.size());
+  }
+  SchedulerStats stats() const {
+    absl::MutexLock lock(&mu_);
+    return stats_;
+  }
+  const SchedulerOptions& options() const { return options_; }
+  const std::string& label() const { return label_; }
+
+ private:
+  struct Entry {
+    std::unique_ptr<TaskType> task;
+    int64_t size;
+    absl::Time enqueue_time;
+  };
+  struct Dropped {
+    std::unique_ptr<TaskType> task;
+    absl::Status status;
+  };
+
+  static void FailDropped(std::vector<Dropped>* dropped) {
+    for (Dropped& d : *dropped) d.task->Fail(d.status);
+    dropped->clear();
+  }
+
+  absl::Status ScheduleLocked(std::unique_ptr<TaskType>* tasks, const std::vector<int64_t>& sizes,
+                              std::vector<Dropped>* dropped) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const size_t n = sizes.size();
+    if (closing_) {
+      return absl::UnavailableError(absl::StrCat(label_, " is shutting down"));
+    }
+    const absl::Time now = clock_->Now();
+    for (size_t i = 0; i < n; ++i) {
+      absl::Status dead = DeadStatus(*tasks[i], now);
+      if (!dead.ok()) return dead;
+    }
+    if (static_cast<int64_t>(queue_.size() + n) > options_.max_queue_size) {
+      SweepDeadLocked(now, dropped);
+      if (static_cast<int64_t>(queue_.size() + n) > options_.max_queue_size) {
+        stats_.tasks_rejected_queue_full += static_cast<int64_t>(n);
+        return absl::ResourceExhaustedError(absl::StrCat(
+            label_, ": queue full (", queue_.size(), " of ", options_.max_queue_size,
+            " tasks waiting", n > 1 ? absl::StrCat(", ", n, " more requested") : "", ")"));
+      }
+    }
+    for (size_t i = 0; i < n; ++i) {
+      queue_.push_back(Entry{std::move(tasks[i]), sizes[i], now});
+    }
+    stats_.tasks_scheduled += static_cast<int64_t>(n);
+    cv_.Signal();
+    return absl::OkStatus();
+  }
+
+  absl::Status DeadStatus(const TaskType& task, absl::Time now) const {
+    if (task.cancelled()) {
+      return absl::CancelledError(absl::StrCat("task cancelled before ", label_, " batched it"));
+    }
+    if (task.deadline() <= now) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("task deadline passed before ", label_, " batched it"));
+    }
+    return absl::OkStatus();
+  }
+
+  // Moves the dead tasks out of the queue into *dropped (keeping the others' order) and returns
+  // the earliest deadline among the live ones.
+  absl::Time SweepDeadLocked(absl::Time now, std::vector<Dropped>* dropped)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    absl::Time earliest = absl::InfiniteFuture();
+    bool any_dead = false;
+    for (Entry& e : queue_) {
+      absl::Status dead = DeadStatus(*e.task, now);
+      if (dead.ok()) {
+        earliest = std::min(earliest, e.task->deadline());
+        continue;
+      }
+      if (dead.code() == absl::StatusCode::kCancelled) {
+        ++stats_.tasks_failed_cancelled;
+      } else {
+        ++stats_.tasks_failed_deadline;
+      }
+      dropped->push_back(Dropped{std::move(e.task), std::move(dead)});
+      any_dead = true;
+    }
+    if (any_dead) EraseTakenLocked();
+    return earliest;
+  }
+
+  std::unique_ptr<Batch<TaskType>> FormBatchLocked(const std::vector<size_t>& chosen,
+                                                   absl::Time now)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto batch = std::make_unique<Batch<TaskType>>();
+    for (size_t i : chosen) {
+      batch->AddTask(std::move(queue_[i].task), queue_[i].enqueue_time);
+    }
+    batch->Close(now);
+    EraseTakenLocked();
+    ++stats_.batches_formed;
+    stats_.tasks_batched += batch->num_tasks();
+    stats_.tokens_batched += batch->size();
+    stats_.padded_tokens_batched += batch->padded_size();
+    return batch;
+  }
+
+  void EraseTakenLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    queue_.erase(std::remove_if(queue_.begin(), queue_.end(),
+                                [](const Entry& e) { return e.task == nullptr; }),
+                 queue_.end());
+  }
+
+  const SchedulerOptions options_;
+  Clock* const clock_;
+  const std::string label_;
+  const ProcessBatchCallback process_batch_;
+
+  mutable absl::Mutex mu_;
+  absl::CondVar cv_;  // batch threads wait here for work, a release time or shutdown
+  std::deque<Entry> queue_ ABSL_GUARDED_BY(mu_);  // arrival order
+  bool closing_ ABSL_GUARDED_BY(mu_) = false;
+  SchedulerStats stats_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace internal
+
+template <typename TaskType>
+absl::Status BatchScheduler<TaskType>::Create(const SchedulerOptions& options,
+                                              ProcessBatchCallback process_batch,
+                                              std::unique_ptr<BatchScheduler>* scheduler) {
+  if (scheduler == nullptr) {
+    return absl::InvalidArgumentError("BatchScheduler::Create: output pointer is null");
+  }
+  absl::Status valid = ValidateSchedulerOptions(options);
+  if (!valid.ok()) return valid;
+  if (!process_batch) {
+    return absl::InvalidArgumentError(absl::StrCat(internal::SchedulerLabel(options.name),
+                                                   ": process_batch callback is empty"));
+  }
+  auto core = std::make_shared<internal::SchedulerCore<TaskType>>(options, std::move(process_batch));
+  std::unique_ptr<BatchScheduler> result(new BatchScheduler(core));
+  {
+    absl::MutexLock lock(&result->threads_mu_);
+    try {
+      for (int i = 0; i < options.num_batch_threads; ++i) {
+        result->threads_.emplace_back([core] { core->Run(); });
+      }
+    } catch (const std::system_error& e) {
+      const std::string message = absl::StrCat(core->label(), ": cannot start batch thread ",
+                                                result->threads_.size(), ": ", e.what());
+      // The threads already started find the queue empty and exit.
+      core->BeginShutdown(ShutdownMode::kDrain);
+      for (std::thread& t : result->threads_) t.join();
+      result->threads_.clear();
+      return absl::InternalError(message);
+    }
+  }
+  VLOG(1) << core->label() << ": started " << options.num_batch_threads << " batch thread(s)";
+  *scheduler = std::move(result);
+  return absl::OkStatus();
+}
+
+template <typename TaskType>
+BatchScheduler<TaskType>::~BatchScheduler() {
+  Shutdown(ShutdownMode::kDrain);
+}
+
+template <typename TaskType>
+absl::Status BatchScheduler<TaskType>::Schedule(std::unique_ptr<TaskType>* task) {
+  if (task == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(core_->label(), ": Schedule(nullptr)"));
+  }
+  return core_->Schedule(task, 1);
+}
+
+template <typename TaskType>
+absl::Status BatchScheduler<TaskType>::ScheduleAll(std::vector<std::unique_ptr<TaskType>>* tasks) {
+  if (tasks == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(core_->label(), ": ScheduleAll(nullptr)"));
+  }
+  absl::Status status = core_->Schedule(tasks->data(), tasks->size());
+  if (status.ok()) tasks->clear();
+  return status;
+}
+
+template <typename TaskType>
+int64_t BatchScheduler<TaskType>::NumEnqueuedTasks() const {
+  return core_->NumEnqueuedTasks();
+}
+
+template <typename TaskType>
+int64_t BatchScheduler<TaskType>::QueueCapacity() const {
+  return core_->options().max_queue_size;
+}
+
+template <typename TaskType>
+SchedulerStats BatchScheduler<TaskType>::stats() const {
+  return core_->stats();
+}
+
+template <typename TaskType>
+void BatchScheduler<TaskType>::Shutdown(ShutdownMode mode) {
+  core_->BeginShutdown(mode);
+  std::vector<std::thread> threads;
+  {
+    absl::MutexLock lock(&threads_mu_);
+    threads.swap(threads_);
+  }
+  // Only locals from here on: a batch thread that calls Shutdown may be destroying *this.
+  const std::thread::id self = std::this_thread::get_id();
+  for (std::thread& t : threads) {
+    if (t.get_id() == self) {
+      t.detach();
+    } else {
+      t.join();
+    }
+  }
+}
+
+}  // namespace collabserve::batching
+
+#endif  // COLLABSERVE_SERVER_BATCHING_BATCH_SCHEDULER_H_
