@@ -141,18 +141,22 @@ at::Tensor FixSigns(const at::Tensor& X) {
   return X * at::where(pivots < 0, -1.0, 1.0).to(X.scalar_type());
 }
 
-// The `rank` leading left singular vectors of W ([D, m]); random columns when rank exceeds the
-// number of singular vectors.
-at::Tensor LeadingLeftSingularVectors(const at::Tensor& W, int64_t rank, std::mt19937_64& rng) {
-  at::Tensor U = std::get<0>(at::linalg_svd(W, /*full_matrices=*/false));
-  const int64_t k = std::min<int64_t>(rank, U.size(1));
-  at::Tensor X = FixSigns(U.narrow(1, 0, k));
-  if (k < rank) X = at::cat({X, RandomNormal(W.size(0), rank - k, rng, W.options())}, 1);
+// The `rank` leading left singular vectors of an unfolding X, from the eigenvectors of its Gram
+// matrix G = X Xᵀ ([D, D], symmetric): eigh is 2-3x faster than an SVD of X and, because the Gram
+// can be computed from the factors, needs no materialised X. Random columns when rank > D.
+at::Tensor LeadingEigenvectors(const at::Tensor& gram, int64_t rank, std::mt19937_64& rng) {
+  at::Tensor symmetric = (gram + gram.t()) * 0.5;
+  at::Tensor vectors = std::get<1>(at::linalg_eigh(symmetric));  // ascending eigenvalues
+  const int64_t dim = gram.size(0);
+  const int64_t k = std::min<int64_t>(rank, dim);
+  at::Tensor X = FixSigns(vectors.narrow(1, dim - k, k).flip({1}));
+  if (k < rank) X = at::cat({X, RandomNormal(dim, rank - k, rng, gram.options())}, 1);
   return X.contiguous();
 }
 
 // M G⁻¹ for a symmetric positive semi-definite G ([R, R]); M: [n, R]. Cholesky with a ridge at
-// rounding level; if G is numerically singular, the eigenvalue pseudo-inverse instead.
+// rounding level; if G is numerically singular, the eigenvalue pseudo-inverse instead. For many
+// right-hand sides (n >= R) the explicit inverse and one GEMM beat two triangular solves.
 at::Tensor SolveGram(const at::Tensor& M, const at::Tensor& G) {
   const int64_t r = G.size(0);
   const double eps = G.scalar_type() == at::kFloat ? std::numeric_limits<float>::epsilon()
@@ -162,7 +166,10 @@ at::Tensor SolveGram(const at::Tensor& M, const at::Tensor& G) {
   at::Tensor ridged = G + at::eye(r, G.options()) * (10 * eps * scale);
   at::Tensor L, info;
   std::tie(L, info) = at::linalg_cholesky_ex(ridged);
-  if (info.item<int64_t>() == 0) return at::matmul(M, at::cholesky_inverse(L));
+  if (info.item<int64_t>() == 0) {
+    if (M.size(0) < r) return at::cholesky_solve(M.t(), L).t();
+    return at::matmul(M, at::cholesky_inverse(L));
+  }
   at::Tensor w, V;
   std::tie(w, V) = at::linalg_eigh(G);
   const double cutoff = w.max().item<double>() * r * eps;
@@ -170,64 +177,166 @@ at::Tensor SolveGram(const at::Tensor& M, const at::Tensor& G) {
   return at::matmul(at::matmul(M, V * w_inv), V.t());
 }
 
-// Divides X's columns by their norms and multiplies A's columns by them (the model T̂ is
-// unchanged), so that the weights live in the mixing matrix.
-void NormalizeInto(at::Tensor& X, at::Tensor& A) {
-  at::Tensor norms = (X * X).sum(0).sqrt();
-  at::Tensor safe = at::where(norms > 0, norms, at::ones_like(norms));
-  X = X / safe;
-  A = A * safe;
-}
-
-double SumAsDouble(const at::Tensor& t) { return t.to(at::kDouble).sum().item<double>(); }
-
 // ---------------------------------------------------------------------------------------------
-// The MTTKRPs (matricised tensor times Khatri–Rao product) of the three modes of T, with the
-// query factor B and key factor C held as state: the only place where the factorised and the
-// dense algorithms differ.
+// The MTTKRPs (matricised tensor times Khatri–Rao product) of the three modes of T: the only
+// place where the algorithms differ. A source holds the query and key factors in coordinates,
+// B = basis_q · Z_b and C = basis_k · Z_c, where the basis is the identity except for
+// CoefficientSource; the MTTKRPs it returns are in the same coordinates (MTTKRP_B = basis_q ·
+// ForQuery(A)), so that the least-squares update Z_b = ForQuery(A) (AᵀA ∗ CᵀC)⁻¹ is the ALS
+// update of B.
 class MttkrpSource {
  public:
   virtual ~MttkrpSource() = default;
-  virtual void SetQuery(const at::Tensor& B) = 0;
-  virtual void SetKey(const at::Tensor& C) = 0;
+  // Takes an explicit [D, R] factor (the initialisation); returns its Gram matrix.
+  virtual at::Tensor SetInitialQuery(const at::Tensor& B) { return SetQuery(B); }
+  virtual at::Tensor SetInitialKey(const at::Tensor& C) { return SetKey(C); }
+  // Takes the factor in coordinates; returns the Gram matrix BᵀB (or CᵀC).
+  virtual at::Tensor SetQuery(const at::Tensor& z) = 0;
+  virtual at::Tensor SetKey(const at::Tensor& z) = 0;
+  // Multiplies column r of the factor by scale[r].
+  virtual void ScaleQuery(const at::Tensor& scale) = 0;
+  virtual void ScaleKey(const at::Tensor& scale) = 0;
   // Σ_jk T_i[j,k] B[j,r] C[k,r]: [N_h, R].
   virtual at::Tensor ForMixing() = 0;
-  // Σ_ik T_i[j,k] A[i,r] C[k,r]: [D_q, R].
+  // Σ_ik T_i[j,k] A[i,r] C[k,r] and Σ_ij T_i[j,k] A[i,r] B[j,r], in coordinates.
   virtual at::Tensor ForQuery(const at::Tensor& A) = 0;
-  // Σ_ij T_i[j,k] A[i,r] B[j,r]: [D_k, R].
   virtual at::Tensor ForKey(const at::Tensor& A) = 0;
+  // <MTTKRP_C, C> = <T, T̂> for ForKey's result and the current key factor, in float64.
+  virtual double KeyInner(const at::Tensor& key_mttkrp) = 0;
+  // The explicit factors B: [D_q, R], C: [D_k, R].
+  virtual at::Tensor Query() = 0;
+  virtual at::Tensor Key() = 0;
 };
 
-// T_i = P_i Q_iᵀ. With U_i = P_iᵀ B and V_i = Q_iᵀ C ([d_k, R]): the mixing MTTKRP is
-// Σ_t U_i[t,r] V_i[t,r], the query MTTKRP Σ_i P_i (V_i diag A_i), the key one Σ_i Q_i (U_i diag A_i).
-// Each is one GEMM over the heads stacked along d_k: [D, N_h·d_k] × [N_h·d_k, R].
-class FactorizedSource : public MttkrpSource {
- public:
-  FactorizedSource(const at::Tensor& P, const at::Tensor& Q)
+double InnerAsDouble(const at::Tensor& x, const at::Tensor& y) {
+  return (x.to(at::kDouble) * y.to(at::kDouble)).sum().item<double>();
+}
+
+// Common part of the two factorised sources: T_i = P_i Q_iᵀ; with U_i = P_iᵀ B and V_i = Q_iᵀ C
+// ([d_k, R]), MTTKRP_A[i, r] = Σ_t U_i[t,r] V_i[t,r], MTTKRP_B = Σ_i P_i (V_i diag A_i) and
+// MTTKRP_C = Σ_i Q_i (U_i diag A_i); the sums over heads are one GEMM with the heads stacked
+// along d_k: [D, N_h·d_k] × [N_h·d_k, R].
+class FactorizedSourceBase : public MttkrpSource {
+ protected:
+  FactorizedSourceBase(const at::Tensor& P, const at::Tensor& Q)
       : heads_(P.size(0)),
         head_size_(P.size(2)),
-        p_flat_(P.permute({1, 0, 2}).reshape({P.size(1), heads_ * head_size_}).contiguous()),
-        q_flat_(Q.permute({1, 0, 2}).reshape({Q.size(1), heads_ * head_size_}).contiguous()) {}
+        p_flat_(Stack(P)),
+        q_flat_(Stack(Q)) {}
 
-  void SetQuery(const at::Tensor& B) override {
-    u_ = at::matmul(p_flat_.t(), B).view({heads_, head_size_, B.size(1)});
+  // [N_h, D, d_k] → [D, N_h·d_k], column i·d_k + t = X_i[:, t].
+  static at::Tensor Stack(const at::Tensor& X) {
+    return X.permute({1, 0, 2}).reshape({X.size(1), X.size(0) * X.size(2)}).contiguous();
   }
-  void SetKey(const at::Tensor& C) override {
-    v_ = at::matmul(q_flat_.t(), C).view({heads_, head_size_, C.size(1)});
+  // [N_h, d_k, R] ∗ A[i, r] → [N_h·d_k, R].
+  at::Tensor Weighted(const at::Tensor& projected, const at::Tensor& A) const {
+    return (projected * A.unsqueeze(1)).view({heads_ * head_size_, A.size(1)});
   }
+  at::Tensor Heads(const at::Tensor& flat) const {
+    return flat.view({heads_, head_size_, flat.size(1)});
+  }
+
+ public:
   at::Tensor ForMixing() override { return (u_ * v_).sum(1); }
-  at::Tensor ForQuery(const at::Tensor& A) override { return Stacked(p_flat_, v_, A); }
-  at::Tensor ForKey(const at::Tensor& A) override { return Stacked(q_flat_, u_, A); }
+
+ protected:
+  const int64_t heads_, head_size_;
+  const at::Tensor p_flat_, q_flat_;  // [D, N_h·d_k]
+  at::Tensor u_, v_;                  // [N_h, d_k, R]: P_iᵀ B, Q_iᵀ C
+};
+
+// Factors held explicitly: per sweep four [D, N_h·d_k] × [N_h·d_k, R] GEMMs (U, V and the two
+// MTTKRPs) plus two [R, D] × [D, R] Grams. Used when N_h·d_k > 2·D.
+class DirectSource : public FactorizedSourceBase {
+ public:
+  DirectSource(const at::Tensor& P, const at::Tensor& Q) : FactorizedSourceBase(P, Q) {}
+
+  at::Tensor SetQuery(const at::Tensor& B) override {
+    b_ = B;
+    u_ = Heads(at::matmul(p_flat_.t(), B));
+    return at::matmul(B.t(), B);
+  }
+  at::Tensor SetKey(const at::Tensor& C) override {
+    c_ = C;
+    v_ = Heads(at::matmul(q_flat_.t(), C));
+    return at::matmul(C.t(), C);
+  }
+  void ScaleQuery(const at::Tensor& scale) override {
+    b_ = b_ * scale;
+    u_ = u_ * scale;
+  }
+  void ScaleKey(const at::Tensor& scale) override {
+    c_ = c_ * scale;
+    v_ = v_ * scale;
+  }
+  at::Tensor ForQuery(const at::Tensor& A) override {
+    return at::matmul(p_flat_, Weighted(v_, A));
+  }
+  at::Tensor ForKey(const at::Tensor& A) override { return at::matmul(q_flat_, Weighted(u_, A)); }
+  double KeyInner(const at::Tensor& key_mttkrp) override { return InnerAsDouble(key_mttkrp, c_); }
+  at::Tensor Query() override { return b_; }
+  at::Tensor Key() override { return c_; }
 
  private:
-  at::Tensor Stacked(const at::Tensor& flat, const at::Tensor& projected, const at::Tensor& A) {
-    const int64_t r = A.size(1);
-    return at::matmul(flat, (projected * A.unsqueeze(1)).view({heads_ * head_size_, r}));
-  }
+  at::Tensor b_, c_;
+};
 
-  const int64_t heads_, head_size_;
-  const at::Tensor p_flat_, q_flat_;  // [D, N_h·d_k], column i·d_k + t = P_i[:, t]
-  at::Tensor u_, v_;                  // [N_h, d_k, R]
+// After its first update B lies in the column space of the stacked P: B = P_flat Z_b with
+// Z_b = W (AᵀA ∗ CᵀC)⁻¹ and W = [V_i diag A_i]_i, so the MTTKRP P_flat W never has to be formed:
+// U = P_flatᵀ B = K_p Z_b with K_p = P_flatᵀ P_flat ([N_h·d_k]²) precomputed, and BᵀB = Z_bᵀ U.
+// Per sweep: two [N_h·d_k]² × [N_h·d_k, R] GEMMs plus two Grams, about 2/3 of DirectSource's work
+// when N_h·d_k == D (every BERT). B itself is formed once, at the end.
+class CoefficientSource : public FactorizedSourceBase {
+ public:
+  CoefficientSource(const at::Tensor& P, const at::Tensor& Q)
+      : FactorizedSourceBase(P, Q),
+        kernel_p_(at::matmul(p_flat_.t(), p_flat_)),
+        kernel_q_(at::matmul(q_flat_.t(), q_flat_)) {}
+
+  at::Tensor SetInitialQuery(const at::Tensor& B) override {
+    b_initial_ = B;
+    z_b_ = at::Tensor();
+    u_ = Heads(at::matmul(p_flat_.t(), B));
+    return at::matmul(B.t(), B);
+  }
+  at::Tensor SetInitialKey(const at::Tensor& C) override {
+    c_initial_ = C;
+    z_c_ = at::Tensor();
+    v_ = Heads(at::matmul(q_flat_.t(), C));
+    return at::matmul(C.t(), C);
+  }
+  at::Tensor SetQuery(const at::Tensor& z) override {
+    z_b_ = z;
+    at::Tensor u = at::matmul(kernel_p_, z);
+    u_ = Heads(u);
+    return at::matmul(z.t(), u);
+  }
+  at::Tensor SetKey(const at::Tensor& z) override {
+    z_c_ = z;
+    at::Tensor v = at::matmul(kernel_q_, z);
+    v_ = Heads(v);
+    return at::matmul(z.t(), v);
+  }
+  void ScaleQuery(const at::Tensor& scale) override {
+    z_b_ = z_b_ * scale;
+    u_ = u_ * scale;
+  }
+  void ScaleKey(const at::Tensor& scale) override {
+    z_c_ = z_c_ * scale;
+    v_ = v_ * scale;
+  }
+  at::Tensor ForQuery(const at::Tensor& A) override { return Weighted(v_, A); }
+  at::Tensor ForKey(const at::Tensor& A) override { return Weighted(u_, A); }
+  // <Q_flat W, Q_flat Z_c> = <W, K_q Z_c> = <W, V>.
+  double KeyInner(const at::Tensor& key_mttkrp) override {
+    return InnerAsDouble(key_mttkrp, v_.view({heads_ * head_size_, v_.size(2)}));
+  }
+  at::Tensor Query() override { return z_b_.defined() ? at::matmul(p_flat_, z_b_) : b_initial_; }
+  at::Tensor Key() override { return z_c_.defined() ? at::matmul(q_flat_, z_c_) : c_initial_; }
+
+ private:
+  const at::Tensor kernel_p_, kernel_q_;  // [N_h·d_k, N_h·d_k]
+  at::Tensor z_b_, z_c_, b_initial_, c_initial_;
 };
 
 // The textbook route: unfolding × explicit Khatri–Rao product.
@@ -244,8 +353,16 @@ class DenseSource : public MttkrpSource {
   const at::Tensor& unfold_query() const { return unfold_query_; }
   const at::Tensor& unfold_key() const { return unfold_key_; }
 
-  void SetQuery(const at::Tensor& B) override { b_ = B; }
-  void SetKey(const at::Tensor& C) override { c_ = C; }
+  at::Tensor SetQuery(const at::Tensor& B) override {
+    b_ = B;
+    return at::matmul(B.t(), B);
+  }
+  at::Tensor SetKey(const at::Tensor& C) override {
+    c_ = C;
+    return at::matmul(C.t(), C);
+  }
+  void ScaleQuery(const at::Tensor& scale) override { b_ = b_ * scale; }
+  void ScaleKey(const at::Tensor& scale) override { c_ = c_ * scale; }
   at::Tensor ForMixing() override { return at::matmul(unfold_mixing_, KhatriRao(b_, c_)); }
   at::Tensor ForQuery(const at::Tensor& A) override {
     return at::matmul(unfold_query_, KhatriRao(A, c_));
@@ -253,6 +370,9 @@ class DenseSource : public MttkrpSource {
   at::Tensor ForKey(const at::Tensor& A) override {
     return at::matmul(unfold_key_, KhatriRao(A, b_));
   }
+  double KeyInner(const at::Tensor& key_mttkrp) override { return InnerAsDouble(key_mttkrp, c_); }
+  at::Tensor Query() override { return b_; }
+  at::Tensor Key() override { return c_; }
 
  private:
   // Row i·J + j is X[i, :] ∗ Y[j, :].
@@ -265,35 +385,44 @@ class DenseSource : public MttkrpSource {
   at::Tensor b_, c_;
 };
 
-// The ALS sweeps shared by both algorithms. Sweep order A, B, C; after the B and C updates their
-// columns are normalised into A. The error comes from the last MTTKRP and the Gram matrices:
-// ||T − T̂||² = ||T||² − 2<T, T̂> + ||T̂||², <T, T̂> = Σ MTTKRP_C ∗ C, ||T̂||² = Σ AᵀA ∗ BᵀB ∗ CᵀC.
-CpResult RunAls(MttkrpSource& source, double norm_sq, at::Tensor B, at::Tensor C,
+// Column norms from a Gram matrix's diagonal (1 for a zero column).
+at::Tensor ColumnNorms(const at::Tensor& gram) {
+  at::Tensor norms = gram.diagonal().sqrt();
+  return at::where(norms > 0, norms, at::ones_like(norms));
+}
+
+// The ALS sweeps shared by all algorithms. Sweep order A, B, C; after the B and C updates their
+// columns are normalised and the norms moved into A (T̂ unchanged). The error comes from the last
+// MTTKRP and the Gram matrices: ||T − T̂||² = ||T||² − 2<T, T̂> + ||T̂||² with
+// <T, T̂> = <MTTKRP_C, C> and ||T̂||² = Σ AᵀA ∗ BᵀB ∗ CᵀC.
+CpResult RunAls(MttkrpSource& source, double norm_sq, const at::Tensor& B0, const at::Tensor& C0,
                 const CpAlsOptions& options) {
   const double norm = std::sqrt(norm_sq);
   CpResult result;
-  source.SetQuery(B);
-  source.SetKey(C);
-  at::Tensor gram_b = at::matmul(B.t(), B);
-  at::Tensor gram_c = at::matmul(C.t(), C);
+  at::Tensor gram_b = source.SetInitialQuery(B0);
+  at::Tensor gram_c = source.SetInitialKey(C0);
   at::Tensor A;
   for (int iter = 1; iter <= options.max_iters; ++iter) {
     A = SolveGram(source.ForMixing(), gram_b * gram_c);
     at::Tensor gram_a = at::matmul(A.t(), A);
 
-    B = SolveGram(source.ForQuery(A), gram_a * gram_c);
-    NormalizeInto(B, A);
-    gram_a = at::matmul(A.t(), A);
-    gram_b = at::matmul(B.t(), B);
-    source.SetQuery(B);
+    gram_b = source.SetQuery(SolveGram(source.ForQuery(A), gram_a * gram_c));
+    at::Tensor norms = ColumnNorms(gram_b);
+    at::Tensor outer = norms.unsqueeze(1) * norms.unsqueeze(0);
+    source.ScaleQuery(norms.reciprocal());
+    gram_b = gram_b / outer;
+    A = A * norms;
+    gram_a = gram_a * outer;
 
     at::Tensor mttkrp_c = source.ForKey(A);
-    C = SolveGram(mttkrp_c, gram_a * gram_b);
-    const double inner = SumAsDouble(mttkrp_c.to(at::kDouble) * C.to(at::kDouble));
-    NormalizeInto(C, A);
-    gram_a = at::matmul(A.t(), A);
-    gram_c = at::matmul(C.t(), C);
-    source.SetKey(C);
+    gram_c = source.SetKey(SolveGram(mttkrp_c, gram_a * gram_b));
+    const double inner = source.KeyInner(mttkrp_c);
+    norms = ColumnNorms(gram_c);
+    outer = norms.unsqueeze(1) * norms.unsqueeze(0);
+    source.ScaleKey(norms.reciprocal());
+    gram_c = gram_c / outer;
+    A = A * norms;
+    gram_a = gram_a * outer;
 
     const double estimate_sq =
         (gram_a.to(at::kDouble) * gram_b.to(at::kDouble) * gram_c.to(at::kDouble))
@@ -308,8 +437,8 @@ CpResult RunAls(MttkrpSource& source, double norm_sq, at::Tensor B, at::Tensor C
   }
   result.relative_error = result.error_history.back();
   result.mixing = A.to(at::kFloat).contiguous();
-  result.query = B.to(at::kFloat).contiguous();
-  result.key = C.to(at::kFloat).contiguous();
+  result.query = source.Query().to(at::kFloat).contiguous();
+  result.key = source.Key().to(at::kFloat).contiguous();
   return result;
 }
 
@@ -381,23 +510,29 @@ absl::StatusOr<CpResult> FactorizedCpAls(const at::Tensor& P, const at::Tensor& 
     std::mt19937_64 rng(options.seed);
     at::Tensor B, C;
     if (options.init == CpAlsOptions::Init::kSvd) {
-      // Mode-2 unfolding [T_1 … T_N] = [P_1 Q_1ᵀ … P_N Q_Nᵀ]. With Q_i = O_i R_i (thin QR, O_i
-      // orthonormal columns) its left singular vectors are those of [P_1 R_1ᵀ … P_N R_Nᵀ], a
-      // [D_q, N_h·d_k] matrix; symmetrically for the key mode.
-      at::Tensor rq = std::get<1>(at::linalg_qr(Qc));  // [N_h, min(D_k, d_k), d_k]
-      at::Tensor rp = std::get<1>(at::linalg_qr(Pc));
-      at::Tensor wq = at::matmul(Pc, rq.transpose(1, 2));  // [N_h, D_q, min(D_k, d_k)]
-      at::Tensor wk = at::matmul(Qc, rp.transpose(1, 2));
-      B = LeadingLeftSingularVectors(
-          wq.permute({1, 0, 2}).reshape({Pc.size(1), heads * wq.size(2)}), options.rank, rng);
-      C = LeadingLeftSingularVectors(
-          wk.permute({1, 0, 2}).reshape({Qc.size(1), heads * wk.size(2)}), options.rank, rng);
+      // Gram of the mode-2 unfolding [T_1 … T_N]: Σ_i P_i (Q_iᵀQ_i) P_iᵀ = [P_i Q_iᵀQ_i]_i [P_i]_iᵀ,
+      // a [D_q, N_h·d_k] × [N_h·d_k, D_q] product; symmetrically for the key mode.
+      auto stacked = [&](const at::Tensor& X) {
+        return X.permute({1, 0, 2}).reshape({X.size(1), heads * head_size});
+      };
+      const at::Tensor pp = at::matmul(Pc.transpose(1, 2), Pc);  // [N_h, d_k, d_k]
+      const at::Tensor qq = at::matmul(Qc.transpose(1, 2), Qc);
+      B = LeadingEigenvectors(at::matmul(stacked(at::matmul(Pc, qq)), stacked(Pc).t()),
+                              options.rank, rng);
+      C = LeadingEigenvectors(at::matmul(stacked(at::matmul(Qc, pp)), stacked(Qc).t()),
+                              options.rank, rng);
     } else {
       B = RandomNormal(Pc.size(1), options.rank, rng, Pc.options());
       C = RandomNormal(Qc.size(1), options.rank, rng, Qc.options());
     }
-    FactorizedSource source(Pc, Qc);
-    CpResult result = RunAls(source, norm_sq, std::move(B), std::move(C), options);
+    // The coefficient form needs (N_h·d_k)² per GEMM where the direct one needs 2·D·N_h·d_k.
+    std::unique_ptr<MttkrpSource> source;
+    if (heads * head_size <= std::min(Pc.size(1), Qc.size(1)) * 2) {
+      source = std::make_unique<CoefficientSource>(Pc, Qc);
+    } else {
+      source = std::make_unique<DirectSource>(Pc, Qc);
+    }
+    CpResult result = RunAls(*source, norm_sq, B, C, options);
     result.seconds = SecondsSince(start);
     return result;
   });
@@ -428,13 +563,15 @@ absl::StatusOr<CpResult> DenseCpAls(const at::Tensor& T, const CpAlsOptions& opt
     std::mt19937_64 rng(options.seed);
     at::Tensor B, C;
     if (options.init == CpAlsOptions::Init::kSvd) {
-      B = LeadingLeftSingularVectors(source.unfold_query(), options.rank, rng);
-      C = LeadingLeftSingularVectors(source.unfold_key(), options.rank, rng);
+      const at::Tensor& xq = source.unfold_query();
+      const at::Tensor& xk = source.unfold_key();
+      B = LeadingEigenvectors(at::matmul(xq, xq.t()), options.rank, rng);
+      C = LeadingEigenvectors(at::matmul(xk, xk.t()), options.rank, rng);
     } else {
       B = RandomNormal(Tc.size(1), options.rank, rng, Tc.options());
       C = RandomNormal(Tc.size(2), options.rank, rng, Tc.options());
     }
-    CpResult result = RunAls(source, norm_sq, std::move(B), std::move(C), options);
+    CpResult result = RunAls(source, norm_sq, B, C, options);
     result.seconds = SecondsSince(start);
     return result;
   });

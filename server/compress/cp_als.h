@@ -35,7 +35,7 @@ struct CpAlsOptions {
   uint64_t seed = 0;
   // kSvd: B and C start as the leading left singular vectors of the mode-2 and mode-3 unfoldings
   // (sign fixed so that each vector's largest-magnitude entry is positive), as tensorly's
-  // init='svd'. kRandom: entries of B and C are i.i.d. N(0, 1). A is never read before the first
+  // init='svd'; computed as eigenvectors of the unfoldings' [D, D] Gram matrices. kRandom: entries of B and C are i.i.d. N(0, 1). A is never read before the first
   // update, so it needs no initialisation.
   enum class Init { kSvd, kRandom };
   Init init = Init::kSvd;
@@ -78,8 +78,8 @@ absl::StatusOr<CpResult> ExactBlockCp(const at::Tensor& P, const at::Tensor& Q);
 // The textbook baseline: CP-ALS of a materialised T: [N_h, D_q, D_k] with each MTTKRP computed as
 // unfolding × explicit Khatri–Rao product (as tensorly's parafac), O(N_h·D_q·D_k·R) per sweep and
 // an O(D_q·D_k·R) temporary. Same sweep order, normalisation, linear solves, stopping rule and
-// initialisation as FactorizedCpAls (the SVD init here takes the SVD of the unfoldings of T
-// itself), so from the same options both produce the same iterates up to rounding.
+// initialisation as FactorizedCpAls (the SVD init here forms the unfoldings' Gram matrices
+// from T itself), so from the same options both produce the same iterates up to rounding.
 // Same errors as FactorizedCpAls for T and the options.
 absl::StatusOr<CpResult> DenseCpAls(const at::Tensor& T, const CpAlsOptions& options);
 

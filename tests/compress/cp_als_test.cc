@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <limits>
+#include <tuple>
 
 namespace collabserve::compress {
 namespace {
@@ -78,25 +79,40 @@ TEST(FactorizedCpAlsTest, ReportedErrorIsTheErrorOfTheReturnedFactors) {
   EXPECT_EQ(result->error_history.size(), 50u);
 }
 
-class SameIteratesTest : public ::testing::TestWithParam<CpAlsOptions::Init> {};
+struct Shape {
+  int64_t heads, dq, dk, head_size;
+};
+
+// Shapes with N_h·d_k <= 2·D (the coefficient form, as in every BERT), with D_q != D_k, and with
+// N_h·d_k > 2·D (factors held explicitly).
+class SameIteratesTest
+    : public ::testing::TestWithParam<std::tuple<CpAlsOptions::Init, Shape>> {};
 
 TEST_P(SameIteratesTest, FactorizedAndDenseAlsFollowTheSamePath) {
-  const Factors f = RandomFactors(21);
-  const CpAlsOptions options = Options(6, 30, GetParam());
-  auto factorized = FactorizedCpAls(f.P, f.Q, options);
-  auto dense = DenseCpAls(Materialize(f), options);
+  const auto [init, shape] = GetParam();
+  const at::Tensor P = Randn({shape.heads, shape.dq, shape.head_size}, 21);
+  const at::Tensor Q = Randn({shape.heads, shape.dk, shape.head_size}, 22);
+  const CpAlsOptions options = Options(6, 30, init);
+  auto factorized = FactorizedCpAls(P, Q, options);
+  auto dense = DenseCpAls(at::matmul(P, Q.transpose(1, 2)), options);
   ASSERT_TRUE(factorized.ok()) << factorized.status();
   ASSERT_TRUE(dense.ok()) << dense.status();
   ASSERT_EQ(factorized->error_history.size(), dense->error_history.size());
   for (size_t i = 0; i < dense->error_history.size(); ++i) {
     EXPECT_NEAR(factorized->error_history[i], dense->error_history[i], 1e-6) << "sweep " << i + 1;
   }
+  EXPECT_LT(dense->error_history.back(), dense->error_history.front() - 1e-3);
+  EXPECT_EQ(factorized->query.sizes(), (at::IntArrayRef{shape.dq, 6}));
+  EXPECT_EQ(factorized->key.sizes(), (at::IntArrayRef{shape.dk, 6}));
   EXPECT_TRUE(at::allclose(Reconstruct(factorized->mixing, factorized->query, factorized->key),
                            Reconstruct(dense->mixing, dense->query, dense->key), 1e-4, 1e-4));
 }
 
-INSTANTIATE_TEST_SUITE_P(BothInits, SameIteratesTest,
-                         ::testing::Values(CpAlsOptions::Init::kSvd, CpAlsOptions::Init::kRandom));
+INSTANTIATE_TEST_SUITE_P(
+    InitsAndShapes, SameIteratesTest,
+    ::testing::Combine(::testing::Values(CpAlsOptions::Init::kSvd, CpAlsOptions::Init::kRandom),
+                       ::testing::Values(Shape{4, 32, 32, 8}, Shape{4, 32, 24, 8},
+                                         Shape{8, 12, 12, 8})));
 
 TEST(FactorizedCpAlsTest, ErrorNeverRises) {
   const Factors f = RandomFactors(31);
