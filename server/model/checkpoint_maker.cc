@@ -11,6 +11,9 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "server/model/bert.h"
+#include "server/model/probe_sentences.h"
+#include "server/text/bert_tokenizer.h"
+#include <c10/core/InferenceMode.h>
 #include "server/util/files.h"
 #include "server/util/status_macros.h"
 
@@ -28,6 +31,38 @@ at::Tensor Normal(std::vector<int64_t> shape, uint64_t seed, std::string_view na
   at::Tensor t = at::empty(shape, at::kFloat);
   FillNormal(t.data_ptr<float>(), t.numel(), HashSeed(seed, name), std);
   return t;
+}
+
+// Random weights give every input nearly the same pooled vector, so raw logits barely depend on
+// the text. Re-centre and re-scale the classifier on the built-in probe sentences so that each
+// logit has mean 0 and standard deviation 2 across them: the outputs then differ across inputs and
+// no label dominates. Deterministic, like the weights.
+absl::Status CalibrateClassifier(BertClassifier& model, const std::string& vocab_path) {
+  ASSIGN_OR_RETURN(auto tok, text::BertTokenizer::FromFiles(vocab_path, ""));
+  const auto& probes = BuiltinProbeSentences();
+  std::vector<std::vector<int32_t>> ids;
+  size_t longest = 0;
+  for (const auto& s : probes) {
+    ASSIGN_OR_RETURN(text::Encoding e, tok->Encode(s, std::nullopt, 128, true));
+    longest = std::max(longest, e.input_ids.size());
+    ids.push_back(std::move(e.input_ids));
+  }
+  const int64_t P = static_cast<int64_t>(ids.size()), S = static_cast<int64_t>(longest);
+  at::Tensor input = at::zeros({P, S}, at::kLong), mask = at::zeros({P, S}, at::kLong);
+  for (int64_t i = 0; i < P; ++i) {
+    for (size_t j = 0; j < ids[i].size(); ++j) input[i][j] = ids[i][j];
+    mask[i].narrow(0, 0, ids[i].size()).fill_(1);
+  }
+  c10::InferenceMode guard;
+  model.Prepare(c10::Device(c10::kCPU), c10::kFloat);
+  at::Tensor logits = model.Forward(input, at::zeros({P, S}, at::kLong), mask);  // [P, C]
+  at::Tensor mean = logits.mean(0), std = logits.std(0).clamp_min(1e-6);
+  at::Tensor gain = 2.0 / std;
+  for (auto& item : model.named_parameters(/*recurse=*/true)) {
+    if (item.key() == "classifier.weight") item.value().mul_(gain.unsqueeze(1));
+    if (item.key() == "classifier.bias") item.value().sub_(mean).mul_(gain);
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -160,6 +195,7 @@ absl::Status MakeCheckpoint(const std::string& out_dir, const MakeOptions& o) {
     p.copy_(v);
   }
   RETURN_IF_ERROR(util::WriteFileAtomic(util::JoinPath(out_dir, "vocab.txt"), vocab));
+  RETURN_IF_ERROR(CalibrateClassifier(model, util::JoinPath(out_dir, "vocab.txt")));
   RETURN_IF_ERROR(util::WriteFileAtomic(
       util::JoinPath(out_dir, "tokenizer_config.json"),
       "{\n  \"tokenizer_class\": \"BertTokenizer\",\n  \"do_lower_case\": true,\n"

@@ -1,0 +1,275 @@
+// collabserve-model: the offline tool. JSON lines in, JSON lines out.
+//   make      --out DIR [--preset tiny|mini|base] [--layers --hidden --heads --intermediate --labels
+//             --seed --planted_rank --planted_noise --hidden_act --problem_type]
+//             [--format safetensors|bin] [--dtype f32|f16|bf16] [--vocab FILE]
+//   tokenize  --model DIR [--max_length N]        stdin {"text", "text_pair"} → {"input_ids", "token_type_ids"}
+//   predict   --model DIR [--batch_size B] [--device D] [--dtype T]
+//             stdin {"text", "text_pair"} or {"input_ids", "token_type_ids"} → {"label", "logits", "probabilities"}
+//   inspect   --model DIR                          → parameter counts, layers, heads, ranks
+//   compress  --model IN --out OUT (--rank R | --ratio X | --ranks r1,... | --max_error E) ...
+#include <glog/logging.h>
+
+#include <functional>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "server/model/checkpoint_maker.h"
+#include "server/model/config.h"
+#include "server/model/engine.h"
+#include "server/model/param_counts.h"
+#include "server/text/bert_tokenizer.h"
+#include "server/tools/commands.h"
+#include "server/tools/flags.h"
+#include "server/util/files.h"
+#include "server/util/status_macros.h"
+
+namespace collabserve::tools {
+namespace {
+
+using json = nlohmann::json;
+
+absl::Status Make(int argc, char** argv) {
+  ASSIGN_OR_RETURN(Flags f, Flags::Parse(argc, argv, 2,
+                                         {"out", "preset", "layers", "hidden", "heads", "intermediate",
+                                          "labels", "seed", "format", "dtype", "vocab", "planted_rank",
+                                          "planted_noise", "hidden_act", "problem_type", "label_names"}));
+  if (!f.Has("out")) return absl::InvalidArgumentError("make: --out DIR is required");
+  model::MakeOptions o;
+  o.preset = f.Get("preset", "tiny");
+  ASSIGN_OR_RETURN(int64_t layers, f.GetInt("layers", 0));
+  ASSIGN_OR_RETURN(int64_t hidden, f.GetInt("hidden", 0));
+  ASSIGN_OR_RETURN(int64_t heads, f.GetInt("heads", 0));
+  ASSIGN_OR_RETURN(int64_t inter, f.GetInt("intermediate", 0));
+  ASSIGN_OR_RETURN(int64_t labels, f.GetInt("labels", 2));
+  ASSIGN_OR_RETURN(int64_t seed, f.GetInt("seed", 0));
+  ASSIGN_OR_RETURN(int64_t planted, f.GetInt("planted_rank", 0));
+  ASSIGN_OR_RETURN(o.planted_noise, f.GetDouble("planted_noise", 0.05));
+  o.layers = static_cast<int>(layers);
+  o.hidden = static_cast<int>(hidden);
+  o.heads = static_cast<int>(heads);
+  o.intermediate = static_cast<int>(inter);
+  o.labels = static_cast<int>(labels);
+  o.seed = static_cast<uint64_t>(seed);
+  o.planted_rank = static_cast<int>(planted);
+  o.vocab_path = f.Get("vocab");
+  o.hidden_act = f.Get("hidden_act", "gelu");
+  o.problem_type = f.Get("problem_type");
+  if (f.Has("label_names")) o.label_names = absl::StrSplit(f.Get("label_names"), ',');
+  std::string format = f.Get("format", "safetensors");
+  if (format == "safetensors") o.format = model::WeightFormat::kSafetensors;
+  else if (format == "bin") o.format = model::WeightFormat::kTorchBin;
+  else return absl::InvalidArgumentError(absl::StrCat("--format '", format, "' is not safetensors or bin"));
+  std::string dtype = f.Get("dtype", "f32");
+  if (dtype == "f32") o.dtype = model::WeightDType::kF32;
+  else if (dtype == "f16") o.dtype = model::WeightDType::kF16;
+  else if (dtype == "bf16") o.dtype = model::WeightDType::kBF16;
+  else return absl::InvalidArgumentError(absl::StrCat("--dtype '", dtype, "' is not f32, f16 or bf16"));
+  if (o.dtype != model::WeightDType::kF32 && o.format != model::WeightFormat::kSafetensors) {
+    return absl::InvalidArgumentError("--dtype f16/bf16 is only written as safetensors");
+  }
+  RETURN_IF_ERROR(model::MakeCheckpoint(f.Get("out"), o));
+  std::cout << json{{"out", f.Get("out")}, {"preset", o.preset}, {"format", format}, {"dtype", dtype}}.dump()
+            << std::endl;
+  return absl::OkStatus();
+}
+
+// Reads JSON lines from stdin and calls `fn` on each object; errors are printed as
+// {"error": "..."} lines in place of the result, and make the command's status an error.
+// `before_error` runs before an error line is printed, so that results buffered for earlier lines
+// come out first.
+template <typename Fn>
+absl::Status ForEachLine(Fn fn, const std::function<absl::Status()>& before_error = nullptr) {
+  std::string line;
+  int64_t n = 0, failed = 0;
+  while (std::getline(std::cin, line)) {
+    ++n;
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    json j = json::parse(line, nullptr, /*allow_exceptions=*/false);
+    absl::Status s;
+    if (j.is_discarded() || !j.is_object()) {
+      s = absl::InvalidArgumentError("not a JSON object");
+    } else {
+      s = fn(j);
+    }
+    if (!s.ok()) {
+      ++failed;
+      if (before_error) {
+        absl::Status f = before_error();
+        if (!f.ok()) return f;
+      }
+      std::cout << json{{"error", absl::StrCat("line ", n, ": ", s.message())}}.dump() << "\n";
+    }
+  }
+  std::cout.flush();
+  if (failed) return absl::InvalidArgumentError(absl::StrCat(failed, " of ", n, " input lines failed"));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> GetString(const json& j, const char* key, bool required) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) {
+    if (required) return absl::InvalidArgumentError(absl::StrCat("missing \"", key, "\""));
+    return std::string();
+  }
+  if (!it->is_string()) return absl::InvalidArgumentError(absl::StrCat("\"", key, "\" must be a string"));
+  return it->get<std::string>();
+}
+
+absl::StatusOr<model::TokenizedInput> ToInput(const json& j, const text::BertTokenizer& tok, int max_length) {
+  model::TokenizedInput in;
+  if (j.contains("input_ids")) {
+    const json& ids = j["input_ids"];
+    if (!ids.is_array()) return absl::InvalidArgumentError("\"input_ids\" must be a list of integers");
+    for (const auto& x : ids) {
+      if (!x.is_number_integer()) return absl::InvalidArgumentError("\"input_ids\" must be a list of integers");
+      in.input_ids.push_back(x.get<int32_t>());
+    }
+    if (j.contains("token_type_ids")) {
+      for (const auto& x : j["token_type_ids"]) {
+        if (!x.is_number_integer()) return absl::InvalidArgumentError("\"token_type_ids\" must be integers");
+        in.token_type_ids.push_back(x.get<int32_t>());
+      }
+    }
+    return in;
+  }
+  ASSIGN_OR_RETURN(std::string text, GetString(j, "text", true));
+  ASSIGN_OR_RETURN(std::string pair, GetString(j, "text_pair", false));
+  std::optional<std::string_view> p;
+  if (j.contains("text_pair") && !j["text_pair"].is_null()) p = pair;
+  ASSIGN_OR_RETURN(text::Encoding e, tok.Encode(text, p, max_length, /*truncate=*/true));
+  in.input_ids = std::move(e.input_ids);
+  in.token_type_ids = std::move(e.token_type_ids);
+  return in;
+}
+
+absl::Status Tokenize(int argc, char** argv) {
+  ASSIGN_OR_RETURN(Flags f, Flags::Parse(argc, argv, 2, {"model", "max_length"}));
+  if (!f.Has("model")) return absl::InvalidArgumentError("tokenize: --model DIR is required");
+  ASSIGN_OR_RETURN(int64_t max_length, f.GetInt("max_length", 0));
+  ASSIGN_OR_RETURN(auto tok, text::BertTokenizer::FromDirectory(f.Get("model")));
+  return ForEachLine([&](const json& j) -> absl::Status {
+    ASSIGN_OR_RETURN(model::TokenizedInput in, ToInput(j, *tok, static_cast<int>(max_length)));
+    std::cout << json{{"input_ids", in.input_ids}, {"token_type_ids", in.token_type_ids}}.dump() << "\n";
+    return absl::OkStatus();
+  });
+}
+
+json PredictionJson(const model::Prediction& p, const model::ModelInfo& info) {
+  return json{{"label", info.labels[p.label]}, {"logits", p.logits}, {"probabilities", p.probabilities}};
+}
+
+absl::Status Predict(int argc, char** argv) {
+  ASSIGN_OR_RETURN(Flags f, Flags::Parse(argc, argv, 2, {"model", "batch_size", "device", "dtype"}));
+  if (!f.Has("model")) return absl::InvalidArgumentError("predict: --model DIR is required");
+  ASSIGN_OR_RETURN(int64_t batch_size, f.GetInt("batch_size", 8));
+  if (batch_size < 1) return absl::InvalidArgumentError("--batch_size must be at least 1");
+  model::EngineOptions eo;
+  eo.device = f.Get("device", "cpu");
+  eo.dtype = f.Get("dtype", "float32");
+  ASSIGN_OR_RETURN(auto engine, model::Engine::Load(f.Get("model"), eo));
+  std::vector<model::TokenizedInput> pending;
+  auto flush = [&]() -> absl::Status {
+    if (pending.empty()) return absl::OkStatus();
+    auto preds = engine->Run(pending);
+    pending.clear();
+    if (!preds.ok()) return preds.status();
+    for (const auto& p : *preds) std::cout << PredictionJson(p, engine->info()).dump() << "\n";
+    return absl::OkStatus();
+  };
+  absl::Status st = ForEachLine([&](const json& j) -> absl::Status {
+    // A bad line must be reported in its place: flush what came before it first.
+    ASSIGN_OR_RETURN(model::TokenizedInput in, ToInput(j, engine->tokenizer(), 0));
+    pending.push_back(std::move(in));
+    if (static_cast<int64_t>(pending.size()) >= batch_size) return flush();
+    return absl::OkStatus();
+  }, flush);
+  RETURN_IF_ERROR(flush());
+  std::cout.flush();
+  return st;
+}
+
+absl::Status Inspect(int argc, char** argv) {
+  ASSIGN_OR_RETURN(Flags f, Flags::Parse(argc, argv, 2, {"model"}));
+  if (!f.Has("model")) return absl::InvalidArgumentError("inspect: --model DIR is required");
+  std::string dir = f.Get("model");
+  ASSIGN_OR_RETURN(model::BertConfig config, model::BertConfig::FromFile(util::JoinPath(dir, "config.json")));
+  ASSIGN_OR_RETURN(auto classifier, model::LoadClassifier(dir, config));
+  model::ParamCounts p = model::CountParams(*classifier);
+  ASSIGN_OR_RETURN(std::string weights, model::FindWeightsFile(dir));
+  json layers = json::array();
+  const int64_t std_qk = model::StandardQkParamsPerLayer(config);
+  for (int i = 0; i < config.num_hidden_layers; ++i) {
+    const auto& l = classifier->layers()[i];
+    int64_t qk = l.collaborative
+                     ? l.collab_query_w.numel() + l.collab_key_w.numel() + l.mixing.numel() + l.content_bias.numel()
+                     : l.query_w.numel() + l.query_b.numel() + l.key_w.numel() + l.key_b.numel();
+    json lj{{"layer", i}, {"attention", l.collaborative ? "collaborative" : "standard"}, {"qk_params", qk}};
+    if (l.collaborative) {
+      lj["rank"] = l.rank;
+      if (i < static_cast<int>(config.collaborative.errors.size())) lj["relative_error"] = config.collaborative.errors[i];
+    }
+    layers.push_back(lj);
+  }
+  json out{{"model", dir},
+           {"weights", weights},
+           {"layers", config.num_hidden_layers},
+           {"hidden_size", config.hidden_size},
+           {"heads", config.num_attention_heads},
+           {"head_size", config.head_size()},
+           {"intermediate_size", config.intermediate_size},
+           {"vocab_size", config.vocab_size},
+           {"labels", config.id2label},
+           {"collaborative", config.collaborative.present()},
+           {"parameters",
+            {{"total", p.total},
+             {"embeddings", p.embeddings},
+             {"attention_qk", p.attention_qk},
+             {"attention_vo", p.attention_vo},
+             {"ffn", p.ffn},
+             {"layer_norm", p.layer_norm},
+             {"pooler_classifier", p.head}}},
+           {"qk_compression_ratio",
+            p.attention_qk ? static_cast<double>(std_qk * config.num_hidden_layers) / p.attention_qk : 1.0},
+           {"per_layer", layers}};
+  std::cout << out.dump(2) << std::endl;
+  return absl::OkStatus();
+}
+
+int Usage() {
+  std::cerr << "usage: collabserve-model (make|tokenize|predict|inspect|compress) [--flags]\n"
+               "  make     --out DIR [--preset tiny|mini|base] [--format safetensors|bin] [--seed S] ...\n"
+               "  tokenize --model DIR            (JSON lines on stdin)\n"
+               "  predict  --model DIR [--batch_size B] [--device cpu|cuda[:N]]\n"
+               "  inspect  --model DIR\n"
+               "  compress --model IN --out OUT (--rank R | --ratio X | --ranks r1,... | --max_error E)\n";
+  return 2;
+}
+
+}  // namespace
+}  // namespace collabserve::tools
+
+int main(int argc, char** argv) {
+  google::InitGoogleLogging(argv[0]);
+  FLAGS_logtostderr = true;
+  using namespace collabserve::tools;
+  if (argc < 2) return Usage();
+  std::string cmd = argv[1];
+  absl::Status st;
+  if (cmd == "make") st = Make(argc, argv);
+  else if (cmd == "tokenize") st = Tokenize(argc, argv);
+  else if (cmd == "predict") st = Predict(argc, argv);
+  else if (cmd == "inspect") st = Inspect(argc, argv);
+  else if (cmd == "compress") st = Compress(argc, argv);
+  else if (cmd == "--help" || cmd == "-h" || cmd == "help") { Usage(); return 0; }
+  else return Usage();
+  if (!st.ok()) {
+    std::cerr << "collabserve-model " << cmd << ": " << st.message() << std::endl;
+    return 1;
+  }
+  return 0;
+}

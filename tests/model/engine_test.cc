@@ -1,0 +1,193 @@
+// Engine loading and running: every way a checkpoint directory can be wrong gets an error that
+// names the file and the problem; predictions have the documented shape and semantics.
+#include "server/model/engine.h"
+
+#include <ATen/ATen.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "server/model/bert.h"
+#include "server/model/checkpoint_maker.h"
+#include "server/model/io/checkpoint.h"
+#include "server/model/io/safetensors.h"
+#include "server/model/param_counts.h"
+#include "server/model/state_dict.h"
+#include "server/text/bert_tokenizer.h"
+#include "tests/testing/test_util.h"
+
+namespace collabserve::model {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::TempDir;
+
+std::string Msg(const absl::Status& s) { return std::string(s.message()); }
+
+class EngineTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    MakeOptions o;
+    o.label_names = {"neg", "pos", "mixed"};
+    ASSERT_TRUE(MakeCheckpoint(dir_.path(), o).ok());
+  }
+  // Rewrites model.safetensors through `edit` (name → tensor map of float32 tensors).
+  void EditWeights(const std::function<void(std::map<std::string, at::Tensor>&)>& edit) {
+    auto ckpt = io::ReadCheckpointFile(dir_ / "model.safetensors");
+    ASSERT_TRUE(ckpt.ok());
+    std::map<std::string, at::Tensor> m;
+    for (auto& [k, raw] : ckpt->tensors) m[k] = *RawToFloatTensor(raw, k);
+    edit(m);
+    std::vector<io::TensorToWrite> out;
+    for (auto& [k, t] : m) {
+      t = t.contiguous();
+      out.push_back({k, io::DType::kF32, t.sizes().vec(), t.data_ptr()});
+    }
+    ASSERT_TRUE(io::WriteSafetensors(dir_ / "model.safetensors", out, {}).ok());
+  }
+  TempDir dir_;
+};
+
+TEST_F(EngineTest, LoadsAndDescribesTheModel) {
+  auto engine = Engine::Load(dir_.path());
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  const ModelInfo& info = (*engine)->info();
+  EXPECT_EQ(info.labels, (std::vector<std::string>{"neg", "pos", "mixed"}));
+  EXPECT_EQ(info.num_layers, 2);
+  EXPECT_EQ(info.num_heads, 4);
+  EXPECT_EQ(info.head_size, 16);
+  EXPECT_EQ(info.max_length, 512);
+  EXPECT_TRUE(info.collaborative_ranks.empty());
+  EXPECT_EQ(info.device, "cpu");
+  const ParamCounts& p = info.params;
+  EXPECT_EQ(p.attention_qk, 2 * 2 * (64 * 64 + 64));
+  EXPECT_EQ(p.total, p.embeddings + p.attention_qk + p.attention_vo + p.ffn + p.layer_norm + p.head);
+  EXPECT_EQ(p.embeddings, (30522 + 512 + 2) * 64 + 2 * 64);
+}
+
+TEST_F(EngineTest, PredictionsAreDistributions) {
+  auto engine = Engine::Load(dir_.path());
+  ASSERT_TRUE(engine.ok());
+  auto e = (*engine)->tokenizer().Encode("hello world", std::nullopt, 0, true);
+  ASSERT_TRUE(e.ok());
+  auto preds = (*engine)->Run(std::vector<TokenizedInput>{{e->input_ids, e->token_type_ids}});
+  ASSERT_TRUE(preds.ok());
+  const Prediction& p = (*preds)[0];
+  ASSERT_EQ(p.logits.size(), 3u);
+  float sum = 0;
+  for (float x : p.probabilities) sum += x;
+  EXPECT_NEAR(sum, 1.0, 1e-5);
+  EXPECT_EQ(p.label, std::max_element(p.logits.begin(), p.logits.end()) - p.logits.begin());
+}
+
+TEST_F(EngineTest, RejectsBadInputs) {
+  auto engine = Engine::Load(dir_.path());
+  ASSERT_TRUE(engine.ok());
+  auto run = [&](TokenizedInput in) { return (*engine)->Run(std::vector<TokenizedInput>{in}).status(); };
+  EXPECT_THAT(Msg(run({})), HasSubstr("is empty"));
+  EXPECT_THAT(Msg(run({{101, 40000, 102}, {}})), HasSubstr("token id 40000 is outside the vocabulary"));
+  EXPECT_THAT(Msg(run({{101, 102}, {0, 5}})), HasSubstr("token type 5"));
+  EXPECT_THAT(Msg(run({{101, 102}, {0}})), HasSubstr("token_type_ids has 1 entries"));
+  TokenizedInput too_long;
+  too_long.input_ids.assign(513, 1000);
+  EXPECT_THAT(Msg(run(too_long)), HasSubstr("has 513 tokens; the model takes at most 512"));
+}
+
+TEST_F(EngineTest, MissingFiles) {
+  EXPECT_THAT(Msg(Engine::Load(dir_ / "nope").status()), HasSubstr("model directory does not exist"));
+  std::filesystem::remove(dir_ / "model.safetensors");
+  EXPECT_THAT(Msg(Engine::Load(dir_.path()).status()), HasSubstr("no model.safetensors or pytorch_model.bin"));
+  std::filesystem::remove(dir_ / "config.json");
+  auto s = Engine::Load(dir_.path()).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(Msg(s), HasSubstr("config.json"));
+}
+
+TEST_F(EngineTest, MissingTensorIsNamed) {
+  EditWeights([](auto& m) { m.erase("bert.encoder.layer.1.attention.self.key.weight"); });
+  EXPECT_THAT(Msg(Engine::Load(dir_.path()).status()),
+              HasSubstr("missing tensors: bert.encoder.layer.1.attention.self.key.weight"));
+}
+
+TEST_F(EngineTest, WrongShapeIsNamed) {
+  EditWeights([](auto& m) { m["classifier.weight"] = at::zeros({2, 64}); });
+  EXPECT_THAT(Msg(Engine::Load(dir_.path()).status()),
+              HasSubstr("wrong shapes: classifier.weight is [2, 64], expected [3, 64]"));
+}
+
+TEST_F(EngineTest, UnexpectedTensorIsNamedButKnownExtrasAreTolerated) {
+  EditWeights([](auto& m) {
+    m["bert.embeddings.position_ids"] = at::arange(512).to(at::kFloat).unsqueeze(0);
+    m["cls.predictions.bias"] = at::zeros({30522});
+  });
+  EXPECT_TRUE(Engine::Load(dir_.path()).ok());
+  EditWeights([](auto& m) { m["bert.encoder.layer.0.adapter.weight"] = at::zeros({4}); });
+  EXPECT_THAT(Msg(Engine::Load(dir_.path()).status()),
+              HasSubstr("unexpected tensors: bert.encoder.layer.0.adapter.weight"));
+}
+
+TEST_F(EngineTest, AcceptsBareBertKeysAndOldLayerNormNames) {
+  EditWeights([](auto& m) {
+    std::map<std::string, at::Tensor> renamed;
+    for (auto& [k, t] : m) {
+      std::string n = k.rfind("bert.", 0) == 0 ? k.substr(5) : k;
+      if (n.size() > 16 && n.compare(n.size() - 16, 16, "LayerNorm.weight") == 0) n = n.substr(0, n.size() - 6) + "gamma";
+      renamed[n] = t;
+    }
+    m = renamed;
+  });
+  EXPECT_TRUE(Engine::Load(dir_.path()).ok());
+}
+
+TEST_F(EngineTest, NonFiniteWeightsAreRefused) {
+  EditWeights([](auto& m) { m["bert.pooler.dense.bias"][3] = std::numeric_limits<float>::quiet_NaN(); });
+  EXPECT_THAT(Msg(Engine::Load(dir_.path()).status()),
+              HasSubstr("tensor 'bert.pooler.dense.bias' has non-finite values"));
+}
+
+TEST_F(EngineTest, OtherArchitecturesAreRefused) {
+  std::ofstream(dir_ / "config.json") << R"({"architectures": ["RobertaForSequenceClassification"]})";
+  auto s = Engine::Load(dir_.path()).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(Msg(s), HasSubstr("RobertaForSequenceClassification\" is not supported"));
+}
+
+TEST_F(EngineTest, DevicesAndDtypes) {
+  EXPECT_THAT(Msg(Engine::Load(dir_.path(), {"tpu", "float32"}).status()), HasSubstr("device 'tpu'"));
+  EXPECT_THAT(Msg(Engine::Load(dir_.path(), {"cpu", "float16"}).status()), HasSubstr("only available on CUDA"));
+  if (!at::hasCUDA()) {
+    EXPECT_THAT(Msg(Engine::Load(dir_.path(), {"cuda", "float32"}).status()), HasSubstr("CUDA is not available"));
+  }
+}
+
+TEST(CheckpointMakerTest, IsDeterministic) {
+  TempDir a, b;
+  MakeOptions o;
+  o.seed = 3;
+  ASSERT_TRUE(MakeCheckpoint(a.path(), o).ok());
+  ASSERT_TRUE(MakeCheckpoint(b.path(), o).ok());
+  auto ra = testing::RunCommand("cmp " + (a / "model.safetensors") + " " + (b / "model.safetensors"));
+  EXPECT_EQ(ra.exit_code, 0);
+  o.seed = 4;
+  ASSERT_TRUE(MakeCheckpoint(b.path(), o).ok());
+  EXPECT_NE(testing::RunCommand("cmp -s " + (a / "model.safetensors") + " " + (b / "model.safetensors")).exit_code, 0);
+}
+
+TEST(CheckpointMakerTest, RejectsBadOptions) {
+  TempDir a;
+  MakeOptions o;
+  o.preset = "huge";
+  EXPECT_THAT(Msg(MakeCheckpoint(a.path(), o)), HasSubstr("unknown preset 'huge'"));
+  o = MakeOptions();
+  o.hidden = 100;
+  o.heads = 3;
+  EXPECT_THAT(Msg(MakeCheckpoint(a.path(), o)), HasSubstr("not a multiple"));
+  o = MakeOptions();
+  o.hidden_act = "swish";
+  EXPECT_THAT(Msg(MakeCheckpoint(a.path(), o)), HasSubstr("swish"));
+}
+
+}  // namespace
+}  // namespace collabserve::model
