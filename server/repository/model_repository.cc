@@ -594,10 +594,10 @@ absl::StatusOr<std::shared_ptr<Servable>> ModelRepository::Get(
   auto m = models_.find(name);
   std::vector<std::string> available;
   if (m == models_.end()) {
-    for (const auto& [name, entries] : models_) {
+    for (const auto& [other, entries] : models_) {
       for (const auto& [v, e] : entries) {
         if (e.state == State::kAvailable) {
-          available.push_back(name);
+          available.push_back(other);
           break;
         }
       }
@@ -620,7 +620,13 @@ absl::StatusOr<std::shared_ptr<Servable>> ModelRepository::Get(
   for (const auto& [v, e] : entries) {
     if (e.state == State::kAvailable) {
       available.push_back(absl::StrCat(v));
-    } else if (!version || v == *version) {
+    } else if (version ? v == *version
+                       : e.state != State::kUnloaded || e.disabled) {  // not the policy's choice
+      if (why.size() == 5) {
+        why.push_back("...");
+        continue;
+      }
+      if (why.size() > 5) continue;
       std::string reason;
       switch (e.state) {
         case State::kLoading: reason = "is loading"; break;
@@ -754,8 +760,8 @@ absl::Status ModelRepository::DeleteVersion(const ServableId& id) {
     // The rename makes the version vanish from the tree at once; the slow removal happens in a
     // dot-directory that scans ignore and CleanLeftovers() finishes after a crash.
     const std::string trash = Join(
-        options_.root, absl::StrCat(".trash-", id.model, "-", id.version, "-", ::getpid(), "-",
-                                    absl::ToUnixNanos(absl::Now())));
+        options_.root, absl::StrCat(".trash-", id.model.substr(0, 100), "-", id.version, "-",
+                                    ::getpid(), "-", absl::ToUnixNanos(absl::Now())));
     if (::rename(path.c_str(), trash.c_str()) != 0) {
       const int err = errno;
       return absl::FailedPreconditionError(

@@ -614,8 +614,8 @@ TEST_F(ModelRepositoryTest, BackgroundPollerPicksUpNewVersionsAndStopsPromptly) 
   slow->reset();
 }
 
-// Many readers while the served version changes under them on every poll: no Get ever fails, and
-// each reader sees versions only move forward.
+// Many readers while the served version changes under them (polls, uploads, deletes): no Get ever
+// fails, and each reader sees versions only move forward.
 TEST_F(ModelRepositoryTest, ConcurrentGetsDuringRepeatedPollsNeverFail) {
   MakeVersion("m", 1);
   RepositoryOptions o = Options(/*keep=*/1);
@@ -647,8 +647,18 @@ TEST_F(ModelRepositoryTest, ConcurrentGetsDuringRepeatedPollsNeverFail) {
     });
   }
   for (int v = 2; v <= kVersions; ++v) {
-    MakeVersion("m", v);
+    if (v % 2 == 0) {  // an upload
+      const fs::path staging = fs::path(root_) / ".staging" / absl::StrCat("u", v);
+      fs::create_directories(staging);
+      std::ofstream(staging / "config.json") << "{}";
+      ASSERT_TRUE(repo_->Publish(staging.string(), {"m", v}, /*load_now=*/true).ok());
+    } else {  // a copy into the tree, found by polling
+      MakeVersion("m", v);
+    }
     if (v % 3 == 0) fs::remove_all(VersionDir("m", v - 2));  // old ones vanish as well
+    if (v % 5 == 0) {
+      ASSERT_TRUE(repo_->DeleteVersion({"m", v - 1}).ok());
+    }
     ASSERT_TRUE(repo_->Poll().ok());
   }
   done = true;
