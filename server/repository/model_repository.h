@@ -97,7 +97,7 @@ class ModelRepository {
     };
     int64_t version = 0;
     State state = State::kUnloaded;
-    absl::Status error;  // why the last load failed (kFailed), else OK
+    absl::Status error;  // why the last load failed (also a failed reload of a served version)
     std::string path;
     absl::Time since;     // when the version entered `state`
     bool pinned = false;  // loaded with LoadVersion(): served regardless of versions_to_keep
