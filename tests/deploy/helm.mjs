@@ -115,7 +115,10 @@ check(!ctr(demo).args.some((a) => a.includes('model_repository')) && find(demo, 
 
 // Bad values fail with a message that names the value.
 for (const [sets, want] of [[['server.adminPort=8500'], 'server.adminPort'], [['tls.enabled=true'], 'tls.secretName'],
-  [['autoscaling.enabled=true', 'autoscaling.metric=memory'], 'autoscaling.metric']]) {
+  [['autoscaling.enabled=true', 'autoscaling.metric=memory'], 'autoscaling.metric'],
+  // values.schema.json: a misspelt flag, a wrong type, a bad device are refused at install.
+  [['server.flags.max_batch_sise=8'], 'max_batch_sise'], [['replicaCount=three'], 'replicaCount'],
+  [['server.device=gpu'], 'server.device'], [['gpu.enabeld=true'], 'gpu.enabeld'.split('.')[1]]]) {
   const r = template(sets, { expectFail: true });
   check(r.status !== 0 && r.stderr.includes(want), `helm template --set ${sets.join(',')} fails naming ${want}; got: ${r.stderr.trim().slice(0, 200)}`);
 }
