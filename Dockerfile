@@ -93,7 +93,7 @@ RUN missing=$(ldd /usr/local/bin/collabserve /usr/local/bin/collabctl /usr/local
 USER 10001:10001
 EXPOSE 8500 8501 9090
 HEALTHCHECK --interval=10s --timeout=5s --start-period=180s --retries=3 \
-  CMD collabctl --address="${COLLABSERVE_HEALTH_ADDRESS}" health || exit 1
+  CMD collabctl --address="${COLLABSERVE_HEALTH_ADDRESS}" --deadline_ms=3000 health || exit 1
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["collabserve"]
 CMD ["--port=8500", "--admin_port=8501", "--metrics_port=9090", "--device=cuda"]
@@ -121,9 +121,10 @@ USER 10001:10001
 # gRPC (Inference, Health, reflection), Admin, Prometheus metrics.
 EXPOSE 8500 8501 9090
 # Healthy when grpc.health.v1.Health reports SERVING (not while warming up or draining). Set
-# COLLABSERVE_HEALTH_ADDRESS when --port changes.
+# COLLABSERVE_HEALTH_ADDRESS when --port changes. With --tls_cert the check cannot work: collabctl
+# --tls verifies against system roots and the name 127.0.0.1; override HEALTHCHECK then.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
-  CMD collabctl --address="${COLLABSERVE_HEALTH_ADDRESS}" health || exit 1
+  CMD collabctl --address="${COLLABSERVE_HEALTH_ADDRESS}" --deadline_ms=3000 health || exit 1
 # SIGTERM: NOT_SERVING, new calls UNAVAILABLE, in-flight work drains within --drain_timeout_s.
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["collabserve"]

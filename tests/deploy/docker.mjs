@@ -43,7 +43,7 @@ for (const s of ['runtime', 'cuda']) {
   const body = stageBody(s);
   const user = kw(body, 'USER').pop() || '';
   check(user && !/^(0|root)(:|$)/.test(user), `${s}: runs as a non-root USER (got "${user}")`);
-  check(kw(body, 'HEALTHCHECK').some((h) => /CMD collabctl --address=\S+ health/.test(h)), `${s}: HEALTHCHECK runs collabctl health`);
+  check(kw(body, 'HEALTHCHECK').some((h) => /CMD collabctl --address=\S+( --\S+)* health/.test(h)), `${s}: HEALTHCHECK runs collabctl health`);
   const exposed = kw(body, 'EXPOSE').join(' ').split(/\s+/);
   check(['8500', '8501', '9090'].every((p) => exposed.includes(p)), `${s}: EXPOSE 8500 8501 9090`);
   check(kw(body, 'ENTRYPOINT').some((e) => e.replace(/\s/g, '') === '["collabserve"]'), `${s}: ENTRYPOINT ["collabserve"]`);
