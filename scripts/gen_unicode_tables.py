@@ -252,6 +252,7 @@ def generate(model):
     src.append('const PropertyRange kPropertyRanges[] = {\n%s\n};\n' %
                rows(['{0x%X, %d},' % r for r in ranges], 8))
     src.append('const size_t kNumPropertyRanges = %d;\n' % len(ranges))
+    src.append('const uint8_t kAsciiProperties[128] = {\n%s\n};\n' % rows(['%d,' % flags[c] for c in range(128)], 16))
     src.append('const uint32_t kMappingData[] = {\n%s\n};\n' % rows(['0x%X,' % c for c in data], 10))
     src.append('const Mapping kDecompositions[] = {\n%s\n};\n' %
                rows(['{0x%X, %d, %d},' % r for r in decomp], 6))

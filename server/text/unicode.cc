@@ -1,7 +1,6 @@
 #include "server/text/unicode.h"
 
 #include <algorithm>
-#include <array>
 
 namespace collabserve::text::unicode {
 namespace {
@@ -18,15 +17,6 @@ uint8_t LookUpProperties(char32_t c) {
   return (it - 1)->bits;
 }
 
-const std::array<uint8_t, 128>& AsciiProperties() {
-  static const std::array<uint8_t, 128> table = [] {
-    std::array<uint8_t, 128> t{};
-    for (char32_t c = 0; c < 128; ++c) t[c] = LookUpProperties(c);
-    return t;
-  }();
-  return table;
-}
-
 const Mapping* FindMapping(const Mapping* table, size_t n, char32_t c) {
   const Mapping* end = table + n;
   const Mapping* it =
@@ -36,8 +26,7 @@ const Mapping* FindMapping(const Mapping* table, size_t n, char32_t c) {
 
 }  // namespace
 
-uint8_t Properties(char32_t c) {
-  if (c < 128) return AsciiProperties()[c];
+uint8_t NonAsciiProperties(char32_t c) {
   if (c > 0x10FFFF) return 0;
   return LookUpProperties(c);
 }

@@ -16,7 +16,8 @@ namespace collabserve::text::unicode {
 //   kPunctuation: ASCII punctuation or a P* category (tokenizers' is_bert_punc).
 //   kNonspacingMark: category Mn. kCjkIdeograph: tokenizers' is_chinese_char ranges.
 // Code points above U+10FFFF have no bits. Thread-safe; no allocation.
-uint8_t Properties(char32_t c);
+uint8_t NonAsciiProperties(char32_t c);
+inline uint8_t Properties(char32_t c) { return c < 128 ? kAsciiProperties[c] : NonAsciiProperties(c); }
 
 // Appends the full canonical decomposition of `c` (itself if it has none; Hangul syllables
 // algorithmically), without reordering.

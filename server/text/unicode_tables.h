@@ -38,6 +38,7 @@ struct CombiningClass {
 
 extern const PropertyRange kPropertyRanges[];
 extern const size_t kNumPropertyRanges;
+extern const uint8_t kAsciiProperties[128];  // the same bits, for U+0000..U+007F
 extern const uint32_t kMappingData[];
 extern const Mapping kDecompositions[];  // full canonical decompositions, Hangul excluded; by cp
 extern const size_t kNumDecompositions;

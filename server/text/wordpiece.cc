@@ -1,5 +1,6 @@
 #include "server/text/wordpiece.h"
 
+#include <algorithm>
 #include <utility>
 
 namespace collabserve::text {
@@ -10,7 +11,14 @@ WordPiece::WordPiece(const std::vector<std::string>& vocab, int32_t unk_id,
       prefix_(std::move(continuing_subword_prefix)),
       max_input_chars_per_word_(max_input_chars_per_word) {
   vocab_.reserve(vocab.size());
-  for (size_t i = 0; i < vocab.size(); ++i) vocab_[vocab[i]] = static_cast<int32_t>(i);
+  for (size_t i = 0; i < vocab.size(); ++i) {
+    const std::string& token = vocab[i];
+    vocab_[token] = static_cast<int32_t>(i);
+    max_initial_bytes_ = std::max(max_initial_bytes_, token.size());
+    if (token.compare(0, prefix_.size(), prefix_) == 0) {
+      max_continuation_bytes_ = std::max(max_continuation_bytes_, token.size() - prefix_.size());
+    }
+  }
 }
 
 int32_t WordPiece::TokenToId(const std::string& token) const {
@@ -27,7 +35,9 @@ void WordPiece::Tokenize(std::string_view word, size_t num_chars, std::vector<in
   const size_t first = ids->size();
   size_t start = 0;
   while (start < word.size()) {
-    size_t end = word.size();
+    // The longest candidate that could be in the vocabulary, cut back to a code point boundary.
+    size_t end = std::min(word.size(), start + (start == 0 ? max_initial_bytes_ : max_continuation_bytes_));
+    while (end < word.size() && end > start && (static_cast<uint8_t>(word[end]) & 0xC0) == 0x80) --end;
     int32_t found = -1;
     while (start < end) {
       scratch->clear();

@@ -34,6 +34,9 @@ class WordPiece {
   int32_t unk_id_;
   std::string prefix_;
   size_t max_input_chars_per_word_;
+  // Byte lengths of the longest word-initial token and of the longest continuation (without the
+  // prefix): longer candidates cannot match, so the search starts no longer than these.
+  size_t max_initial_bytes_ = 0, max_continuation_bytes_ = 0;
 };
 
 }  // namespace collabserve::text
