@@ -75,7 +75,7 @@ export function parseDocs(text, where) {
 }
 
 // Validates objects against the Kubernetes 1.32 OpenAPI schemas (kubernetes-models) and the
-// Prometheus Operator CRDs; an unknown apiVersion/kind is a failure.
+// Prometheus Operator CRDs, and rejects unknown fields (strict.mjs); an unknown apiVersion/kind is a failure.
 const kindModules = {
   'v1': 'kubernetes-models/v1',
   'apps/v1': 'kubernetes-models/apps/v1',
@@ -92,6 +92,10 @@ export async function validateK8s(objs, where) {
     const Model = (await import(mod))[o.kind];
     if (!check(Model, `${id}: unknown kind ${o.kind} in ${o.apiVersion}`)) continue;
     try { new Model(o).validate(); } catch (e) { check(false, `${id} does not validate: ${e.message}`); }
+    const { unknownFields, modelFile } = await import('./strict.mjs');
+    const mf = modelFile(o.apiVersion, o.kind);
+    check(mf, `${id}: no type declarations for ${o.apiVersion} ${o.kind}`);
+    for (const u of unknownFields(o, mf)) check(false, `${where}: ${u}`);
     check(o.metadata && /^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$/.test(o.metadata.name) && o.metadata.name.length <= 63,
       `${id}: invalid object name`);
   }
