@@ -1,7 +1,7 @@
 #include "server/batching/batch_scheduler.h"
 
-#include <cstdlib>
-#include <tuple>
+#include <algorithm>
+#include <iterator>
 
 namespace collabserve::batching {
 
@@ -33,63 +33,61 @@ std::string SchedulerLabel(const std::string& name) {
                       : absl::StrCat("batch scheduler '", name, "'");
 }
 
-namespace {
-
-// True if a batch of `count` tasks whose longest has `longest` tokens stays within the budget.
-bool FitsTokens(int64_t count, int64_t longest, int64_t max_batch_tokens) {
-  return longest == 0 || count <= max_batch_tokens / longest;
+bool FitsTokens(int64_t count, int64_t longest, const SchedulerOptions& options) {
+  return longest == 0 || count <= options.max_batch_tokens / longest;
 }
 
-}  // namespace
+std::vector<uint64_t> SelectLengthAware(const LengthIndex& queue,
+                                        std::pair<int64_t, uint64_t> oldest,
+                                        const SchedulerOptions& options, bool* full) {
+  const int64_t anchor = oldest.first;
+  std::vector<uint64_t> chosen = {oldest.second};  // the oldest task is always in the batch
+  int64_t longest = anchor;
+  // Longer-or-equal candidates, closest first: ascending from the oldest (same length: older
+  // first, as the oldest has the smallest sequence number of all).
+  auto right = queue.upper_bound(oldest);
+  bool right_open = true;
+  // Shorter candidates, closest first: groups of equal length in descending length, each group
+  // in arrival order, i.e. [group_begin, group_end).
+  auto group_end = queue.lower_bound({anchor, 0});
+  auto left = group_end;
+  auto group_begin = group_end;
+  auto next_left = [&] {
+    if (left != group_end) ++left;
+    if (left == group_end) {
+      if (group_begin == queue.begin()) return false;
+      group_end = group_begin;
+      group_begin = queue.lower_bound({std::prev(group_end)->first, 0});
+      left = group_begin;
+    }
+    return true;
+  };
+  bool left_open = next_left();
 
-std::vector<size_t> SelectBatch(const std::vector<int64_t>& sizes, const SchedulerOptions& options,
-                                bool* full) {
-  std::vector<size_t> chosen;
-  const size_t n = sizes.size();
-  if (n == 0) {
-    *full = false;
-    return chosen;
-  }
-  const size_t max_count = static_cast<size_t>(std::min<int64_t>(
-      options.max_batch_size, static_cast<int64_t>(n)));
-  chosen.reserve(max_count);
-  chosen.push_back(0);  // the oldest task is always in the batch
-  int64_t longest = sizes[0];
-  if (!options.length_aware) {
-    for (size_t i = 1; i < n && chosen.size() < max_count; ++i) {
-      const int64_t new_longest = std::max(longest, sizes[i]);
-      if (!FitsTokens(static_cast<int64_t>(chosen.size()) + 1, new_longest,
-                      options.max_batch_tokens)) {
-        break;
-      }
-      chosen.push_back(i);
-      longest = new_longest;
-    }
-  } else {
-    // Candidates by closeness of length to the oldest task; on equal distance a shorter one (it
-    // does not raise the padded length), then an older one.
-    const int64_t anchor = sizes[0];
-    std::vector<std::tuple<int64_t, bool, size_t>> candidates;
-    candidates.reserve(n - 1);
-    for (size_t i = 1; i < n; ++i) {
-      candidates.emplace_back(std::llabs(sizes[i] - anchor), sizes[i] > anchor, i);
-    }
-    std::sort(candidates.begin(), candidates.end());
-    for (const auto& candidate : candidates) {
-      if (chosen.size() >= max_count) break;
-      const size_t i = std::get<2>(candidate);
-      const int64_t new_longest = std::max(longest, sizes[i]);
-      // A candidate that does not fit is skipped, not a stop: a farther but shorter one may fit.
-      if (!FitsTokens(static_cast<int64_t>(chosen.size()) + 1, new_longest,
-                      options.max_batch_tokens)) {
+  while (static_cast<int64_t>(chosen.size()) < options.max_batch_size) {
+    const bool have_right = right_open && right != queue.end();
+    if (!left_open && !have_right) break;
+    const int64_t count = static_cast<int64_t>(chosen.size()) + 1;
+    // On equal distance the shorter one: it does not raise the padded length.
+    if (left_open && (!have_right || anchor - left->first <= right->first - anchor)) {
+      // A shorter task keeps `longest`; if it does not fit, no other candidate can.
+      if (!FitsTokens(count, longest, options)) break;
+      chosen.push_back(left->second);
+      left_open = next_left();
+    } else {
+      const int64_t new_longest = std::max(longest, right->first);
+      if (!FitsTokens(count, new_longest, options)) {
+        right_open = false;  // every later one is at least as long
         continue;
       }
-      chosen.push_back(i);
+      chosen.push_back(right->second);
       longest = new_longest;
+      ++right;
     }
-    std::sort(chosen.begin(), chosen.end());
   }
-  *full = static_cast<int64_t>(chosen.size()) >= options.max_batch_size || chosen.size() < n;
+  std::sort(chosen.begin(), chosen.end());
+  *full = static_cast<int64_t>(chosen.size()) >= options.max_batch_size ||
+          chosen.size() < queue.size();
   return chosen;
 }
 

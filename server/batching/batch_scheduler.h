@@ -14,16 +14,21 @@
 // Limits: num_tasks <= max_batch_size and num_tasks x longest <= max_batch_tokens. Tasks left
 // behind keep their arrival order.
 //
-// Dead tasks (cancelled() or deadline() <= Now()) never enter a batch: they are failed with
-// CANCELLED / DEADLINE_EXCEEDED whenever a batch thread looks at the queue (each time it forms a
-// batch, and at the earliest task deadline when a thread is idle), and when Schedule finds the
-// queue full (so a queue full of dead tasks makes room at once).
+// Dead tasks (cancelled() or deadline() <= Now()) never enter a batch: a task chosen for a batch
+// is checked first, and a dead one is failed with CANCELLED / DEADLINE_EXCEEDED instead. The whole
+// queue is also swept for dead tasks whenever the earliest queued deadline has passed (an idle
+// batch thread wakes for it) and at most every kSweepInterval otherwise (for cancellations), both
+// by batch threads and by Schedule when it finds the queue full, so a queue full of dead tasks
+// makes room without costing a full scan on every rejected Schedule.
+//
+// Cost: Schedule is O(log n) (n = queued tasks); forming a batch of k tasks is O(k log n).
 #ifndef COLLABSERVE_SERVER_BATCHING_BATCH_SCHEDULER_H_
 #define COLLABSERVE_SERVER_BATCHING_BATCH_SCHEDULER_H_
 
 #include <algorithm>
 #include <cstdint>
-#include <deque>
+#include <map>
+#include <set>
 #include <functional>
 #include <memory>
 #include <string>
@@ -89,14 +94,24 @@ enum class ShutdownMode {
 
 namespace internal {
 
-// Status messages and the batch-selection rule, shared by every BatchScheduler<T>.
+// How often, at most, the whole queue is scanned for cancelled tasks (see the policy above).
+inline constexpr absl::Duration kSweepInterval = absl::Milliseconds(1);
+
 std::string SchedulerLabel(const std::string& name);
 
-// Picks the tasks of the next batch from a queue whose task sizes (in arrival order) are `sizes`
-// (non-empty; each <= options.max_batch_tokens). Returns their indices, ascending. Sets *full when
-// the batch reached max_batch_size or a queued task was left out.
-std::vector<size_t> SelectBatch(const std::vector<int64_t>& sizes, const SchedulerOptions& options,
-                                bool* full);
+// The queued tasks as (size, arrival sequence number), ordered by size then arrival.
+using LengthIndex = std::set<std::pair<int64_t, uint64_t>>;
+
+// True if `count` tasks padded to `longest` tokens stay within options.max_batch_tokens.
+bool FitsTokens(int64_t count, int64_t longest, const SchedulerOptions& options);
+
+// The length-aware rule: starting from `oldest` (the queued task with the smallest sequence
+// number, an element of `queue`), adds the tasks closest in length (ties: shorter, then older)
+// while the limits allow. Returns the chosen sequence numbers, ascending; sets *full when the batch
+// reached max_batch_size or a queued task was left out. O(k log n) for a batch of k.
+std::vector<uint64_t> SelectLengthAware(const LengthIndex& queue,
+                                        std::pair<int64_t, uint64_t> oldest,
+                                        const SchedulerOptions& options, bool* full);
 
 template <typename TaskType>
 class SchedulerCore;
@@ -218,7 +233,7 @@ class SchedulerCore {
         absl::MutexLock lock(&mu_);
         for (;;) {
           const absl::Time now = clock_->Now();
-          const absl::Time earliest_deadline = SweepDeadLocked(now, &dropped);
+          MaybeSweepLocked(now, &dropped);
           if (queue_.empty()) {
             if (closing_) {
               exit = true;
@@ -228,13 +243,11 @@ class SchedulerCore {
             clock_->WaitWithDeadline(&mu_, &cv_, absl::InfiniteFuture());
             continue;
           }
-          std::vector<int64_t> sizes;
-          sizes.reserve(queue_.size());
-          for (const Entry& e : queue_) sizes.push_back(e.size);
           bool full = false;
-          std::vector<size_t> chosen = SelectBatch(sizes, options_, &full);
-          const absl::Time release_time =
-              queue_.front().enqueue_time + absl::Microseconds(options_.max_queue_delay_micros);
+          std::vector<uint64_t> chosen = SelectLiveLocked(now, &dropped, &full);
+          if (chosen.empty()) continue;  // everything was dead; look again
+          const absl::Time release_time = queue_.begin()->second.enqueue_time +
+                                          absl::Microseconds(options_.max_queue_delay_micros);
           if (full || closing_ || now >= release_time) {
             batch = FormBatchLocked(chosen, now);
             // Another idle thread may be able to form the next batch right away.
@@ -242,7 +255,7 @@ class SchedulerCore {
             break;
           }
           if (!dropped.empty()) break;
-          clock_->WaitWithDeadline(&mu_, &cv_, std::min(release_time, earliest_deadline));
+          clock_->WaitWithDeadline(&mu_, &cv_, std::min(release_time, earliest_deadline_));
         }
       }
       FailDropped(&dropped);
@@ -266,9 +279,10 @@ class SchedulerCore {
       if (mode == ShutdownMode::kFailQueued) {
         const absl::Status status =
             absl::UnavailableError(absl::StrCat(label_, " shut down before the task was batched"));
-        for (Entry& e : queue_) dropped.push_back(Dropped{std::move(e.task), status});
+        for (auto& [seq, e] : queue_) dropped.push_back(Dropped{std::move(e.task), status});
         stats_.tasks_failed_shutdown += static_cast<int64_t>(queue_.size());
         queue_.clear();
+        by_length_.clear();
       }
       cv_.SignalAll();
     }
@@ -316,7 +330,7 @@ class SchedulerCore {
       if (!dead.ok()) return dead;
     }
     if (static_cast<int64_t>(queue_.size() + n) > options_.max_queue_size) {
-      SweepDeadLocked(now, dropped);
+      MaybeSweepLocked(now, dropped);
       if (static_cast<int64_t>(queue_.size() + n) > options_.max_queue_size) {
         stats_.tasks_rejected_queue_full += static_cast<int64_t>(n);
         return absl::ResourceExhaustedError(absl::StrCat(
@@ -325,7 +339,10 @@ class SchedulerCore {
       }
     }
     for (size_t i = 0; i < n; ++i) {
-      queue_.push_back(Entry{std::move(tasks[i]), sizes[i], now});
+      earliest_deadline_ = std::min(earliest_deadline_, tasks[i]->deadline());
+      const uint64_t seq = next_seq_++;
+      if (options_.length_aware) by_length_.emplace(sizes[i], seq);
+      queue_.emplace_hint(queue_.end(), seq, Entry{std::move(tasks[i]), sizes[i], now});
     }
     stats_.tasks_scheduled += static_cast<int64_t>(n);
     cv_.Signal();
@@ -343,50 +360,98 @@ class SchedulerCore {
     return absl::OkStatus();
   }
 
-  // Moves the dead tasks out of the queue into *dropped (keeping the others' order) and returns
-  // the earliest deadline among the live ones.
-  absl::Time SweepDeadLocked(absl::Time now, std::vector<Dropped>* dropped)
+  void RemoveLocked(typename std::map<uint64_t, Entry>::iterator it)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    absl::Time earliest = absl::InfiniteFuture();
-    bool any_dead = false;
-    for (Entry& e : queue_) {
-      absl::Status dead = DeadStatus(*e.task, now);
-      if (dead.ok()) {
-        earliest = std::min(earliest, e.task->deadline());
-        continue;
-      }
-      if (dead.code() == absl::StatusCode::kCancelled) {
-        ++stats_.tasks_failed_cancelled;
-      } else {
-        ++stats_.tasks_failed_deadline;
-      }
-      dropped->push_back(Dropped{std::move(e.task), std::move(dead)});
-      any_dead = true;
-    }
-    if (any_dead) EraseTakenLocked();
-    return earliest;
+    if (options_.length_aware) by_length_.erase({it->second.size, it->first});
+    queue_.erase(it);
   }
 
-  std::unique_ptr<Batch<TaskType>> FormBatchLocked(const std::vector<size_t>& chosen,
+  // Moves a dead task out of the queue into *dropped.
+  void DropLocked(typename std::map<uint64_t, Entry>::iterator it, absl::Status status,
+                  std::vector<Dropped>* dropped) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (status.code() == absl::StatusCode::kCancelled) {
+      ++stats_.tasks_failed_cancelled;
+    } else {
+      ++stats_.tasks_failed_deadline;
+    }
+    dropped->push_back(Dropped{std::move(it->second.task), std::move(status)});
+    RemoveLocked(it);
+  }
+
+  // Scans the whole queue for dead tasks when one may have expired, or when the last scan is
+  // kSweepInterval old (cancellations); recomputes earliest_deadline_.
+  void MaybeSweepLocked(absl::Time now, std::vector<Dropped>* dropped)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (now < earliest_deadline_ && now - last_sweep_ < kSweepInterval) return;
+    last_sweep_ = now;
+    earliest_deadline_ = absl::InfiniteFuture();
+    for (auto it = queue_.begin(); it != queue_.end();) {
+      auto next = std::next(it);
+      absl::Status dead = DeadStatus(*it->second.task, now);
+      if (dead.ok()) {
+        earliest_deadline_ = std::min(earliest_deadline_, it->second.task->deadline());
+      } else {
+        DropLocked(it, std::move(dead), dropped);
+      }
+      it = next;
+    }
+  }
+
+  // Chooses the next batch (see the policy) among live tasks: chosen tasks found dead are dropped
+  // and the choice is made again. Empty only if the queue became empty.
+  std::vector<uint64_t> SelectLiveLocked(absl::Time now, std::vector<Dropped>* dropped, bool* full)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (;;) {
+      if (queue_.empty()) return {};
+      std::vector<uint64_t> chosen = SelectLocked(full);
+      bool any_dead = false;
+      for (uint64_t seq : chosen) {
+        auto it = queue_.find(seq);
+        absl::Status dead = DeadStatus(*it->second.task, now);
+        if (!dead.ok()) {
+          DropLocked(it, std::move(dead), dropped);
+          any_dead = true;
+        }
+      }
+      if (!any_dead) return chosen;
+    }
+  }
+
+  std::vector<uint64_t> SelectLocked(bool* full) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const auto oldest = queue_.begin();
+    if (options_.length_aware) {
+      return SelectLengthAware(by_length_, {oldest->second.size, oldest->first}, options_, full);
+    }
+    // Arrival order: the oldest, then those after it, up to the first that does not fit.
+    std::vector<uint64_t> chosen = {oldest->first};
+    int64_t longest = oldest->second.size;
+    for (auto it = std::next(oldest); it != queue_.end(); ++it) {
+      if (static_cast<int64_t>(chosen.size()) >= options_.max_batch_size) break;
+      const int64_t new_longest = std::max(longest, it->second.size);
+      if (!FitsTokens(static_cast<int64_t>(chosen.size()) + 1, new_longest, options_)) break;
+      chosen.push_back(it->first);
+      longest = new_longest;
+    }
+    *full = static_cast<int64_t>(chosen.size()) >= options_.max_batch_size ||
+            chosen.size() < queue_.size();
+    return chosen;
+  }
+
+  std::unique_ptr<Batch<TaskType>> FormBatchLocked(const std::vector<uint64_t>& chosen,
                                                    absl::Time now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     auto batch = std::make_unique<Batch<TaskType>>();
-    for (size_t i : chosen) {
-      batch->AddTask(std::move(queue_[i].task), queue_[i].enqueue_time);
+    for (uint64_t seq : chosen) {
+      auto it = queue_.find(seq);
+      batch->AddTask(std::move(it->second.task), it->second.enqueue_time);
+      RemoveLocked(it);
     }
     batch->Close(now);
-    EraseTakenLocked();
     ++stats_.batches_formed;
     stats_.tasks_batched += batch->num_tasks();
     stats_.tokens_batched += batch->size();
     stats_.padded_tokens_batched += batch->padded_size();
     return batch;
-  }
-
-  void EraseTakenLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    queue_.erase(std::remove_if(queue_.begin(), queue_.end(),
-                                [](const Entry& e) { return e.task == nullptr; }),
-                 queue_.end());
   }
 
   const SchedulerOptions options_;
@@ -396,7 +461,12 @@ class SchedulerCore {
 
   mutable absl::Mutex mu_;
   absl::CondVar cv_;  // batch threads wait here for work, a release time or shutdown
-  std::deque<Entry> queue_ ABSL_GUARDED_BY(mu_);  // arrival order
+  std::map<uint64_t, Entry> queue_ ABSL_GUARDED_BY(mu_);  // by arrival sequence number
+  LengthIndex by_length_ ABSL_GUARDED_BY(mu_);            // the same tasks; only if length_aware
+  uint64_t next_seq_ ABSL_GUARDED_BY(mu_) = 0;
+  // <= every queued deadline (exact after a sweep).
+  absl::Time earliest_deadline_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
+  absl::Time last_sweep_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   bool closing_ ABSL_GUARDED_BY(mu_) = false;
   SchedulerStats stats_ ABSL_GUARDED_BY(mu_);
 };

@@ -592,6 +592,39 @@ TEST_F(BatchSchedulerTest, BatchThreadsProcessBatchesConcurrently) {
   EXPECT_TRUE(both_inside);
 }
 
+// The length-aware rule on its own, over (size, arrival sequence number) pairs.
+TEST(SelectLengthAwareTest, ClosestLengthsFirstShorterThenOlderOnTies) {
+  SchedulerOptions options;
+  options.max_batch_size = 2;
+  internal::LengthIndex queue = {{100, 0}, {110, 1}, {90, 2}, {90, 3}};
+  bool full = false;
+  EXPECT_THAT(internal::SelectLengthAware(queue, {100, 0}, options, &full), ElementsAre(0, 2));
+  EXPECT_TRUE(full);
+  options.max_batch_size = 4;
+  EXPECT_THAT(internal::SelectLengthAware(queue, {100, 0}, options, &full),
+              ElementsAre(0, 1, 2, 3));
+  EXPECT_TRUE(full);  // max_batch_size reached
+}
+
+TEST(SelectLengthAwareTest, SkipsALongerTaskThatBreaksTheBudgetButTakesShorterOnes) {
+  SchedulerOptions options;
+  options.max_batch_tokens = 1000;
+  internal::LengthIndex queue = {{500, 0}, {520, 1}, {10, 2}, {12, 3}};
+  bool full = false;
+  // 2 x 520 > 1000; 2 x 500 fits, with the closer of the short ones; a third would need 3 x 500.
+  EXPECT_THAT(internal::SelectLengthAware(queue, {500, 0}, options, &full), ElementsAre(0, 3));
+  EXPECT_TRUE(full);
+}
+
+TEST(SelectLengthAwareTest, NotFullWhenEverythingFits) {
+  SchedulerOptions options;
+  options.max_batch_size = 4;
+  internal::LengthIndex queue = {{8, 3}, {300, 5}, {16, 4}};
+  bool full = true;
+  EXPECT_THAT(internal::SelectLengthAware(queue, {8, 3}, options, &full), ElementsAre(3, 4, 5));
+  EXPECT_FALSE(full);
+}
+
 TEST(BatchSchedulerLifetimeTest, MayBeDestroyedFromInsideItsOwnCallback) {
   // A model version that owns its scheduler may be released by the last batch that holds it.
   struct State {
