@@ -49,8 +49,8 @@ void BertNormalize(const char32_t* begin, const char32_t* end, const BertNormali
     }
   }
   if (options.lowercase && any_upper) {
-    // Lowercasing can lengthen the text (İ -> i + U+0307): rewrite the tail through a copy only when
-    // some mapping is longer than one code point.
+    // Lowercasing can lengthen the text (İ -> i + U+0307): rewrite the tail through a copy only
+    // when some mapping is longer than one code point.
     bool expands = false;
     for (size_t i = first; i < out->size(); ++i) {
       char32_t c = (*out)[i];

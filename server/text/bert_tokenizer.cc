@@ -39,7 +39,8 @@ absl::StatusOr<std::string> ReadWholeFile(const std::string& path, size_t max_by
     if (err == ENOENT) return absl::NotFoundError(absl::StrCat(path, ": no such file"));
     return absl::FailedPreconditionError(absl::StrCat(path, ": ", std::strerror(err)));
   }
-  if (!S_ISREG(st.st_mode)) return absl::FailedPreconditionError(absl::StrCat(path, ": not a regular file"));
+  if (!S_ISREG(st.st_mode))
+    return absl::FailedPreconditionError(absl::StrCat(path, ": not a regular file"));
   if (static_cast<uint64_t>(st.st_size) > max_bytes) {
     return absl::FailedPreconditionError(
         absl::StrCat(path, ": ", st.st_size, " bytes is over the limit of ", max_bytes));
@@ -73,8 +74,8 @@ absl::StatusOr<std::vector<std::string>> ParseVocab(const std::string& path,
     cps.clear();
     absl::Status s = DecodeUtf8(line, &cps);
     if (!s.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(path, ": line ", vocab.size() + 1, " (id ", vocab.size(), "): ", s.message()));
+      return absl::InvalidArgumentError(absl::StrCat(path, ": line ", vocab.size() + 1, " (id ",
+                                                     vocab.size(), "): ", s.message()));
     }
     size_t keep = cps.size();
     while (keep > 0 && (unicode::Properties(cps[keep - 1]) & unicode::kWhitespace)) --keep;
@@ -87,14 +88,15 @@ absl::StatusOr<std::vector<std::string>> ParseVocab(const std::string& path,
     }
     pos = nl + 1;
   }
-  if (vocab.empty()) return absl::InvalidArgumentError(absl::StrCat(path, ": the vocabulary is empty"));
+  if (vocab.empty())
+    return absl::InvalidArgumentError(absl::StrCat(path, ": the vocabulary is empty"));
   return vocab;
 }
 
 absl::Status WrongType(const std::string& path, const std::string& key, std::string_view want,
                        const nlohmann::json& got) {
-  return absl::InvalidArgumentError(absl::StrCat(path, ": \"", key, "\" must be ", AV(want), ", not ",
-                                                 got.type_name(), " ", got.dump()));
+  return absl::InvalidArgumentError(absl::StrCat(path, ": \"", key, "\" must be ", AV(want),
+                                                 ", not ", got.type_name(), " ", got.dump()));
 }
 
 // Applies the keys of a tokenizer_config.json or special_tokens_map.json to `o`.
@@ -133,7 +135,8 @@ absl::Status ApplyConfig(const std::string& path, TokenizerOptions* o) {
   if (auto it = j.find("model_max_length"); it != j.end()) {
     if (!it->is_number()) return WrongType(path, "model_max_length", "a number", *it);
     const double v = it->get<double>();
-    if (!(v >= 2) || (it->is_number_float() && v < std::numeric_limits<int>::max() && v != static_cast<int>(v))) {
+    if (!(v >= 2) || (it->is_number_float() && v < std::numeric_limits<int>::max() &&
+                      v != static_cast<int>(v))) {
       return absl::InvalidArgumentError(
           absl::StrCat(path, ": \"model_max_length\" must be an integer >= 2, not ", it->dump()));
     }
@@ -141,9 +144,11 @@ absl::Status ApplyConfig(const std::string& path, TokenizerOptions* o) {
     o->model_max_length = v >= std::numeric_limits<int>::max() ? std::numeric_limits<int>::max()
                                                                : static_cast<int>(v);
   }
-  const std::pair<const char*, std::string*> tokens[] = {
-      {"unk_token", &o->unk_token}, {"sep_token", &o->sep_token},   {"pad_token", &o->pad_token},
-      {"cls_token", &o->cls_token}, {"mask_token", &o->mask_token}};
+  const std::pair<const char*, std::string*> tokens[] = {{"unk_token", &o->unk_token},
+                                                         {"sep_token", &o->sep_token},
+                                                         {"pad_token", &o->pad_token},
+                                                         {"cls_token", &o->cls_token},
+                                                         {"mask_token", &o->mask_token}};
   for (const auto& [key, out] : tokens) {
     auto it = j.find(key);
     if (it == j.end()) continue;
@@ -160,7 +165,8 @@ absl::Status ApplyConfig(const std::string& path, TokenizerOptions* o) {
 
 }  // namespace
 
-BertTokenizer::BertTokenizer(std::vector<std::string> vocab, TokenizerOptions options, int32_t unk_id)
+BertTokenizer::BertTokenizer(std::vector<std::string> vocab, TokenizerOptions options,
+                             int32_t unk_id)
     : vocab_(std::move(vocab)),
       options_(std::move(options)),
       wordpiece_(vocab_, unk_id),
@@ -173,13 +179,15 @@ absl::StatusOr<std::unique_ptr<BertTokenizer>> BertTokenizer::Create(std::vector
     return absl::InvalidArgumentError(absl::StrCat("the vocabulary has ", vocab.size(), " tokens"));
   }
   if (options.model_max_length < 2) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "model_max_length must be at least 2 (room for [CLS] and [SEP]), not ", options.model_max_length));
+    return absl::InvalidArgumentError(
+        absl::StrCat("model_max_length must be at least 2 (room for [CLS] and [SEP]), not ",
+                     options.model_max_length));
   }
-  for (const auto& [name, token] : {std::pair<const char*, const std::string*>{"unk_token", &options.unk_token},
-                                    {"sep_token", &options.sep_token},
-                                    {"pad_token", &options.pad_token},
-                                    {"cls_token", &options.cls_token}}) {
+  for (const auto& [name, token] :
+       {std::pair<const char*, const std::string*>{"unk_token", &options.unk_token},
+        {"sep_token", &options.sep_token},
+        {"pad_token", &options.pad_token},
+        {"cls_token", &options.cls_token}}) {
     if (token->empty()) return absl::InvalidArgumentError(absl::StrCat(name, " is empty"));
   }
   // Later duplicates win, as in WordPiece.
@@ -191,8 +199,10 @@ absl::StatusOr<std::unique_ptr<BertTokenizer>> BertTokenizer::Create(std::vector
   };
   int32_t ids[5];
   const std::pair<const char*, const std::string*> specials[] = {
-      {"unk_token", &options.unk_token}, {"sep_token", &options.sep_token},
-      {"pad_token", &options.pad_token}, {"cls_token", &options.cls_token},
+      {"unk_token", &options.unk_token},
+      {"sep_token", &options.sep_token},
+      {"pad_token", &options.pad_token},
+      {"cls_token", &options.cls_token},
       {"mask_token", &options.mask_token}};
   for (int k = 0; k < 5; ++k) {
     const std::string& token = *specials[k].second;
@@ -236,7 +246,8 @@ absl::StatusOr<std::unique_ptr<BertTokenizer>> BertTokenizer::FromFiles(
   return tokenizer;
 }
 
-absl::StatusOr<std::unique_ptr<BertTokenizer>> BertTokenizer::FromDirectory(const std::string& dir) {
+absl::StatusOr<std::unique_ptr<BertTokenizer>> BertTokenizer::FromDirectory(
+    const std::string& dir) {
   const std::string vocab_path = JoinPath(dir, "vocab.txt");
   const std::string config_path = JoinPath(dir, "tokenizer_config.json");
   const std::string map_path = JoinPath(dir, "special_tokens_map.json");
@@ -290,7 +301,8 @@ absl::Status BertTokenizer::AppendIds(std::string_view text, std::string_view wh
   const char32_t* data = cps.data();
   const size_t n = cps.size();
   // Special tokens: leftmost match first, the longest at that position (Hugging Face's
-  // AddedVocabulary uses Aho-Corasick with LeftmostLongest); the text between is tokenized normally.
+  // AddedVocabulary uses Aho-Corasick with LeftmostLongest); the text between is tokenized
+  // normally.
   size_t segment_start = 0, i = 0;
   while (i < n && !special_tokens_.empty()) {
     size_t best_len = 0;

@@ -43,13 +43,14 @@ struct Encoding {
 class BertTokenizer {
  public:
   // Loads `vocab_path` (vocab.txt: one token a line, the line number is the id; as Hugging Face's
-  // reader, "\n" or "\r\n" ends a line and trailing whitespace is trimmed; a token that appears twice
-  // maps to its later id) and, unless `tokenizer_config_path` is "", tokenizer_config.json: the keys
-  // do_lower_case, strip_accents (bool or null), tokenize_chinese_chars, model_max_length (values
-  // above 2^31-1, like Hugging Face's 1e30 "no limit", become 2^31-1), unk/sep/pad/cls/mask_token
-  // (string or {"content": ...}) and split_special_tokens; other keys are ignored.
-  // Errors name the file: NOT_FOUND for a missing file; INVALID_ARGUMENT for an empty vocabulary,
-  // invalid UTF-8 in it, a special token missing from it, malformed JSON or a key of the wrong type.
+  // reader, "\n" or "\r\n" ends a line and trailing whitespace is trimmed; a token that appears
+  // twice maps to its later id) and, unless `tokenizer_config_path` is "", tokenizer_config.json:
+  // the keys do_lower_case, strip_accents (bool or null), tokenize_chinese_chars, model_max_length
+  // (values above 2^31-1, like Hugging Face's 1e30 "no limit", become 2^31-1),
+  // unk/sep/pad/cls/mask_token (string or {"content": ...}) and split_special_tokens; other keys
+  // are ignored. Errors name the file: NOT_FOUND for a missing file; INVALID_ARGUMENT for an empty
+  // vocabulary, invalid UTF-8 in it, a special token missing from it, malformed JSON or a key of
+  // the wrong type.
   static absl::StatusOr<std::unique_ptr<BertTokenizer>> FromFiles(
       const std::string& vocab_path, const std::string& tokenizer_config_path);
 
@@ -71,9 +72,9 @@ class BertTokenizer {
   // [CLS] text [SEP], or [CLS] text [SEP] text_pair [SEP]. `max_length` counts the special tokens;
   // <= 0 means options().model_max_length. When the result would be longer: with `truncate`, the
   // word pieces are cut exactly as Hugging Face's LongestFirst strategy does (from the right; the
-  // longer side first, see utils/truncation.rs); without, INVALID_ARGUMENT naming the length and the
-  // limit. INVALID_ARGUMENT too if max_length is below the number of special tokens (2, or 3 for a
-  // pair) or either text is not valid UTF-8.
+  // longer side first, see utils/truncation.rs); without, INVALID_ARGUMENT naming the length and
+  // the limit. INVALID_ARGUMENT too if max_length is below the number of special tokens (2, or 3
+  // for a pair) or either text is not valid UTF-8.
   absl::StatusOr<Encoding> Encode(std::string_view text, std::optional<std::string_view> text_pair,
                                   int max_length = 0, bool truncate = true) const;
 
@@ -95,13 +96,15 @@ class BertTokenizer {
   BertTokenizer(std::vector<std::string> vocab, TokenizerOptions options, int32_t unk_id);
   absl::Status AppendIds(std::string_view text, std::string_view what,
                          std::vector<int32_t>* ids) const;
-  void AppendSegmentIds(const char32_t* begin, const char32_t* end, std::vector<int32_t>* ids) const;
+  void AppendSegmentIds(const char32_t* begin, const char32_t* end,
+                        std::vector<int32_t>* ids) const;
 
   std::vector<std::string> vocab_;
   TokenizerOptions options_;
   WordPiece wordpiece_;
   int32_t unk_id_, cls_id_ = -1, sep_id_ = -1, pad_id_ = -1, mask_id_ = -1;
-  // Special tokens matched in the input (empty when split_special_tokens), as UTF-32 with their ids.
+  // Special tokens matched in the input (empty when split_special_tokens), as UTF-32 with their
+  // ids.
   std::vector<std::pair<std::u32string, int32_t>> special_tokens_;
 };
 

@@ -17,7 +17,9 @@ namespace collabserve::text::unicode {
 //   kNonspacingMark: category Mn. kCjkIdeograph: tokenizers' is_chinese_char ranges.
 // Code points above U+10FFFF have no bits. Thread-safe; no allocation.
 uint8_t NonAsciiProperties(char32_t c);
-inline uint8_t Properties(char32_t c) { return c < 128 ? kAsciiProperties[c] : NonAsciiProperties(c); }
+inline uint8_t Properties(char32_t c) {
+  return c < 128 ? kAsciiProperties[c] : NonAsciiProperties(c);
+}
 
 // Appends the full canonical decomposition of `c` (itself if it has none; Hangul syllables
 // algorithmically), without reordering.

@@ -9,8 +9,8 @@ namespace collabserve::text {
 namespace {
 
 absl::Status Invalid(size_t offset, uint8_t byte, std::string_view problem) {
-  return absl::InvalidArgumentError(absl::StrFormat(
-      "invalid UTF-8 at byte offset %d (byte 0x%02X): %s", offset, byte, problem));
+  return absl::InvalidArgumentError(
+      absl::StrFormat("invalid UTF-8 at byte offset %d (byte 0x%02X): %s", offset, byte, problem));
 }
 
 }  // namespace
@@ -49,11 +49,13 @@ absl::Status DecodeUtf8(std::string_view text, std::vector<char32_t>* out) {
     }
     for (int k = 1; k < len; ++k) {
       if (i + k >= n) {
-        return Invalid(i, b0, absl::StrCat("truncated sequence: expected ", len, " bytes, got ", k));
+        return Invalid(i, b0,
+                       absl::StrCat("truncated sequence: expected ", len, " bytes, got ", k));
       }
       const uint8_t b = s[i + k];
       if (b < 0x80 || b > 0xBF) {
-        return Invalid(i, b0, absl::StrCat("truncated sequence: byte ", i + k, " is not a continuation byte"));
+        return Invalid(
+            i, b0, absl::StrCat("truncated sequence: byte ", i + k, " is not a continuation byte"));
       }
       if (k == 1 && (b < lo || b > hi)) {
         if (b0 == 0xED) return Invalid(i, b0, "encodes a UTF-16 surrogate (U+D800..U+DFFF)");

@@ -36,8 +36,10 @@ void WordPiece::Tokenize(std::string_view word, size_t num_chars, std::vector<in
   size_t start = 0;
   while (start < word.size()) {
     // The longest candidate that could be in the vocabulary, cut back to a code point boundary.
-    size_t end = std::min(word.size(), start + (start == 0 ? max_initial_bytes_ : max_continuation_bytes_));
-    while (end < word.size() && end > start && (static_cast<uint8_t>(word[end]) & 0xC0) == 0x80) --end;
+    size_t end =
+        std::min(word.size(), start + (start == 0 ? max_initial_bytes_ : max_continuation_bytes_));
+    while (end < word.size() && end > start && (static_cast<uint8_t>(word[end]) & 0xC0) == 0x80)
+      --end;
     int32_t found = -1;
     while (start < end) {
       scratch->clear();

@@ -20,9 +20,9 @@ class WordPiece {
             std::string continuing_subword_prefix = "##", size_t max_input_chars_per_word = 100);
 
   // Appends the ids of `word` (UTF-8, `num_chars` code points) to `ids`: the longest vocabulary
-  // prefix, then repeatedly the longest "##"-prefixed continuation. The whole word becomes the single
-  // unk id when it has more than max_input_chars_per_word code points or some part has no match.
-  // `scratch` is a caller-owned buffer reused across calls to avoid allocations.
+  // prefix, then repeatedly the longest "##"-prefixed continuation. The whole word becomes the
+  // single unk id when it has more than max_input_chars_per_word code points or some part has no
+  // match. `scratch` is a caller-owned buffer reused across calls to avoid allocations.
   void Tokenize(std::string_view word, size_t num_chars, std::vector<int32_t>* ids,
                 std::string* scratch) const;
 

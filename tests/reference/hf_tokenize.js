@@ -7,7 +7,8 @@
 //   node hf_tokenize.js --vocab VOCAB [--lowercase 0|1] [--strip-accents 0|1] [--split-special-tokens]
 //        < in.jsonl > out.jsonl
 //     Each input line is {"text": ..., "text_pair"?: ..., "max_length"?: N}; each output line is
-//     {"ids": [...], "type_ids": [...]} (or {"error": "..."}), in the same order.
+//     {"ids": [...], "type_ids": [...], "normalized": [text, text_pair?]} (or {"error": "..."}), in
+//     the same order; "normalized" is the BertNormalizer output of each whole text.
 //   node hf_tokenize.js --probe > table.txt
 //     For every Unicode scalar value whose behaviour is not the default one, prints
 //     "HEX\tCLASS\tN11\tN10\tN01\tN00\tR" where CLASS is w (whitespace: dropped by the
@@ -78,7 +79,8 @@ async function encodeAll(args) {
   const tokenizer = new tk.Tokenizer(model);
   const normOpts = {cleanText: true, handleChineseChars: true, lowercase: args.lowercase};
   if (args.stripAccents !== null) normOpts.stripAccents = args.stripAccents;
-  tokenizer.setNormalizer(tk.bertNormalizer(normOpts));
+  const normalizer = tk.bertNormalizer(normOpts);
+  tokenizer.setNormalizer(normalizer);
   tokenizer.setPreTokenizer(tk.bertPreTokenizer());
   const id = (t) => {
     const v = tokenizer.tokenToId(t);
@@ -101,7 +103,9 @@ async function encodeAll(args) {
       }
       const pair = req.text_pair === undefined ? null : req.text_pair;
       const enc = await tokenizer.encode(req.text, pair);
-      result = {ids: enc.getIds(), type_ids: enc.getTypeIds()};
+      const normalized = [normalizer.normalizeString(req.text)];
+      if (pair !== null) normalized.push(normalizer.normalizeString(pair));
+      result = {ids: enc.getIds(), type_ids: enc.getTypeIds(), normalized};
     } catch (e) {
       result = {error: String(e && e.message ? e.message : e)};
     }

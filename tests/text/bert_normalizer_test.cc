@@ -24,7 +24,10 @@ std::string Normalize(const std::string& text, bool lowercase = true, bool strip
 }
 
 TEST(BertNormalizerTest, CleansControlCharactersAndWhitespace) {
-  EXPECT_EQ(Normalize(std::string("a\0b\xEF\xBF\xBD" "c", 7)), "abc");  // NUL and U+FFFD dropped
+  EXPECT_EQ(Normalize(std::string("a\0b\xEF\xBF\xBD"
+                                  "c",
+                                  7)),
+            "abc");  // NUL and U+FFFD dropped
   EXPECT_EQ(Normalize("a\tb\nc\r\nd"), "a b c  d");
   EXPECT_EQ(Normalize("a\u00A0b\u3000c\u2029d"), "a b c d");
   EXPECT_EQ(Normalize("zero\u200Bwidth\u200Djoin\uFEFFbom\u00ADshy"), "zerowidthjoinbomshy");

@@ -34,8 +34,8 @@ TEST(BertPreTokenizerTest, SplitsOnWhitespaceAndIsolatesPunctuation) {
   EXPECT_THAT(Words("नमस्ते।"), ElementsAre("नमस्ते", "।"));
   EXPECT_THAT(Words("a\u00A0b\u2003c\u3000d"), ElementsAre("a", "b", "c", "d"));
   EXPECT_THAT(Words("$5+3=8"), ElementsAre("$", "5", "+", "3", "=", "8"));  // ASCII symbols too
-  EXPECT_THAT(Words("€5"), ElementsAre("€5"));                                // not punctuation
-  EXPECT_THAT(Words("zero\u200Bwidth"), ElementsAre("zero\u200Bwidth"));     // not whitespace
+  EXPECT_THAT(Words("€5"), ElementsAre("€5"));                              // not punctuation
+  EXPECT_THAT(Words("zero\u200Bwidth"), ElementsAre("zero\u200Bwidth"));    // not whitespace
   EXPECT_TRUE(Words("   \t\n").empty());
   EXPECT_TRUE(Words("").empty());
 }

@@ -24,7 +24,8 @@ std::string VocabPath() { return SourceDir() + "/tests/data/bert-base-uncased-vo
 
 std::string TempPath(const std::string& name) {
   const char* tmp = std::getenv("TEST_TMPDIR");
-  return std::string(tmp ? tmp : "/tmp") + "/collabserve_text_test_" + std::to_string(::getpid()) + "_" + name;
+  return std::string(tmp ? tmp : "/tmp") + "/collabserve_text_test_" + std::to_string(::getpid()) +
+         "_" + name;
 }
 std::string WriteTemp(const std::string& name, const std::string& contents) {
   const std::string path = TempPath(name);
@@ -168,12 +169,14 @@ TEST_F(BertTokenizerTest, IsSafeToShareAcrossThreads) {
 }
 
 TEST(BertTokenizerOptionsTest, CasedAndAccentOptionsFollowHuggingFace) {
-  std::vector<std::string> vocab = {"[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "Café", "cafe", "café", "Cafe"};
+  std::vector<std::string> vocab = {"[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]",
+                                    "Café",  "cafe",  "café",  "Cafe"};
   TokenizerOptions o;
   o.do_lower_case = false;
   auto cased = BertTokenizer::Create(vocab, o);
   ASSERT_TRUE(cased.ok()) << cased.status();
-  EXPECT_THAT(*(*cased)->Tokenize("Café"), ElementsAre("Café"));  // strip_accents follows lowercasing
+  EXPECT_THAT(*(*cased)->Tokenize("Café"),
+              ElementsAre("Café"));  // strip_accents follows lowercasing
   o.strip_accents = true;
   EXPECT_THAT(*(*BertTokenizer::Create(vocab, o))->Tokenize("Café"), ElementsAre("Cafe"));
   o.do_lower_case = true;
@@ -201,7 +204,8 @@ TEST(BertTokenizerCreateTest, RejectsMissingSpecialTokens) {
 
 TEST(BertTokenizerFilesTest, ReadsVocabLinesAsHuggingFace) {
   // CRLF endings and trailing whitespace are trimmed; a repeated token maps to its later line.
-  const std::string vocab = WriteTemp("v1.txt", "[PAD]\r\n[UNK]\n[CLS] \n[SEP]\t\n[MASK]\nhello\nworld\nhello\n");
+  const std::string vocab =
+      WriteTemp("v1.txt", "[PAD]\r\n[UNK]\n[CLS] \n[SEP]\t\n[MASK]\nhello\nworld\nhello\n");
   auto t = BertTokenizer::FromFiles(vocab, "");
   ASSERT_TRUE(t.ok()) << t.status();
   EXPECT_EQ((*t)->vocab_size(), 8);
@@ -256,7 +260,8 @@ TEST(BertTokenizerFilesTest, ErrorsNameTheFileAndTheProblem) {
 
   const std::string wrong_type = WriteTemp("type.json", "{\"do_lower_case\": \"yes\"}");
   t = BertTokenizer::FromFiles(VocabPath(), wrong_type);
-  EXPECT_THAT(t.status().message(), HasSubstr("type.json: \"do_lower_case\" must be true or false"));
+  EXPECT_THAT(t.status().message(),
+              HasSubstr("type.json: \"do_lower_case\" must be true or false"));
 
   const std::string bad_len = WriteTemp("len.json", "{\"model_max_length\": -5}");
   t = BertTokenizer::FromFiles(VocabPath(), bad_len);
@@ -277,13 +282,15 @@ TEST(BertTokenizerFilesTest, FromDirectoryReadsConfigAndSpecialTokensMap) {
   auto t = BertTokenizer::FromDirectory(dir);  // no config files: defaults
   ASSERT_TRUE(t.ok()) << t.status();
   EXPECT_THAT(*(*t)->TokenizeToIds("A"), ElementsAre(7));
-  std::ofstream(dir + "/tokenizer_config.json") << R"({"do_lower_case": false, "mask_token": "[MASK]"})";
+  std::ofstream(dir + "/tokenizer_config.json")
+      << R"({"do_lower_case": false, "mask_token": "[MASK]"})";
   std::ofstream(dir + "/special_tokens_map.json") << R"({"mask_token": "<m>"})";
   t = BertTokenizer::FromDirectory(dir);
   ASSERT_TRUE(t.ok()) << t.status();
   EXPECT_THAT(*(*t)->TokenizeToIds("A"), ElementsAre(6));
   EXPECT_EQ((*t)->mask_id(), 5);
-  EXPECT_EQ(BertTokenizer::FromDirectory(dir + "/missing").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(BertTokenizer::FromDirectory(dir + "/missing").status().code(),
+            absl::StatusCode::kNotFound);
   std::system(("rm -rf " + dir).c_str());
 }
 

@@ -23,7 +23,8 @@ std::vector<char32_t> Lower(char32_t c) {
 }
 
 TEST(UnicodeTest, ClassifiesAsTokenizersDoes) {
-  for (char32_t c : {U' ', U'\t', U'\n', U'\r', U'\u00A0', U'\u3000', U'\u2028', U'\u1680', U'\u000B'}) {
+  for (char32_t c :
+       {U' ', U'\t', U'\n', U'\r', U'\u00A0', U'\u3000', U'\u2028', U'\u1680', U'\u000B'}) {
     EXPECT_TRUE(Properties(c) & kWhitespace) << std::hex << c;
   }
   // Zero-width characters are format controls, not whitespace.
@@ -32,7 +33,8 @@ TEST(UnicodeTest, ClassifiesAsTokenizersDoes) {
     EXPECT_FALSE(Properties(c) & kWhitespace) << std::hex << c;
   }
   EXPECT_FALSE(Properties(U'\t') & kControl);
-  for (char32_t c : {U'!', U'$', U'+', U'^', U'`', U'~', U'¿', U'«', U'。', U'।', U'،', U'\u2014'}) {
+  for (char32_t c :
+       {U'!', U'$', U'+', U'^', U'`', U'~', U'¿', U'«', U'。', U'।', U'،', U'\u2014'}) {
     EXPECT_TRUE(Properties(c) & kPunctuation) << std::hex << c;
   }
   EXPECT_FALSE(Properties(U'€') & kPunctuation);  // Sc, and not ASCII

@@ -25,7 +25,8 @@ absl::Status DecodeError(const std::string& s) {
 }
 
 TEST(Utf8Test, DecodesOneToFourByteSequences) {
-  EXPECT_THAT(Decode("a\xC3\xA9\xE4\xB8\xAD\xF0\x9F\x98\x80"), ElementsAre(U'a', U'é', U'中', U'😀'));
+  EXPECT_THAT(Decode("a\xC3\xA9\xE4\xB8\xAD\xF0\x9F\x98\x80"),
+              ElementsAre(U'a', U'é', U'中', U'😀'));
   EXPECT_THAT(Decode(std::string("\0x", 2)), ElementsAre(U'\0', U'x'));
   EXPECT_THAT(Decode("\xF4\x8F\xBF\xBF\xEF\xBF\xBF\xED\x9F\xBF\xEE\x80\x80"),
               ElementsAre(0x10FFFF, 0xFFFF, 0xD7FF, 0xE000));
@@ -33,8 +34,8 @@ TEST(Utf8Test, DecodesOneToFourByteSequences) {
 }
 
 TEST(Utf8Test, RejectsOverlongEncodingsWithTheirOffset) {
-  for (const char* bad : {"ab\xC0\xAF", "ab\xC1\xBF", "ab\xE0\x80\xAF", "ab\xE0\x9F\xBF", "ab\xF0\x80\x80\xAF",
-                          "ab\xF0\x8F\xBF\xBF"}) {
+  for (const char* bad : {"ab\xC0\xAF", "ab\xC1\xBF", "ab\xE0\x80\xAF", "ab\xE0\x9F\xBF",
+                          "ab\xF0\x80\x80\xAF", "ab\xF0\x8F\xBF\xBF"}) {
     absl::Status st = DecodeError(bad);
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << bad;
     EXPECT_THAT(st.message(), HasSubstr("byte offset 2")) << st;
