@@ -171,6 +171,14 @@ TEST(RestrictedUnpicklerTest, TensorOutsideItsStorage) {
                  "tensor size/stride overflow 64 bits");
 }
 
+TEST(RestrictedUnpicklerTest, ExpandedViewsMayNotClaimMoreThanTheirStorage) {
+  // position_ids-style expand: shape (1, 6), stride (0, 1) over 6 elements is fine.
+  EXPECT_TRUE(Unpickle(StateDict(6, B("K\x01K\x06\x86"), B("K\x00K\x01\x86"))).ok());
+  // Shape (2^40,) stride (0,) over 6 elements would let a tiny file claim 4 TB.
+  EXPECT_INVALID(Unpickle(StateDict(6, B("\x8a\x06\x00\x00\x00\x00\x00\x01\x85"), B("K\x00\x85"))),
+                 "tensor has 1099511627776 elements but its storage '0' only 6 (an overlapping view)");
+}
+
 TEST(RestrictedUnpicklerTest, MalformedPersistentId) {
   EXPECT_INVALID(Unpickle(B("\x80\x02") + Str("storage") + "\x85Q."),
                  "persistent id is not ('storage', type, key, location, numel)");

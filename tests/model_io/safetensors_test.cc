@@ -1,5 +1,6 @@
 #include "server/model/io/safetensors.h"
 
+#include <random>
 #include <string>
 
 #include "gmock/gmock.h"
@@ -213,6 +214,32 @@ TEST(SafetensorsTest, AcceptsEmptyTensorsAnywhereAndHoles) {
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->tensors.at("e").numel(), 0);
   EXPECT_EQ(r->tensors.at("a").numel(), 2);
+}
+
+// Random byte mutations (mostly landing in the header) either read in bounds or fail with
+// INVALID_ARGUMENT; truncation at any length fails.
+TEST(SafetensorsTest, MutatedFilesFailCleanlyOrReadInBounds) {
+  auto t = MakeFormulaTensors("layer");
+  auto bytes = SerializeSafetensors(t.tensors, {{"format", "pt"}});
+  ASSERT_TRUE(bytes.ok());
+  std::mt19937 rng(7);
+  const size_t header_end = 8 + static_cast<uint8_t>((*bytes)[0]) + (static_cast<uint8_t>((*bytes)[1]) << 8);
+  int ok = 0;
+  for (int i = 0; i < 5000; ++i) {
+    std::string m = *bytes;
+    for (int k = 1 + rng() % 3; k > 0; --k) m[rng() % header_end] = static_cast<char>(rng());
+    auto c = ParseSafetensors(std::make_shared<const std::string>(m), "m");
+    if (c.ok()) {
+      ++ok;
+      for (const auto& [name, r] : c->tensors) Values(r);
+    } else {
+      ASSERT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << c.status();
+    }
+  }
+  EXPECT_GT(ok, 0);
+  for (size_t len = 0; len < bytes->size(); ++len) {
+    EXPECT_FALSE(ParseSafetensors(std::make_shared<const std::string>(bytes->substr(0, len)), "t").ok()) << len;
+  }
 }
 
 }  // namespace

@@ -228,6 +228,13 @@ class Unpickler {
       return Error(Cat("tensor with offset ", t->i, " reaches element ", last, " of storage '",
                                 t->storage->s, "' which has ", storage_numel, " elements"));
     }
+    // A view that repeats elements (stride 0 / overlapping) may not claim more elements than its
+    // storage holds, so a tiny hostile file cannot make a consumer allocate terabytes.
+    // (BERT's expanded position_ids buffer, shape (1, 512) stride (0, 1), stays within this.)
+    if (numel > storage_numel) {
+      return Error(Cat("tensor has ", numel, " elements but its storage '", t->storage->s, "' only ",
+                       storage_numel, " (an overlapping view); refusing"));
+    }
     return absl::OkStatus();
   }
 

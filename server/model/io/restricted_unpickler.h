@@ -57,7 +57,8 @@ std::string_view PyKindName(PyKind kind);
 // dict can use are accepted). Persistent ids must be ('storage', torch.<T>Storage, key: str,
 // location: str, numel: int) and become kStorage values (the caller resolves the key); tensors
 // become kTensor values whose size/stride/offset were checked to address only elements
-// [0, storage numel). INVALID_ARGUMENT, prefixed with `name_for_errors` (e.g. "x.bin: data.pkl"),
+// [0, storage numel) and whose element count is at most the storage's (a stride-0 or overlapping
+// view may repeat elements, e.g. an expanded buffer, but not claim more than the storage holds). INVALID_ARGUMENT, prefixed with `name_for_errors` (e.g. "x.bin: data.pkl"),
 // for: a global outside the allow-list ("global 'os.system' is not allowed in a state dict"), an
 // unsupported opcode, a truncated or unterminated pickle, a memo index over the limit or unset,
 // stack/mark/nesting/object limits, arguments of the wrong type, a tensor outside its storage.
