@@ -27,10 +27,10 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <map>
-#include <set>
 #include <functional>
+#include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <system_error>
 #include <thread>
@@ -144,7 +144,8 @@ class BatchScheduler {
   // Queues *task. On OK the scheduler owns it and *task is null; on any error *task is untouched.
   // INVALID_ARGUMENT: null task, negative size, or size > max_batch_tokens (can never fit).
   // UNAVAILABLE: Shutdown has begun. CANCELLED / DEADLINE_EXCEEDED: the task is already dead.
-  // RESOURCE_EXHAUSTED: the queue is full (after failing any dead tasks in it), returned at once.
+  // RESOURCE_EXHAUSTED: the queue is full (after a sweep for dead tasks, when one is due; see the
+  // policy), returned at once.
   absl::Status Schedule(std::unique_ptr<TaskType>* task);
 
   // All-or-nothing Schedule of several tasks (e.g. the inputs of one request), queued
@@ -160,9 +161,11 @@ class BatchScheduler {
   SchedulerStats stats() const;
 
   // Stops accepting tasks (Schedule then returns UNAVAILABLE), disposes of the queued ones per
-  // `mode`, waits until every batch has been processed, and joins the threads. Idempotent; only
-  // the first call's mode counts. Called from inside the callback (a batch thread), it cannot wait
-  // for that thread: that thread finishes the drain after the callback returns, and then exits.
+  // `mode`, waits until every batch has been processed, and joins the threads. May be called
+  // again: a later kFailQueued call fails whatever a slow drain has not batched yet; a call made
+  // while another is joining the threads does not wait for them. Called from inside the callback
+  // (a batch thread), it cannot wait for that thread: that thread finishes the drain after the
+  // callback returns, and then exits (the callback must stay valid until then).
   void Shutdown(ShutdownMode mode = ShutdownMode::kDrain);
 
  private:
@@ -274,7 +277,7 @@ class SchedulerCore {
     std::vector<Dropped> dropped;
     {
       absl::MutexLock lock(&mu_);
-      if (closing_) return;
+      if (closing_ && mode == ShutdownMode::kDrain) return;
       closing_ = true;
       if (mode == ShutdownMode::kFailQueued) {
         const absl::Status status =

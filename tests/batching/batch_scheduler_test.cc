@@ -563,6 +563,37 @@ TEST_F(BatchSchedulerTest, ShutdownCanFailQueuedTasksInstead) {
   EXPECT_EQ(scheduler->stats().tasks_failed_shutdown, 5);
 }
 
+TEST_F(BatchSchedulerTest, FailQueuedAfterADrainBeganFailsWhatIsLeft) {
+  SchedulerOptions options = Options();
+  options.max_batch_size = 1;
+  absl::Notification entered, release;
+  std::unique_ptr<Scheduler> scheduler;
+  ASSERT_TRUE(Scheduler::Create(
+                  options,
+                  [&, r = recorder_](std::unique_ptr<Batch<TestTask>> batch) {
+                    if (batch->task(0).id() == 0) {  // a slow batch holds up the drain
+                      entered.Notify();
+                      release.WaitForNotification();
+                    }
+                    r->RecordBatch(*batch);
+                  },
+                  &scheduler)
+                  .ok());
+  ScheduleAllOk(scheduler.get(), 0, {8, 8, 8});
+  ASSERT_TRUE(entered.WaitForNotificationWithTimeout(kGuard));
+  // Both calls wait for the slow batch, so they run on their own threads; in either order, tasks
+  // 1 and 2, still queued behind the slow batch, are given up on.
+  std::thread drain([&] { scheduler->Shutdown(ShutdownMode::kDrain); });
+  std::thread fail([&] { scheduler->Shutdown(ShutdownMode::kFailQueued); });
+  ASSERT_TRUE(recorder_->AwaitDone(2));
+  EXPECT_EQ(recorder_->fail_code(1), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(recorder_->fail_code(2), absl::StatusCode::kUnavailable);
+  release.Notify();
+  drain.join();
+  fail.join();
+  EXPECT_THAT(recorder_->batch_ids(), ElementsAre(ElementsAre(0)));
+}
+
 TEST_F(BatchSchedulerTest, BatchThreadsProcessBatchesConcurrently) {
   SchedulerOptions options = Options();
   options.max_batch_size = 1;
