@@ -163,6 +163,20 @@ absl::Status ApplyConfig(const std::string& path, TokenizerOptions* o) {
   return absl::OkStatus();
 }
 
+// Per-thread scratch buffers keep their capacity between calls, except after an unusually large
+// input, so that one huge request does not pin memory in every thread that ever served one.
+template <typename T>
+class ScratchGuard {
+ public:
+  explicit ScratchGuard(T* buffer) : buffer_(buffer) { buffer_->clear(); }
+  ~ScratchGuard() {
+    if (buffer_->capacity() > (size_t{1} << 16)) T().swap(*buffer_);
+  }
+
+ private:
+  T* buffer_;
+};
+
 }  // namespace
 
 BertTokenizer::BertTokenizer(std::vector<std::string> vocab, TokenizerOptions options,
@@ -281,8 +295,10 @@ void BertTokenizer::AppendSegmentIds(const char32_t* begin, const char32_t* end,
   thread_local std::vector<char32_t> normalized;
   thread_local std::vector<WordSpan> words;
   thread_local std::string word, scratch;
-  normalized.clear();
-  words.clear();
+  ScratchGuard g1(&normalized);
+  ScratchGuard g2(&words);
+  ScratchGuard g3(&word);
+  ScratchGuard g4(&scratch);
   BertNormalize(begin, end, norm, &normalized);
   BertPreTokenize(normalized.data(), normalized.size(), &words);
   for (const auto& [b, e] : words) {
@@ -295,7 +311,7 @@ void BertTokenizer::AppendSegmentIds(const char32_t* begin, const char32_t* end,
 absl::Status BertTokenizer::AppendIds(std::string_view text, std::string_view what,
                                       std::vector<int32_t>* ids) const {
   thread_local std::vector<char32_t> cps;
-  cps.clear();
+  ScratchGuard guard(&cps);
   absl::Status s = DecodeUtf8(text, &cps);
   if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat(AV(what), ": ", s.message()));
   const char32_t* data = cps.data();

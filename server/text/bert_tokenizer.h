@@ -55,7 +55,9 @@ class BertTokenizer {
       const std::string& vocab_path, const std::string& tokenizer_config_path);
 
   // `dir`/vocab.txt plus `dir`/tokenizer_config.json and `dir`/special_tokens_map.json when they
-  // exist (the latter's special tokens override the former's, as in Hugging Face).
+  // exist (the latter's special tokens override the former's, as in Hugging Face). A tokenizer.json
+  // is not read: for BERT checkpoints it repeats vocab.txt, and Hugging Face's BertTokenizerFast
+  // lets tokenizer_config.json override its normalizer settings anyway.
   static absl::StatusOr<std::unique_ptr<BertTokenizer>> FromDirectory(const std::string& dir);
 
   // `vocab[i]` is the token of id i. INVALID_ARGUMENT if the vocabulary is empty or lacks one of
