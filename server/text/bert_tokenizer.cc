@@ -1,13 +1,7 @@
 #include "server/text/bert_tokenizer.h"
 
-#include <sys/stat.h>
-
 #include <algorithm>
-#include <cerrno>
-#include <cstring>
-#include <fstream>
 #include <limits>
-#include <sstream>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -16,7 +10,8 @@
 #include "server/text/bert_pre_tokenizer.h"
 #include "server/text/unicode.h"
 #include "server/text/utf8.h"
-#include "server/util/status_macros.h"  // header-only
+#include "server/util/files.h"
+#include "server/util/status_macros.h"
 
 namespace collabserve::text {
 namespace {
@@ -26,38 +21,6 @@ constexpr size_t kMaxConfigFileBytes = size_t{64} << 20;
 
 // Debian's abseil has its own string_view type, which StrCat does not take a std::string_view as.
 absl::string_view AV(std::string_view s) { return absl::string_view(s.data(), s.size()); }
-
-bool IsRegularFile(const std::string& path) {
-  struct stat st;
-  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
-}
-
-absl::StatusOr<std::string> ReadWholeFile(const std::string& path, size_t max_bytes) {
-  struct stat st;
-  if (::stat(path.c_str(), &st) != 0) {
-    const int err = errno;
-    if (err == ENOENT) return absl::NotFoundError(absl::StrCat(path, ": no such file"));
-    return absl::FailedPreconditionError(absl::StrCat(path, ": ", std::strerror(err)));
-  }
-  if (!S_ISREG(st.st_mode))
-    return absl::FailedPreconditionError(absl::StrCat(path, ": not a regular file"));
-  if (static_cast<uint64_t>(st.st_size) > max_bytes) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(path, ": ", st.st_size, " bytes is over the limit of ", max_bytes));
-  }
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream buf;
-  buf << in.rdbuf();
-  if (!in.good() && !in.eof()) {
-    return absl::FailedPreconditionError(absl::StrCat(path, ": read error"));
-  }
-  return std::move(buf).str();
-}
-
-std::string JoinPath(const std::string& dir, const char* name) {
-  if (dir.empty() || dir.back() == '/') return dir + name;
-  return dir + "/" + name;
-}
 
 // Splits vocab.txt the way tokenizers' WordPiece::read_file does: BufRead::lines (ends at "\n",
 // drops one "\r" before it, no empty line after a final "\n"), then str::trim_end.
@@ -101,7 +64,7 @@ absl::Status WrongType(const std::string& path, const std::string& key, std::str
 
 // Applies the keys of a tokenizer_config.json or special_tokens_map.json to `o`.
 absl::Status ApplyConfig(const std::string& path, TokenizerOptions* o) {
-  ASSIGN_OR_RETURN(std::string contents, ReadWholeFile(path, kMaxConfigFileBytes));
+  ASSIGN_OR_RETURN(std::string contents, util::ReadFile(path, kMaxConfigFileBytes));
   nlohmann::json j = nlohmann::json::parse(contents, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) {
     // Parse again with exceptions for the message (where and what).
@@ -250,7 +213,7 @@ absl::StatusOr<std::unique_ptr<BertTokenizer>> BertTokenizer::FromFiles(
     const std::string& vocab_path, const std::string& tokenizer_config_path) {
   TokenizerOptions options;
   if (!tokenizer_config_path.empty()) RETURN_IF_ERROR(ApplyConfig(tokenizer_config_path, &options));
-  ASSIGN_OR_RETURN(std::string contents, ReadWholeFile(vocab_path, kMaxVocabFileBytes));
+  ASSIGN_OR_RETURN(std::string contents, util::ReadFile(vocab_path, kMaxVocabFileBytes));
   ASSIGN_OR_RETURN(std::vector<std::string> vocab, ParseVocab(vocab_path, contents));
   auto tokenizer = Create(std::move(vocab), std::move(options));
   if (!tokenizer.ok()) {
@@ -262,13 +225,13 @@ absl::StatusOr<std::unique_ptr<BertTokenizer>> BertTokenizer::FromFiles(
 
 absl::StatusOr<std::unique_ptr<BertTokenizer>> BertTokenizer::FromDirectory(
     const std::string& dir) {
-  const std::string vocab_path = JoinPath(dir, "vocab.txt");
-  const std::string config_path = JoinPath(dir, "tokenizer_config.json");
-  const std::string map_path = JoinPath(dir, "special_tokens_map.json");
+  const std::string vocab_path = util::JoinPath(dir, "vocab.txt");
+  const std::string config_path = util::JoinPath(dir, "tokenizer_config.json");
+  const std::string map_path = util::JoinPath(dir, "special_tokens_map.json");
   TokenizerOptions options;
-  if (IsRegularFile(config_path)) RETURN_IF_ERROR(ApplyConfig(config_path, &options));
-  if (IsRegularFile(map_path)) RETURN_IF_ERROR(ApplyConfig(map_path, &options));
-  ASSIGN_OR_RETURN(std::string contents, ReadWholeFile(vocab_path, kMaxVocabFileBytes));
+  if (util::FileExists(config_path)) RETURN_IF_ERROR(ApplyConfig(config_path, &options));
+  if (util::FileExists(map_path)) RETURN_IF_ERROR(ApplyConfig(map_path, &options));
+  ASSIGN_OR_RETURN(std::string contents, util::ReadFile(vocab_path, kMaxVocabFileBytes));
   ASSIGN_OR_RETURN(std::vector<std::string> vocab, ParseVocab(vocab_path, contents));
   auto tokenizer = Create(std::move(vocab), std::move(options));
   if (!tokenizer.ok()) {
