@@ -14,11 +14,14 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -117,6 +120,21 @@ Layer PlantedLayer(uint64_t seed, int shared_dim, double noise) {
   return {draw(seed), draw(seed + 10)};
 }
 
+// User + system CPU seconds of this process, all threads.
+double CpuSeconds() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return usage.ru_utime.tv_sec + usage.ru_stime.tv_sec +
+         1e-6 * (usage.ru_utime.tv_usec + usage.ru_stime.tv_usec);
+}
+
+std::string LoadAverage() {
+  std::ifstream in("/proc/loadavg");
+  std::string one, five, fifteen;
+  in >> one >> five >> fifteen;
+  return one + " " + five + " " + fifteen;
+}
+
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   const size_t n = v.size();
@@ -137,6 +155,7 @@ struct Row {
   int rank;
   int iters;
   double seconds;          // median over repeats
+  double cpu_seconds;      // median over repeats
   double rel_error;
   double error_at_dense;   // error after flags.dense_iters sweeps (from the history)
   bool extrapolated = false;
@@ -164,22 +183,35 @@ CpAlsOptions MakeOptions(int rank, int iters, CpAlsOptions::Init init,
 
 // Factorised ALS, median time over `repeats` (the result is deterministic, so one error).
 Row RunFactorized(const Layer& layer, const CpAlsOptions& options, int repeats, int dense_iters) {
-  std::vector<double> times;
+  std::vector<double> times, cpu;
   CpResult result;
   for (int i = 0; i < repeats; ++i) {
+    const double cpu_start = CpuSeconds();
     result = MustRun(FactorizedCpAls(layer.P, layer.Q, options));
+    cpu.push_back(CpuSeconds() - cpu_start);
     times.push_back(result.seconds);
   }
   const auto& h = result.error_history;
   const double at_dense = h[std::min<size_t>(h.size(), dense_iters) - 1];
   return {"factorized", options.init, options.precision, options.rank, result.iterations,
-          Median(times), result.relative_error, at_dense};
+          Median(times), Median(cpu), result.relative_error, at_dense};
+}
+
+void PrintTableHeader() {
+  std::printf("  %-11s %-6s %-4s %5s %6s %11s %8s %10s %10s %10s\n", "method", "init", "prec",
+              "rank", "iters", "seconds", "cpu_s", "rel_error", "err@k", "speedup");
 }
 
 void PrintRow(const Row& row, double dense_seconds) {
-  std::printf("  %-11s %-6s %-4s %5d %6d %10.3f%s %10.6f %10.6f %9.1fx\n", row.method.c_str(),
+  char error[32];
+  if (row.rel_error >= 0) {
+    std::snprintf(error, sizeof(error), "%10.6f", row.rel_error);
+  } else {
+    std::snprintf(error, sizeof(error), "%10s", "-");
+  }
+  std::printf("  %-11s %-6s %-4s %5d %6d %10.3f%s %8.2f %s %10.6f %9.1fx\n", row.method.c_str(),
               InitName(row.init), PrecisionName(row.precision), row.rank, row.iters, row.seconds,
-              row.extrapolated ? "*" : " ", row.rel_error, row.error_at_dense,
+              row.extrapolated ? "*" : " ", row.cpu_seconds, error, row.error_at_dense,
               dense_seconds / row.seconds);
 }
 
@@ -200,7 +232,9 @@ void BenchLayer(const char* kind, const Layer& layer, const Flags& flags) {
         CpAlsOptions options =
             MakeOptions(rank, flags.dense_iters, CpAlsOptions::Init::kSvd, precision);
         options.tol = 0;
+        const double cpu_start = CpuSeconds();
         CpResult dense = MustRun(DenseCpAls(T, options));
+        const double dense_cpu = CpuSeconds() - cpu_start;
         // A 1-sweep run separates the initialisation (SVD of two 768 × 9216 unfoldings) from the
         // per-sweep cost for the extrapolation.
         options.max_iters = 1;
@@ -208,14 +242,13 @@ void BenchLayer(const char* kind, const Layer& layer, const Flags& flags) {
         dense_per_sweep = (dense.seconds - one.seconds) / (flags.dense_iters - 1);
         dense_init = std::max(0.0, one.seconds - dense_per_sweep);
         dense_seconds = dense.seconds;
-        dense_row = {"dense",        CpAlsOptions::Init::kSvd, precision,
-                     rank,           dense.iterations,         dense.seconds,
-                     dense.relative_error, dense.relative_error};
+        dense_row = {"dense",    CpAlsOptions::Init::kSvd, precision,
+                     rank,       dense.iterations,         dense.seconds,
+                     dense_cpu,  dense.relative_error,     dense.relative_error};
       }
       std::printf("\n[%s layer, R=%d, %s] equal sweeps (%d each, all measured; speedup vs dense)\n",
                   kind, rank, PrecisionName(precision), flags.dense_iters);
-      std::printf("  %-11s %-6s %-4s %5s %6s %11s %10s %10s %10s\n", "method", "init", "prec",
-                  "rank", "iters", "seconds", "rel_error", "err@k", "speedup");
+      PrintTableHeader();
       if (!flags.skip_dense) PrintRow(dense_row, dense_seconds);
       for (const Row& row : equal) PrintRow(row, flags.skip_dense ? row.seconds : dense_seconds);
 
@@ -227,8 +260,7 @@ void BenchLayer(const char* kind, const Layer& layer, const Flags& flags) {
       }
       std::printf("[%s layer, R=%d, %s] full run (max %d sweeps, tol 1e-6; dense extrapolated*)\n",
                   kind, rank, PrecisionName(precision), flags.iters);
-      std::printf("  %-11s %-6s %-4s %5s %6s %11s %10s %10s %10s\n", "method", "init", "prec",
-                  "rank", "iters", "seconds", "rel_error", "err@k", "speedup");
+      PrintTableHeader();
       for (const Row& row : full) {
         // Compare with the dense ALS run for the same number of sweeps as this row.
         const double dense_same = dense_init + row.iters * dense_per_sweep;
@@ -236,6 +268,7 @@ void BenchLayer(const char* kind, const Layer& layer, const Flags& flags) {
           Row d = dense_row;
           d.iters = row.iters;
           d.seconds = dense_same;
+          d.cpu_seconds = -1;
           d.rel_error = row.init == CpAlsOptions::Init::kSvd ? row.rel_error : -1;
           d.extrapolated = true;
           if (row.init == CpAlsOptions::Init::kSvd) PrintRow(d, dense_same);
@@ -259,13 +292,14 @@ void BenchLayer(const char* kind, const Layer& layer, const Flags& flags) {
 void BenchModel(const Flags& flags, int rank) {
   std::printf("\nWhole model: %d random BERT-base layers, R=%d, max %d sweeps, tol 1e-6, %d threads\n",
               flags.layers, rank, flags.iters, flags.threads);
-  std::printf("  %-4s %-6s %9s %11s %14s %14s\n", "prec", "init", "seconds", "s/layer",
-              "mean rel_err", "mean sweeps");
+  std::printf("  %-4s %-6s %9s %9s %11s %14s %14s\n", "prec", "init", "seconds", "cpu_s",
+              "s/layer", "mean rel_err", "mean sweeps");
   std::vector<Layer> layers;
   for (int l = 0; l < flags.layers; ++l) layers.push_back(RandomLayer(1000 + 10 * l));
   for (auto precision : {CpAlsOptions::Precision::kFloat32, CpAlsOptions::Precision::kFloat64}) {
     for (auto init : {CpAlsOptions::Init::kSvd}) {
       double total = 0, err = 0, sweeps = 0;
+      const double cpu_start = CpuSeconds();
       for (const Layer& layer : layers) {
         CpResult r = MustRun(FactorizedCpAls(layer.P, layer.Q,
                                              MakeOptions(rank, flags.iters, init, precision)));
@@ -273,9 +307,9 @@ void BenchModel(const Flags& flags, int rank) {
         err += r.relative_error;
         sweeps += r.iterations;
       }
-      std::printf("  %-4s %-6s %9.2f %11.3f %14.6f %14.1f\n", PrecisionName(precision),
-                  InitName(init), total, total / flags.layers, err / flags.layers,
-                  sweeps / flags.layers);
+      std::printf("  %-4s %-6s %9.2f %9.2f %11.3f %14.6f %14.1f\n", PrecisionName(precision),
+                  InitName(init), total, CpuSeconds() - cpu_start, total / flags.layers,
+                  err / flags.layers, sweeps / flags.layers);
     }
   }
 }
@@ -285,6 +319,14 @@ void BenchModel(const Flags& flags, int rank) {
 
 int main(int argc, char** argv) {
   using namespace collabserve::compress;
+  // libgomp's default wait policy spins; on an oversubscribed machine (this one is shared) the
+  // two OpenMP threads then spend most of each sweep waiting at barriers for a descheduled peer
+  // (measured: 4-10x slower). The policy is read when libgomp loads, so set it and re-execute.
+  if (std::getenv("OMP_WAIT_POLICY") == nullptr) {
+    setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
+    execv("/proc/self/exe", argv);
+    std::perror("cp_bench: re-exec with OMP_WAIT_POLICY=PASSIVE failed; continuing");
+  }
   Flags flags;
   if (!ParseFlags(argc, argv, &flags)) return 2;
   at::set_num_threads(flags.threads);
@@ -293,11 +335,16 @@ int main(int argc, char** argv) {
               static_cast<long long>(kHeads), static_cast<long long>(kDim),
               static_cast<long long>(kHeadSize), at::get_num_threads(), flags.iters,
               flags.dense_iters, flags.repeats, flags.shared_dim, flags.noise);
+  const char* blas_threads = std::getenv("OPENBLAS_NUM_THREADS");
+  std::printf("OMP_WAIT_POLICY=%s OPENBLAS_NUM_THREADS=%s; load average at start: %s\n",
+              std::getenv("OMP_WAIT_POLICY"), blas_threads ? blas_threads : "(unset)",
+              LoadAverage().c_str());
   std::printf("err@k = relative error after k=%d sweeps; seconds include initialisation; "
               "* = dense time extrapolated as init + sweeps x measured per-sweep time\n",
               flags.dense_iters);
   BenchLayer("random", RandomLayer(1), flags);
   BenchLayer("planted", PlantedLayer(2, flags.shared_dim, flags.noise), flags);
   if (flags.layers > 0) BenchModel(flags, flags.ranks.front());
+  std::printf("\nload average at end: %s\n", LoadAverage().c_str());
   return 0;
 }
