@@ -208,8 +208,10 @@ class MttkrpSource {
   virtual at::Tensor Key() = 0;
 };
 
+// Σ x ∗ y for [n, R] tensors: column sums in the compute dtype, their total in float64 (casting
+// both [n, R] operands to float64 first cost ~10% of a float32 sweep).
 double InnerAsDouble(const at::Tensor& x, const at::Tensor& y) {
-  return (x.to(at::kDouble) * y.to(at::kDouble)).sum().item<double>();
+  return (x * y).sum(0).to(at::kDouble).sum().item<double>();
 }
 
 // Common part of the two factorised sources: T_i = P_i Q_iᵀ; with U_i = P_iᵀ B and V_i = Q_iᵀ C
