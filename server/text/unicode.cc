@@ -1,6 +1,8 @@
 #include "server/text/unicode.h"
 
 #include <algorithm>
+#include <array>
+#include <map>
 
 namespace collabserve::text::unicode {
 namespace {
@@ -9,12 +11,38 @@ constexpr char32_t kHangulFirst = 0xAC00, kHangulLast = 0xD7A3;
 constexpr char32_t kLBase = 0x1100, kVBase = 0x1161, kTBase = 0x11A7;
 constexpr int kVCount = 21, kTCount = 28, kNCount = kVCount * kTCount;
 
-uint8_t LookUpProperties(char32_t c) {
-  const PropertyRange* end = kPropertyRanges + kNumPropertyRanges;
-  // The last range whose start is <= c.
-  const PropertyRange* it = std::upper_bound(
-      kPropertyRanges, end, c, [](char32_t v, const PropertyRange& r) { return v < r.start; });
-  return (it - 1)->bits;
+// A two-stage lookup table built once from the ranges: a block index per 256 code points, and the
+// distinct 256-entry blocks (a few hundred). Two loads per lookup instead of a binary search.
+class PropertyTable {
+ public:
+  PropertyTable() {
+    std::map<std::array<uint8_t, kBlock>, uint16_t> seen;
+    std::array<uint8_t, kBlock> block;
+    size_t range = 0;
+    for (uint32_t b = 0; b < kNumBlocks; ++b) {
+      for (uint32_t i = 0; i < kBlock; ++i) {
+        const char32_t c = b * kBlock + i;
+        while (range + 1 < kNumPropertyRanges && kPropertyRanges[range + 1].start <= c) ++range;
+        block[i] = kPropertyRanges[range].bits;
+      }
+      auto [it, inserted] = seen.emplace(block, static_cast<uint16_t>(blocks_.size() / kBlock));
+      if (inserted) blocks_.insert(blocks_.end(), block.begin(), block.end());
+      index_[b] = it->second;
+    }
+  }
+  uint8_t Get(char32_t c) const {
+    return blocks_[size_t{index_[c / kBlock]} * kBlock + c % kBlock];
+  }
+
+ private:
+  static constexpr uint32_t kBlock = 256, kNumBlocks = 0x110000 / kBlock;
+  std::array<uint16_t, kNumBlocks> index_;
+  std::vector<uint8_t> blocks_;
+};
+
+const PropertyTable& Table() {
+  static const PropertyTable* const table = new PropertyTable();
+  return *table;
 }
 
 const Mapping* FindMapping(const Mapping* table, size_t n, char32_t c) {
@@ -28,7 +56,7 @@ const Mapping* FindMapping(const Mapping* table, size_t n, char32_t c) {
 
 uint8_t NonAsciiProperties(char32_t c) {
   if (c > 0x10FFFF) return 0;
-  return LookUpProperties(c);
+  return Table().Get(c);
 }
 
 void AppendDecomposition(char32_t c, std::vector<char32_t>* out) {

@@ -46,6 +46,16 @@ TEST(UnicodeTest, ClassifiesAsTokenizersDoes) {
   EXPECT_FALSE(Properties(U'한') & kCjkIdeograph);
 }
 
+TEST(UnicodeTest, LookupTableAgreesWithTheGeneratedRangesEverywhere) {
+  size_t range = 0;
+  for (char32_t c = 0; c <= 0x10FFFF; ++c) {
+    while (range + 1 < kNumPropertyRanges && kPropertyRanges[range + 1].start <= c) ++range;
+    ASSERT_EQ(Properties(c), kPropertyRanges[range].bits) << std::hex << c;
+  }
+  EXPECT_EQ(Properties(0x110000), 0);
+  EXPECT_EQ(Properties(0xFFFFFFFF), 0);
+}
+
 TEST(UnicodeTest, FollowsTheReferenceWhereItsUnicodeVersionDiffers) {
   // U+061D ARABIC END OF TEXT MARK is Po since Unicode 14; tokenizers' categories predate it.
   EXPECT_FALSE(Properties(U'\u061D') & kPunctuation);
