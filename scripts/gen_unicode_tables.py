@@ -48,7 +48,12 @@ def load_deltas():
     deltas = {}
     if not os.path.exists(DELTAS):
         return deltas
-    for line in open(DELTAS, encoding='utf-8'):
+    text = open(DELTAS, encoding='utf-8').read()
+    if ('Python %s unicodedata' % ud.unidata_version) not in text:
+        sys.exit('%s was derived with another Unicode version than this Python\'s %s: run with '
+                 '/usr/bin/python3 (Debian bookworm), or re-derive it with --derive-deltas'
+                 % (DELTAS, ud.unidata_version))
+    for line in text.splitlines():
         line = line.split('#', 1)[0].strip()
         if not line:
             continue
