@@ -146,6 +146,9 @@ TEST(TorchZipTest, WriterRejectsBadTensors) {
   EXPECT_INVALID(WriteTorchZip(TempPath("w.bin"), {{"a", DType::kF32, {1}, &x}, {"a", DType::kF32, {1}, &x}}),
                  "tensor 'a' appears twice");
   EXPECT_INVALID(WriteTorchZip(TempPath("w.bin"), {{"a", DType::kF32, {2, -3}, &x}}), "invalid dim -3");
+  EXPECT_INVALID(WriteTorchZip(TempPath("w.bin"), {{"bad\xff", DType::kF32, {1}, &x}}),
+                 "tensor name 'bad\\xff' is not valid UTF-8");
+  EXPECT_TRUE(WriteTorchZip(TempPath("w.bin"), {{"gr\xc3\xbc\xc3\x9f.\xe2\x82\xac", DType::kF32, {1}, &x}}).ok());
 }
 
 // Our writer's files must load in Python's torch.load (also weights_only=True) with equal values.

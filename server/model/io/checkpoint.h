@@ -1,5 +1,6 @@
 // Checkpoint tensors as torch-free views into the file's bytes, and the format-independent entry
 // point ReadCheckpointFile(). The format readers and writers live in safetensors.h and torch_zip.h.
+// Every function in io/ is thread-safe (no shared mutable state); readers treat files as hostile.
 #ifndef COLLABSERVE_SERVER_MODEL_IO_CHECKPOINT_H_
 #define COLLABSERVE_SERVER_MODEL_IO_CHECKPOINT_H_
 

@@ -3,6 +3,7 @@
 #ifndef COLLABSERVE_SERVER_MODEL_IO_STR_UTIL_H_
 #define COLLABSERVE_SERVER_MODEL_IO_STR_UTIL_H_
 
+#include <cstdint>
 #include <string>
 #include <string_view>
 
@@ -46,6 +47,32 @@ inline std::string_view StripWhitespace(std::string_view s) {
   while (!s.empty() && space(s.front())) s.remove_prefix(1);
   while (!s.empty() && space(s.back())) s.remove_suffix(1);
   return s;
+}
+
+// True if `s` is well-formed UTF-8 (no overlongs, surrogates or code points above U+10FFFF), as
+// Python requires of a pickled str.
+inline bool IsValidUtf8(std::string_view s) {
+  size_t i = 0;
+  while (i < s.size()) {
+    const unsigned char c = static_cast<unsigned char>(s[i]);
+    int n;
+    uint32_t cp;
+    if (c < 0x80) { ++i; continue; }
+    if ((c & 0xe0) == 0xc0) { n = 1; cp = c & 0x1f; }
+    else if ((c & 0xf0) == 0xe0) { n = 2; cp = c & 0x0f; }
+    else if ((c & 0xf8) == 0xf0) { n = 3; cp = c & 0x07; }
+    else return false;
+    if (i + n >= s.size()) return false;  // truncated sequence
+    for (int k = 1; k <= n; ++k) {
+      const unsigned char cc = static_cast<unsigned char>(s[i + k]);
+      if ((cc & 0xc0) != 0x80) return false;
+      cp = (cp << 6) | (cc & 0x3f);
+    }
+    static const uint32_t kMin[] = {0, 0x80, 0x800, 0x10000};
+    if (cp < kMin[n] || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff)) return false;
+    i += n + 1;
+  }
+  return true;
 }
 
 }  // namespace collabserve::model::io::internal

@@ -78,6 +78,10 @@ class PickleWriter {
 
 absl::StatusOr<uint64_t> CheckTensorToWrite(const TensorToWrite& t, std::set<std::string_view>* names) {
   if (t.name.empty()) return absl::InvalidArgumentError("WriteTorchZip: a tensor name is empty");
+  if (!internal::IsValidUtf8(t.name)) {
+    return absl::InvalidArgumentError(
+        Cat("WriteTorchZip: tensor name '", internal::Printable(t.name), "' is not valid UTF-8"));
+  }
   if (!names->insert(t.name).second) {
     return absl::InvalidArgumentError(Cat("WriteTorchZip: tensor '", t.name, "' appears twice"));
   }
