@@ -5,7 +5,11 @@ JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 PORT ?= 8500
 METRICS_PORT ?= 9090
-export CCACHE_DIR ?= $(CURDIR)/.ccache
+# One compiler cache per machine, shared by every checkout: BASEDIR makes paths relative so a fresh
+# clone elsewhere (CI) hits the cache too.
+export CCACHE_DIR ?= $(HOME)/.cache/collabserve-ccache
+export CCACHE_BASEDIR := $(CURDIR)
+export CCACHE_MAXSIZE ?= 5G
 export CCACHE_SLOPPINESS := pch_defines,time_macros,include_file_mtime,include_file_ctime
 
 .PHONY: all deps configure build test run bench clean
