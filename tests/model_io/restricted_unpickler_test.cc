@@ -57,6 +57,30 @@ TEST(RestrictedUnpicklerTest, ReadsATorchStateDict) {
   EXPECT_EQ(t->storage->dtype, DType::kF32);
 }
 
+TEST(RestrictedUnpicklerTest, ReadsProtocol4AllowedStackGlobalsAndTorch2Forms) {
+  // FRAME, STACK_GLOBAL + MEMOIZE for OrderedDict, a 7-argument _rebuild_tensor_v2 (metadata) wrapped
+  // in _rebuild_parameter, BINUNICODE8 and BINGET of a memoized global.
+  const std::string od = ShortStr("collections") + ShortStr("OrderedDict") + "\x93\x94";  // memo 0
+  const std::string p = B("\x80\x04\x95\x00\x00\x00\x00\x00\x00\x00\x00") + od + ")R" + "(" +
+                        B("\x8d\x01\x00\x00\x00\x00\x00\x00\x00") + "p" +
+                        ShortStr("torch._utils") + ShortStr("_rebuild_parameter") + "\x93" +
+                        ShortStr("torch._utils") + ShortStr("_rebuild_tensor_v2") + "\x93" + "((" + Str("storage") +
+                        ShortStr("torch") + ShortStr("HalfStorage") + "\x93" + Str("k") + Str("cpu") + "K\x04" +
+                        "tQ" + B("K\x01K\x03\x85K\x01\x85\x89") + B("h\x00") + ")RNtR" + "\x88" + B("h\x00") +
+                        ")R\x87R" + "u.";
+  auto r = UnpickleStateDict(p, "m");
+  ASSERT_TRUE(r.ok()) << r.status();
+  const PyValue* root = (*r)->root;
+  ASSERT_EQ(root->kind, PyKind::kDict);
+  ASSERT_EQ(root->dict.size(), 1u);
+  EXPECT_EQ(root->dict[0].first->s, "p");
+  const PyValue* t = root->dict[0].second;
+  ASSERT_EQ(t->kind, PyKind::kTensor);
+  EXPECT_EQ(t->i, 1);
+  EXPECT_EQ(t->size, std::vector<int64_t>{3});
+  EXPECT_EQ(t->storage->dtype, DType::kF16);
+}
+
 TEST(RestrictedUnpicklerTest, ReadsScalarsOfEveryEncoding) {
   const std::string p = B("\x80\x02(K\x07M\x01\x02J\xfe\xff\xff\xff\x8a\x02\x00\x80\x8a\x00G?\xf8\x00\x00\x00\x00\x00\x00"
                           "\x88\x89N") + ShortStr("s") + "t.";

@@ -217,6 +217,15 @@ TEST(TorchZipTest, RefusesOsSystemInDataPkl) {
                  "pytorch_model.bin: data.pkl: global 'os.system' is not allowed in a state dict");
 }
 
+// A file torch.save really wrote for a payload whose __reduce__ is os.system (pickled as
+// posix.system on Linux). Reading it must refuse it, and run nothing.
+TEST(TorchZipTest, RefusesARealMaliciousTorchSave) {
+  const std::string path = Fixture("hostile.bin");
+  EXPECT_INVALID(ReadTorchZip(path).status(),
+                 path + ": data.pkl: global 'posix.system' is not allowed in a state dict");
+  EXPECT_INVALID(ReadCheckpointFile(path).status(), "global 'posix.system' is not allowed");
+}
+
 TEST(TorchZipTest, MissingStorageEntry) {
   EXPECT_INVALID(ParseError(OneTensor("7", 6)), "tensor 'w': storage entry 'archive/data/7' is missing");
 }

@@ -1,5 +1,6 @@
 #include "server/model/io/zip_archive.h"
 
+#include <fstream>
 #include <string>
 
 #include "gmock/gmock.h"
@@ -147,6 +148,17 @@ TEST(ZipArchiveTest, DotDotAndAbsoluteNames) {
   z = TwoEntryZip("top/a", "Ytop/b");
   for (size_t pos = 0; (pos = z.find("Ytop/b", pos)) != std::string::npos; ++pos) z[pos] = '/';
   EXPECT_INVALID(OpenString(z).status(), "zip entry '/top/b' is an absolute path");
+}
+
+TEST(ZipArchiveTest, DataDescriptorThatLies) {
+  const std::string path = testing::SourcePath("tests/data/model_io/hf_style.bin");
+  std::ifstream in(path, std::ios::binary);
+  std::string z((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t desc = z.find("PK\x07\x08");  // torch writes one after every non-empty entry
+  ASSERT_NE(desc, std::string::npos);
+  z[desc + 8] ^= 1;  // its compressed size
+  EXPECT_INVALID(OpenString(z).status(),
+                 "zip entry 'hf_style/data.pkl' data descriptor is missing or disagrees with the central directory");
 }
 
 TEST(ZipArchiveTest, CorruptData) {

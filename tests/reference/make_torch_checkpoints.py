@@ -9,6 +9,8 @@
         nested.bin    {"state_dict": OrderedDict(...)}, as training loops often save.
         zip64.bin     hf_style.bin's entries re-zipped by Python's zipfile with ZIP64 local headers.
         legacy.bin    the pre-1.6 (non-zip) torch.save format, which the reader refuses.
+        hostile.bin   a real torch.save zip whose data.pkl calls os.system through __reduce__
+                      (pickled here, NEVER loaded: the reader must refuse it).
       Values are the formulas in tests/model_io/torch_zip_test.cc; keep the two in step.
 
   make_torch_checkpoints.py check-ours FILE...
@@ -68,6 +70,13 @@ def hf_style_state_dict():
     return sd
 
 
+class _RunsAShellCommand:
+    """Pickles as os.system("echo pwned"): the classic malicious checkpoint. Never unpickle it."""
+
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
 def generate(outdir):
     os.makedirs(outdir, exist_ok=True)
     torch.save(hf_style_state_dict(), os.path.join(outdir, "hf_style.bin"))
@@ -78,6 +87,9 @@ def generate(outdir):
         for info in src.infolist():
             with dst.open(info.filename, "w", force_zip64=True) as f:
                 f.write(src.read(info.filename))
+    evil = collections.OrderedDict(w=torch.ones(2))
+    evil["payload"] = _RunsAShellCommand()
+    torch.save(evil, os.path.join(outdir, "hostile.bin"))
     torch.save(collections.OrderedDict(a=torch.ones(2)), os.path.join(outdir, "legacy.bin"),
                _use_new_zipfile_serialization=False)
 
