@@ -1,11 +1,9 @@
 #include "server/metrics/metrics.h"
 
-#include <exception>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
 #include "prometheus/counter.h"
-#include "prometheus/exposer.h"
 #include "prometheus/family.h"
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
@@ -104,21 +102,12 @@ Metrics::Metrics(const std::string& build_version, const std::string& torch_vers
 
 Metrics::~Metrics() = default;
 
-absl::Status Metrics::StartExposer(const std::string& bind_address, int* port) {
+absl::Status Metrics::StartExposer(const std::string& host, int port, int* bound_port) {
   if (exposer_ != nullptr) return absl::FailedPreconditionError("metrics exposer already started");
-  try {
-    exposer_ = std::make_unique<prometheus::Exposer>(bind_address, 2);
-  } catch (const std::exception& e) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot serve metrics on ", bind_address, ": ", e.what()));
-  }
-  exposer_->RegisterCollectable(registry_);
-  auto ports = exposer_->GetListeningPorts();
-  if (ports.empty()) {
-    exposer_.reset();
-    return absl::UnavailableError(absl::StrCat("metrics exposer on ", bind_address, " has no port"));
-  }
-  if (port != nullptr) *port = ports.front();
+  auto exposer = HttpExposer::Start(host, port, [this] { return TextFormat(); });
+  if (!exposer.ok()) return exposer.status();
+  exposer_ = std::move(exposer).value();
+  if (bound_port != nullptr) *bound_port = exposer_->port();
   return absl::OkStatus();
 }
 

@@ -13,10 +13,10 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
+#include "server/metrics/http_exposer.h"
 
 namespace prometheus {
 class Counter;
-class Exposer;
 class Gauge;
 class Histogram;
 class Registry;
@@ -58,9 +58,9 @@ class Metrics {
   Metrics(const Metrics&) = delete;
   Metrics& operator=(const Metrics&) = delete;
 
-  // Serves /metrics on `bind_address` ("0.0.0.0:9090"; port 0 picks one). Returns the bound port
-  // through `port`. UNAVAILABLE if the address cannot be bound. Call at most once.
-  absl::Status StartExposer(const std::string& bind_address, int* port);
+  // Serves /metrics on `host`:`port` (port 0 picks one; see HttpExposer). Returns the bound port
+  // through `bound_port`. UNAVAILABLE if the address cannot be bound. Call at most once.
+  absl::Status StartExposer(const std::string& host, int port, int* bound_port);
 
   // The metrics in the Prometheus text format (what /metrics returns).
   std::string TextFormat() const;
@@ -87,7 +87,7 @@ class Metrics {
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;
-  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::unique_ptr<HttpExposer> exposer_;
 
   prometheus::Family<prometheus::Counter>* requests_total_;
   prometheus::Family<prometheus::Histogram>* request_duration_;

@@ -144,12 +144,17 @@ absl::StatusOr<std::shared_ptr<ModelServable>> Resolve(repository::ModelReposito
 
 class InferenceService::ClassifyReactor final : public grpc::ServerUnaryReactor {
  public:
-  ClassifyReactor() : cancelled_(std::make_shared<std::atomic<bool>>(false)) {}
-  void OnCancel() override { cancelled_->store(true, std::memory_order_relaxed); }
+  explicit ClassifyReactor(std::atomic<int64_t>* cancellations)
+      : cancellations_(cancellations), cancelled_(std::make_shared<std::atomic<bool>>(false)) {}
+  void OnCancel() override {
+    cancelled_->store(true, std::memory_order_relaxed);
+    cancellations_->fetch_add(1, std::memory_order_acq_rel);
+  }
   void OnDone() override { delete this; }
   const std::shared_ptr<std::atomic<bool>>& cancelled() const { return cancelled_; }
 
  private:
+  std::atomic<int64_t>* const cancellations_;
   const std::shared_ptr<std::atomic<bool>> cancelled_;
 };
 
@@ -213,6 +218,7 @@ class InferenceService::StreamReactor final
 
   void OnCancel() override {
     cancelled_->store(true, std::memory_order_relaxed);
+    service_->cancellations_.fetch_add(1, std::memory_order_acq_rel);
     absl::MutexLock lock(&mu_);
     call_cancelled_ = true;
     MaybeFinishLocked();
@@ -397,7 +403,7 @@ void InferenceService::StartClassify(const v1::ClassifyRequest& request, absl::T
 grpc::ServerUnaryReactor* InferenceService::Classify(grpc::CallbackServerContext* context,
                                                      const v1::ClassifyRequest* request,
                                                      v1::ClassifyResponse* response) {
-  auto* reactor = new ClassifyReactor();
+  auto* reactor = new ClassifyReactor(&cancellations_);
   StartClassify(*request, ToAbslTime(context->deadline()), reactor->cancelled(),
                 [reactor, response](const grpc::Status& status, v1::ClassifyResponse* result) {
                   if (status.ok() && result != nullptr) response->Swap(result);

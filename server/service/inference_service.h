@@ -39,6 +39,8 @@ class InferenceService final : public v1::Inference::CallbackService {
   bool draining() const { return draining_.load(std::memory_order_acquire); }
   // Unary calls and stream requests being processed.
   int64_t inflight() const { return inflight_.load(std::memory_order_acquire); }
+  // Calls (unary or streams) whose client cancelled or whose deadline passed, as seen by OnCancel.
+  int64_t cancellations() const { return cancellations_.load(std::memory_order_acquire); }
 
   // Used by the unary and the streaming handler: validates `request`, tokenizes it and queues its
   // inputs; `finish` is called exactly once, possibly before this returns, possibly on a batch
@@ -76,6 +78,7 @@ class InferenceService final : public v1::Inference::CallbackService {
   std::atomic<repository::ModelRepository*> repository_{nullptr};
   std::atomic<bool> draining_{false};
   std::atomic<int64_t> inflight_{0};
+  std::atomic<int64_t> cancellations_{0};
 };
 
 }  // namespace collabserve::service

@@ -39,8 +39,8 @@ absl::Status Server::StartServing() {
     return absl::InvalidArgumentError("--tls_cert and --tls_key must be given together");
   }
   if (options_.metrics_port >= 0) {
-    RETURN_IF_ERROR(metrics_->StartExposer(
-        absl::StrCat(options_.metrics_host, ":", options_.metrics_port), &metrics_port_));
+    RETURN_IF_ERROR(
+        metrics_->StartExposer(options_.metrics_host, options_.metrics_port, &metrics_port_));
   }
 
   std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();

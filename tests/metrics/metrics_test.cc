@@ -66,18 +66,18 @@ TEST(MetricsTest, RemoveVersionDropsOnlyThatVersionsSeries) {
 TEST(MetricsTest, ExposerPicksAPortWhenAskedForZero) {
   Metrics m("0.1.0", "1.13.1");
   int port = 0;
-  ASSERT_TRUE(m.StartExposer("127.0.0.1:0", &port).ok());
+  ASSERT_TRUE(m.StartExposer("127.0.0.1", 0, &port).ok());
   EXPECT_GT(port, 0);
-  EXPECT_FALSE(m.StartExposer("127.0.0.1:0", &port).ok());
+  EXPECT_FALSE(m.StartExposer("127.0.0.1", 0, &port).ok());
 }
 
 TEST(MetricsTest, ExposerReportsAnUnbindableAddress) {
   Metrics a("0.1.0", "1.13.1");
   int port = 0;
-  ASSERT_TRUE(a.StartExposer("127.0.0.1:0", &port).ok());
+  ASSERT_TRUE(a.StartExposer("127.0.0.1", 0, &port).ok());
   Metrics b("0.1.0", "1.13.1");
   int port_b = 0;
-  absl::Status s = b.StartExposer("127.0.0.1:" + std::to_string(port), &port_b);
+  absl::Status s = b.StartExposer("127.0.0.1", port, &port_b);
   EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
   EXPECT_THAT(std::string(s.message()), HasSubstr(std::to_string(port)));
 }

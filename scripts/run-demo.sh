@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# `make run`: serves the built-in demo model ("demo", labels negative/positive) with
+# build/bin/collabserve on the given ports until Ctrl-C (SIGINT drains and exits 0).
+#   scripts/run-demo.sh [BUILD_DIR=build] [PORT=8500] [METRICS_PORT=9090] [extra collabserve flags...]
+set -euo pipefail
+build_dir=${1:-build}
+port=${2:-8500}
+metrics_port=${3:-9090}
+shift $(( $# < 3 ? $# : 3 ))
+bin="$build_dir/bin/collabserve"
+if [[ ! -x "$bin" ]]; then
+  echo "run-demo: $bin not found; build first (make build)" >&2
+  exit 1
+fi
+echo "run-demo: serving the demo model on :$port (metrics :$metrics_port)."
+echo "run-demo: try: $build_dir/bin/collabctl --address=127.0.0.1:$port classify --model=demo 'what a great film'"
+exec "$bin" --port="$port" --metrics_port="$metrics_port" "$@"

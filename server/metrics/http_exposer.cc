@@ -1,0 +1,146 @@
+#include "server/metrics/http_exposer.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+
+namespace collabserve::metrics {
+namespace {
+
+void WriteAll(int fd, const std::string& data) {
+  size_t off = 0;
+  while (off < data.size()) {
+    ssize_t n = ::send(fd, data.data() + off, data.size() - off, MSG_NOSIGNAL);
+    if (n <= 0) {
+      if (n < 0 && errno == EINTR) continue;
+      return;
+    }
+    off += static_cast<size_t>(n);
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<HttpExposer>> HttpExposer::Start(const std::string& host, int port,
+                                                                BodyFn body) {
+  const std::string where = absl::StrCat(host, ":", port);
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* res = nullptr;
+  const std::string port_str = std::to_string(port);
+  int rc = ::getaddrinfo(host.empty() ? nullptr : host.c_str(), port_str.c_str(), &hints, &res);
+  if (rc != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("metrics address ", where, ": ", ::gai_strerror(rc)));
+  }
+  int fd = ::socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) {
+    ::freeaddrinfo(res);
+    return absl::UnavailableError(absl::StrCat("metrics socket: ", std::strerror(errno)));
+  }
+  int one = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  if (::bind(fd, res->ai_addr, res->ai_addrlen) != 0 || ::listen(fd, 64) != 0) {
+    const int err = errno;
+    ::freeaddrinfo(res);
+    ::close(fd);
+    return absl::UnavailableError(
+        absl::StrCat("cannot serve metrics on ", where, ": ", std::strerror(err)));
+  }
+  ::freeaddrinfo(res);
+  sockaddr_storage bound{};
+  socklen_t len = sizeof(bound);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &len);
+  const int bound_port =
+      bound.ss_family == AF_INET6
+          ? ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port)
+          : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+  int wake[2];
+  if (::pipe2(wake, O_CLOEXEC) != 0) {
+    ::close(fd);
+    return absl::UnavailableError(absl::StrCat("metrics pipe: ", std::strerror(errno)));
+  }
+  return std::unique_ptr<HttpExposer>(new HttpExposer(fd, wake[0], wake[1], bound_port, std::move(body)));
+}
+
+HttpExposer::HttpExposer(int listen_fd, int wake_read, int wake_write, int port, BodyFn body)
+    : listen_fd_(listen_fd),
+      wake_read_(wake_read),
+      wake_write_(wake_write),
+      port_(port),
+      body_(std::move(body)),
+      thread_([this] { Loop(); }) {}
+
+HttpExposer::~HttpExposer() {
+  const char c = 'x';
+  (void)!::write(wake_write_, &c, 1);
+  if (thread_.joinable()) thread_.join();
+  ::close(listen_fd_);
+  ::close(wake_read_);
+  ::close(wake_write_);
+}
+
+void HttpExposer::Loop() {
+  for (;;) {
+    pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {wake_read_, POLLIN, 0}};
+    if (::poll(fds, 2, -1) < 0) {
+      if (errno == EINTR) continue;
+      return;
+    }
+    if (fds[1].revents != 0) return;
+    if (fds[0].revents & POLLIN) {
+      int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+      if (fd >= 0) {
+        Serve(fd);
+        ::close(fd);
+      }
+    }
+  }
+}
+
+void HttpExposer::Serve(int fd) {
+  // Read the request head (bounded in size and time).
+  std::string head;
+  char buf[4096];
+  while (head.find("\r\n\r\n") == std::string::npos && head.find("\n\n") == std::string::npos &&
+         head.size() < 16384) {
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 2000) <= 0) return;
+    ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
+    if (n <= 0) return;
+    head.append(buf, static_cast<size_t>(n));
+  }
+  const std::string line = head.substr(0, head.find_first_of("\r\n"));
+  std::string status = "200 OK", body, type = "text/plain; version=0.0.4; charset=utf-8";
+  if (!absl::StartsWith(line, "GET ")) {
+    status = "405 Method Not Allowed";
+    body = "only GET /metrics\n";
+  } else {
+    std::string path = line.substr(4, line.find(' ', 4) - 4);
+    path = path.substr(0, path.find('?'));
+    if (path == "/metrics") {
+      body = body_();
+    } else {
+      status = "404 Not Found";
+      body = "see /metrics\n";
+    }
+  }
+  WriteAll(fd, absl::StrCat("HTTP/1.1 ", status, "\r\nContent-Type: ", type,
+                            "\r\nContent-Length: ", body.size(), "\r\nConnection: close\r\n\r\n",
+                            body));
+}
+
+}  // namespace collabserve::metrics

@@ -1,0 +1,65 @@
+#include "client/bench.h"
+
+#include <cstdlib>
+#include <memory>
+
+#include "gtest/gtest.h"
+#include "server/text/bert_tokenizer.h"
+#include "server/util/files.h"
+
+namespace collabserve::client {
+namespace {
+
+TEST(BenchTest, MakeTextHasExactlyTheAskedTokenCount) {
+  const char* src = std::getenv("COLLABSERVE_SOURCE_DIR");
+  ASSERT_NE(src, nullptr);
+  auto vocab = util::ReadFile(std::string(src) + "/tests/data/bert-base-uncased-vocab.txt");
+  ASSERT_TRUE(vocab.ok());
+  std::vector<std::string> lines;
+  size_t start = 0;
+  while (start < vocab->size()) {
+    size_t end = vocab->find('\n', start);
+    if (end == std::string::npos) end = vocab->size();
+    lines.push_back(vocab->substr(start, end - start));
+    start = end + 1;
+  }
+  auto tok = text::BertTokenizer::Create(lines, text::TokenizerOptions());
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  for (int n : {3, 8, 32, 128, 512}) {
+    auto enc = (*tok)->Encode(MakeText(n, n), std::nullopt, 512);
+    ASSERT_TRUE(enc.ok());
+    EXPECT_EQ(static_cast<int>(enc->input_ids.size()), n);
+    EXPECT_FALSE(enc->truncated);
+  }
+  EXPECT_NE(MakeText(16, 1), MakeText(16, 2));
+}
+
+TEST(BenchTest, RejectsBadOptionsBeforeSendingAnything) {
+  ClientOptions co;
+  co.address = "127.0.0.1:1";
+  auto client = Client::Create(co);
+  ASSERT_TRUE(client.ok());
+  BenchOptions o;
+  o.concurrency = 0;
+  EXPECT_EQ(RunBench(**client, o).status().code(), absl::StatusCode::kInvalidArgument);
+  o.concurrency = 1;
+  o.lengths = {2};
+  EXPECT_EQ(RunBench(**client, o).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(ClientTest, UnreachableServerIsUnavailable) {
+  ClientOptions co;
+  co.address = "127.0.0.1:1";
+  co.default_deadline = std::chrono::milliseconds(500);
+  auto client = Client::Create(co);
+  ASSERT_TRUE(client.ok());
+  auto r = (*client)->ListModels();
+  EXPECT_FALSE(r.ok());
+  auto h = (*client)->IsServing();
+  EXPECT_FALSE(h.ok());
+  co.wait_for_connection = true;
+  EXPECT_EQ(Client::Create(co).status().code(), absl::StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace collabserve::client

@@ -1,0 +1,201 @@
+// The shipped binaries end to end: build/bin/collabserve as a subprocess, driven by
+// build/bin/collabctl and the generated stubs, checked against `collabserve-model predict`.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "collabserve/v1/inference.grpc.pb.h"
+#include "gmock/gmock.h"
+#include "grpcpp/create_channel.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/service/test_util.h"
+
+namespace collabserve {
+namespace {
+
+using ::collabserve::testing::MakeTinyModel;
+using ::collabserve::testing::TempDir;
+using ::testing::HasSubstr;
+
+std::string Bin(const std::string& name) {
+  const char* dir = std::getenv("COLLABSERVE_BINARY_DIR");
+  return absl::StrCat(dir != nullptr ? dir : ".", "/bin/", name);
+}
+
+// Runs a shell command; returns its exit status and stdout.
+int RunCommand(const std::string& cmd, std::string* out) {
+  FILE* p = popen(cmd.c_str(), "r");
+  if (p == nullptr) return -1;
+  char buf[4096];
+  size_t n;
+  out->clear();
+  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out->append(buf, n);
+  const int status = pclose(p);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+// collabserve as a child process; its stdout is read until "serving".
+class ServerProcess {
+ public:
+  explicit ServerProcess(std::vector<std::string> args) {
+    int fds[2];
+    EXPECT_EQ(pipe(fds), 0);
+    pid_ = fork();
+    if (pid_ == 0) {
+      dup2(fds[1], 1);
+      close(fds[0]);
+      close(fds[1]);
+      std::vector<char*> argv;
+      std::string bin = Bin("collabserve");
+      argv.push_back(bin.data());
+      for (auto& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      execv(bin.c_str(), argv.data());
+      _exit(127);
+    }
+    close(fds[1]);
+    out_ = fdopen(fds[0], "r");
+    char line[512];
+    while (fgets(line, sizeof(line), out_) != nullptr) {
+      std::string l(line);
+      if (absl::StartsWith(l, "listening on 127.0.0.1:")) {
+        port_ = std::atoi(l.c_str() + strlen("listening on 127.0.0.1:"));
+      } else if (absl::StartsWith(l, "metrics on 127.0.0.1:")) {
+        metrics_port_ = std::atoi(l.c_str() + strlen("metrics on 127.0.0.1:"));
+      } else if (absl::StartsWith(l, "serving")) {
+        serving_ = true;
+        break;
+      }
+    }
+  }
+  ~ServerProcess() {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+    if (out_ != nullptr) fclose(out_);
+  }
+  // SIGTERM, then the exit status (or -1 if it did not exit normally within 60 s).
+  int Terminate() {
+    kill(pid_, SIGTERM);
+    const absl::Time give_up = absl::Now() + absl::Seconds(60);
+    int status = 0;
+    while (absl::Now() < give_up) {
+      if (waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = -1;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+      }
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    return -1;
+  }
+  bool serving() const { return serving_; }
+  int port() const { return port_; }
+  int metrics_port() const { return metrics_port_; }
+  std::string address() const { return absl::StrCat("127.0.0.1:", port_); }
+
+ private:
+  pid_t pid_ = -1;
+  FILE* out_ = nullptr;
+  int port_ = 0;
+  int metrics_port_ = -1;
+  bool serving_ = false;
+};
+
+TEST(CollabserveBinaryTest, ServesCollabctlAndMatchesTheOfflineTool) {
+  TempDir repo;
+  const std::string model_dir = repo.path() + "/tiny/1";
+  MakeTinyModel(model_dir, 3);
+  ServerProcess server({"--port=0", "--metrics_port=0", "--host=127.0.0.1",
+                        "--model_repository=" + repo.path(), "--poll_interval_s=0"});
+  ASSERT_TRUE(server.serving());
+  ASSERT_GT(server.port(), 0);
+  ASSERT_GT(server.metrics_port(), 0);
+  const std::string ctl = Bin("collabctl") + " --address=" + server.address();
+
+  std::string out;
+  EXPECT_EQ(RunCommand(ctl + " health", &out), 0);
+  EXPECT_THAT(out, HasSubstr("SERVING"));
+  EXPECT_EQ(RunCommand(ctl + " models", &out), 0);
+  EXPECT_THAT(out, HasSubstr("tiny"));
+  EXPECT_EQ(RunCommand(ctl + " classify --model=tiny 'a fine film' 'a dreadful film'", &out), 0);
+  EXPECT_EQ(std::count(out.begin(), out.end(), '\n'), 3) << out;  // two results + summary
+  EXPECT_NE(RunCommand(ctl + " classify --model=missing 'x' 2>&1", &out), 0);
+  EXPECT_THAT(out, HasSubstr("NOT_FOUND"));
+  EXPECT_EQ(RunCommand(ctl + " bench --model=tiny --concurrency=2 --duration_s=1 --input_tokens=16", &out), 0)
+      << out;
+  EXPECT_THAT(out, HasSubstr("p99_ms="));
+
+  // Served logits == collabserve-model predict's.
+  const std::vector<std::string> texts = {"the best movie of the year", "not good at all",
+                                          "an utterly forgettable afternoon"};
+  TempDir work;
+  {
+    std::ofstream in(work.path() + "/in.jsonl");
+    for (const auto& t : texts) in << nlohmann::json{{"text", t}}.dump() << "\n";
+  }
+  ASSERT_EQ(RunCommand(Bin("collabserve-model") + " predict --model " + model_dir + " < " +
+                           work.path() + "/in.jsonl",
+                       &out),
+            0)
+      << out;
+  std::vector<std::string> lines = absl::StrSplit(out, '\n', absl::SkipEmpty());
+  ASSERT_EQ(lines.size(), texts.size()) << out;
+
+  auto stub = v1::Inference::NewStub(
+      grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials()));
+  v1::ClassifyRequest req;
+  req.set_model_name("tiny");
+  for (const auto& t : texts) req.add_inputs()->set_text(t);
+  v1::ClassifyResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  grpc::Status s = stub->Classify(&ctx, req, &resp);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  for (size_t i = 0; i < texts.size(); ++i) {
+    auto ref = nlohmann::json::parse(lines[i]);
+    ASSERT_EQ(ref["logits"].size(), static_cast<size_t>(resp.results(i).logits_size()));
+    for (size_t j = 0; j < ref["logits"].size(); ++j) {
+      EXPECT_NEAR(resp.results(i).logits(j), ref["logits"][j].get<double>(), 1e-5);
+    }
+    EXPECT_EQ(resp.results(i).label(), ref["label"].get<std::string>());
+  }
+
+  EXPECT_EQ(server.Terminate(), 0);
+}
+
+TEST(CollabserveBinaryTest, ServesTheDemoModelWithoutARepository) {
+  ServerProcess server({"--port=0", "--metrics_port=-1", "--host=127.0.0.1"});
+  ASSERT_TRUE(server.serving());
+  EXPECT_EQ(server.metrics_port(), -1);
+  std::string out;
+  const std::string ctl = Bin("collabctl") + " --address=" + server.address();
+  EXPECT_EQ(RunCommand(ctl + " classify --model=demo 'what a great film'", &out), 0);
+  EXPECT_TRUE(absl::StartsWith(out, "negative") || absl::StartsWith(out, "positive")) << out;
+  EXPECT_EQ(RunCommand(ctl + " health --service=demo", &out), 0);
+  EXPECT_EQ(server.Terminate(), 0);
+}
+
+TEST(CollabserveBinaryTest, ReportsABadRepository) {
+  std::string out;
+  const int rc = RunCommand(Bin("collabserve") +
+                                " --port=0 --metrics_port=-1 --model_repository=/nonexistent/repo 2>&1",
+                            &out);
+  EXPECT_EQ(rc, 1);
+  EXPECT_THAT(out, HasSubstr("/nonexistent/repo"));
+}
+
+}  // namespace
+}  // namespace collabserve

@@ -1,0 +1,552 @@
+// End-to-end tests of the Server: a real gRPC server on 127.0.0.1:0 with tiny checkpoints, driven
+// through the generated stubs. The batch thread can be held at a gate, so that queueing, overflow,
+// deadlines, cancellation and draining are tested without timing assumptions.
+#include "server/service/server.h"
+
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "collabserve/v1/inference.grpc.pb.h"
+#include "gmock/gmock.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/client_context.h"
+#include "grpcpp/create_channel.h"
+#include "gtest/gtest.h"
+#include "server/model/engine.h"
+#include "server/service/model_servable.h"
+#include "server/text/bert_tokenizer.h"
+#include "tests/service/test_util.h"
+
+namespace collabserve::service {
+namespace {
+
+using ::collabserve::testing::Eventually;
+using ::collabserve::testing::Gate;
+using ::collabserve::testing::MakeTinyModel;
+using ::collabserve::testing::ParseMetrics;
+using ::collabserve::testing::ScrapeMetrics;
+using ::collabserve::testing::TempDir;
+using ::testing::HasSubstr;
+using HealthResponse = grpc::health::v1::HealthCheckResponse;
+
+v1::ClassifyRequest Request(const std::string& model, std::vector<std::string> texts) {
+  v1::ClassifyRequest r;
+  r.set_model_name(model);
+  for (auto& t : texts) r.add_inputs()->set_text(t);
+  return r;
+}
+
+class ServerTest : public ::testing::Test {
+ protected:
+  void SetUp() override { MakeTinyModel(repo_.path() + "/tiny/1", 1); }
+  void TearDown() override {
+    gate_.Open();
+    if (server_) server_->Shutdown();
+  }
+
+  ServerOptions Options() {
+    ServerOptions o;
+    o.host = "127.0.0.1";
+    o.port = 0;
+    o.metrics_host = "127.0.0.1";
+    o.metrics_port = 0;
+    o.model_repository = repo_.path();
+    o.poll_interval = absl::ZeroDuration();
+    o.drain_timeout = absl::Seconds(20);
+    o.servable.batching.max_queue_delay_micros = 500;
+    o.servable.before_batch_hook = [this] { gate_.Pass(); };
+    o.torch_version = "test";
+    return o;
+  }
+
+  void Start(ServerOptions o) {
+    server_ = std::make_unique<Server>(std::move(o));
+    absl::Status s = server_->Start();
+    ASSERT_TRUE(s.ok()) << s;
+    Connect();
+  }
+  void Start() { Start(Options()); }
+
+  void Connect() {
+    channel_ = grpc::CreateChannel(absl::StrCat("127.0.0.1:", server_->port()),
+                                   grpc::InsecureChannelCredentials());
+    stub_ = v1::Inference::NewStub(channel_);
+    health_ = grpc::health::v1::Health::NewStub(channel_);
+  }
+
+  grpc::Status Classify(const v1::ClassifyRequest& req, v1::ClassifyResponse* resp,
+                        absl::Duration deadline = absl::Seconds(30)) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
+    return stub_->Classify(&ctx, req, resp);
+  }
+
+  // SERVING / NOT_SERVING, or the RPC error code as a negative number.
+  int Health(const std::string& service) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    grpc::health::v1::HealthCheckRequest req;
+    req.set_service(service);
+    HealthResponse resp;
+    grpc::Status s = health_->Check(&ctx, req, &resp);
+    if (!s.ok()) return -static_cast<int>(s.error_code());
+    return resp.status();
+  }
+
+  std::shared_ptr<ModelServable> Servable(const std::string& model) {
+    auto s = server_->repository()->Get(model);
+    EXPECT_TRUE(s.ok()) << s.status();
+    return std::static_pointer_cast<ModelServable>(*s);
+  }
+
+  std::map<std::string, double> Metrics() {
+    auto text = ScrapeMetrics(server_->metrics_port());
+    EXPECT_TRUE(text.ok()) << text.status();
+    return text.ok() ? ParseMetrics(*text) : std::map<std::string, double>{};
+  }
+
+  // An async unary call; done when `finished` is notified.
+  struct AsyncCall {
+    grpc::ClientContext ctx;
+    v1::ClassifyRequest req;
+    v1::ClassifyResponse resp;
+    grpc::Status status;
+    absl::Notification finished;
+  };
+  std::unique_ptr<AsyncCall> StartAsync(v1::ClassifyRequest req,
+                                        absl::Duration deadline = absl::Seconds(60)) {
+    auto call = std::make_unique<AsyncCall>();
+    call->req = std::move(req);
+    call->ctx.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
+    AsyncCall* c = call.get();
+    stub_->async()->Classify(&c->ctx, &c->req, &c->resp, [c](grpc::Status s) {
+      c->status = std::move(s);
+      c->finished.Notify();
+    });
+    return call;
+  }
+
+  TempDir repo_;
+  Gate gate_;
+  std::unique_ptr<Server> server_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Inference::Stub> stub_;
+  std::unique_ptr<grpc::health::v1::Health::Stub> health_;
+};
+
+TEST_F(ServerTest, ServedLogitsEqualTheEnginesOwn) {
+  Start();
+  const std::vector<std::pair<std::string, std::string>> inputs = {
+      {"a wonderful, heart-warming film", ""},
+      {"The plot was dull and the acting worse.", ""},
+      {"Is this a question?", "Yes, it is a question."},
+      {"short", ""}};
+  v1::ClassifyRequest req;
+  req.set_model_name("tiny");
+  for (const auto& [a, b] : inputs) {
+    v1::Input* in = req.add_inputs();
+    in->set_text(a);
+    if (!b.empty()) in->set_text_pair(b);
+  }
+  v1::ClassifyResponse resp;
+  grpc::Status s = Classify(req, &resp);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  ASSERT_EQ(resp.results_size(), 4);
+  EXPECT_EQ(resp.model_name(), "tiny");
+  EXPECT_EQ(resp.model_version(), 1);
+
+  auto engine = model::Engine::Load(repo_.path() + "/tiny/1");
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  int64_t total_tokens = 0;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    std::optional<std::string_view> pair;
+    if (!inputs[i].second.empty()) pair = inputs[i].second;
+    auto enc = (*engine)->tokenizer().Encode(inputs[i].first, pair, (*engine)->info().max_length);
+    ASSERT_TRUE(enc.ok());
+    model::TokenizedInput in{enc->input_ids, enc->token_type_ids};
+    auto pred = (*engine)->Run(std::vector<model::TokenizedInput>{in});
+    ASSERT_TRUE(pred.ok()) << pred.status();
+    const v1::Result& r = resp.results(i);
+    ASSERT_EQ(r.logits_size(), static_cast<int>((*pred)[0].logits.size()));
+    for (int j = 0; j < r.logits_size(); ++j) {
+      EXPECT_NEAR(r.logits(j), (*pred)[0].logits[j], 1e-5) << "input " << i << " logit " << j;
+    }
+    EXPECT_EQ(r.label(), (*engine)->info().labels[(*pred)[0].label]);
+    EXPECT_NEAR(r.score(), (*pred)[0].probabilities[(*pred)[0].label], 1e-5);
+    EXPECT_EQ(r.num_tokens(), static_cast<int>(enc->input_ids.size()));
+    total_tokens += r.num_tokens();
+  }
+  EXPECT_EQ(resp.num_tokens(), total_tokens);
+  EXPECT_GE(resp.timings().total_us(), resp.timings().inference_us());
+}
+
+TEST_F(ServerTest, TopKAndRawScores) {
+  Start();
+  v1::ClassifyRequest req = Request("tiny", {"good", "bad"});
+  req.mutable_options()->set_top_k(5);  // more than there are labels: all of them
+  v1::ClassifyResponse probs;
+  ASSERT_TRUE(Classify(req, &probs).ok());
+  for (const auto& r : probs.results()) {
+    ASSERT_EQ(r.top_k_size(), 2);
+    EXPECT_EQ(r.top_k(0).label(), r.label());
+    EXPECT_GE(r.top_k(0).score(), r.top_k(1).score());
+    EXPECT_NEAR(r.top_k(0).score() + r.top_k(1).score(), 1.0, 1e-5);
+  }
+  req.mutable_options()->set_raw_scores(true);
+  v1::ClassifyResponse raw;
+  ASSERT_TRUE(Classify(req, &raw).ok());
+  for (const auto& r : raw.results()) {
+    const float best = std::max(r.logits(0), r.logits(1));
+    EXPECT_FLOAT_EQ(r.score(), best);
+    EXPECT_FLOAT_EQ(r.top_k(0).score(), best);
+  }
+}
+
+TEST_F(ServerTest, EveryBadRequestGetsAnActionableError) {
+  ServerOptions o = Options();
+  o.inference.max_inputs_per_request = 4;
+  o.inference.max_text_bytes = 4000;
+  Start(o);
+  struct Case {
+    std::string name;
+    v1::ClassifyRequest req;
+    grpc::StatusCode code;
+    std::string message;
+  };
+  std::vector<Case> cases;
+  cases.push_back({"no model", Request("", {"x"}), grpc::StatusCode::INVALID_ARGUMENT, "model_name"});
+  cases.push_back({"unknown model", Request("nope", {"x"}), grpc::StatusCode::NOT_FOUND, "nope"});
+  {
+    auto r = Request("tiny", {"x"});
+    r.set_model_version(7);
+    cases.push_back({"unknown version", r, grpc::StatusCode::NOT_FOUND, "7"});
+    r.set_model_version(0);
+    cases.push_back({"version 0", r, grpc::StatusCode::INVALID_ARGUMENT, "model_version"});
+  }
+  cases.push_back({"no inputs", Request("tiny", {}), grpc::StatusCode::INVALID_ARGUMENT, "no inputs"});
+  cases.push_back({"too many inputs", Request("tiny", {"a", "b", "c", "d", "e"}),
+                   grpc::StatusCode::INVALID_ARGUMENT, "--max_inputs_per_request"});
+  cases.push_back({"empty text", Request("tiny", {"a", ""}), grpc::StatusCode::INVALID_ARGUMENT,
+                   "inputs[1].text is empty"});
+  cases.push_back({"text too large", Request("tiny", {std::string(4001, 'a')}),
+                   grpc::StatusCode::INVALID_ARGUMENT, "--max_text_bytes"});
+  {
+    auto r = Request("tiny", {"a"});
+    r.mutable_inputs(0)->set_text_pair(std::string(4001, 'b'));
+    cases.push_back({"pair too large", r, grpc::StatusCode::INVALID_ARGUMENT, "text_pair"});
+  }
+  {
+    auto r = Request("tiny", {"a"});
+    r.mutable_options()->set_top_k(-1);
+    cases.push_back({"negative top_k", r, grpc::StatusCode::INVALID_ARGUMENT, "top_k"});
+  }
+  {
+    std::string long_text;
+    for (int i = 0; i < 600; ++i) long_text += "word ";  // 602 tokens with [CLS]/[SEP]
+    auto r = Request("tiny", {long_text});
+    r.mutable_options()->set_truncate(false);
+    cases.push_back({"over-long, truncate=false", r, grpc::StatusCode::INVALID_ARGUMENT, "inputs[0]"});
+  }
+  const int max_length = Servable("tiny")->info().max_length;
+  ASSERT_LT(max_length, 602) << "the over-long case needs a longer text";
+  for (const Case& c : cases) {
+    v1::ClassifyResponse resp;
+    grpc::Status s = Classify(c.req, &resp);
+    EXPECT_EQ(s.error_code(), c.code) << c.name << ": " << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr(c.message)) << c.name;
+  }
+  // The server still serves.
+  v1::ClassifyResponse resp;
+  EXPECT_TRUE(Classify(Request("tiny", {"fine"}), &resp).ok());
+}
+
+TEST_F(ServerTest, TruncatesOverLongInputsByDefault) {
+  Start();
+  std::string long_text;
+  for (int i = 0; i < 600; ++i) long_text += "word ";
+  v1::ClassifyResponse resp;
+  grpc::Status s = Classify(Request("tiny", {long_text}), &resp);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_TRUE(resp.results(0).truncated());
+  EXPECT_EQ(resp.results(0).num_tokens(), Servable("tiny")->info().max_length);
+}
+
+TEST_F(ServerTest, ConcurrentRequestsShareABatch) {
+  Start();
+  gate_.Close();
+  auto first = StartAsync(Request("tiny", {"first"}));
+  ASSERT_TRUE(gate_.WaitForArrivals(1));  // the batch thread is busy with `first`
+  std::vector<std::unique_ptr<AsyncCall>> calls;
+  for (int i = 0; i < 8; ++i) calls.push_back(StartAsync(Request("tiny", {absl::StrCat("text ", i)})));
+  auto servable = Servable("tiny");
+  ASSERT_TRUE(Eventually([&] { return servable->scheduler_stats().tasks_scheduled == 9; }));
+  gate_.Open();
+  first->finished.WaitForNotification();
+  EXPECT_TRUE(first->status.ok()) << first->status.error_message();
+  for (auto& c : calls) {
+    c->finished.WaitForNotification();
+    EXPECT_TRUE(c->status.ok()) << c->status.error_message();
+  }
+  auto m = Metrics();
+  EXPECT_EQ(m["collabserve_batch_size_count{model=\"tiny\"}"], 2);
+  EXPECT_EQ(m["collabserve_batch_size_sum{model=\"tiny\"}"], 9);
+  EXPECT_EQ(m["collabserve_requests_total{code=\"OK\",model=\"tiny\",version=\"1\"}"], 9);
+}
+
+TEST_F(ServerTest, QueueOverflowIsResourceExhaustedAndTheServerRecovers) {
+  ServerOptions o = Options();
+  o.servable.batching.max_batch_size = 1;
+  o.servable.batching.max_queue_size = 2;
+  Start(o);
+  gate_.Close();
+  auto running = StartAsync(Request("tiny", {"running"}));
+  ASSERT_TRUE(gate_.WaitForArrivals(1));
+  auto q1 = StartAsync(Request("tiny", {"queued one"}));
+  auto q2 = StartAsync(Request("tiny", {"queued two"}));
+  auto servable = Servable("tiny");
+  ASSERT_TRUE(Eventually([&] { return servable->scheduler_stats().tasks_scheduled == 3; }));
+  v1::ClassifyResponse resp;
+  grpc::Status s = Classify(Request("tiny", {"one too many"}), &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("queue full"));
+  // Two inputs when one slot is... none free: also refused, all or nothing.
+  s = Classify(Request("tiny", {"a", "b"}), &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  gate_.Open();
+  for (auto* c : {running.get(), q1.get(), q2.get()}) {
+    c->finished.WaitForNotification();
+    EXPECT_TRUE(c->status.ok()) << c->status.error_message();
+  }
+  s = Classify(Request("tiny", {"after the storm"}), &resp);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  auto m = Metrics();
+  EXPECT_EQ(m["collabserve_requests_total{code=\"RESOURCE_EXHAUSTED\",model=\"tiny\",version=\"1\"}"], 2);
+}
+
+TEST_F(ServerTest, AnInputWhoseDeadlinePassedNeverReachesTheModel) {
+  Start();
+  gate_.Close();
+  auto running = StartAsync(Request("tiny", {"running"}));
+  ASSERT_TRUE(gate_.WaitForArrivals(1));
+  auto late = StartAsync(Request("tiny", {"late", "later"}), absl::Milliseconds(300));
+  late->finished.WaitForNotification();
+  EXPECT_EQ(late->status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  gate_.Open();
+  running->finished.WaitForNotification();
+  EXPECT_TRUE(running->status.ok());
+  auto servable = Servable("tiny");
+  ASSERT_TRUE(Eventually([&] { return servable->scheduler_stats().tasks_failed_deadline == 2; }));
+  EXPECT_EQ(servable->scheduler_stats().tasks_batched, 1);
+  EXPECT_EQ(Metrics()["collabserve_batch_size_sum{model=\"tiny\"}"], 1);
+}
+
+TEST_F(ServerTest, AnInputWhoseClientCancelledNeverReachesTheModel) {
+  Start();
+  gate_.Close();
+  auto running = StartAsync(Request("tiny", {"running"}));
+  ASSERT_TRUE(gate_.WaitForArrivals(1));
+  auto cancelled = StartAsync(Request("tiny", {"never mind"}));
+  auto servable = Servable("tiny");
+  ASSERT_TRUE(Eventually([&] { return servable->scheduler_stats().tasks_scheduled == 2; }));
+  cancelled->ctx.TryCancel();
+  cancelled->finished.WaitForNotification();
+  EXPECT_EQ(cancelled->status.error_code(), grpc::StatusCode::CANCELLED);
+  // Let the server see the cancellation (OnCancel) before the batch thread is free again.
+  ASSERT_TRUE(Eventually([&] { return server_->inference_service().cancellations() == 1; }));
+  gate_.Open();
+  running->finished.WaitForNotification();
+  EXPECT_TRUE(running->status.ok());
+  ASSERT_TRUE(Eventually([&] { return servable->scheduler_stats().tasks_failed_cancelled == 1; }));
+  EXPECT_EQ(servable->scheduler_stats().tasks_batched, 1);
+  ASSERT_TRUE(Eventually([&] { return Metrics()["collabserve_inflight_requests"] == 0; }));
+}
+
+TEST_F(ServerTest, StreamEchoesIdsAndReportsErrorsPerRequest) {
+  Start();
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+  auto stream = stub_->ClassifyStream(&ctx);
+  for (int i = 0; i < 5; ++i) {
+    v1::StreamClassifyRequest req;
+    req.set_id(absl::StrCat("req-", i));
+    *req.mutable_request() = Request(i == 3 ? "nope" : "tiny", {absl::StrCat("text number ", i)});
+    ASSERT_TRUE(stream->Write(req));
+  }
+  stream->WritesDone();
+  std::map<std::string, v1::StreamClassifyResponse> got;
+  v1::StreamClassifyResponse resp;
+  while (stream->Read(&resp)) got[resp.id()] = resp;
+  grpc::Status s = stream->Finish();
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  ASSERT_EQ(got.size(), 5u);
+  for (int i = 0; i < 5; ++i) {
+    const auto& r = got[absl::StrCat("req-", i)];
+    if (i == 3) {
+      EXPECT_EQ(r.error().code(), static_cast<int>(grpc::StatusCode::NOT_FOUND));
+      EXPECT_THAT(r.error().message(), HasSubstr("nope"));
+    } else {
+      ASSERT_TRUE(r.has_response()) << r.DebugString();
+      EXPECT_EQ(r.response().results_size(), 1);
+    }
+  }
+}
+
+TEST_F(ServerTest, TokenizeListModelsAndGetModel) {
+  Start();
+  grpc::ClientContext c1;
+  v1::TokenizeRequest treq;
+  treq.set_model_name("tiny");
+  treq.add_inputs()->set_text("Hello world");
+  v1::TokenizeResponse tresp;
+  ASSERT_TRUE(stub_->Tokenize(&c1, treq, &tresp).ok());
+  ASSERT_EQ(tresp.results_size(), 1);
+  EXPECT_THAT(std::vector<std::string>(tresp.results(0).tokens().begin(), tresp.results(0).tokens().end()),
+              ::testing::ElementsAre("[CLS]", "hello", "world", "[SEP]"));
+
+  grpc::ClientContext c2;
+  v1::ListModelsResponse lresp;
+  ASSERT_TRUE(stub_->ListModels(&c2, v1::ListModelsRequest(), &lresp).ok());
+  ASSERT_EQ(lresp.models_size(), 1);
+  EXPECT_EQ(lresp.models(0).name(), "tiny");
+  EXPECT_THAT(std::vector<int64_t>(lresp.models(0).versions().begin(), lresp.models(0).versions().end()),
+              ::testing::ElementsAre(1));
+
+  grpc::ClientContext c3;
+  v1::GetModelRequest greq;
+  greq.set_model_name("tiny");
+  v1::ModelMetadata meta;
+  ASSERT_TRUE(stub_->GetModel(&c3, greq, &meta).ok());
+  EXPECT_THAT(std::vector<std::string>(meta.labels().begin(), meta.labels().end()),
+              ::testing::ElementsAre("negative", "positive"));
+  EXPECT_EQ(meta.num_layers(), 2);
+  EXPECT_FALSE(meta.collaborative());
+  EXPECT_DOUBLE_EQ(meta.compression_ratio(), 1.0);
+  EXPECT_GT(meta.parameters().total(), 0);
+  EXPECT_EQ(meta.device(), Servable("tiny")->info().device);
+  EXPECT_EQ(meta.vocab_size(), 30522);
+
+  grpc::ClientContext c4;
+  greq.set_model_name("missing");
+  EXPECT_EQ(stub_->GetModel(&c4, greq, &meta).error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+TEST_F(ServerTest, VersionSwapUnderLoadFailsNoRequest) {
+  Start();
+  std::atomic<bool> stop{false};
+  std::atomic<int> failures{0}, seen_v2{0};
+  std::string first_failure;
+  absl::Mutex mu;
+  std::vector<std::thread> clients;
+  for (int t = 0; t < 4; ++t) {
+    clients.emplace_back([&, t] {
+      int i = 0;
+      while (!stop.load()) {
+        v1::ClassifyResponse resp;
+        grpc::Status s = Classify(Request("tiny", {absl::StrCat("client ", t, " request ", i++)}), &resp);
+        if (!s.ok()) {
+          failures++;
+          absl::MutexLock lock(&mu);
+          if (first_failure.empty()) first_failure = s.error_message();
+        } else if (resp.model_version() == 2) {
+          seen_v2++;
+        }
+      }
+    });
+  }
+  // Write version 2 beside the repository's models and move it in with one rename.
+  const std::string staging = repo_.path() + "/.staging-v2";
+  MakeTinyModel(staging, 2);
+  std::filesystem::rename(staging, repo_.path() + "/tiny/2");
+  absl::Status polled = server_->repository()->Poll();
+  EXPECT_TRUE(polled.ok()) << polled;
+  EXPECT_TRUE(Eventually([&] { return seen_v2.load() >= 20; }));
+  stop = true;
+  for (auto& c : clients) c.join();
+  EXPECT_EQ(failures.load(), 0) << first_failure;
+  // Version 1 is gone, and so are its metric series.
+  EXPECT_TRUE(Eventually([&] {
+    auto text = ScrapeMetrics(server_->metrics_port());
+    return text.ok() && text->find("version=\"1\"") == std::string::npos &&
+           text->find("collabserve_model_parameters{model=\"tiny\",part=\"total\",version=\"2\"}") !=
+               std::string::npos;
+  }));
+}
+
+TEST_F(ServerTest, HealthFollowsWarmUpAndDrain) {
+  server_ = std::make_unique<Server>(Options());
+  ASSERT_TRUE(server_->StartServing().ok());
+  Connect();
+  EXPECT_EQ(Health(""), HealthResponse::NOT_SERVING);
+  v1::ClassifyResponse resp;
+  grpc::Status s = Classify(Request("tiny", {"too early"}), &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(s.error_message(), HasSubstr("loading"));
+
+  ASSERT_TRUE(server_->LoadModels().ok());
+  EXPECT_EQ(Health(""), HealthResponse::SERVING);
+  EXPECT_EQ(Health("tiny"), HealthResponse::SERVING);
+  EXPECT_EQ(Health("nope"), -static_cast<int>(grpc::StatusCode::NOT_FOUND));
+
+  gate_.Close();
+  auto inflight = StartAsync(Request("tiny", {"in flight during drain"}));
+  ASSERT_TRUE(gate_.WaitForArrivals(1));
+  std::thread shutdown([this] { server_->Shutdown(); });
+  EXPECT_TRUE(Eventually([&] { return Health("") == HealthResponse::NOT_SERVING; }));
+  EXPECT_EQ(Health("tiny"), HealthResponse::NOT_SERVING);
+  s = Classify(Request("tiny", {"too late"}), &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(s.error_message(), HasSubstr("shutting down"));
+  gate_.Open();
+  inflight->finished.WaitForNotification();
+  EXPECT_TRUE(inflight->status.ok()) << inflight->status.error_message();  // drained, not dropped
+  shutdown.join();
+}
+
+TEST_F(ServerTest, MetricsPageParsesAndPassesPromtool) {
+  Start();
+  v1::ClassifyResponse resp;
+  ASSERT_TRUE(Classify(Request("tiny", {"one", "two"}), &resp).ok());
+  ASSERT_FALSE(Classify(Request("nope", {"x"}), &resp).ok());
+  auto text = ScrapeMetrics(server_->metrics_port());
+  ASSERT_TRUE(text.ok()) << text.status();
+  auto m = ParseMetrics(*text);
+  EXPECT_EQ(m["collabserve_requests_total{code=\"OK\",model=\"tiny\",version=\"1\"}"], 1);
+  EXPECT_EQ(m["collabserve_requests_total{code=\"NOT_FOUND\",model=\"\",version=\"\"}"], 1);
+  EXPECT_EQ(m["collabserve_request_duration_seconds_count{model=\"tiny\"}"], 1);
+  EXPECT_EQ(m["collabserve_tokenization_duration_seconds_count{model=\"tiny\"}"], 1);
+  EXPECT_EQ(m["collabserve_queue_duration_seconds_count{model=\"tiny\"}"], 2);
+  EXPECT_EQ(m["collabserve_batch_tokens_count{model=\"tiny\"}"], 1);
+  EXPECT_EQ(m.count("collabserve_inference_duration_seconds_count{model=\"tiny\"}"), 1u);
+  EXPECT_EQ(m.count("collabserve_batch_padding_ratio_count{model=\"tiny\"}"), 1u);
+  EXPECT_EQ(m["collabserve_queue_depth{model=\"tiny\",version=\"1\"}"], 0);
+  EXPECT_EQ(m["collabserve_inflight_requests"], 0);
+  EXPECT_GT(m["collabserve_model_parameters{model=\"tiny\",part=\"total\",version=\"1\"}"], 0);
+  EXPECT_EQ(m["collabserve_model_layer_rank{layer=\"1\",model=\"tiny\",version=\"1\"}"], 64);
+  EXPECT_EQ(m["collabserve_model_compression_ratio{model=\"tiny\",version=\"1\"}"], 1);
+  EXPECT_GT(m["collabserve_model_load_seconds{model=\"tiny\",version=\"1\"}"], 0);
+  EXPECT_EQ(m["collabserve_build_info{torch_version=\"test\",version=\"0.1.0\"}"], 1);
+
+  // promtool's linter is the reference for the exposition format. The deploy scripts install it.
+  TempDir dir;
+  const std::string file = dir.path() + "/metrics.txt";
+  std::ofstream(file) << *text;
+  ASSERT_EQ(std::system("command -v promtool >/dev/null 2>&1"), 0)
+      << "promtool is not installed (scripts/install-deps.sh installs it); cannot lint /metrics";
+  const std::string cmd = "promtool check metrics < " + file + " > " + dir.path() + "/out.txt 2>&1";
+  const int rc = std::system(cmd.c_str());
+  std::ifstream out(dir.path() + "/out.txt");
+  std::string report((std::istreambuf_iterator<char>(out)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(rc, 0) << report;
+}
+
+}  // namespace
+}  // namespace collabserve::service
