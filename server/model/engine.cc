@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "server/model/bert.h"
 #include "server/model/config.h"
+#include "server/model/device.h"
 #include "server/model/io/checkpoint.h"
 #include "server/model/param_counts.h"
 #include "server/model/state_dict.h"
@@ -20,7 +21,6 @@
 #include "server/util/status_macros.h"
 
 namespace collabserve::model {
-namespace {
 
 absl::StatusOr<c10::Device> ParseDevice(const std::string& s) {
   if (s == "cpu") return c10::Device(c10::kCPU);
@@ -41,6 +41,8 @@ absl::StatusOr<c10::Device> ParseDevice(const std::string& s) {
   }
   return absl::InvalidArgumentError(absl::StrCat("device '", s, "' is not cpu, cuda or cuda:N"));
 }
+
+namespace {
 
 absl::StatusOr<c10::ScalarType> ParseDType(const std::string& s, const c10::Device& device) {
   if (s == "float32" || s == "fp32") return c10::kFloat;

@@ -1,10 +1,72 @@
+// collabserve-model compress: converts a checkpoint directory to collaborative attention and
+// prints the report (one JSON object).
+#include <iostream>
+#include <string>
+#include <vector>
+
 #include "absl/status/status.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "server/compress/collaborative.h"
 #include "server/tools/commands.h"
+#include "server/tools/flags.h"
+#include "server/util/files.h"
+#include "server/util/status_macros.h"
 
 namespace collabserve::tools {
 
 absl::Status Compress(int argc, char** argv) {
-  return absl::UnimplementedError("compress is not built yet");
+  ASSIGN_OR_RETURN(Flags f, Flags::Parse(argc, argv, 2,
+                                         {"model", "out", "rank", "ratio", "ranks", "max_error", "max_iters",
+                                          "tol", "seed", "device", "probe", "parallel_layers"}));
+  if (!f.Has("model") || !f.Has("out")) {
+    return absl::InvalidArgumentError("compress: --model IN and --out OUT are required");
+  }
+  int specs = f.Has("rank") + f.Has("ratio") + f.Has("ranks") + f.Has("max_error");
+  if (specs != 1) {
+    return absl::InvalidArgumentError("compress: give exactly one of --rank, --ratio, --ranks, --max_error");
+  }
+  compress::CompressOptions o;
+  if (f.Has("rank")) {
+    o.spec.kind = compress::RankSpec::Kind::kRank;
+    ASSIGN_OR_RETURN(int64_t r, f.GetInt("rank", 0));
+    o.spec.rank = static_cast<int>(r);
+  } else if (f.Has("ratio")) {
+    o.spec.kind = compress::RankSpec::Kind::kRatio;
+    ASSIGN_OR_RETURN(o.spec.ratio, f.GetDouble("ratio", 0));
+  } else if (f.Has("ranks")) {
+    o.spec.kind = compress::RankSpec::Kind::kPerLayer;
+    for (absl::string_view part : absl::StrSplit(f.Get("ranks"), ',')) {
+      int r;
+      if (!absl::SimpleAtoi(part, &r)) {
+        return absl::InvalidArgumentError(absl::StrCat("--ranks: '", part, "' is not an integer"));
+      }
+      o.spec.ranks.push_back(r);
+    }
+  } else {
+    o.spec.kind = compress::RankSpec::Kind::kMaxError;
+    ASSIGN_OR_RETURN(o.spec.max_error, f.GetDouble("max_error", 0));
+  }
+  ASSIGN_OR_RETURN(int64_t iters, f.GetInt("max_iters", 100));
+  ASSIGN_OR_RETURN(o.tol, f.GetDouble("tol", 1e-6));
+  ASSIGN_OR_RETURN(int64_t seed, f.GetInt("seed", 0));
+  ASSIGN_OR_RETURN(int64_t par, f.GetInt("parallel_layers", 1));
+  o.max_iters = static_cast<int>(iters);
+  o.seed = static_cast<uint64_t>(seed);
+  o.parallel_layers = static_cast<int>(par);
+  o.device = f.Get("device", "cpu");
+  if (f.Has("probe")) {
+    ASSIGN_OR_RETURN(std::string text, util::ReadFile(f.Get("probe"), 64 << 20));
+    for (absl::string_view line : absl::StrSplit(text, '\n', absl::SkipWhitespace())) {
+      o.probes.emplace_back(line);
+    }
+    if (o.probes.empty()) return absl::InvalidArgumentError(absl::StrCat(f.Get("probe"), ": no probe lines"));
+  }
+  ASSIGN_OR_RETURN(compress::CompressReport report,
+                   compress::CompressModelDirectory(f.Get("model"), f.Get("out"), o));
+  std::cout << report.ToJson() << std::endl;
+  return absl::OkStatus();
 }
 
 }  // namespace collabserve::tools

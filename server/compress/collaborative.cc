@@ -1,0 +1,392 @@
+#include "server/compress/collaborative.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
+#include <glog/logging.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "server/compress/cp_als.h"
+#include "server/model/bert.h"
+#include "server/model/config.h"
+#include "server/model/device.h"
+#include "server/model/param_counts.h"
+#include "server/model/probe_sentences.h"
+#include "server/model/state_dict.h"
+#include "server/text/bert_tokenizer.h"
+#include "server/util/files.h"
+#include "server/util/status_macros.h"
+
+namespace collabserve::compress {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double SecondsSince(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+bool IsCancelled(const CompressOptions& o) { return o.cancelled && o.cancelled->load(); }
+
+// Per-head factors of one layer: T_i = P_i Q_iᵀ with P_i = W_Q^(i) (the paper's D × d_k layout;
+// Hugging Face stores query.weight as [out, in], so head i's rows transposed).
+struct HeadFactors {
+  at::Tensor P, Q;  // [H, D, dk]
+};
+HeadFactors Factors(const model::EncoderLayer& l, int64_t H, int64_t dk, const c10::Device& device) {
+  const int64_t D = l.query_w.size(1);
+  return {l.query_w.view({H, dk, D}).transpose(1, 2).to(device, at::kDouble).contiguous(),
+          l.key_w.view({H, dk, D}).transpose(1, 2).to(device, at::kDouble).contiguous()};
+}
+
+absl::StatusOr<CpResult> Decompose(const HeadFactors& f, int rank, int full, const CompressOptions& o,
+                                   uint64_t seed) {
+  if (rank >= full) return ExactBlockCp(f.P, f.Q);
+  CpAlsOptions co;
+  co.rank = rank;
+  co.max_iters = o.max_iters;
+  co.tol = o.tol;
+  co.seed = seed;
+  co.init = CpAlsOptions::Init::kSvd;
+  return FactorizedCpAls(f.P, f.Q, co);
+}
+
+// The smallest rank whose error is at most `max_error` (binary search; CP-ALS
+// error falls with the rank). Full rank is exact.
+absl::StatusOr<std::pair<int, CpResult>> SearchRank(const HeadFactors& f, int full, double max_error,
+                                                    const CompressOptions& o, uint64_t seed,
+                                                    int* tried) {
+  const int step = 1;
+  int lo = 1, hi = (full + step - 1) / step;  // grid indices; rank = min(index * step, full)
+  std::optional<std::pair<int, CpResult>> best;
+  while (lo <= hi) {
+    if (IsCancelled(o)) return absl::CancelledError("compression cancelled");
+    int mid = (lo + hi) / 2;
+    int rank = std::min(mid * step, full);
+    ASSIGN_OR_RETURN(CpResult r, Decompose(f, rank, full, o, seed));
+    ++*tried;
+    if (r.relative_error <= max_error) {
+      best.emplace(rank, std::move(r));
+      hi = mid - 1;
+    } else {
+      lo = mid + 1;
+    }
+  }
+  if (!best) {
+    ASSIGN_OR_RETURN(CpResult r, ExactBlockCp(f.P, f.Q));
+    best.emplace(full, std::move(r));
+  }
+  return std::move(*best);
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<int>> ResolveRanks(const RankSpec& spec, const model::BertConfig& c) {
+  const int L = c.num_hidden_layers, full = c.hidden_size;  // N_h · d_k
+  switch (spec.kind) {
+    case RankSpec::Kind::kRank:
+      if (spec.rank < 1) return absl::InvalidArgumentError(absl::StrCat("rank must be at least 1, got ", spec.rank));
+      return std::vector<int>(L, std::min(spec.rank, full));
+    case RankSpec::Kind::kRatio: {
+      if (!std::isfinite(spec.ratio) || spec.ratio < 1) {
+        return absl::InvalidArgumentError(absl::StrCat("ratio must be a number >= 1 (", full,
+                                                       " / ratio is the rank), got ", spec.ratio));
+      }
+      int r = std::max(1, static_cast<int>(std::lround(full / spec.ratio)));
+      return std::vector<int>(L, r);
+    }
+    case RankSpec::Kind::kPerLayer: {
+      if (static_cast<int>(spec.ranks.size()) != L) {
+        return absl::InvalidArgumentError(absl::StrCat("ranks has ", spec.ranks.size(),
+                                                       " entries but the model has ", L, " layers"));
+      }
+      std::vector<int> out;
+      for (size_t i = 0; i < spec.ranks.size(); ++i) {
+        if (spec.ranks[i] < 0) {
+          return absl::InvalidArgumentError(absl::StrCat("rank of layer ", i, " is negative: ", spec.ranks[i]));
+        }
+        out.push_back(std::min(spec.ranks[i], full));
+      }
+      if (std::all_of(out.begin(), out.end(), [](int r) { return r == 0; })) {
+        return absl::InvalidArgumentError("ranks are all 0: no layer would be compressed");
+      }
+      return out;
+    }
+    case RankSpec::Kind::kMaxError:
+      if (!(spec.max_error > 0 && spec.max_error < 1)) {
+        return absl::InvalidArgumentError(absl::StrCat("max_error must be in (0, 1), got ", spec.max_error));
+      }
+      return std::vector<int>(L, -1);  // searched per layer
+  }
+  return absl::InvalidArgumentError("unknown rank spec");
+}
+
+absl::StatusOr<std::unique_ptr<model::BertClassifier>> ConvertToCollaborative(
+    const model::BertClassifier& source, const CompressOptions& o, CompressReport* report) {
+  const model::BertConfig& sc = source.config();
+  if (sc.collaborative.present()) {
+    return absl::InvalidArgumentError("the model is already collaborative; compress the original instead");
+  }
+  ASSIGN_OR_RETURN(std::vector<int> ranks, ResolveRanks(o.spec, sc));
+  ASSIGN_OR_RETURN(c10::Device device, model::ParseDevice(o.device));
+  if (o.max_iters < 1) return absl::InvalidArgumentError("max_iters must be at least 1");
+  if (!(o.tol >= 0) || !std::isfinite(o.tol)) return absl::InvalidArgumentError("tol must be a finite number >= 0");
+  const int L = sc.num_hidden_layers, H = sc.num_attention_heads, dk = sc.head_size();
+  const int full = H * dk;
+
+  std::vector<std::optional<CpResult>> results(L);
+  std::vector<LayerReport> layer_reports(L);
+  std::atomic<int> next{0};
+  std::mutex mu;
+  absl::Status first_error;
+  auto t0 = Clock::now();
+  auto worker = [&]() {
+    try {
+      c10::InferenceMode guard;
+      for (int i = next++; i < L; i = next++) {
+        if (IsCancelled(o)) {
+          std::lock_guard<std::mutex> lock(mu);
+          if (first_error.ok()) first_error = absl::CancelledError("compression cancelled");
+          return;
+        }
+        {
+          std::lock_guard<std::mutex> lock(mu);
+          if (!first_error.ok()) return;
+        }
+        LayerReport lr;
+        lr.layer = i;
+        if (ranks[i] == 0) {
+          layer_reports[i] = lr;
+          if (o.on_layer) o.on_layer(lr);
+          continue;
+        }
+        auto lt = Clock::now();
+        HeadFactors f = Factors(source.layers()[i], H, dk, device);
+        absl::StatusOr<CpResult> r;
+        int rank = ranks[i];
+        if (rank < 0) {
+          auto found = SearchRank(f, full, o.spec.max_error, o, o.seed + i, &lr.ranks_tried);
+          if (found.ok()) {
+            rank = found->first;
+            r = std::move(found->second);
+          } else {
+            r = found.status();
+          }
+        } else {
+          r = Decompose(f, rank, full, o, o.seed + i);
+        }
+        if (!r.ok()) {
+          std::lock_guard<std::mutex> lock(mu);
+          if (first_error.ok()) {
+            first_error = absl::Status(r.status().code(), absl::StrCat("layer ", i, ": ", r.status().message()));
+          }
+          return;
+        }
+        lr.rank = rank;
+        lr.relative_error = r->relative_error;
+        lr.iterations = r->iterations;
+        lr.exact = r->exact;
+        lr.seconds = SecondsSince(lt);
+        results[i] = std::move(*r);
+        layer_reports[i] = lr;
+        if (o.on_layer) o.on_layer(lr);
+      }
+    } catch (const std::exception& e) {
+      std::lock_guard<std::mutex> lock(mu);
+      if (first_error.ok()) first_error = absl::InternalError(absl::StrCat("compression failed: ", e.what()));
+    }
+  };
+  const int n_workers = std::max(1, std::min(o.parallel_layers, L));
+  std::vector<std::thread> threads;
+  for (int t = 1; t < n_workers; ++t) threads.emplace_back(worker);
+  worker();
+  for (auto& t : threads) t.join();
+  RETURN_IF_ERROR(first_error);
+  report->decompose_seconds = SecondsSince(t0);
+
+  // The new model: the same tensors, collaborative attention where a rank was chosen.
+  model::BertConfig nc = sc;
+  nc.collaborative.ranks.clear();
+  nc.collaborative.errors.clear();
+  bool any_iterative = false;
+  for (const LayerReport& lr : layer_reports) {
+    nc.collaborative.ranks.push_back(lr.rank);
+    nc.collaborative.errors.push_back(lr.relative_error);
+    any_iterative |= lr.rank > 0 && !lr.exact;
+  }
+  nc.collaborative.algorithm = any_iterative ? "cp-als" : "exact-block";
+  nc.collaborative.source = o.source;
+  auto out = std::make_unique<model::BertClassifier>(nc);
+  try {
+    c10::InferenceMode guard;
+    std::map<std::string, at::Tensor> src_params;
+    for (const auto& item : source.named_parameters(true)) src_params[item.key()] = item.value();
+    for (auto& item : out->named_parameters(true)) {
+      auto it = src_params.find(item.key());
+      if (it != src_params.end()) item.value().copy_(it->second.to(at::kCPU, at::kFloat));
+    }
+    const double scale = 1.0 / std::sqrt(static_cast<double>(dk));
+    for (int i = 0; i < L; ++i) {
+      if (!results[i]) continue;
+      const CpResult& r = *results[i];
+      model::EncoderLayer& dst = out->layers()[i];
+      const model::EncoderLayer& src = source.layers()[i];
+      const int R = layer_reports[i].rank;
+      // ExactBlockCp / FactorizedCpAls may pad with zero columns beyond R; keep the first R.
+      dst.collab_query_w.copy_(r.query.narrow(1, 0, R).t().to(at::kCPU, at::kFloat));
+      dst.collab_key_w.copy_(r.key.narrow(1, 0, R).t().to(at::kCPU, at::kFloat));
+      dst.mixing.copy_((r.mixing.narrow(1, 0, R).to(at::kCPU, at::kDouble) * scale).to(at::kFloat));
+      // v_i = W_K^(i) b_Q^(i): [H, D, dk] × [H, dk] → [H, D].
+      at::Tensor Q = src.key_w.to(at::kCPU, at::kDouble).view({H, dk, -1}).transpose(1, 2);
+      at::Tensor bq = src.query_b.to(at::kCPU, at::kDouble).view({H, dk, 1});
+      dst.content_bias.copy_((at::bmm(Q, bq).squeeze(2) * scale).to(at::kFloat));
+    }
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("building the collaborative model failed: ", e.what()));
+  }
+
+  const int64_t std_qk = model::StandardQkParamsPerLayer(sc);
+  model::ParamCounts before = model::CountParams(source), after = model::CountParams(*out);
+  report->layers = layer_reports;
+  report->qk_params_before = before.attention_qk;
+  report->qk_params_after = after.attention_qk;
+  report->total_params_before = before.total;
+  report->total_params_after = after.total;
+  (void)std_qk;
+  return out;
+}
+
+absl::StatusOr<FidelityReport> MeasureFidelity(const model::BertClassifier& original,
+                                               const model::BertClassifier& compressed,
+                                               const std::string& vocab_dir,
+                                               const std::vector<std::string>& probes_in) {
+  const std::vector<std::string>& probes = probes_in.empty() ? model::BuiltinProbeSentences() : probes_in;
+  ASSIGN_OR_RETURN(auto tok, text::BertTokenizer::FromDirectory(vocab_dir));
+  const int max_len = std::min(128, original.config().max_position_embeddings);
+  FidelityReport f;
+  double kl_sum = 0;
+  int agree = 0;
+  constexpr size_t kBatch = 16;
+  try {
+    c10::InferenceMode guard;
+    for (size_t start = 0; start < probes.size(); start += kBatch) {
+      size_t n = std::min(kBatch, probes.size() - start);
+      std::vector<text::Encoding> enc;
+      size_t S = 0;
+      for (size_t i = 0; i < n; ++i) {
+        ASSIGN_OR_RETURN(text::Encoding e, tok->Encode(probes[start + i], std::nullopt, max_len, true));
+        S = std::max(S, e.input_ids.size());
+        enc.push_back(std::move(e));
+      }
+      at::Tensor ids = at::zeros({int64_t(n), int64_t(S)}, at::kLong);
+      at::Tensor mask = at::zeros_like(ids);
+      for (size_t i = 0; i < n; ++i) {
+        for (size_t j = 0; j < enc[i].input_ids.size(); ++j) ids[i][j] = enc[i].input_ids[j];
+        mask[i].narrow(0, 0, enc[i].input_ids.size()).fill_(1);
+      }
+      at::Tensor types = at::zeros_like(ids);
+      at::Tensor a = original.Forward(ids, types, mask).to(at::kDouble);
+      at::Tensor b = compressed.Forward(ids, types, mask).to(at::kDouble);
+      f.max_abs_logit_diff = std::max(f.max_abs_logit_diff, (a - b).abs().max().item<double>());
+      agree += a.argmax(1).eq(b.argmax(1)).sum().item<int64_t>();
+      at::Tensor lp = at::log_softmax(a, 1), lq = at::log_softmax(b, 1);
+      kl_sum += (lp.exp() * (lp - lq)).sum().item<double>();
+    }
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("fidelity measurement failed: ", e.what()));
+  }
+  f.probes = static_cast<int>(probes.size());
+  f.top1_agreement = probes.empty() ? 1.0 : static_cast<double>(agree) / probes.size();
+  f.mean_kl = probes.empty() ? 0.0 : kl_sum / probes.size();
+  return f;
+}
+
+std::string CompressReport::ToJson() const {
+  nlohmann::json layers_j = nlohmann::json::array();
+  for (const LayerReport& l : layers) {
+    layers_j.push_back({{"layer", l.layer},
+                        {"rank", l.rank},
+                        {"relative_error", l.relative_error},
+                        {"iterations", l.iterations},
+                        {"seconds", l.seconds},
+                        {"exact", l.exact},
+                        {"ranks_tried", l.ranks_tried}});
+  }
+  nlohmann::json j{
+      {"layers", layers_j},
+      {"parameters",
+       {{"attention_qk_before", qk_params_before},
+        {"attention_qk_after", qk_params_after},
+        {"attention_qk_ratio", qk_params_after ? double(qk_params_before) / qk_params_after : 0.0},
+        {"total_before", total_params_before},
+        {"total_after", total_params_after},
+        {"total_ratio", total_params_after ? double(total_params_before) / total_params_after : 0.0}}},
+      {"fidelity",
+       {{"probes", fidelity.probes},
+        {"top1_agreement", fidelity.top1_agreement},
+        {"max_abs_logit_diff", fidelity.max_abs_logit_diff},
+        {"mean_kl", fidelity.mean_kl}}},
+      {"decompose_seconds", decompose_seconds},
+      {"seconds", seconds}};
+  return j.dump();
+}
+
+absl::StatusOr<CompressReport> CompressModelDirectory(const std::string& in_dir, const std::string& out_dir,
+                                                      const CompressOptions& options) {
+  auto t0 = Clock::now();
+  std::error_code ec;
+  if (std::filesystem::exists(out_dir, ec)) {
+    return absl::AlreadyExistsError(absl::StrCat(out_dir, ": already exists; choose a new output directory"));
+  }
+  ASSIGN_OR_RETURN(model::BertConfig config, model::BertConfig::FromFile(util::JoinPath(in_dir, "config.json")));
+  if (config.collaborative.present()) {
+    return absl::InvalidArgumentError(absl::StrCat(in_dir, ": the model is already collaborative"));
+  }
+  ASSIGN_OR_RETURN(auto source, model::LoadClassifier(in_dir, config));
+  source->Prepare(c10::Device(c10::kCPU), c10::kFloat);
+  CompressOptions o = options;
+  if (o.source.empty()) o.source = in_dir;
+  CompressReport report;
+  ASSIGN_OR_RETURN(auto compressed, ConvertToCollaborative(*source, o, &report));
+  compressed->Prepare(c10::Device(c10::kCPU), c10::kFloat);
+  ASSIGN_OR_RETURN(report.fidelity, MeasureFidelity(*source, *compressed, in_dir, o.probes));
+  if (IsCancelled(o)) return absl::CancelledError("compression cancelled");
+
+  // Write everything into a temporary sibling, then one rename publishes it.
+  std::string tmp = absl::StrCat(out_dir, ".tmp-", ::getpid(), "-", std::random_device()());
+  std::filesystem::create_directories(tmp, ec);
+  if (ec) return absl::FailedPreconditionError(absl::StrCat(tmp, ": cannot create: ", ec.message()));
+  auto fail = [&](absl::Status s) {
+    std::filesystem::remove_all(tmp, ec);
+    return s;
+  };
+  for (const char* name : {"vocab.txt", "tokenizer_config.json", "special_tokens_map.json"}) {
+    std::string src = util::JoinPath(in_dir, name);
+    if (!util::FileExists(src)) continue;
+    auto bytes = util::ReadFile(src, 64 << 20);
+    if (!bytes.ok()) return fail(bytes.status());
+    absl::Status s = util::WriteFileAtomic(util::JoinPath(tmp, name), *bytes);
+    if (!s.ok()) return fail(s);
+  }
+  absl::Status s = model::SaveWeights(*compressed, tmp, model::WeightFormat::kSafetensors,
+                                      model::WeightDType::kF32,
+                                      {{"format", "pt"}, {"collabserve", "collaborative-v1"}});
+  if (!s.ok()) return fail(s);
+  s = util::WriteFileAtomic(util::JoinPath(tmp, "config.json"), compressed->config().ToJson());
+  if (!s.ok()) return fail(s);
+  if (::rename(tmp.c_str(), out_dir.c_str()) != 0) {
+    return fail(absl::FailedPreconditionError(absl::StrCat(out_dir, ": cannot publish: ", std::strerror(errno))));
+  }
+  report.seconds = SecondsSince(t0);
+  return report;
+}
+
+}  // namespace collabserve::compress

@@ -1,0 +1,100 @@
+// Converting a trained BERT classifier to collaborative attention (Cordonnier et al. 2020) with no
+// retraining: per layer, the CP decomposition of the stacked W_Q^(i) W_K^(i)ᵀ gives the mixing M
+// and the shared W~_Q, W~_K; the query bias survives as v_i = W_K^(i) b_Q^(i). Writes a Hugging
+// Face-style directory the engine loads like any model, and reports what was lost.
+#ifndef COLLABSERVE_SERVER_COMPRESS_COLLABORATIVE_H_
+#define COLLABSERVE_SERVER_COMPRESS_COLLABORATIVE_H_
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace collabserve::model {
+class BertClassifier;
+struct BertConfig;
+}  // namespace collabserve::model
+
+namespace collabserve::compress {
+
+// How the shared key/query dimension D~ is chosen; exactly one applies.
+struct RankSpec {
+  enum class Kind { kRank, kRatio, kPerLayer, kMaxError };
+  Kind kind = Kind::kRank;
+  int rank = 0;             // kRank: every layer
+  double ratio = 0;         // kRatio: D~ = round(N_h·d_k / ratio)
+  std::vector<int> ranks;   // kPerLayer: one per layer; 0 leaves that layer standard
+  double max_error = 0;     // kMaxError: per layer, the smallest rank with relative error <= this
+};
+
+struct LayerReport {
+  int layer = 0;
+  int rank = 0;                 // 0: left standard
+  double relative_error = 0;    // ||T − T̂||_F / ||T||_F
+  int iterations = 0;
+  double seconds = 0;
+  bool exact = false;
+  int ranks_tried = 1;          // kMaxError searches several
+};
+
+struct FidelityReport {
+  int probes = 0;
+  double top1_agreement = 0;     // fraction of probes whose argmax label is unchanged
+  double max_abs_logit_diff = 0;
+  double mean_kl = 0;            // mean KL(p_original || p_compressed) of the output distributions
+};
+
+struct CompressOptions {
+  RankSpec spec;
+  int max_iters = 100;
+  double tol = 1e-6;
+  uint64_t seed = 0;
+  std::string device = "cpu";          // where CP-ALS runs: cpu | cuda[:N]
+  int parallel_layers = 1;             // layers decomposed at once (each uses the intra-op pool)
+  std::vector<std::string> probes;     // empty: the built-in probe sentences
+  std::string source;                  // recorded in config.json's collaborative.source
+  // Progress (e.g. for an admin job): called after each layer, from the worker that did it.
+  std::function<void(const LayerReport&)> on_layer;
+  // Set to true to abandon the work; the call then returns CANCELLED and writes nothing.
+  const std::atomic<bool>* cancelled = nullptr;
+};
+
+struct CompressReport {
+  std::vector<LayerReport> layers;
+  int64_t qk_params_before = 0, qk_params_after = 0;
+  int64_t total_params_before = 0, total_params_after = 0;
+  FidelityReport fidelity;
+  double seconds = 0;           // whole call
+  double decompose_seconds = 0; // CP only
+  std::string ToJson() const;   // the report `collabserve-model compress` prints
+};
+
+// Resolves the rank spec for a model: one rank per layer (0 = keep standard; ranks >= N_h·d_k are
+// capped there). INVALID_ARGUMENT naming the problem: rank < 1, ratio <= 0 or < 1 implying a rank
+// above full, a ranks list whose length is not the layer count, max_error outside (0, 1).
+absl::StatusOr<std::vector<int>> ResolveRanks(const RankSpec& spec, const model::BertConfig& config);
+
+// Converts `source` (standard layers; already-collaborative layers are refused) into a new
+// collaborative classifier. Fills `report->layers` and the parameter counts.
+absl::StatusOr<std::unique_ptr<model::BertClassifier>> ConvertToCollaborative(
+    const model::BertClassifier& source, const CompressOptions& options, CompressReport* report);
+
+// Measures how closely `compressed` follows `original` on `probes` (tokenized with the vocabulary
+// in `vocab_dir`).
+absl::StatusOr<FidelityReport> MeasureFidelity(const model::BertClassifier& original,
+                                               const model::BertClassifier& compressed,
+                                               const std::string& vocab_dir,
+                                               const std::vector<std::string>& probes);
+
+// The whole pipeline: loads `in_dir`, converts, measures fidelity, and writes `out_dir` (which
+// must not exist) atomically: everything is written into a temporary sibling directory that is
+// renamed into place at the end, so `out_dir` is either complete or absent.
+absl::StatusOr<CompressReport> CompressModelDirectory(const std::string& in_dir, const std::string& out_dir,
+                                                      const CompressOptions& options);
+
+}  // namespace collabserve::compress
+
+#endif  // COLLABSERVE_SERVER_COMPRESS_COLLABORATIVE_H_

@@ -1,0 +1,247 @@
+// Conversion to collaborative attention, end to end: exactness at full rank, agreement with an
+// independent evaluation of the paper's formula, the dropped key bias, rank selection, the saved
+// format, and clear refusals.
+#include "server/compress/collaborative.h"
+
+#include <ATen/ATen.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "server/model/bert.h"
+#include "server/model/checkpoint_maker.h"
+#include "server/model/config.h"
+#include "server/model/engine.h"
+#include "server/model/io/checkpoint.h"
+#include "server/model/io/safetensors.h"
+#include "server/model/param_counts.h"
+#include "server/model/state_dict.h"
+#include "server/text/bert_tokenizer.h"
+#include "tests/testing/test_util.h"
+
+namespace collabserve::compress {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::RunCommand;
+using testing::ShellQuote;
+using testing::TempDir;
+
+std::vector<model::TokenizedInput> Inputs(const model::Engine& e) {
+  std::vector<model::TokenizedInput> out;
+  for (const char* t : {"the cat sat on the mat", "a completely different and rather longer sentence here",
+                        "why?", "Stocks fell sharply after the central bank raised interest rates."}) {
+    auto enc = e.tokenizer().Encode(t, std::nullopt, 0, true);
+    out.push_back({enc->input_ids, enc->token_type_ids});
+  }
+  return out;
+}
+
+std::vector<std::vector<float>> Logits(const std::string& dir) {
+  auto e = model::Engine::Load(dir);
+  EXPECT_TRUE(e.ok()) << e.status();
+  if (!e.ok()) return {};
+  auto preds = (*e)->Run(Inputs(**e));
+  EXPECT_TRUE(preds.ok());
+  std::vector<std::vector<float>> out;
+  for (auto& p : *preds) out.push_back(p.logits);
+  return out;
+}
+
+float MaxDiff(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
+  float m = 0;
+  for (size_t i = 0; i < a.size(); ++i)
+    for (size_t j = 0; j < a[i].size(); ++j) m = std::max(m, std::abs(a[i][j] - b[i][j]));
+  return m;
+}
+
+CompressOptions Rank(int r) {
+  CompressOptions o;
+  o.spec.kind = RankSpec::Kind::kRank;
+  o.spec.rank = r;
+  return o;
+}
+
+class CollaborativeTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    model::MakeOptions m;
+    m.seed = 11;
+    ASSERT_TRUE(model::MakeCheckpoint(src_.path(), m).ok());
+  }
+  TempDir src_, work_;
+};
+
+TEST_F(CollaborativeTest, FullRankIsExact) {
+  // Standard attention is the block special case of collaborative attention: at D~ = N_h·d_k the
+  // converted model gives the same logits.
+  auto report = CompressModelDirectory(src_.path(), work_ / "out", Rank(64));
+  ASSERT_TRUE(report.ok()) << report.status();
+  for (const auto& l : report->layers) {
+    EXPECT_TRUE(l.exact);
+    EXPECT_LT(l.relative_error, 1e-6);
+  }
+  EXPECT_LT(MaxDiff(Logits(src_.path()), Logits(work_ / "out")), 1e-4);
+  EXPECT_DOUBLE_EQ(report->fidelity.top1_agreement, 1.0);
+  EXPECT_LT(report->fidelity.mean_kl, 1e-8);
+}
+
+TEST_F(CollaborativeTest, LowRankMatchesAnIndependentEvaluationOfTheFormula) {
+  // The Python reference evaluates score_i = (X W~Q) diag(m_i) (Y W~K)^T + 1 v_i^T Y^T itself.
+  ASSERT_TRUE(CompressModelDirectory(src_.path(), work_ / "out", Rank(24)).ok());
+  auto engine = model::Engine::Load(work_ / "out");
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  EXPECT_EQ((*engine)->info().collaborative_ranks, (std::vector<int>{24, 24}));
+  auto inputs = Inputs(**engine);
+  nlohmann::json req;
+  for (auto& in : inputs) {
+    req["input_ids"].push_back(in.input_ids);
+    req["token_type_ids"].push_back(in.token_type_ids);
+  }
+  std::ofstream(work_ / "in.jsonl") << req.dump() << "\n";
+  auto r = RunCommand("/usr/bin/python3 " + ShellQuote(testing::SourceDir() + "/tests/reference/bert_reference.py") +
+                      " " + ShellQuote(work_ / "out") + " < " + ShellQuote(work_ / "in.jsonl"));
+  ASSERT_EQ(r.exit_code, 0);
+  auto expected = nlohmann::json::parse(r.output)["logits"].get<std::vector<std::vector<float>>>();
+  auto preds = (*engine)->Run(inputs);
+  ASSERT_TRUE(preds.ok());
+  std::vector<std::vector<float>> got;
+  for (auto& p : *preds) got.push_back(p.logits);
+  EXPECT_LT(MaxDiff(got, expected), 1e-4);
+}
+
+TEST_F(CollaborativeTest, ErrorFallsAsRankGrowsAndFidelityFollows) {
+  double last_error = 2;
+  for (int r : {8, 24, 48}) {
+    auto report = CompressModelDirectory(src_.path(), work_ / ("r" + std::to_string(r)), Rank(r));
+    ASSERT_TRUE(report.ok()) << report.status();
+    double err = 0;
+    for (const auto& l : report->layers) err = std::max(err, l.relative_error);
+    EXPECT_LT(err, last_error) << "rank " << r;
+    last_error = err;
+    EXPECT_LT(report->qk_params_after, report->qk_params_before);
+  }
+}
+
+TEST_F(CollaborativeTest, KeyBiasDoesNotMatter) {
+  // The key bias adds a constant per query row, which the softmax cancels: the original model's
+  // logits do not change when it is zeroed, so dropping it in the conversion loses nothing.
+  auto before = Logits(src_.path());
+  auto ckpt = model::io::ReadCheckpointFile(src_ / "model.safetensors");
+  ASSERT_TRUE(ckpt.ok());
+  std::map<std::string, at::Tensor> m;
+  for (auto& [k, raw] : ckpt->tensors) m[k] = *model::RawToFloatTensor(raw, k);
+  for (auto& [k, t] : m) {
+    if (k.find("attention.self.key.bias") != std::string::npos) t.normal_(0, 3.0);
+  }
+  std::vector<model::io::TensorToWrite> out;
+  for (auto& [k, t] : m) out.push_back({k, model::io::DType::kF32, t.sizes().vec(), t.data_ptr()});
+  ASSERT_TRUE(model::io::WriteSafetensors(src_ / "model.safetensors", out, {}).ok());
+  EXPECT_LT(MaxDiff(before, Logits(src_.path())), 1e-4);
+  // And the converted models from both agree.
+  ASSERT_TRUE(CompressModelDirectory(src_.path(), work_ / "out", Rank(64)).ok());
+  EXPECT_LT(MaxDiff(before, Logits(work_ / "out")), 1e-4);
+}
+
+TEST_F(CollaborativeTest, QueryBiasSurvivesAsContentVector) {
+  // Unlike the key bias, the query bias matters; the conversion keeps it as v_i = W_K^(i) b_Q^(i).
+  auto config = model::BertConfig::FromFile(src_ / "config.json");
+  auto src = model::LoadClassifier(src_.path(), *config);
+  ASSERT_TRUE(src.ok());
+  CompressReport report;
+  auto conv = ConvertToCollaborative(**src, Rank(64), &report);
+  ASSERT_TRUE(conv.ok());
+  const auto& l = (*conv)->layers()[0];
+  EXPECT_GT(l.content_bias.abs().max().item<float>(), 1e-3);
+  const auto& s = (*src)->layers()[0];
+  at::Tensor expected = at::matmul(s.key_w.view({4, 16, 64}).transpose(1, 2), s.query_b.view({4, 16, 1})).squeeze(2) / 4.0;
+  EXPECT_TRUE(at::allclose(l.content_bias, expected, 1e-5, 1e-6));
+}
+
+TEST_F(CollaborativeTest, MaxErrorPicksTheSmallestSufficientRank) {
+  CompressOptions o;
+  o.spec.kind = RankSpec::Kind::kMaxError;
+  o.spec.max_error = 0.3;
+  auto report = CompressModelDirectory(src_.path(), work_ / "out", o);
+  ASSERT_TRUE(report.ok()) << report.status();
+  auto config = model::BertConfig::FromFile(src_ / "config.json");
+  auto src = model::LoadClassifier(src_.path(), *config);
+  for (const auto& l : report->layers) {
+    EXPECT_LE(l.relative_error, 0.3);
+    EXPECT_GT(l.ranks_tried, 1);
+    if (l.rank > 1 && l.rank < 64) {
+      // One step below the chosen rank the error is above the bound.
+      CompressOptions lower = Rank(l.rank - 1);
+      CompressReport r;
+      ASSERT_TRUE(ConvertToCollaborative(**src, lower, &r).ok());
+      EXPECT_GT(r.layers[l.layer].relative_error, 0.3) << "layer " << l.layer << " rank " << l.rank;
+    }
+  }
+}
+
+TEST_F(CollaborativeTest, PlantedRedundancyCompressesBetterThanRandomWeights) {
+  model::MakeOptions m;
+  m.seed = 11;
+  m.planted_rank = 16;
+  ASSERT_TRUE(model::MakeCheckpoint(work_ / "planted", m).ok());
+  auto planted = CompressModelDirectory(work_ / "planted", work_ / "p_out", Rank(32));
+  auto random = CompressModelDirectory(src_.path(), work_ / "r_out", Rank(32));
+  ASSERT_TRUE(planted.ok() && random.ok());
+  EXPECT_LT(planted->layers[0].relative_error, random->layers[0].relative_error / 2);
+  EXPECT_GE(planted->fidelity.top1_agreement, random->fidelity.top1_agreement);
+}
+
+TEST_F(CollaborativeTest, PerLayerRanksAndStandardLayers) {
+  CompressOptions o;
+  o.spec.kind = RankSpec::Kind::kPerLayer;
+  o.spec.ranks = {0, 16};
+  ASSERT_TRUE(CompressModelDirectory(src_.path(), work_ / "out", o).ok());
+  auto engine = model::Engine::Load(work_ / "out");
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  EXPECT_EQ((*engine)->info().collaborative_ranks, (std::vector<int>{0, 16}));
+  EXPECT_LT((*engine)->info().params.attention_qk, 2 * 2 * (64 * 64 + 64));
+}
+
+TEST_F(CollaborativeTest, BadRequestsAreRefusedAndWriteNothing) {
+  auto msg = [&](const CompressOptions& o) {
+    return std::string(CompressModelDirectory(src_.path(), work_ / "out", o).status().message());
+  };
+  EXPECT_THAT(msg(Rank(0)), HasSubstr("rank must be at least 1"));
+  CompressOptions o;
+  o.spec.kind = RankSpec::Kind::kPerLayer;
+  o.spec.ranks = {8, 8, 8};
+  EXPECT_THAT(msg(o), HasSubstr("ranks has 3 entries but the model has 2 layers"));
+  o.spec.kind = RankSpec::Kind::kRatio;
+  o.spec.ratio = 0.5;
+  EXPECT_THAT(msg(o), HasSubstr("ratio must be a number >= 1"));
+  o.spec.kind = RankSpec::Kind::kMaxError;
+  o.spec.max_error = 2;
+  EXPECT_THAT(msg(o), HasSubstr("max_error must be in (0, 1)"));
+  EXPECT_FALSE(std::filesystem::exists(work_ / "out"));
+
+  std::atomic<bool> cancelled{true};
+  CompressOptions c = Rank(8);
+  c.cancelled = &cancelled;
+  EXPECT_EQ(CompressModelDirectory(src_.path(), work_ / "out", c).status().code(), absl::StatusCode::kCancelled);
+  EXPECT_FALSE(std::filesystem::exists(work_ / "out"));
+
+  ASSERT_TRUE(CompressModelDirectory(src_.path(), work_ / "out", Rank(8)).ok());
+  EXPECT_THAT(std::string(CompressModelDirectory(src_.path(), work_ / "out", Rank(8)).status().message()),
+              HasSubstr("already exists"));
+  EXPECT_THAT(std::string(CompressModelDirectory(work_ / "out", work_ / "again", Rank(8)).status().message()),
+              HasSubstr("already collaborative"));
+
+  std::ofstream(src_ / "config.json") << R"({"architectures": ["GPT2LMHeadModel"]})";
+  EXPECT_THAT(std::string(CompressModelDirectory(src_.path(), work_ / "x", Rank(8)).status().message()),
+              HasSubstr("GPT2LMHeadModel\" is not supported"));
+  // No temporary directories are left behind.
+  for (auto& e : std::filesystem::directory_iterator(work_.path())) {
+    EXPECT_EQ(e.path().filename().string().find(".tmp-"), std::string::npos) << e.path();
+  }
+}
+
+}  // namespace
+}  // namespace collabserve::compress
