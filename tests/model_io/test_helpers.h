@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -23,11 +24,22 @@ inline std::string SourcePath(const std::string& rel) {
   return std::string(dir ? dir : ".") + "/" + rel;
 }
 
-// A fresh path under the test temp dir (unique per process and call).
+// Removes the files TempPath() handed out when the test binary exits.
+struct TempFiles {
+  std::vector<std::string> paths;
+  ~TempFiles() {
+    for (const std::string& p : paths) std::remove(p.c_str());
+  }
+};
+inline TempFiles temp_files;
+
+// A fresh path under the test temp dir (unique per process and call), removed at exit.
 inline std::string TempPath(const std::string& name) {
   static int counter = 0;
-  return ::testing::TempDir() + "model_io_" + std::to_string(::getpid()) + "_" +
-         std::to_string(counter++) + "_" + name;
+  std::string path = ::testing::TempDir() + "model_io_" + std::to_string(::getpid()) + "_" +
+                     std::to_string(counter++) + "_" + name;
+  temp_files.paths.push_back(path);
+  return path;
 }
 
 inline void WriteBytes(const std::string& path, const std::string& bytes) {

@@ -1,7 +1,6 @@
 #include "server/model/io/safetensors.h"
 
 #include <algorithm>
-#include <cstring>
 #include <set>
 #include <utility>
 
@@ -318,7 +317,6 @@ absl::StatusOr<std::string> SerializeSafetensors(const std::vector<TensorToWrite
                                                  const std::map<std::string, std::string>& metadata) {
   std::vector<const TensorToWrite*> order;
   std::set<std::string_view> names;
-  std::vector<uint64_t> sizes;
   for (const TensorToWrite& t : tensors) {
     if (t.name.empty()) return absl::InvalidArgumentError("WriteSafetensors: a tensor name is empty");
     if (t.name == "__metadata__") {
