@@ -3,3 +3,10 @@
 add_executable(collabserve ${CMAKE_CURRENT_LIST_DIR}/collabserve_main.cc)
 target_link_libraries(collabserve PRIVATE collabserve_service collabserve_model
   absl::flags absl::flags_parse absl::flags_usage absl::strings glog::glog)
+
+# The serving benchmark's raw-engine ceiling (bench/serving/run_serving_bench.sh). Built here, not
+# in bench/CMakeLists.txt, because bench/serving/ belongs to the server's owner.
+if(COLLABSERVE_BUILD_BENCH)
+  add_executable(serving_engine_peak ${CMAKE_SOURCE_DIR}/bench/serving/engine_peak.cc)
+  target_link_libraries(serving_engine_peak PRIVATE collabserve_model absl::strings)
+endif()
