@@ -70,9 +70,12 @@ int Classify(const Client& client, const std::vector<std::string>& texts) {
     const auto& res = r->results(i);
     std::printf("%s\t%.6f\t%s\n", res.label().c_str(), res.score(), texts[i].c_str());
   }
-  std::printf("# model %s version %lld, %lld tokens, queue %lld us, inference %lld us, total %lld us\n",
+  std::printf("# model %s version %lld, %lld tokens, tokenization %lld us, queue %lld us, "
+              "inference %lld us, total %lld us\n",
               r->model_name().c_str(), static_cast<long long>(r->model_version()),
-              static_cast<long long>(r->num_tokens()), static_cast<long long>(r->timings().queue_us()),
+              static_cast<long long>(r->num_tokens()),
+              static_cast<long long>(r->timings().tokenization_us()),
+              static_cast<long long>(r->timings().queue_us()),
               static_cast<long long>(r->timings().inference_us()),
               static_cast<long long>(r->timings().total_us()));
   return 0;
