@@ -1,0 +1,638 @@
+#include "server/service/admin_jobs.h"
+
+#include <ATen/Parallel.h>
+#include <glog/logging.h>
+#include <omp.h>
+#include <sys/stat.h>
+
+#include <filesystem>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "server/compress/collaborative.h"
+#include "server/model/config.h"
+#include "server/model/engine.h"
+#include "server/util/files.h"
+#include "server/util/status_macros.h"
+
+namespace collabserve::service {
+namespace {
+
+int64_t NowMicros() { return absl::ToUnixMicros(absl::Now()); }
+
+bool IsDir(const std::string& path) {
+  struct stat st;
+  return stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+void RemoveTree(const std::string& path) {
+  std::error_code ec;
+  std::filesystem::remove_all(path, ec);
+  if (ec) LOG(WARNING) << "cannot remove " << path << ": " << ec.message();
+}
+
+// Limits this thread's torch intra-op parallelism (OpenMP's thread count is per calling thread;
+// at::set_num_threads would change the default of every thread started later, the inference
+// threads included). Torch initialises a thread's count lazily on its first parallel op, so that
+// happens first and is then overridden.
+void LimitIntraOpThreads(int n) {
+  at::internal::lazy_init_num_threads();
+  omp_set_num_threads(n);
+}
+
+compress::RankSpec ToRankSpec(const v1::CompressionSpec& spec) {
+  compress::RankSpec r;
+  switch (spec.spec_case()) {
+    case v1::CompressionSpec::kRank:
+      r.kind = compress::RankSpec::Kind::kRank;
+      r.rank = spec.rank();
+      break;
+    case v1::CompressionSpec::kRatio:
+      r.kind = compress::RankSpec::Kind::kRatio;
+      r.ratio = spec.ratio();
+      break;
+    case v1::CompressionSpec::kRanks:
+      r.kind = compress::RankSpec::Kind::kPerLayer;
+      r.ranks.assign(spec.ranks().ranks().begin(), spec.ranks().ranks().end());
+      break;
+    case v1::CompressionSpec::kMaxError:
+      r.kind = compress::RankSpec::Kind::kMaxError;
+      r.max_error = spec.max_error();
+      break;
+    case v1::CompressionSpec::SPEC_NOT_SET:
+      break;
+  }
+  return r;
+}
+
+v1::JobEvent Event(v1::JobEvent::Kind kind, std::string message) {
+  v1::JobEvent e;
+  e.set_kind(kind);
+  e.set_message(std::move(message));
+  return e;
+}
+
+const char* Outcome(const absl::Status& s) {
+  if (s.ok()) return "succeeded";
+  return s.code() == absl::StatusCode::kCancelled ? "cancelled" : "failed";
+}
+
+}  // namespace
+
+absl::Status ParseCompressionSpec(const v1::CompressionSpec& spec, bool* requested) {
+  *requested = spec.spec_case() != v1::CompressionSpec::SPEC_NOT_SET;
+  switch (spec.spec_case()) {
+    case v1::CompressionSpec::kRank:
+      if (spec.rank() < 1) {
+        return absl::InvalidArgumentError(absl::StrCat("compression.rank must be >= 1, got ", spec.rank()));
+      }
+      break;
+    case v1::CompressionSpec::kRatio:
+      if (!(spec.ratio() >= 1)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("compression.ratio must be >= 1, got ", spec.ratio()));
+      }
+      break;
+    case v1::CompressionSpec::kRanks:
+      if (spec.ranks().ranks().empty()) {
+        return absl::InvalidArgumentError("compression.ranks is empty");
+      }
+      for (int r : spec.ranks().ranks()) {
+        if (r < 0) return absl::InvalidArgumentError("compression.ranks has a negative rank");
+      }
+      break;
+    case v1::CompressionSpec::kMaxError:
+      if (!(spec.max_error() > 0 && spec.max_error() < 1)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("compression.max_error must be in (0, 1), got ", spec.max_error()));
+      }
+      break;
+    case v1::CompressionSpec::SPEC_NOT_SET:
+      break;
+  }
+  if (spec.max_iters() < 0) return absl::InvalidArgumentError("compression.max_iters is negative");
+  if (spec.tol() < 0) return absl::InvalidArgumentError("compression.tol is negative");
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------------------- Job
+
+Job::Job(v1::Job initial) : id_(initial.id()), job_(std::move(initial)) {}
+
+bool Job::IsTerminal(v1::Job::State s) {
+  return s == v1::Job::SUCCEEDED || s == v1::Job::FAILED || s == v1::Job::CANCELLED;
+}
+
+v1::Job Job::Snapshot(bool with_events) const {
+  absl::MutexLock l(&mu_);
+  v1::Job copy = job_;
+  if (!with_events) copy.clear_events();
+  return copy;
+}
+
+v1::Job::State Job::state() const {
+  absl::MutexLock l(&mu_);
+  return job_.state();
+}
+
+bool Job::terminal() const { return IsTerminal(state()); }
+
+void Job::Record(v1::JobEvent event, const std::function<void(v1::Job*)>& mutate) {
+  absl::MutexLock l(&mu_);
+  if (mutate) mutate(&job_);
+  event.set_sequence(job_.events_size());
+  event.set_unix_micros(NowMicros());
+  *job_.add_events() = event;
+  for (auto& [handle, listener] : listeners_) listener(event, job_.state());
+}
+
+void Job::Update(const std::function<void(v1::Job*)>& mutate) {
+  absl::MutexLock l(&mu_);
+  mutate(&job_);
+}
+
+int Job::Subscribe(Listener listener) {
+  absl::MutexLock l(&mu_);
+  for (int i = 0; i < job_.events_size(); ++i) {
+    // The state after a past event: the current one for the last, "running" before it.
+    listener(job_.events(i), i + 1 == job_.events_size() ? job_.state() : v1::Job::RUNNING);
+  }
+  const int handle = next_listener_++;
+  listeners_.emplace(handle, std::move(listener));
+  return handle;
+}
+
+void Job::Unsubscribe(int handle) {
+  absl::MutexLock l(&mu_);
+  listeners_.erase(handle);
+}
+
+// ----------------------------------------------------------------------------------- JobManager
+
+JobManager::JobManager(JobManagerOptions options, RepositoryFn repository, AdminMetrics* metrics)
+    : options_(std::move(options)), repository_(std::move(repository)), metrics_(metrics) {
+  const int n = std::max(1, options_.max_concurrent_jobs);
+  for (int i = 0; i < n; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+}
+
+JobManager::~JobManager() { Shutdown(); }
+
+void JobManager::Shutdown() {
+  absl::MutexLock sl(&shutdown_mu_);
+  std::deque<Work> left;
+  std::vector<std::shared_ptr<Job>> all;
+  {
+    absl::MutexLock l(&mu_);
+    stopping_ = true;
+    left.swap(queue_);
+    for (auto& [id, job] : jobs_) all.push_back(job);
+  }
+  for (auto& job : all) job->cancel_.store(true);
+  for (auto& t : workers_) t.join();
+  workers_.clear();
+  for (Work& w : left) {
+    const absl::Status s = absl::UnavailableError("the server is shutting down");
+    Finish(w.job, s);
+    if (w.on_validated) w.on_validated(s);
+  }
+  for (auto& job : all) {
+    if (!job->terminal()) Finish(job, absl::UnavailableError("the server is shutting down"));
+  }
+}
+
+std::string JobManager::StagingDir(const Job& job) const {
+  repository::ModelRepository* repo = repository_();
+  return util::JoinPath(util::JoinPath(repo != nullptr ? repo->root() : "", ".staging"), job.id());
+}
+
+absl::StatusOr<std::shared_ptr<Job>> JobManager::Create(const JobSpec& spec) {
+  if (absl::Status s = repository::ModelRepository::ValidateModelName(spec.model_name); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("model_name: ", s.message()));
+  }
+  bool compress = false;
+  RETURN_IF_ERROR(ParseCompressionSpec(spec.compression, &compress));
+  if (spec.kind == v1::Job::COMPRESS && !compress) {
+    return absl::InvalidArgumentError("CompressModel needs a compression spec (rank, ratio, ranks or max_error)");
+  }
+  if (spec.has_min_agreement) {
+    if (!(spec.min_agreement >= 0 && spec.min_agreement <= 1)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("min_agreement must be in [0, 1], got ", spec.min_agreement));
+    }
+    if (!compress) {
+      return absl::InvalidArgumentError("min_agreement needs a compression request");
+    }
+  }
+  if (spec.version < 0) return absl::InvalidArgumentError("version must be positive");
+  repository::ModelRepository* repo = repository_();
+  if (repo == nullptr) return absl::UnavailableError("the model repository is not loaded yet");
+  const std::string model_dir = util::JoinPath(repo->root(), spec.model_name);
+
+  int64_t source_version = spec.source_version;
+  if (spec.kind == v1::Job::COMPRESS) {
+    if (source_version == 0) {
+      auto all = repo->List();
+      auto it = all.find(spec.model_name);
+      if (it != all.end()) {
+        for (auto v = it->second.rbegin(); v != it->second.rend(); ++v) {
+          if (IsDir(util::JoinPath(model_dir, absl::StrCat(v->version)))) {
+            source_version = v->version;
+            break;
+          }
+        }
+      }
+      if (source_version == 0) {
+        return absl::NotFoundError(absl::StrCat("model '", spec.model_name, "' has no version on disk"));
+      }
+    } else if (!IsDir(util::JoinPath(model_dir, absl::StrCat(source_version)))) {
+      return absl::NotFoundError(absl::StrCat("model '", spec.model_name, "' has no version ",
+                                              source_version, " on disk"));
+    }
+  }
+
+  std::shared_ptr<Job> job;
+  {
+    absl::MutexLock l(&mu_);
+    if (stopping_) return absl::UnavailableError("the server is shutting down");
+    if (static_cast<int>(pending_.size()) >= options_.max_queued_jobs) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the job queue is full (", pending_.size(), " jobs receiving or queued; "
+          "--max_concurrent_jobs=", options_.max_concurrent_jobs, "): try again later"));
+    }
+    std::set<int64_t>& reserved = reserved_versions_[spec.model_name];
+    int64_t version = spec.version;
+    if (version > 0) {
+      if (reserved.count(version) > 0 || IsDir(util::JoinPath(model_dir, absl::StrCat(version)))) {
+        return absl::AlreadyExistsError(
+            absl::StrCat("version ", version, " of model '", spec.model_name, "' already exists"));
+      }
+    } else {
+      version = repo->NextVersion(spec.model_name);
+      if (!reserved.empty()) version = std::max(version, *reserved.rbegin() + 1);
+    }
+    static thread_local std::mt19937 rng(std::random_device{}());
+    const std::string id = absl::StrFormat("%d-%06x", next_id_++, rng() & 0xffffff);
+
+    v1::Job j;
+    j.set_id(id);
+    j.set_kind(spec.kind);
+    j.set_state(spec.kind == v1::Job::UPLOAD ? v1::Job::RECEIVING : v1::Job::QUEUED);
+    j.set_model_name(spec.model_name);
+    j.set_version(version);
+    j.set_source_version(source_version);
+    *j.mutable_compression() = spec.compression;
+    if (spec.has_min_agreement) j.set_min_agreement(spec.min_agreement);
+    j.set_activate(spec.activate);
+    j.set_created_unix_micros(NowMicros());
+    job = std::make_shared<Job>(std::move(j));
+
+    const std::string staging_root = util::JoinPath(repo->root(), ".staging");
+    mkdir(staging_root.c_str(), 0755);  // EEXIST is fine; the next mkdir reports real errors
+    const std::string dir = util::JoinPath(staging_root, id);
+    if (mkdir(dir.c_str(), 0755) != 0) {
+      return absl::InternalError(absl::StrCat("cannot create ", dir, ": ", strerror(errno)));
+    }
+    reserved.insert(version);
+    pending_.insert(id);
+    jobs_[id] = job;
+    // Probes travel beside the Job (they can be long, and GetJob need not repeat them).
+    probes_[id] = spec.probes;
+  }
+  if (spec.kind == v1::Job::COMPRESS) {
+    job->Record(Event(v1::JobEvent::QUEUED, "queued"));
+    Work w;
+    w.job = job;
+    w.input_dir = util::JoinPath(model_dir, absl::StrCat(source_version));
+    absl::MutexLock l(&mu_);
+    queue_.push_back(std::move(w));
+  }
+  return job;
+}
+
+void JobManager::Enqueue(const std::shared_ptr<Job>& job, std::string input_dir,
+                         std::function<void(const absl::Status&)> on_validated) {
+  if (job->terminal()) {  // cancelled while receiving
+    on_validated(absl::CancelledError(absl::StrCat("job ", job->id(), " was cancelled")));
+    return;
+  }
+  job->Record(Event(v1::JobEvent::QUEUED, "upload verified; queued"),
+              [](v1::Job* j) { j->set_state(v1::Job::QUEUED); });
+  bool stopping;
+  {
+    absl::MutexLock l(&mu_);
+    stopping = stopping_;
+    if (!stopping) {
+      Work w;
+      w.job = job;
+      w.input_dir = std::move(input_dir);
+      w.on_validated = std::move(on_validated);
+      queue_.push_back(std::move(w));
+    }
+  }
+  if (stopping) {
+    const absl::Status s = absl::UnavailableError("the server is shutting down");
+    Finish(job, s);
+    on_validated(s);
+  }
+}
+
+void JobManager::Abandon(const std::shared_ptr<Job>& job, const absl::Status& why) {
+  Finish(job, why);
+}
+
+std::shared_ptr<Job> JobManager::Get(const std::string& id) const {
+  absl::MutexLock l(&mu_);
+  auto it = jobs_.find(id);
+  return it == jobs_.end() ? nullptr : it->second;
+}
+
+std::vector<std::shared_ptr<Job>> JobManager::List() const {
+  std::vector<std::shared_ptr<Job>> out;
+  {
+    absl::MutexLock l(&mu_);
+    for (auto& [id, job] : jobs_) out.push_back(job);
+  }
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) {
+    const int64_t ta = a->Snapshot(false).created_unix_micros();
+    const int64_t tb = b->Snapshot(false).created_unix_micros();
+    return ta != tb ? ta > tb : a->id() > b->id();
+  });
+  return out;
+}
+
+absl::StatusOr<v1::Job> JobManager::Cancel(const std::string& id) {
+  std::shared_ptr<Job> job = Get(id);
+  if (job == nullptr) return absl::NotFoundError(absl::StrCat("no job '", id, "'"));
+  v1::Job::State state;
+  {
+    absl::MutexLock l(&job->mu_);
+    state = job->job_.state();
+    if (Job::IsTerminal(state)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "job ", id, " has already ended (", v1::Job::State_Name(state), ")"));
+    }
+    if (job->committing_) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("job ", id, " is publishing its version; it can no longer be cancelled"));
+    }
+    job->cancel_.store(true);
+  }
+  // Not yet on a worker: end it now. A running job notices the flag itself.
+  if (state == v1::Job::RECEIVING || state == v1::Job::QUEUED) {
+    Finish(job, absl::CancelledError(absl::StrCat("job ", id, " was cancelled")));
+  }
+  return job->Snapshot(false);
+}
+
+void JobManager::WorkerLoop() {
+  LimitIntraOpThreads(std::max(1, options_.intra_op_threads));
+  for (;;) {
+    Work w;
+    {
+      absl::MutexLock l(&mu_);
+      mu_.Await(absl::Condition(
+          +[](JobManager* m) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+            return m->stopping_ || !m->queue_.empty();
+          },
+          this));
+      if (stopping_) return;
+      w = std::move(queue_.front());
+      queue_.pop_front();
+      pending_.erase(w.job->id());
+    }
+    Run(std::move(w));
+  }
+}
+
+void JobManager::Run(Work work) {
+  std::shared_ptr<Job> job = work.job;
+  if (job->terminal()) {  // cancelled while queued
+    if (work.on_validated) {
+      work.on_validated(absl::CancelledError(absl::StrCat("job ", job->id(), " was cancelled")));
+    }
+    return;
+  }
+  job->Update([](v1::Job* j) {
+    j->set_state(v1::Job::RUNNING);
+    j->set_started_unix_micros(NowMicros());
+  });
+  repository::ModelRepository* repo = repository_();
+  absl::Status status = repo == nullptr
+                            ? absl::UnavailableError("the model repository is not loaded yet")
+                            : Process(work, repo);
+  if (!status.ok() && job->cancel_requested() && status.code() != absl::StatusCode::kCancelled &&
+      !job->Snapshot(false).published()) {
+    status = absl::CancelledError(absl::StrCat("job ", job->id(), " was cancelled"));
+  }
+  if (!status.ok()) LOG(WARNING) << "admin job " << job->id() << ": " << status;
+  Finish(job, status);
+  if (work.on_validated) work.on_validated(status);
+}
+
+absl::Status JobManager::Process(Work& work, repository::ModelRepository* repo) {
+  Job& job = *work.job;
+  const v1::Job spec = job.Snapshot(false);
+  const repository::ServableId id{spec.model_name(), spec.version()};
+  bool compress = false;
+  RETURN_IF_ERROR(ParseCompressionSpec(spec.compression(), &compress));
+  const std::string staging = StagingDir(job);
+
+  auto cancelled = [&] {
+    return absl::CancelledError(absl::StrCat("job ", job.id(), " was cancelled"));
+  };
+
+  ASSIGN_OR_RETURN(model::BertConfig config,
+                   [&]() -> absl::StatusOr<model::BertConfig> {
+                     auto c = model::BertConfig::FromFile(util::JoinPath(work.input_dir, "config.json"));
+                     if (!c.ok()) return absl::InvalidArgumentError(c.status().message());
+                     return c;
+                   }());
+  if (spec.kind() == v1::Job::UPLOAD) {
+    job.Record(Event(v1::JobEvent::VALIDATING, "loading the checkpoint to validate it"));
+    absl::Status valid;
+    {
+      model::EngineOptions eo;
+      eo.device = options_.device;
+      absl::StatusOr<std::unique_ptr<model::Engine>> engine = model::Engine::Load(work.input_dir, eo);
+      if (!engine.ok()) {
+        valid = absl::InvalidArgumentError(
+            absl::StrCat("the engine rejects the checkpoint: ", engine.status().message()));
+      } else if (compress && !(*engine)->info().collaborative_ranks.empty()) {
+        valid = absl::InvalidArgumentError(
+            "the checkpoint is already collaborative; upload it without a compression request");
+      } else if (compress) {
+        absl::StatusOr<std::vector<int>> ranks =
+            compress::ResolveRanks(ToRankSpec(spec.compression()), config);
+        if (!ranks.ok()) valid = absl::InvalidArgumentError(ranks.status().message());
+      }
+    }
+    if (!valid.ok()) return valid;
+    job.Record(Event(v1::JobEvent::VALIDATED, "checkpoint accepted"));
+    if (work.on_validated) {
+      work.on_validated(absl::OkStatus());
+      work.on_validated = nullptr;
+    }
+  }
+  if (job.cancel_requested()) return cancelled();
+
+  std::string publish_dir = work.input_dir;
+  v1::CompressionReport report_proto;
+  if (compress) {
+    const std::string out = util::JoinPath(staging, "out");
+    compress::CompressOptions o;
+    o.spec = ToRankSpec(spec.compression());
+    if (spec.compression().max_iters() > 0) o.max_iters = spec.compression().max_iters();
+    if (spec.compression().tol() > 0) o.tol = spec.compression().tol();
+    o.seed = spec.compression().seed();
+    o.device = options_.device;
+    o.parallel_layers = 1;
+    {
+      absl::MutexLock l(&mu_);
+      auto it = probes_.find(job.id());
+      if (it != probes_.end()) o.probes = it->second;
+    }
+    o.source = spec.kind() == v1::Job::UPLOAD
+                   ? absl::StrCat("upload ", spec.model_name(), " job ", job.id())
+                   : absl::StrCat(spec.model_name(), "/", spec.source_version());
+    const int num_layers = config.num_hidden_layers;
+    job.Update([&](v1::Job* j) { j->set_num_layers(num_layers); });
+    o.on_layer = [&job, num_layers](const compress::LayerReport& lr) {
+      v1::JobEvent e = Event(v1::JobEvent::LAYER_COMPRESSED,
+                             absl::StrFormat("layer %d of %d compressed: rank %d, error %.4g",
+                                             lr.layer + 1, num_layers, lr.rank, lr.relative_error));
+      e.set_layer(lr.layer);
+      e.set_num_layers(num_layers);
+      e.set_rank(lr.rank);
+      e.set_relative_error(lr.relative_error);
+      job.Record(e, [](v1::Job* j) { j->set_layers_done(j->layers_done() + 1); });
+    };
+    o.cancelled = job.cancel_flag();
+    absl::StatusOr<compress::CompressReport> report =
+        compress::CompressModelDirectory(work.input_dir, out, o);
+    if (!report.ok()) {
+      if (job.cancel_requested()) return cancelled();
+      return report.status();
+    }
+    for (const compress::LayerReport& lr : report->layers) {
+      v1::LayerResult* l = report_proto.add_layers();
+      l->set_layer(lr.layer);
+      l->set_rank(lr.rank);
+      l->set_relative_error(lr.relative_error);
+      l->set_iterations(lr.iterations);
+      l->set_seconds(lr.seconds);
+    }
+    report_proto.set_qk_params_before(report->qk_params_before);
+    report_proto.set_qk_params_after(report->qk_params_after);
+    report_proto.set_total_params_before(report->total_params_before);
+    report_proto.set_total_params_after(report->total_params_after);
+    v1::FidelityResult* f = report_proto.mutable_fidelity();
+    f->set_probes(report->fidelity.probes);
+    f->set_top1_agreement(report->fidelity.top1_agreement);
+    f->set_max_abs_logit_diff(report->fidelity.max_abs_logit_diff);
+    f->set_mean_kl(report->fidelity.mean_kl);
+    report_proto.set_seconds(report->seconds);
+    report_proto.set_json(report->ToJson());
+    v1::JobEvent e = Event(
+        v1::JobEvent::FIDELITY_MEASURED,
+        absl::StrFormat("fidelity on %d probes: top-1 agreement %.4f, max |logit diff| %.4g, "
+                        "mean KL %.4g",
+                        f->probes(), f->top1_agreement(), f->max_abs_logit_diff(), f->mean_kl()));
+    *e.mutable_fidelity() = *f;
+    job.Record(e, [&](v1::Job* j) { *j->mutable_report() = report_proto; });
+    if (spec.has_min_agreement() && f->top1_agreement() < spec.min_agreement()) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "fidelity gate: top-1 agreement %.4f is below min_agreement %.4f; nothing was published",
+          f->top1_agreement(), spec.min_agreement()));
+    }
+    publish_dir = out;
+  }
+
+  {
+    absl::MutexLock l(&job.mu_);
+    if (job.cancel_.load()) return cancelled();
+    job.committing_ = true;
+  }
+  const absl::Status published = repo->Publish(publish_dir, id, spec.activate());
+  if (!IsDir(util::JoinPath(util::JoinPath(repo->root(), id.model), absl::StrCat(id.version)))) {
+    return published.ok() ? absl::InternalError("publish reported success but the version is missing")
+                          : published;
+  }
+  v1::JobEvent pe = Event(v1::JobEvent::PUBLISHED, absl::StrCat("published as ", id.DebugString()));
+  pe.set_version(id.version);
+  job.Record(pe, [](v1::Job* j) { j->set_published(true); });
+  if (metrics_ != nullptr && compress) {
+    std::vector<std::pair<int, double>> errors;
+    for (const v1::LayerResult& l : report_proto.layers()) {
+      if (l.rank() > 0) errors.emplace_back(l.layer(), l.relative_error());
+    }
+    metrics_->SetVersionReport(id.model, id.version, errors,
+                               report_proto.fidelity().top1_agreement());
+  }
+  if (!published.ok()) {
+    return absl::Status(published.code(), absl::StrCat("published as ", id.DebugString(),
+                                                       " but loading it failed: ",
+                                                       published.message()));
+  }
+  if (spec.activate()) {
+    if (repo->Get(id.model, id.version).ok()) {
+      v1::JobEvent le = Event(v1::JobEvent::LOADED, absl::StrCat(id.DebugString(), " is serving"));
+      le.set_version(id.version);
+      job.Record(le, [](v1::Job* j) { j->set_loaded(true); });
+    }
+  }
+  return absl::OkStatus();
+}
+
+void JobManager::Finish(const std::shared_ptr<Job>& job, const absl::Status& status) {
+  const int64_t now = NowMicros();
+  int64_t created = 0;
+  {
+    absl::MutexLock l(&job->mu_);
+    if (Job::IsTerminal(job->job_.state())) return;
+    v1::Job::State state = status.ok() ? v1::Job::SUCCEEDED
+                           : status.code() == absl::StatusCode::kCancelled ? v1::Job::CANCELLED
+                                                                            : v1::Job::FAILED;
+    job->job_.set_state(state);
+    job->job_.set_finished_unix_micros(now);
+    created = job->job_.created_unix_micros();
+    v1::JobEvent e;
+    if (status.ok()) {
+      e = Event(v1::JobEvent::SUCCEEDED, "succeeded");
+    } else {
+      job->job_.set_error_code(static_cast<int>(status.code()));
+      job->job_.set_error(std::string(status.message()));
+      e = Event(state == v1::Job::CANCELLED ? v1::JobEvent::CANCELLED : v1::JobEvent::FAILED,
+                std::string(status.message()));
+      e.set_code(static_cast<int>(status.code()));
+    }
+    e.set_sequence(job->job_.events_size());
+    e.set_unix_micros(now);
+    *job->job_.add_events() = e;
+    for (auto& [handle, listener] : job->listeners_) listener(e, state);
+  }
+  if (metrics_ != nullptr) metrics_->JobEnded(Outcome(status), (now - created) / 1e6);
+  if (repository_() != nullptr) RemoveTree(StagingDir(*job));
+  absl::MutexLock l(&mu_);
+  ReleaseLocked(*job);
+  finished_order_.push_back(job->id());
+  while (static_cast<int>(finished_order_.size()) > options_.max_finished_jobs) {
+    jobs_.erase(finished_order_.front());
+    finished_order_.pop_front();
+  }
+}
+
+void JobManager::ReleaseLocked(const Job& job) {
+  pending_.erase(job.id());
+  probes_.erase(job.id());
+  const v1::Job j = job.Snapshot(false);
+  auto it = reserved_versions_.find(j.model_name());
+  if (it != reserved_versions_.end()) {
+    it->second.erase(j.version());
+    if (it->second.empty()) reserved_versions_.erase(it);
+  }
+}
+
+}  // namespace collabserve::service
