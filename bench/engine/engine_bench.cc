@@ -1,0 +1,338 @@
+// Throughput of Engine::Run (sequences/s) on a BERT-base-shaped checkpoint over a batch × sequence
+// length grid, next to the same-run baselines (PyTorch eager and ONNX Runtime CPU, measured by
+// pytorch_bench.py and ort_bench.mjs on the same weights and inputs and passed in as TSV files), a
+// collaborative version of the model, and the achieved GFLOP/s against a large-SGEMM peak measured
+// at the start of the run. scripts/run-bench.sh runs all of it.
+//
+// Timing: per grid point one warm-up Run (of at most --warmup_batch sequences), then timed Runs
+// until --budget_s is spent, at least --min_runs and at most --max_runs of them; the median is
+// reported. All sequences of a batch have the same length (no padding); token ids are a fixed
+// function of (b, s) shared with the baselines.
+//
+// Usage: engine_bench --model=DIR [--collab_model=DIR] [--batches=1,8,32] [--seqs=16,128,512]
+//                     [--threads=2] [--budget_s=4] [--min_runs=3] [--max_runs=50]
+//                     [--warmup_batch=8] [--pytorch_tsv=FILE] [--ort_tsv=FILE] [--tsv_out=FILE]
+//                     [--sgemm=2048]
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
+#include <dlfcn.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "server/model/engine.h"
+
+namespace collabserve::model {
+namespace {
+
+struct Flags {
+  std::string model, collab_model, pytorch_tsv, ort_tsv, tsv_out;
+  std::vector<int> batches = {1, 8, 32};
+  std::vector<int> seqs = {16, 128, 512};
+  int threads = 2;
+  double budget_s = 4.0;
+  int min_runs = 3;
+  int max_runs = 50;
+  int sgemm = 2048;
+  int warmup_batch = 8;
+};
+
+bool ParseInts(const std::string& v, std::vector<int>* out) {
+  out->clear();
+  for (absl::string_view part : absl::StrSplit(v, ',')) {
+    int x = 0;
+    if (!absl::SimpleAtoi(part, &x) || x <= 0) return false;
+    out->push_back(x);
+  }
+  return !out->empty();
+}
+
+bool ParseFlags(int argc, char** argv, Flags* f) {
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    size_t eq = arg.find('=');
+    if (arg.rfind("--", 0) != 0 || eq == std::string::npos) {
+      std::fprintf(stderr, "engine_bench: '%s' is not --name=value\n", arg.c_str());
+      return false;
+    }
+    std::string name = arg.substr(2, eq - 2), v = arg.substr(eq + 1);
+    bool ok = true;
+    if (name == "model") f->model = v;
+    else if (name == "collab_model") f->collab_model = v;
+    else if (name == "pytorch_tsv") f->pytorch_tsv = v;
+    else if (name == "ort_tsv") f->ort_tsv = v;
+    else if (name == "tsv_out") f->tsv_out = v;
+    else if (name == "batches") ok = ParseInts(v, &f->batches);
+    else if (name == "seqs") ok = ParseInts(v, &f->seqs);
+    else if (name == "threads") ok = absl::SimpleAtoi(v, &f->threads) && f->threads > 0;
+    else if (name == "budget_s") ok = absl::SimpleAtod(v, &f->budget_s) && f->budget_s >= 0;
+    else if (name == "min_runs") ok = absl::SimpleAtoi(v, &f->min_runs) && f->min_runs > 0;
+    else if (name == "max_runs") ok = absl::SimpleAtoi(v, &f->max_runs) && f->max_runs > 0;
+    else if (name == "warmup_batch") ok = absl::SimpleAtoi(v, &f->warmup_batch) && f->warmup_batch > 0;
+    else if (name == "sgemm") ok = absl::SimpleAtoi(v, &f->sgemm) && f->sgemm >= 0;
+    else {
+      std::fprintf(stderr, "engine_bench: unknown flag --%s\n", name.c_str());
+      return false;
+    }
+    if (!ok) {
+      std::fprintf(stderr, "engine_bench: bad value for --%s: '%s'\n", name.c_str(), v.c_str());
+      return false;
+    }
+  }
+  if (f->model.empty()) {
+    std::fprintf(stderr, "engine_bench: --model=DIR is required\n");
+    return false;
+  }
+  return true;
+}
+
+double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+double CpuSeconds() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return u.ru_utime.tv_sec + u.ru_stime.tv_sec + 1e-6 * (u.ru_utime.tv_usec + u.ru_stime.tv_usec);
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// The inputs every implementation in the bench uses (pytorch_bench.py and ort_bench.mjs compute
+// the same ids): [CLS] ... [SEP], segment 0, no padding.
+std::vector<TokenizedInput> MakeInputs(int batch, int seq) {
+  std::vector<TokenizedInput> out(batch);
+  for (int b = 0; b < batch; ++b) {
+    auto& in = out[b];
+    in.input_ids.resize(seq);
+    in.token_type_ids.assign(seq, 0);
+    for (int s = 0; s < seq; ++s) {
+      in.input_ids[s] = 1000 + static_cast<int32_t>((static_cast<int64_t>(b) * seq + s) * 7919 % 20000);
+    }
+    in.input_ids[0] = 101;
+    in.input_ids[seq - 1] = 102;
+  }
+  return out;
+}
+
+// Multiply-adds ×2 of one forward pass: every matmul weight once per token (the head once per
+// sequence) plus attention's scores and context products.
+double ForwardFlops(const ModelInfo& m, int batch, int seq) {
+  const double D = m.hidden_size, F = m.intermediate_size, H = m.num_heads, dk = m.head_size;
+  const double tokens = static_cast<double>(batch) * seq, S = seq;
+  double flops = 0;
+  for (int i = 0; i < m.num_layers; ++i) {
+    const double R = m.collaborative_ranks.empty() ? 0 : m.collaborative_ranks[i];
+    double params, attention;
+    if (R > 0) {
+      params = (2 * R + D + H) * D + D * D + 2 * D * F;  // W~Q, W~K, value, content bias | out | FFN
+      attention = 2.0 * batch * H * S * S * (R + dk);     // (X W~Q diag m_i) (Y W~K)^T, probs V
+    } else {
+      params = 4 * D * D + 2 * D * F;
+      attention = 4.0 * batch * H * S * S * dk;
+    }
+    flops += 2 * params * tokens + attention;
+  }
+  flops += 2.0 * batch * (D * D + static_cast<double>(m.labels.size()) * D);
+  return flops;
+}
+
+struct Point {
+  double seq_per_s = 0;
+  double cpu_util = 0;  // process CPU seconds / wall seconds over the timed runs
+  int runs = 0;
+};
+
+Point Measure(const Engine& engine, int batch, int seq, const Flags& f) {
+  auto inputs = MakeInputs(batch, seq);
+  auto run = [&](const std::vector<TokenizedInput>& in) {
+    auto r = engine.Run(in);
+    if (!r.ok()) {
+      std::fprintf(stderr, "engine_bench: Run failed: %s\n", r.status().ToString().c_str());
+      std::exit(1);
+    }
+  };
+  {
+    // Warm-up (allocator, OpenBLAS buffers, first-touch pages) on at most --warmup_batch sequences:
+    // a full 32 × 512 batch would cost as much as a timed run.
+    std::vector<TokenizedInput> head(inputs.begin(), inputs.begin() + std::min(batch, f.warmup_batch));
+    run(head);
+  }
+  std::vector<double> times;
+  double cpu0 = CpuSeconds(), wall0 = Now(), spent = 0;
+  while (static_cast<int>(times.size()) < f.max_runs &&
+         (static_cast<int>(times.size()) < f.min_runs || spent < f.budget_s)) {
+    double t0 = Now();
+    run(inputs);
+    times.push_back(Now() - t0);
+    spent += times.back();
+  }
+  Point p;
+  p.runs = static_cast<int>(times.size());
+  p.seq_per_s = batch / Median(times);
+  p.cpu_util = (CpuSeconds() - cpu0) / (Now() - wall0);
+  return p;
+}
+
+double SgemmPeak(int n) {
+  c10::InferenceMode guard;
+  at::Tensor a = at::randn({n, n}), b = at::randn({n, n}), c = at::empty({n, n});
+  at::mm_out(c, a, b);
+  std::vector<double> times;
+  for (int i = 0; i < 5; ++i) {
+    double t0 = Now();
+    at::mm_out(c, a, b);
+    times.push_back(Now() - t0);
+  }
+  return 2.0 * n * n * n / Median(times) / 1e9;
+}
+
+// Reads "batch<TAB>seq<TAB>seq_per_s..." lines (a '#' line is a comment).
+std::map<std::pair<int, int>, double> ReadTsv(const std::string& path) {
+  std::map<std::pair<int, int>, double> out;
+  if (path.empty()) return out;
+  std::ifstream in(path);
+  if (!in) {
+    std::fprintf(stderr, "engine_bench: cannot read %s\n", path.c_str());
+    std::exit(1);
+  }
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.empty() || line[0] == '#') continue;
+    std::istringstream ls(line);
+    int b = 0, s = 0;
+    double v = 0;
+    if (!(ls >> b >> s >> v)) {
+      std::fprintf(stderr, "engine_bench: %s: bad line '%s'\n", path.c_str(), line.c_str());
+      std::exit(1);
+    }
+    out[{b, s}] = v;
+  }
+  return out;
+}
+
+std::string Cell(const std::map<std::pair<int, int>, double>& m, int b, int s, const char* fmt) {
+  auto it = m.find({b, s});
+  if (it == m.end()) return "-";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, fmt, it->second);
+  return buf;
+}
+
+std::unique_ptr<Engine> LoadOrDie(const std::string& dir) {
+  auto e = Engine::Load(dir);
+  if (!e.ok()) {
+    std::fprintf(stderr, "engine_bench: %s\n", e.status().ToString().c_str());
+    std::exit(1);
+  }
+  return std::move(*e);
+}
+
+int Main(int argc, char** argv) {
+  Flags f;
+  if (!ParseFlags(argc, argv, &f)) return 2;
+
+  // Thread settings (what the server's main should set too): ATen's intra-op pool (OpenMP here)
+  // and OpenBLAS's own pthreads pool, both to --threads.
+  at::set_num_threads(f.threads);
+  using SetThreads = void (*)(int);
+  using GetInt = int (*)();
+  using GetConfig = char* (*)();
+  auto openblas_set = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
+  auto openblas_get = reinterpret_cast<GetInt>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
+  auto openblas_config = reinterpret_cast<GetConfig>(dlsym(RTLD_DEFAULT, "openblas_get_config"));
+  if (openblas_set) openblas_set(f.threads);
+
+  std::unique_ptr<Engine> engine = LoadOrDie(f.model);
+  std::unique_ptr<Engine> collab;
+  if (!f.collab_model.empty()) collab = LoadOrDie(f.collab_model);
+
+  double loadavg[1] = {0};
+  getloadavg(loadavg, 1);
+  std::printf("engine_bench: at::get_num_threads()=%d, OpenBLAS threads=%d (%s), OMP_WAIT_POLICY=%s, "
+              "%ld online CPUs, load average %.2f at start\n",
+              at::get_num_threads(), openblas_get ? openblas_get() : -1,
+              openblas_config ? openblas_config() : "OpenBLAS not found",
+              std::getenv("OMP_WAIT_POLICY") ? std::getenv("OMP_WAIT_POLICY") : "(unset)",
+              sysconf(_SC_NPROCESSORS_ONLN), loadavg[0]);
+  const ModelInfo& info = engine->info();
+  std::printf("model: %d layers, hidden %d, %d heads, FFN %d, %zu labels", info.num_layers,
+              info.hidden_size, info.num_heads, info.intermediate_size, info.labels.size());
+  if (collab && !collab->info().collaborative_ranks.empty()) {
+    std::printf("; collaborative column: rank %d", collab->info().collaborative_ranks[0]);
+  }
+  std::printf("\n");
+  double peak = f.sgemm > 0 ? SgemmPeak(f.sgemm) : 0;
+  if (peak > 0) std::printf("SGEMM peak (at::mm %d^3, median of 5): %.1f GFLOP/s\n", f.sgemm, peak);
+  std::fflush(stdout);
+
+  auto pytorch = ReadTsv(f.pytorch_tsv);
+  auto ort = ReadTsv(f.ort_tsv);
+  std::FILE* tsv = f.tsv_out.empty() ? nullptr : std::fopen(f.tsv_out.c_str(), "w");
+  if (!f.tsv_out.empty() && !tsv) {
+    std::fprintf(stderr, "engine_bench: cannot write %s\n", f.tsv_out.c_str());
+    return 1;
+  }
+  if (tsv) std::fprintf(tsv, "# batch\tseq\tcollabserve_seq_per_s\truns\tcollab_seq_per_s\n");
+
+  std::printf("\n%5s %5s | %11s %9s | %9s %9s | %8s | %8s %6s | %5s %4s\n", "batch", "seq",
+              "collabserve", "collab", "PyTorch", "ORT", "vs best", "GFLOP/s", "%peak", "CPU%",
+              "runs");
+  std::printf("%5s %5s | %11s %9s | %9s %9s | %8s | %8s %6s | %5s %4s\n", "", "", "seq/s",
+              "seq/s", "seq/s", "seq/s", "baseline", "", "", "", "");
+  std::printf("------------+-----------------------+---------------------+----------+-----------------+-----------\n");
+  for (int b : f.batches) {
+    for (int s : f.seqs) {
+      if (s > info.max_length) {
+        std::printf("%5d %5d | longer than the model's max_length %d: skipped\n", b, s, info.max_length);
+        continue;
+      }
+      Point p = Measure(*engine, b, s, f);
+      Point pc;
+      if (collab) pc = Measure(*collab, b, s, f);
+      double best = 0;
+      for (auto* m : {&pytorch, &ort}) {
+        auto it = m->find({b, s});
+        if (it != m->end()) best = std::max(best, it->second);
+      }
+      double gflops = ForwardFlops(info, b, s) * p.seq_per_s / b / 1e9;
+      char ratio[16] = "-", collab_s[16] = "-", pct[16] = "-";
+      if (best > 0) std::snprintf(ratio, sizeof ratio, "%.2fx", p.seq_per_s / best);
+      if (collab) std::snprintf(collab_s, sizeof collab_s, "%.2f", pc.seq_per_s);
+      if (peak > 0) std::snprintf(pct, sizeof pct, "%.0f%%", 100 * gflops / peak);
+      std::printf("%5d %5d | %11.2f %9s | %9s %9s | %8s | %8.1f %6s | %4.0f%% %4d\n", b, s,
+                  p.seq_per_s, collab_s, Cell(pytorch, b, s, "%.2f").c_str(),
+                  Cell(ort, b, s, "%.2f").c_str(), ratio, gflops, pct, 100 * p.cpu_util, p.runs);
+      std::fflush(stdout);
+      if (tsv) std::fprintf(tsv, "%d\t%d\t%.4f\t%d\t%.4f\n", b, s, p.seq_per_s, p.runs, pc.seq_per_s);
+    }
+  }
+  if (tsv) std::fclose(tsv);
+  getloadavg(loadavg, 1);
+  std::printf("\nmedians of timed runs after one warm-up; 'vs best baseline' = collabserve / max(PyTorch, "
+              "ORT); GFLOP/s and %%peak for collabserve; CPU%% = process CPU time / wall time "
+              "(100%% = one core busy); load average %.2f at end\n", loadavg[0]);
+  return 0;
+}
+
+}  // namespace
+}  // namespace collabserve::model
+
+int main(int argc, char** argv) { return collabserve::model::Main(argc, argv); }

@@ -1,0 +1,85 @@
+#!/usr/bin/python3
+"""PyTorch eager baseline for bench/engine (and the ONNX export for the ONNX Runtime baseline).
+
+usage: pytorch_bench.py --model DIR --out FILE.tsv [--batches 1,8,32] [--seqs 16,128,512]
+                        [--threads 2] [--budget_s 4] [--min_runs 3] [--max_runs 50]
+                        [--warmup_batch 8] [--export_onnx FILE.onnx]
+
+Loads DIR with bert_module (checked against tests/reference/bert_reference.py first: logits within
+1e-4), then for each grid point runs one warm-up forward and timed forwards under
+torch.inference_mode until --budget_s is spent (at least --min_runs, at most --max_runs), and writes
+"batch<TAB>seq<TAB>median seq/s<TAB>runs" lines. The timing policy and inputs equal engine_bench's.
+"""
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bert_module  # noqa: E402
+
+
+def ints(s):
+    return [int(x) for x in s.split(",")]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--batches", type=ints, default=[1, 8, 32])
+    ap.add_argument("--seqs", type=ints, default=[16, 128, 512])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--budget_s", type=float, default=4.0)
+    ap.add_argument("--min_runs", type=int, default=3)
+    ap.add_argument("--max_runs", type=int, default=50)
+    ap.add_argument("--warmup_batch", type=int, default=8)
+    ap.add_argument("--export_onnx")
+    a = ap.parse_args()
+
+    model, ref = bert_module.load(a.model)
+    torch.set_num_threads(a.threads)
+    with torch.inference_mode():
+        ids, types, mask = bert_module.make_inputs(2, 24)
+        mask[1, 20:] = 0
+        got, want = model(ids, types, mask), ref.forward(ids, types, mask)
+        err = (got - want).abs().max().item()
+        if err > 1e-4:
+            raise SystemExit(f"bert_module disagrees with bert_reference by {err}")
+
+    if a.export_onnx:
+        ids, types, mask = bert_module.make_inputs(2, 16)
+        axes = {0: "batch", 1: "sequence"}
+        torch.onnx.export(model, (ids, types, mask), a.export_onnx, opset_version=14,
+                          input_names=["input_ids", "token_type_ids", "attention_mask"],
+                          output_names=["logits"],
+                          dynamic_axes={"input_ids": axes, "token_type_ids": axes,
+                                        "attention_mask": axes, "logits": {0: "batch"}})
+        print(f"pytorch_bench: exported {a.export_onnx}", file=sys.stderr)
+
+    print(f"pytorch_bench: torch {torch.__version__}, get_num_threads()={torch.get_num_threads()}",
+          file=sys.stderr)
+    with open(a.out, "w") as out, torch.inference_mode():
+        out.write("# batch\tseq\tpytorch_seq_per_s\truns\n")
+        for b in a.batches:
+            for s in a.seqs:
+                ids, types, mask = bert_module.make_inputs(b, s)
+                w = min(b, a.warmup_batch)
+                model(ids[:w], types[:w], mask[:w])  # warm-up
+                times = []
+                while len(times) < a.max_runs and (len(times) < a.min_runs or sum(times) < a.budget_s):
+                    t0 = time.perf_counter()
+                    model(ids, types, mask)
+                    times.append(time.perf_counter() - t0)
+                times.sort()
+                n = len(times)
+                med = times[n // 2] if n % 2 else 0.5 * (times[n // 2 - 1] + times[n // 2])
+                out.write(f"{b}\t{s}\t{b / med:.4f}\t{n}\n")
+                out.flush()
+                print(f"pytorch_bench: {b} x {s}: {b / med:.2f} seq/s ({n} runs)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Runs the benchmarks (`make bench`): one section per benchmark, each printing its own table.
+#   scripts/run-bench.sh BUILD_DIR [SECTION...]     sections: engine (default: all)
+# Environment: BENCH_THREADS (2), ENGINE_BENCH_FLAGS (extra flags for all three engine programs,
+# e.g. "--batches=1,8 --seqs=16,128 --budget_s=2").
+set -euo pipefail
+
+BUILD_DIR=${1:?usage: run-bench.sh BUILD_DIR [SECTION...]}
+shift
+BUILD_DIR=$(cd "$BUILD_DIR" && pwd)
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+PY=/usr/bin/python3  # Debian's Python, the one with torch
+THREADS=${BENCH_THREADS:-2}
+MODELS="$BUILD_DIR/bench-models"
+SECTIONS=("$@")
+[ ${#SECTIONS[@]} -eq 0 ] && SECTIONS=(engine)
+
+# Same thread settings for every implementation: ATen/OpenMP, OpenBLAS and ONNX Runtime intra-op
+# pools all get $THREADS threads; idle OpenMP workers sleep instead of spinning (on a shared or
+# oversubscribed machine spinning workers steal the cores the BLAS threads need).
+export OMP_NUM_THREADS=$THREADS OPENBLAS_NUM_THREADS=$THREADS OMP_WAIT_POLICY=PASSIVE
+
+section_engine() {
+  echo "== engine: Engine::Run vs PyTorch eager vs ONNX Runtime (BERT-base shape, random weights) =="
+  local model_tool="$BUILD_DIR/bin/collabserve-model" bench="$BUILD_DIR/bin/engine_bench"
+  for f in "$model_tool" "$bench"; do
+    [ -x "$f" ] || { echo "run-bench: $f is missing (build the targets collabserve-model and engine_bench)" >&2; return 1; }
+  done
+  if [ ! -d "$ROOT/bench/engine/node_modules/onnxruntime-node" ]; then
+    (cd "$ROOT/bench/engine" && ONNXRUNTIME_NODE_INSTALL_CUDA=skip npm ci --no-audit --no-fund --loglevel=error)
+  fi
+  mkdir -p "$MODELS"
+  # Cached: the checkpoint is deterministic and compressing it takes minutes.
+  if [ ! -f "$MODELS/base/config.json" ]; then
+    rm -rf "$MODELS/base"
+    "$model_tool" make --out "$MODELS/base" --preset base
+  fi
+  if [ ! -f "$MODELS/base-collab384/config.json" ]; then
+    rm -rf "$MODELS/base-collab384"
+    "$model_tool" compress --model "$MODELS/base" --out "$MODELS/base-collab384" --rank 384 >/dev/null
+  fi
+  local work
+  work=$(mktemp -d)
+  trap 'rm -rf "$work"' RETURN
+  # shellcheck disable=SC2086  # ENGINE_BENCH_FLAGS is a list of flags
+  local flags=(--threads="$THREADS" ${ENGINE_BENCH_FLAGS:-})
+  local pyflags=()
+  for f in "${flags[@]}"; do pyflags+=("${f%%=*}" "${f#*=}"); done
+  if [ ! -f "$MODELS/base/model.onnx" ]; then
+    "$PY" "$ROOT/bench/engine/pytorch_bench.py" --model "$MODELS/base" --out "$work/pytorch.tsv" \
+      --export_onnx "$MODELS/base/model.onnx" "${pyflags[@]}"
+  else
+    "$PY" "$ROOT/bench/engine/pytorch_bench.py" --model "$MODELS/base" --out "$work/pytorch.tsv" "${pyflags[@]}"
+  fi
+  node "$ROOT/bench/engine/ort_bench.mjs" --model "$MODELS/base/model.onnx" --out "$work/ort.tsv" "${pyflags[@]}"
+  "$bench" --model="$MODELS/base" --collab_model="$MODELS/base-collab384" \
+    --pytorch_tsv="$work/pytorch.tsv" --ort_tsv="$work/ort.tsv" "${flags[@]}"
+}
+
+for s in "${SECTIONS[@]}"; do
+  case "$s" in
+    engine) section_engine ;;
+    *) echo "run-bench: unknown section '$s'" >&2; exit 2 ;;
+  esac
+  echo
+done
