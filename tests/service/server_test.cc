@@ -20,6 +20,9 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "grpcpp/support/channel_arguments.h"
+#include "server/util/files.h"
 #include "gtest/gtest.h"
 #include "server/model/engine.h"
 #include "server/service/model_servable.h"
@@ -551,6 +554,64 @@ TEST_F(ServerTest, MetricsPageParsesAndPassesPromtool) {
   std::ifstream out(dir.path() + "/out.txt");
   std::string report((std::istreambuf_iterator<char>(out)), std::istreambuf_iterator<char>());
   EXPECT_EQ(rc, 0) << report;
+}
+
+TEST_F(ServerTest, ShutdownEndsOpenStreamsAndReturns) {
+  Start();
+  grpc::ClientContext ctx;
+  auto stream = stub_->ClassifyStream(&ctx);
+  v1::StreamClassifyRequest req;
+  req.set_id("only");
+  *req.mutable_request() = Request("tiny", {"hello"});
+  ASSERT_TRUE(stream->Write(req));
+  v1::StreamClassifyResponse resp;
+  ASSERT_TRUE(stream->Read(&resp));
+  EXPECT_EQ(resp.id(), "only");
+  // The client never half-closes; Shutdown must still finish (the drain does not wait for idle
+  // streams, and gRPC cancels them).
+  const absl::Time t0 = absl::Now();
+  server_->Shutdown();
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(15));
+  EXPECT_FALSE(stream->Read(&resp));
+  EXPECT_FALSE(stream->Finish().ok());
+}
+
+TEST_F(ServerTest, ServesTlsWhenGivenACertificate) {
+  TempDir certs;
+  const std::string cert = certs.path() + "/cert.pem", key = certs.path() + "/key.pem";
+  const std::string cmd = "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost "
+                          "-addext subjectAltName=DNS:localhost -keyout " + key + " -out " + cert +
+                          " >/dev/null 2>&1";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << "openssl could not make a test certificate";
+  ServerOptions o = Options();
+  o.tls_cert_file = cert;
+  o.tls_key_file = key;
+  Start(o);
+  grpc::SslCredentialsOptions ssl;
+  ssl.pem_root_certs = *util::ReadFile(cert);
+  grpc::ChannelArguments args;
+  args.SetSslTargetNameOverride("localhost");
+  auto channel = grpc::CreateCustomChannel(absl::StrCat("127.0.0.1:", server_->port()),
+                                           grpc::SslCredentials(ssl), args);
+  auto stub = v1::Inference::NewStub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+  v1::ClassifyResponse resp;
+  grpc::Status s = stub->Classify(&ctx, Request("tiny", {"over TLS"}), &resp);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  // A plaintext client cannot talk to it.
+  v1::ClassifyResponse plain;
+  s = Classify(Request("tiny", {"in the clear"}), &plain, absl::Seconds(3));
+  EXPECT_FALSE(s.ok());
+}
+
+TEST_F(ServerTest, HalfTlsConfigurationIsRejected) {
+  ServerOptions o = Options();
+  o.tls_cert_file = "/some/cert.pem";
+  Server server(o);
+  absl::Status s = server.Start();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("--tls_key"));
 }
 
 }  // namespace
