@@ -174,9 +174,13 @@ class InferenceService::StreamReactor final
 
   void OnReadDone(bool ok) override {
     if (!ok) {
-      absl::MutexLock lock(&mu_);
-      reads_done_ = true;
-      MaybeFinishLocked();
+      std::optional<grpc::Status> done;
+      {
+        absl::MutexLock lock(&mu_);
+        reads_done_ = true;
+        done = FinishStatusLocked();
+      }
+      if (done) Finish(*done);
       return;
     }
     {
@@ -195,33 +199,47 @@ class InferenceService::StreamReactor final
             out.mutable_error()->set_code(static_cast<int>(status.error_code()));
             out.mutable_error()->set_message(status.error_message());
           }
-          absl::MutexLock lock(&mu_);
-          --pending_;
-          if (!write_failed_) queue_.push_back(std::move(out));
-          MaybeWriteLocked();
-          MaybeFinishLocked();
+          std::optional<grpc::Status> done;
+          {
+            absl::MutexLock lock(&mu_);
+            --pending_;
+            if (!write_failed_) queue_.push_back(std::move(out));
+            MaybeWriteLocked();
+            done = FinishStatusLocked();
+          }
+          // Last use of `this`: OnDone (which deletes it) may run as soon as Finish is called.
+          if (done) Finish(*done);
         });
+    // No request of this stream can have finished the call: reads_done_ is still false.
     request_.Clear();
     StartRead(&request_);
   }
 
   void OnWriteDone(bool ok) override {
-    absl::MutexLock lock(&mu_);
-    writing_ = false;
-    if (!ok) {
-      write_failed_ = true;
-      queue_.clear();
+    std::optional<grpc::Status> done;
+    {
+      absl::MutexLock lock(&mu_);
+      writing_ = false;
+      if (!ok) {
+        write_failed_ = true;
+        queue_.clear();
+      }
+      MaybeWriteLocked();
+      done = FinishStatusLocked();
     }
-    MaybeWriteLocked();
-    MaybeFinishLocked();
+    if (done) Finish(*done);
   }
 
   void OnCancel() override {
     cancelled_->store(true, std::memory_order_relaxed);
     service_->cancellations_.fetch_add(1, std::memory_order_acq_rel);
-    absl::MutexLock lock(&mu_);
-    call_cancelled_ = true;
-    MaybeFinishLocked();
+    std::optional<grpc::Status> done;
+    {
+      absl::MutexLock lock(&mu_);
+      call_cancelled_ = true;
+      done = FinishStatusLocked();
+    }
+    if (done) Finish(*done);
   }
 
   void OnDone() override { delete this; }
@@ -235,15 +253,19 @@ class InferenceService::StreamReactor final
     StartWrite(&current_);
   }
 
-  void MaybeFinishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (finished_ || pending_ > 0 || writing_) return;
+  // The status to Finish with, once (then finished_ is set), or nullopt if the stream goes on.
+  // The caller calls Finish after releasing mu_: OnDone may delete the reactor right away.
+  std::optional<grpc::Status> FinishStatusLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (finished_ || pending_ > 0 || writing_) return std::nullopt;
     if (call_cancelled_ || write_failed_) {
       finished_ = true;
-      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "stream cancelled"));
-    } else if (reads_done_ && queue_.empty()) {
-      finished_ = true;
-      Finish(grpc::Status::OK);
+      return grpc::Status(grpc::StatusCode::CANCELLED, "stream cancelled");
     }
+    if (reads_done_ && queue_.empty()) {
+      finished_ = true;
+      return grpc::Status::OK;
+    }
+    return std::nullopt;
   }
 
   InferenceService* const service_;
