@@ -535,6 +535,10 @@ absl::StatusOr<CpResult> FactorizedCpAls(const at::Tensor& P, const at::Tensor& 
       source = std::make_unique<DirectSource>(Pc, Qc);
     }
     CpResult result = RunAls(*source, norm_sq, B, C, options);
+    // The sweeps' Gram-based errors carry the compute precision (float32 cannot resolve errors
+    // below ~1e-3); one float64 pass gives the error of the factors actually returned.
+    ASSIGN_OR_RETURN(result.relative_error,
+                     RelativeErrorUnchecked(P, Q, result.mixing, result.query, result.key));
     result.seconds = SecondsSince(start);
     return result;
   });
