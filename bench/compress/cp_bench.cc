@@ -13,6 +13,7 @@
 //
 // Usage: cp_bench [--iters=100] [--dense_iters=10] [--repeats=3] [--ranks=384,256]
 //                 [--shared_dim=256] [--noise=0.1] [--layers=12] [--threads=2] [--skip_dense]
+//                 [--model_only]
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
@@ -46,6 +47,7 @@ struct Flags {
   int layers = 12;
   int threads = 2;
   bool skip_dense = false;
+  bool model_only = false;
 };
 
 bool ParseFlags(int argc, char** argv, Flags* flags) {
@@ -82,6 +84,8 @@ bool ParseFlags(int argc, char** argv, Flags* flags) {
       }
     } else if (arg == "--skip_dense") {
       flags->skip_dense = true;
+    } else if (arg == "--model_only") {
+      flags->model_only = true;
     } else {
       ok = false;
     }
@@ -345,8 +349,10 @@ int main(int argc, char** argv) {
   std::printf("err@k = relative error after k=%d sweeps; seconds include initialisation; "
               "* = dense time extrapolated as init + sweeps x measured per-sweep time\n",
               flags.dense_iters);
-  BenchLayer("random", RandomLayer(1), flags);
-  BenchLayer("planted", PlantedLayer(2, flags.shared_dim, flags.noise), flags);
+  if (!flags.model_only) {
+    BenchLayer("random", RandomLayer(1), flags);
+    BenchLayer("planted", PlantedLayer(2, flags.shared_dim, flags.noise), flags);
+  }
   if (flags.layers > 0) BenchModel(flags, flags.ranks.front());
   std::printf("\nload average at end: %s\n", LoadAverage().c_str());
   return 0;
