@@ -2,28 +2,32 @@
 
 #include <utility>
 
+#include <glog/logging.h>
+
 namespace collabserve::service {
 
 ServableReaper::ServableReaper() : thread_([this] { Loop(); }) {}
 
-ServableReaper::~ServableReaper() { Stop(); }
+ServableReaper::~ServableReaper() { Stop(absl::ZeroDuration()); }
 
 std::shared_ptr<repository::Servable> ServableReaper::Adopt(
     std::unique_ptr<repository::Servable> servable) {
+  {
+    absl::MutexLock lock(&mu_);
+    ++alive_;
+  }
   std::shared_ptr<ServableReaper> self = shared_from_this();
   return std::shared_ptr<repository::Servable>(
       servable.release(), [self](repository::Servable* s) { self->Release(s); });
 }
 
 void ServableReaper::Release(repository::Servable* servable) {
-  {
-    absl::MutexLock lock(&mu_);
-    if (!stopping_) {
-      queue_.push_back(servable);
-      return;
-    }
+  absl::MutexLock lock(&mu_);
+  if (stopped_) {
+    LOG(WARNING) << "a servable was released after the server stopped; leaking it";
+    return;
   }
-  delete servable;
+  queue_.push_back(servable);
 }
 
 void ServableReaper::Loop() {
@@ -33,24 +37,38 @@ void ServableReaper::Loop() {
       absl::MutexLock lock(&mu_);
       mu_.Await(absl::Condition(
           +[](ServableReaper* r) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-            return r->stopping_ || !r->queue_.empty();
+            return r->stopped_ || !r->queue_.empty();
           },
           this));
-      if (queue_.empty()) return;  // stopping and nothing left
+      if (queue_.empty()) return;  // stopped, nothing left
       s = queue_.front();
       queue_.pop_front();
     }
     delete s;
+    absl::MutexLock lock(&mu_);
+    --alive_;
   }
 }
 
-void ServableReaper::Stop() {
+int64_t ServableReaper::Stop(absl::Duration timeout) {
+  int64_t alive;
   {
     absl::MutexLock lock(&mu_);
-    if (stopping_ && !thread_.joinable()) return;
-    stopping_ = true;
+    auto all_gone = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return alive_ == 0; };
+    mu_.AwaitWithTimeout(absl::Condition(&all_gone), timeout);
+    stopped_ = true;
+    alive = alive_;
   }
   if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
+  // Anything queued but not destroyed by the loop (none unless the loop already exited) stays
+  // counted as alive and is leaked.
+  if (alive > 0) LOG(WARNING) << alive << " servable(s) still held when the server stopped";
+  return alive;
+}
+
+int64_t ServableReaper::num_alive() const {
+  absl::MutexLock lock(&mu_);
+  return alive_;
 }
 
 }  // namespace collabserve::service

@@ -5,18 +5,19 @@
 #ifndef COLLABSERVE_SERVER_SERVICE_SERVABLE_REAPER_H_
 #define COLLABSERVE_SERVER_SERVICE_SERVABLE_REAPER_H_
 
+#include <cstdint>
 #include <deque>
 #include <memory>
 #include <thread>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "server/repository/model_repository.h"
 
 namespace collabserve::service {
 
-// Thread-safe. Create with std::make_shared; the deleters it hands out keep it alive, so servables
-// released after Stop() (or after the owner let go) are destroyed inline on the releasing thread.
+// Thread-safe. Create with std::make_shared; the deleters it hands out keep it alive.
 class ServableReaper : public std::enable_shared_from_this<ServableReaper> {
  public:
   ServableReaper();
@@ -25,16 +26,23 @@ class ServableReaper : public std::enable_shared_from_this<ServableReaper> {
   // Wraps `servable` in a shared_ptr whose deleter queues it for destruction on the reaper thread.
   std::shared_ptr<repository::Servable> Adopt(std::unique_ptr<repository::Servable> servable);
 
-  // Destroys everything queued so far and stops the thread; later releases destroy inline.
-  void Stop();
+  // Waits up to `timeout` until every adopted servable has been released and destroyed (in-flight
+  // calls let go of theirs as they complete), then stops the thread. What its owner tears down
+  // after Stop (metrics, say) is then no longer used by any servable. A servable still held after
+  // the timeout is leaked when released (logged), never destroyed on the releasing thread.
+  // Returns the number of servables still alive. Idempotent.
+  int64_t Stop(absl::Duration timeout = absl::Seconds(60));
+
+  int64_t num_alive() const;
 
  private:
   void Release(repository::Servable* servable);
   void Loop();
 
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
   std::deque<repository::Servable*> queue_ ABSL_GUARDED_BY(mu_);
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  int64_t alive_ ABSL_GUARDED_BY(mu_) = 0;  // adopted and not yet destroyed
+  bool stopped_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
 };
 

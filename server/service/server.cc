@@ -172,7 +172,9 @@ void Server::Shutdown() {
   }
   if (repository_ != nullptr) repository_->StopPolling();
   repository_.reset();  // servables go to the reaper, which drains their schedulers
-  reaper_->Stop();
+  // In-flight completions may still hold a servable for a moment; they must all be gone before
+  // the metrics (which a servable's destructor updates) are.
+  reaper_->Stop(options_.drain_timeout + absl::Seconds(10));
   LOG(INFO) << "shut down";
   absl::MutexLock lock(&mu_);
   shut_down_ = true;
