@@ -18,9 +18,41 @@ constexpr int64_t kMaxHidden = 1 << 14;
 constexpr int64_t kMaxLayers = 256;
 constexpr int64_t kMaxPositions = 1 << 16;
 constexpr int64_t kMaxLabels = 1 << 16;
+// Each field bound above still allows combinations of hundreds of GB (vocab 4M x hidden 16384 alone
+// is 2^36 parameters), so the whole model is bounded too: 2^32 parameters, 16 GiB as float32.
+constexpr int64_t kMaxParameters = int64_t{1} << 32;
+
+// Parameters of BertForSequenceClassification with this config (standard attention), plus what the
+// collaborative layers add (shared W_Q/W_K of hidden x rank and a head-mixing matrix). Every factor
+// is bounded by the field limits, so this cannot overflow int64.
+int64_t ParameterCount(const BertConfig& c) {
+  const int64_t h = c.hidden_size, i = c.intermediate_size;
+  int64_t n = (int64_t{c.vocab_size} + c.max_position_embeddings + c.type_vocab_size) * h + 2 * h;
+  const int64_t layer = 4 * (h * h + h) + 2 * h + h * i + i + i * h + h + 2 * h;
+  n += c.num_hidden_layers * layer;
+  for (int rank : c.collaborative.ranks) n += 2 * h * rank + int64_t{c.num_attention_heads} * rank;
+  n += h * h + h;                                      // pooler
+  n += h * c.num_labels() + c.num_labels();            // classifier
+  return n;
+}
 
 absl::Status Invalid(absl::string_view name, absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat(name, ": ", what));
+}
+
+// A JSON value for an error message. Containers are named, not dumped: dump() recurses once per
+// nesting level, so a hostile config nested a million deep would overflow the stack (found by
+// tests/fuzz/config_json_fuzzer); long strings are cut so a message stays readable.
+std::string Describe(const json& v) {
+  if (v.is_array()) return "an array";
+  if (v.is_object()) return "an object";
+  std::string s = v.dump();
+  if (s.size() > 80) {
+    size_t cut = 80;
+    while (cut > 0 && (static_cast<unsigned char>(s[cut]) & 0xC0) == 0x80) --cut;  // UTF-8 boundary
+    s = s.substr(0, cut) + "...";
+  }
+  return s;
 }
 
 absl::StatusOr<int> GetInt(const json& j, const char* key, int def, int64_t lo, int64_t hi,
@@ -61,7 +93,7 @@ absl::StatusOr<BertConfig> BertConfig::Parse(absl::string_view text, absl::strin
 
   if (auto it = j.find("model_type"); it != j.end() && !it->is_null()) {
     if (!it->is_string() || it->get<std::string>() != "bert") {
-      return absl::UnimplementedError(absl::StrCat(name, ": model_type ", it->dump(),
+      return absl::UnimplementedError(absl::StrCat(name, ": model_type ", Describe(*it),
                                                    " is not supported (only \"bert\")"));
     }
   }
@@ -70,7 +102,7 @@ absl::StatusOr<BertConfig> BertConfig::Parse(absl::string_view text, absl::strin
     for (const auto& a : *it) {
       if (!a.is_string() || (a != "BertForSequenceClassification")) {
         return absl::UnimplementedError(
-            absl::StrCat(name, ": architecture ", a.dump(),
+            absl::StrCat(name, ": architecture ", Describe(a),
                          " is not supported (only BertForSequenceClassification)"));
       }
     }
@@ -78,7 +110,7 @@ absl::StatusOr<BertConfig> BertConfig::Parse(absl::string_view text, absl::strin
   if (auto it = j.find("position_embedding_type"); it != j.end() && !it->is_null()) {
     if (*it != "absolute") {
       return absl::UnimplementedError(absl::StrCat(
-          name, ": position_embedding_type ", it->dump(), " is not supported (only \"absolute\")"));
+          name, ": position_embedding_type ", Describe(*it), " is not supported (only \"absolute\")"));
     }
   }
   for (const char* flag : {"is_decoder", "add_cross_attention"}) {
@@ -106,7 +138,7 @@ absl::StatusOr<BertConfig> BertConfig::Parse(absl::string_view text, absl::strin
     c.layer_norm_eps = it->get<double>();
   }
   if (auto it = j.find("hidden_act"); it != j.end() && !it->is_null()) {
-    std::string act = it->is_string() ? it->get<std::string>() : it->dump();
+    std::string act = it->is_string() ? it->get<std::string>() : Describe(*it);
     if (act == "gelu") c.hidden_act = Activation::kGelu;
     else if (act == "gelu_new" || act == "gelu_fast") c.hidden_act = Activation::kGeluNew;
     else if (act == "gelu_pytorch_tanh") c.hidden_act = Activation::kGeluPytorchTanh;
@@ -160,7 +192,7 @@ absl::StatusOr<BertConfig> BertConfig::Parse(absl::string_view text, absl::strin
     }
     for (const auto& r : *ranks) {
       if (!r.is_number_integer() || r.get<int64_t>() < 0 || r.get<int64_t>() > kMaxHidden * 4) {
-        return Invalid(name, absl::StrCat("'collaborative.ranks' entry ", r.dump(), " is not a valid rank"));
+        return Invalid(name, absl::StrCat("'collaborative.ranks' entry ", Describe(r), " is not a valid rank"));
       }
       c.collaborative.ranks.push_back(r.get<int>());
     }
@@ -169,6 +201,13 @@ absl::StatusOr<BertConfig> BertConfig::Parse(absl::string_view text, absl::strin
     if (auto e = cj.find("errors"); e != cj.end() && e->is_array()) {
       for (const auto& x : *e) c.collaborative.errors.push_back(x.is_number() ? x.get<double>() : -1.0);
     }
+  }
+  if (const int64_t n = ParameterCount(c); n > kMaxParameters) {
+    return Invalid(name, absl::StrCat("the model would have ", n, " parameters (",
+                                      n * 4 / (int64_t{1} << 30), " GiB as float32), over the limit of ",
+                                      kMaxParameters, "; vocab_size ", c.vocab_size, ", hidden_size ",
+                                      c.hidden_size, ", num_hidden_layers ", c.num_hidden_layers,
+                                      ", intermediate_size ", c.intermediate_size));
   }
   return c;
 }

@@ -46,7 +46,9 @@ struct BertConfig {
   int head_size() const { return hidden_size / num_attention_heads; }
   OutputFunction output_function() const;
 
-  // Parses config.json text. `name` is used in error messages (the file path).
+  // Parses config.json text. `name` is used in error messages (the file path). Every size is
+  // bounded, and so is the whole model (2^32 parameters), so that a hostile config is refused
+  // before anything is allocated.
   static absl::StatusOr<BertConfig> Parse(absl::string_view json, absl::string_view name);
   static absl::StatusOr<BertConfig> FromFile(const std::string& path);
 

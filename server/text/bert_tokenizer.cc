@@ -56,10 +56,22 @@ absl::StatusOr<std::vector<std::string>> ParseVocab(const std::string& path,
   return vocab;
 }
 
+// Containers are not dumped into the message: dump() recurses once per nesting level, so a hostile
+// file nested a million deep would overflow the stack (found by tests/fuzz). Long values are cut.
 absl::Status WrongType(const std::string& path, const std::string& key, std::string_view want,
                        const nlohmann::json& got) {
+  std::string value;
+  if (got.is_primitive()) {
+    value = got.dump();
+    if (value.size() > 80) {
+      size_t cut = 80;
+      while (cut > 0 && (static_cast<unsigned char>(value[cut]) & 0xC0) == 0x80) --cut;
+      value = value.substr(0, cut) + "...";
+    }
+  }
   return absl::InvalidArgumentError(absl::StrCat(path, ": \"", key, "\" must be ", AV(want),
-                                                 ", not ", got.type_name(), " ", got.dump()));
+                                                 ", not ", got.type_name(), value.empty() ? "" : " ",
+                                                 value));
 }
 
 // Applies the keys of a tokenizer_config.json or special_tokens_map.json to `o`.
