@@ -41,8 +41,8 @@ absl::Status Invalid(absl::string_view name, absl::string_view what) {
 }
 
 // A JSON value for an error message. Containers are named, not dumped: dump() recurses once per
-// nesting level, so a hostile config nested a million deep would overflow the stack (found by
-// tests/fuzz/config_json_fuzzer); long strings are cut so a message stays readable.
+// nesting level, so a config nested 30000 deep overflowed the stack (reproducers in
+// tests/fuzz/regressions/config_json); long strings are cut so a message stays readable.
 std::string Describe(const json& v) {
   if (v.is_array()) return "an array";
   if (v.is_object()) return "an object";

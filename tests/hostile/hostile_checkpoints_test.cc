@@ -28,6 +28,7 @@ namespace collabserve::model::io {
 namespace {
 
 using ::testing::HasSubstr;
+using namespace std::string_literals;  // pickles hold NUL bytes
 
 std::string SourceDir() {
   const char* dir = std::getenv("COLLABSERVE_SOURCE_DIR");
@@ -168,7 +169,7 @@ TEST(HostileCheckpointsTest, PicklesThatWouldRunACommandRunNothing) {
       {"importlib", "import_module", "os"},
       {"pty", "spawn", touch},
       {"runpy", "run_path", marker},
-      {"pickle", "loads", "cos\nsystem\n(X\x01\x00\x00\x00xtR."},
+      {"pickle", "loads", "cos\nsystem\n(S'x'\ntR."},
       {"torch", "load", marker},
       {"torch.serialization", "load", marker},
       {"collections", "namedtuple", "x"},   // an allowed module, a disallowed name
@@ -185,7 +186,7 @@ TEST(HostileCheckpointsTest, PicklesThatWouldRunACommandRunNothing) {
           "\x80\x02}" + U("w") + call + "s.",
           "\x80\x02}" + call + U("w") + "s.",
           "\x80\x02}" + U("w") + Global("torch._utils", "_rebuild_tensor_v2", stack_global) + "(" + call +
-              "K\x00)))tRs.",
+              "K\x00)))tRs."s,
           "\x80\x02" + Global("collections", "OrderedDict", stack_global) + ")R" + call + "b.",
       };
       for (const std::string& pickle : pickles) {
@@ -206,13 +207,19 @@ TEST(HostileCheckpointsTest, PicklesThatWouldRunACommandRunNothing) {
   EXPECT_FALSE(Exists(marker)) << "a pickle was executed: " << marker << " exists";
 }
 
+std::string Repeat(const std::string& s, int n) {
+  std::string out;
+  for (int i = 0; i < n; ++i) out += s;
+  return out;
+}
+
 // Memo and nesting abuse at sizes far beyond the corpus files: refused quickly, bounded memory.
 TEST(HostileCheckpointsTest, HugeNestingAndMemoAbuseAreRefused) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"\x80\x02" + std::string(1'000'000, ']') + std::string(999'999, 'a') + ".", "nest deeper than"},
       {"\x80\x02" + std::string(1'000'000, '(') + "}.", "MARK"},
       {"\x80\x02}r\xff\xff\xff\xff.", "is over the limit"},
-      {"\x80\x02}\x94\x94\x94" + std::string(2'000'000, '2') + ".", ""},  // MEMOIZE, then DUP x 2M
+      {"\x80\x02}q\x00"s + Repeat("h\x00"s, 1'100'000) + ".", "stack deeper than"},  // BINGET x 1.1M
   };
   for (const auto& [pickle, reason] : cases) {
     Staging staging;
