@@ -447,7 +447,10 @@ absl::Status JobManager::Process(Work& work, repository::ModelRepository* repo) 
   ASSIGN_OR_RETURN(model::BertConfig config,
                    [&]() -> absl::StatusOr<model::BertConfig> {
                      auto c = model::BertConfig::FromFile(util::JoinPath(work.input_dir, "config.json"));
-                     if (!c.ok()) return absl::InvalidArgumentError(c.status().message());
+                     if (!c.ok()) {
+                       return absl::InvalidArgumentError(absl::StrCat(
+                           "the engine rejects the checkpoint: ", c.status().message()));
+                     }
                      return c;
                    }());
   if (spec.kind() == v1::Job::UPLOAD) {
@@ -587,11 +590,17 @@ absl::Status JobManager::Process(Work& work, repository::ModelRepository* repo) 
 }
 
 void JobManager::Finish(const std::shared_ptr<Job>& job, const absl::Status& status) {
+  {
+    absl::MutexLock l(&job->mu_);
+    if (Job::IsTerminal(job->job_.state()) || job->finishing_) return;
+    job->finishing_ = true;
+  }
+  // Staging goes first, so that whoever sees the job end also sees it cleaned up.
+  if (repository_() != nullptr) RemoveTree(StagingDir(*job));
   const int64_t now = NowMicros();
   int64_t created = 0;
   {
     absl::MutexLock l(&job->mu_);
-    if (Job::IsTerminal(job->job_.state())) return;
     v1::Job::State state = status.ok() ? v1::Job::SUCCEEDED
                            : status.code() == absl::StatusCode::kCancelled ? v1::Job::CANCELLED
                                                                             : v1::Job::FAILED;
@@ -614,7 +623,6 @@ void JobManager::Finish(const std::shared_ptr<Job>& job, const absl::Status& sta
     for (auto& [handle, listener] : job->listeners_) listener(e, state);
   }
   if (metrics_ != nullptr) metrics_->JobEnded(Outcome(status), (now - created) / 1e6);
-  if (repository_() != nullptr) RemoveTree(StagingDir(*job));
   absl::MutexLock l(&mu_);
   ReleaseLocked(*job);
   finished_order_.push_back(job->id());

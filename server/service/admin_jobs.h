@@ -64,6 +64,7 @@ class Job {
   mutable absl::Mutex mu_;
   v1::Job job_ ABSL_GUARDED_BY(mu_);
   bool committing_ ABSL_GUARDED_BY(mu_) = false;  // publishing: no longer cancellable
+  bool finishing_ ABSL_GUARDED_BY(mu_) = false;   // JobManager::Finish has begun
   int next_listener_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<int, Listener> listeners_ ABSL_GUARDED_BY(mu_);
 };

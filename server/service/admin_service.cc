@@ -1,6 +1,7 @@
 #include "server/service/admin_service.h"
 
 #include <deque>
+#include <list>
 #include <thread>
 
 #include <glog/logging.h>
@@ -98,6 +99,8 @@ class AdminService::UploadReactor : public grpc::ServerReadReactor<v1::UploadMod
     if (service_->metrics_ != nullptr) {
       service_->metrics_->UploadBytes(session_->bytes_received() - before);
     }
+    const int64_t received = session_->bytes_received();
+    job_->Update([received](v1::Job* j) { j->set_bytes_received(received); });
     const int64_t total = session_->bytes_total();
     const int64_t step = std::max<int64_t>(total / 50, 1 << 20);
     if (session_->bytes_received() - last_reported_ >= step ||
@@ -255,9 +258,12 @@ void AdminService::Shutdown() {
     shut_down_ = true;
   }
   jobs_->Shutdown();
-  absl::MutexLock l(&mu_);
-  mu_.Await(absl::Condition(
-      +[](int* n) { return *n == 0; }, &helpers_));
+  std::list<Helper> helpers;
+  {
+    absl::MutexLock l(&mu_);
+    helpers.swap(helpers_);
+  }
+  for (Helper& h : helpers) h.thread.join();
 }
 
 absl::Status AdminService::Admit(grpc::CallbackServerContext* context) {
@@ -273,21 +279,28 @@ absl::Status AdminService::Admit(grpc::CallbackServerContext* context) {
 grpc::ServerUnaryReactor* AdminService::RunBlocking(grpc::CallbackServerContext* context,
                                                     std::function<absl::Status()> op) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  {
-    absl::MutexLock l(&mu_);
-    ++helpers_;
-  }
-  std::thread([this, reactor, op = std::move(op)] {
-    absl::Status s;
-    try {
-      s = op();
-    } catch (const std::exception& e) {
-      s = absl::InternalError(e.what());
+  absl::MutexLock l(&mu_);
+  // Join the helpers that are done (admin calls are rare: the list stays short).
+  for (auto it = helpers_.begin(); it != helpers_.end();) {
+    if (it->done->load()) {
+      it->thread.join();
+      it = helpers_.erase(it);
+    } else {
+      ++it;
     }
-    reactor->Finish(ToGrpcStatus(s));
-    absl::MutexLock l(&mu_);
-    --helpers_;
-  }).detach();
+  }
+  auto done = std::make_shared<std::atomic<bool>>(false);
+  helpers_.push_back({std::thread([reactor, done, op = std::move(op)] {
+                        absl::Status s;
+                        try {
+                          s = op();
+                        } catch (const std::exception& e) {
+                          s = absl::InternalError(e.what());
+                        }
+                        reactor->Finish(ToGrpcStatus(s));
+                        done->store(true);
+                      }),
+                      done});
   return reactor;
 }
 

@@ -4,7 +4,10 @@
 #define COLLABSERVE_SERVER_SERVICE_ADMIN_SERVICE_H_
 
 #include <cstdint>
+#include <atomic>
 #include <functional>
+#include <list>
+#include <thread>
 #include <memory>
 
 #include "absl/base/thread_annotations.h"
@@ -85,7 +88,11 @@ class AdminService final : public v1::Admin::CallbackService {
 
   absl::Mutex mu_;
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
-  int helpers_ ABSL_GUARDED_BY(mu_) = 0;  // RunBlocking threads still running
+  struct Helper {
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> done;
+  };
+  std::list<Helper> helpers_ ABSL_GUARDED_BY(mu_);  // RunBlocking threads not yet joined
 };
 
 }  // namespace collabserve::service

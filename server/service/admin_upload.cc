@@ -160,6 +160,9 @@ absl::Status UploadSession::Finish() {
       return absl::InvalidArgumentError(absl::StrCat("file '", name, "' is incomplete: ",
                                                      f.received, " of ", f.size, " bytes"));
     }
+  }
+  for (auto& [name, f] : files_) {
+    if (f.fd < 0) continue;  // verified by an earlier call
     unsigned char md[EVP_MAX_MD_SIZE];
     unsigned int len = 0;
     EVP_DigestFinal_ex(f.digest, md, &len);

@@ -1,0 +1,647 @@
+// The Admin service end to end: a real Server on 127.0.0.1:0 with the Admin service on the same
+// port (or its own), tiny checkpoints uploaded through the generated stubs.
+#include "server/service/admin_service.h"
+
+#include <algorithm>
+#include <atomic>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "collabserve/v1/inference.grpc.pb.h"
+#include "gmock/gmock.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "gtest/gtest.h"
+#include "server/compress/collaborative.h"
+#include "server/model/checkpoint_maker.h"
+#include "server/model/engine.h"
+#include "server/service/admin_server.h"
+#include "server/service/server.h"
+#include "tests/admin/admin_test_util.h"
+#include "tests/service/test_util.h"
+
+namespace collabserve::service {
+namespace {
+
+using ::collabserve::testing::Authorize;
+using ::collabserve::testing::Eventually;
+using ::collabserve::testing::HeaderFor;
+using ::collabserve::testing::MakeTinyModel;
+using ::collabserve::testing::ReadDir;
+using ::collabserve::testing::Sha256Hex;
+using ::collabserve::testing::TempDir;
+using ::collabserve::testing::Watch;
+using ::testing::HasSubstr;
+
+constexpr char kToken[] = "s3cret-admin-token";
+
+std::vector<std::string> Texts() {
+  return {"the movie was wonderful", "a dull and tedious evening", "hello world",
+          "compression should not change this much"};
+}
+
+class AdminServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    MakeTinyModel(repo_.path() + "/tiny/1", 1);
+    model::MakeOptions mo;
+    mo.preset = "tiny";
+    mo.seed = 7;
+    mo.label_names = {"negative", "positive"};
+    ASSERT_TRUE(model::MakeCheckpoint(src_.path() + "/m", mo).ok());
+    files_ = ReadDir(src_.path() + "/m");
+  }
+  void TearDown() override {
+    if (admin_) admin_->Shutdown();
+    if (server_) server_->Shutdown();
+  }
+
+  void Start(AdminServerOptions ao = {}) {
+    ServerOptions o;
+    o.host = "127.0.0.1";
+    o.port = 0;
+    o.metrics_port = -1;
+    o.model_repository = repo_.path();
+    o.poll_interval = absl::ZeroDuration();
+    o.drain_timeout = absl::Seconds(5);
+    o.servable.batching.max_queue_delay_micros = 200;
+    o.torch_version = "test";
+    ao.token = kToken;
+    if (ao.service.max_upload_bytes == (int64_t{2} << 30)) ao.service.max_upload_bytes = 64 << 20;
+    auto admin = AdminServer::Create(ao, &o);
+    ASSERT_TRUE(admin.ok()) << admin.status();
+    admin_ = std::move(*admin);
+    server_ = std::make_unique<Server>(o);
+    ASSERT_TRUE(server_->Start().ok());
+    ASSERT_TRUE(admin_->Start(server_.get()).ok());
+    auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", server_->port()),
+                                       grpc::InsecureChannelCredentials());
+    inference_ = v1::Inference::NewStub(channel);
+    const int admin_port = admin_->port() >= 0 ? admin_->port() : server_->port();
+    admin_stub_ = v1::Admin::NewStub(grpc::CreateChannel(absl::StrCat("127.0.0.1:", admin_port),
+                                                         grpc::InsecureChannelCredentials()));
+  }
+
+  v1::UploadHeader Header(const std::string& model) { return HeaderFor(model, files_); }
+
+  grpc::Status Upload(const v1::UploadHeader& h, v1::UploadModelResponse* r,
+                      const std::string& token = kToken) {
+    return testing::Upload(admin_stub_.get(), token, h, files_, r, 256 << 10);
+  }
+  grpc::Status Upload(const v1::UploadHeader& h, const std::map<std::string, std::string>& files,
+                      v1::UploadModelResponse* r) {
+    return testing::Upload(admin_stub_.get(), kToken, h, files, r, 256 << 10);
+  }
+
+  v1::Job GetJob(const std::string& id) {
+    grpc::ClientContext ctx;
+    Authorize(&ctx, kToken);
+    v1::GetJobRequest req;
+    req.set_job_id(id);
+    v1::GetJobResponse resp;
+    grpc::Status s = admin_stub_->GetJob(&ctx, req, &resp);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return resp.job();
+  }
+
+  v1::Job WaitJob(const std::string& id) {
+    Watch(admin_stub_.get(), kToken, id);
+    return GetJob(id);
+  }
+
+  std::vector<v1::Job> ListJobs() {
+    grpc::ClientContext ctx;
+    Authorize(&ctx, kToken);
+    v1::ListJobsResponse resp;
+    EXPECT_TRUE(admin_stub_->ListJobs(&ctx, v1::ListJobsRequest(), &resp).ok());
+    return {resp.jobs().begin(), resp.jobs().end()};
+  }
+
+  grpc::Status Classify(const std::string& model, std::optional<int64_t> version,
+                        v1::ClassifyResponse* resp) {
+    v1::ClassifyRequest req;
+    req.set_model_name(model);
+    if (version) req.set_model_version(*version);
+    for (const auto& t : Texts()) req.add_inputs()->set_text(t);
+    req.mutable_options()->set_raw_scores(true);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+    return inference_->Classify(&ctx, req, resp);
+  }
+
+  std::vector<std::string> VersionDirs(const std::string& model) {
+    std::vector<std::string> out;
+    const std::string dir = repo_.path() + "/" + model;
+    if (!std::filesystem::exists(dir)) return out;
+    for (const auto& e : std::filesystem::directory_iterator(dir)) {
+      out.push_back(e.path().filename().string());
+    }
+    std::sort(out.begin(), out.end());
+    return out;
+  }
+
+  bool StagingEmpty() {
+    const std::string dir = repo_.path() + "/.staging";
+    return !std::filesystem::exists(dir) || std::filesystem::is_empty(dir);
+  }
+
+  TempDir repo_, src_;
+  std::map<std::string, std::string> files_;
+  std::unique_ptr<AdminServer> admin_;
+  std::unique_ptr<Server> server_;
+  std::unique_ptr<v1::Inference::Stub> inference_;
+  std::unique_ptr<v1::Admin::Stub> admin_stub_;
+};
+
+TEST_F(AdminServiceTest, UploadCompressClassifyMatchesOfflineCompress) {
+  Start();
+  v1::UploadHeader h = Header("up");
+  h.mutable_compression()->set_rank(8);
+  h.set_activate(true);
+  v1::UploadModelResponse resp;
+  grpc::Status s = Upload(h, &resp);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(resp.model_name(), "up");
+  EXPECT_EQ(resp.version(), 1);
+
+  std::vector<v1::WatchJobResponse> events = Watch(admin_stub_.get(), kToken, resp.job_id());
+  std::vector<v1::JobEvent::Kind> kinds;
+  for (const auto& e : events) kinds.push_back(e.event().kind());
+  EXPECT_THAT(kinds, ::testing::Contains(v1::JobEvent::BYTES_RECEIVED));
+  EXPECT_THAT(kinds, ::testing::IsSupersetOf({v1::JobEvent::VALIDATING, v1::JobEvent::VALIDATED,
+                                              v1::JobEvent::FIDELITY_MEASURED,
+                                              v1::JobEvent::PUBLISHED, v1::JobEvent::LOADED}));
+  EXPECT_EQ(std::count(kinds.begin(), kinds.end(), v1::JobEvent::LAYER_COMPRESSED), 2);
+  ASSERT_FALSE(events.empty());
+  EXPECT_EQ(events.back().event().kind(), v1::JobEvent::SUCCEEDED);
+  EXPECT_EQ(events.back().state(), v1::Job::SUCCEEDED);
+  for (size_t i = 0; i < events.size(); ++i) EXPECT_EQ(events[i].event().sequence(), int64_t(i));
+  const v1::WatchJobResponse* bytes_done = nullptr;
+  for (const auto& e : events) {
+    if (e.event().kind() == v1::JobEvent::BYTES_RECEIVED) bytes_done = &e;
+  }
+  ASSERT_NE(bytes_done, nullptr);
+  EXPECT_EQ(bytes_done->event().bytes_received(), bytes_done->event().bytes_total());
+
+  v1::Job job = GetJob(resp.job_id());
+  EXPECT_EQ(job.state(), v1::Job::SUCCEEDED);
+  EXPECT_TRUE(job.published());
+  EXPECT_TRUE(job.loaded());
+  ASSERT_EQ(job.report().layers_size(), 2);
+  EXPECT_EQ(job.report().layers(0).rank(), 8);
+  EXPECT_GT(job.report().fidelity().probes(), 0);
+  EXPECT_LT(job.report().qk_params_after(), job.report().qk_params_before());
+  EXPECT_THAT(job.report().json(), HasSubstr("fidelity"));
+  EXPECT_TRUE(StagingEmpty());
+
+  // The served version is the compressed one: same logits as compressing the same files offline.
+  TempDir offline;
+  compress::CompressOptions co;
+  co.spec.kind = compress::RankSpec::Kind::kRank;
+  co.spec.rank = 8;
+  auto report = compress::CompressModelDirectory(src_.path() + "/m", offline.path() + "/out", co);
+  ASSERT_TRUE(report.ok()) << report.status();
+  auto engine = model::Engine::Load(offline.path() + "/out");
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  EXPECT_EQ((*engine)->info().collaborative_ranks, std::vector<int>({8, 8}));
+
+  v1::ClassifyResponse cr;
+  s = Classify("up", 1, &cr);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  ASSERT_EQ(cr.results_size(), static_cast<int>(Texts().size()));
+
+  v1::TokenizeRequest treq;
+  treq.set_model_name("up");
+  treq.set_model_version(1);
+  for (const auto& t : Texts()) treq.add_inputs()->set_text(t);
+  v1::TokenizeResponse tresp;
+  grpc::ClientContext tctx;
+  ASSERT_TRUE(inference_->Tokenize(&tctx, treq, &tresp).ok());
+  std::vector<model::TokenizedInput> inputs;
+  for (const auto& t : tresp.results()) {
+    inputs.push_back({{t.input_ids().begin(), t.input_ids().end()},
+                      {t.token_type_ids().begin(), t.token_type_ids().end()}});
+  }
+  auto offline_pred = (*engine)->Run(inputs);
+  ASSERT_TRUE(offline_pred.ok()) << offline_pred.status();
+  for (int i = 0; i < cr.results_size(); ++i) {
+    ASSERT_EQ(cr.results(i).logits_size(), 2);
+    for (int k = 0; k < 2; ++k) {
+      EXPECT_NEAR(cr.results(i).logits(k), (*offline_pred)[i].logits[k], 1e-4)
+          << "input " << i << " logit " << k;
+    }
+  }
+  // The uncompressed upload is not what serves: the published config is collaborative.
+  auto config = util::ReadFile(repo_.path() + "/up/1/config.json");
+  ASSERT_TRUE(config.ok());
+  EXPECT_THAT(*config, HasSubstr("collaborative"));
+
+  // Admin metrics.
+  const std::string text = admin_->metrics().TextFormat();
+  EXPECT_THAT(text, HasSubstr("collabserve_jobs_total{outcome=\"succeeded\"} 1"));
+  EXPECT_THAT(text, HasSubstr("collabserve_layer_reconstruction_error{layer=\"0\",model=\"up\",version=\"1\"}"));
+  EXPECT_THAT(text, HasSubstr("collabserve_model_fidelity_agreement{model=\"up\",version=\"1\"}"));
+  int64_t total = 0;
+  for (const auto& [name, content] : files_) total += content.size();
+  EXPECT_THAT(text, HasSubstr(absl::StrCat("collabserve_upload_bytes_total ", total)));
+}
+
+TEST_F(AdminServiceTest, EveryRefusalIsInvalidArgumentAndLeavesNothing) {
+  AdminServerOptions ao;
+  ao.service.max_upload_bytes = 32 << 20;
+  Start(ao);
+  struct Case {
+    std::string what;
+    v1::UploadHeader header;
+    std::map<std::string, std::string> files;
+    std::string message;
+  };
+  std::vector<Case> cases;
+  {
+    auto files = files_;
+    files["../config.json"] = files["config.json"];
+    files.erase("config.json");
+    cases.push_back({"path separator", HeaderFor("up", files), files, "path separators"});
+  }
+  {
+    auto files = files_;
+    files["run.sh"] = "#!/bin/sh\n";
+    cases.push_back({"unknown file", HeaderFor("up", files), files, "unknown file 'run.sh'"});
+  }
+  {
+    auto files = files_;
+    files.erase("vocab.txt");
+    cases.push_back({"missing vocab", HeaderFor("up", files), files, "no vocab.txt"});
+  }
+  {
+    v1::UploadHeader h = Header("up");
+    h.mutable_files(0)->set_size(40 << 20);
+    cases.push_back({"too large", h, files_, "--max_upload_bytes"});
+  }
+  {
+    v1::UploadHeader h = Header("up");
+    for (auto& f : *h.mutable_files()) {
+      if (f.name() == "config.json") f.set_sha256(Sha256Hex("something else"));
+    }
+    cases.push_back({"checksum", h, files_, "checksum mismatch for 'config.json'"});
+  }
+  {
+    auto files = files_;
+    std::string& w = files["model.safetensors"];
+    w.resize(w.size() / 2);
+    cases.push_back({"truncated weights", HeaderFor("up", files), files, "the engine rejects"});
+  }
+  {
+    auto files = files_;
+    files["config.json"] = "{\"hidden_size\": \"big\"}";
+    cases.push_back({"bad config", HeaderFor("up", files), files, "the engine rejects"});
+  }
+  cases.push_back({"bad model name", Header("a/b"), files_, "model_name"});
+  {
+    v1::UploadHeader h = Header("up");
+    h.set_min_agreement(0.9);
+    cases.push_back({"gate without compression", h, files_, "min_agreement needs"});
+  }
+  {
+    v1::UploadHeader h = Header("up");
+    h.mutable_compression()->set_rank(0);
+    cases.push_back({"rank 0", h, files_, "compression.rank"});
+  }
+  {
+    v1::UploadHeader h = Header("up");
+    h.mutable_compression()->set_rank(1000);
+    h.mutable_compression()->set_rank(-3);
+    cases.push_back({"negative rank", h, files_, "compression.rank"});
+  }
+  for (const Case& c : cases) {
+    v1::UploadModelResponse r;
+    grpc::Status s = Upload(c.header, c.files, &r);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << c.what << ": " << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr(c.message)) << c.what;
+  }
+  // A chunk out of order.
+  {
+    grpc::ClientContext ctx;
+    Authorize(&ctx, kToken);
+    v1::UploadModelResponse r;
+    auto w = admin_stub_->UploadModel(&ctx, &r);
+    v1::UploadModelRequest req;
+    *req.mutable_header() = Header("up");
+    w->Write(req);
+    v1::UploadModelRequest c;
+    c.mutable_chunk()->set_file_name("config.json");
+    c.mutable_chunk()->set_offset(5);
+    c.mutable_chunk()->set_data("xyz");
+    w->Write(c);
+    w->WritesDone();
+    grpc::Status s = w->Finish();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(s.error_message(), HasSubstr("offset 5, expected 0"));
+  }
+  // Nothing was published, nothing is left in staging, and the failures are recorded.
+  EXPECT_TRUE(VersionDirs("up").empty());
+  EXPECT_TRUE(Eventually([&] { return StagingEmpty(); }));
+  int failed = 0;
+  for (const v1::Job& j : ListJobs()) {
+    EXPECT_NE(j.state(), v1::Job::SUCCEEDED);
+    if (j.state() == v1::Job::FAILED) {
+      ++failed;
+      EXPECT_EQ(j.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    }
+  }
+  EXPECT_GE(failed, 4);  // the ones refused after the header (checksum, engine, order)
+  // The existing model still serves.
+  v1::ClassifyResponse cr;
+  EXPECT_TRUE(Classify("tiny", std::nullopt, &cr).ok());
+}
+
+TEST_F(AdminServiceTest, FidelityGateFailsAndPublishesNothing) {
+  Start();
+  v1::UploadHeader h = Header("gated");
+  h.mutable_compression()->set_rank(1);
+  h.set_min_agreement(1.0);
+  h.add_probes("one");
+  for (int i = 0; i < 40; ++i) h.add_probes(absl::StrCat("probe sentence number ", i, " of many"));
+  v1::UploadModelResponse r;
+  grpc::Status s = Upload(h, &r);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  v1::Job job = WaitJob(r.job_id());
+  // Deterministic (seeded weights, fixed probes): rank 1 changes some top-1 labels.
+  ASSERT_LT(job.report().fidelity().top1_agreement(), 1.0);
+  EXPECT_EQ(job.state(), v1::Job::FAILED);
+  EXPECT_THAT(job.error(), HasSubstr("fidelity gate"));
+  EXPECT_FALSE(job.published());
+  EXPECT_TRUE(VersionDirs("gated").empty());
+  EXPECT_TRUE(StagingEmpty());
+}
+
+TEST_F(AdminServiceTest, MissingOrWrongTokenIsUnauthenticated) {
+  Start();
+  for (const std::string token : {"", "wrong-token", "s3cret-admin-toke", "s3cret-admin-token2"}) {
+    {
+      grpc::ClientContext ctx;
+      Authorize(&ctx, token);
+      v1::ListJobsResponse resp;
+      EXPECT_EQ(admin_stub_->ListJobs(&ctx, v1::ListJobsRequest(), &resp).error_code(),
+                grpc::StatusCode::UNAUTHENTICATED)
+          << token;
+    }
+    {
+      grpc::ClientContext ctx;
+      Authorize(&ctx, token);
+      v1::DeleteVersionRequest req;
+      req.set_model_name("tiny");
+      req.set_version(1);
+      v1::DeleteVersionResponse resp;
+      EXPECT_EQ(admin_stub_->DeleteVersion(&ctx, req, &resp).error_code(),
+                grpc::StatusCode::UNAUTHENTICATED);
+    }
+    v1::UploadModelResponse r;
+    EXPECT_EQ(Upload(Header("up"), &r, token).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+    grpc::Status ws;
+    testing::Watch(admin_stub_.get(), token, "1", &ws);
+    EXPECT_EQ(ws.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  }
+  {  // Not a bearer token.
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("authorization", kToken);
+    v1::ListJobsResponse resp;
+    EXPECT_EQ(admin_stub_->ListJobs(&ctx, v1::ListJobsRequest(), &resp).error_code(),
+              grpc::StatusCode::UNAUTHENTICATED);
+  }
+  EXPECT_TRUE(ListJobs().empty());
+  EXPECT_TRUE(VersionDirs("up").empty());
+  EXPECT_EQ(VersionDirs("tiny"), std::vector<std::string>({"1"}));
+}
+
+TEST_F(AdminServiceTest, TwoConcurrentUploadsGetTwoVersions) {
+  Start();
+  v1::UploadModelResponse r1, r2;
+  grpc::Status s1, s2;
+  std::thread t1([&] {
+    v1::UploadHeader h = Header("both");
+    h.mutable_compression()->set_rank(16);
+    s1 = Upload(h, &r1);
+  });
+  std::thread t2([&] {
+    v1::UploadHeader h = Header("both");
+    s2 = Upload(h, &r2);
+  });
+  t1.join();
+  t2.join();
+  ASSERT_TRUE(s1.ok()) << s1.error_message();
+  ASSERT_TRUE(s2.ok()) << s2.error_message();
+  EXPECT_NE(r1.version(), r2.version());
+  EXPECT_EQ(WaitJob(r1.job_id()).state(), v1::Job::SUCCEEDED);
+  EXPECT_EQ(WaitJob(r2.job_id()).state(), v1::Job::SUCCEEDED);
+  EXPECT_EQ(VersionDirs("both"), std::vector<std::string>({"1", "2"}));
+}
+
+TEST_F(AdminServiceTest, CancelDuringUploadLeavesNothing) {
+  AdminServerOptions ao;
+  ao.service.jobs.max_queued_jobs = 1;
+  Start(ao);
+  grpc::ClientContext ctx;
+  Authorize(&ctx, kToken);
+  v1::UploadModelResponse r;
+  auto w = admin_stub_->UploadModel(&ctx, &r);
+  v1::UploadModelRequest req;
+  *req.mutable_header() = Header("cancelled");
+  ASSERT_TRUE(w->Write(req));
+  v1::UploadModelRequest c;
+  c.mutable_chunk()->set_file_name("config.json");
+  c.mutable_chunk()->set_offset(0);
+  c.mutable_chunk()->set_data(files_["config.json"].substr(0, 10));
+  ASSERT_TRUE(w->Write(c));
+  std::string id;
+  ASSERT_TRUE(Eventually([&] {
+    auto jobs = ListJobs();
+    if (jobs.empty() || jobs[0].bytes_received() == 0) return false;
+    id = jobs[0].id();
+    return jobs[0].state() == v1::Job::RECEIVING;
+  }));
+  // The queue (one slot) is full while this upload is receiving.
+  {
+    v1::UploadModelResponse r2;
+    grpc::Status s = Upload(Header("other"), &r2);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
+  }
+  {
+    grpc::ClientContext cctx;
+    Authorize(&cctx, kToken);
+    v1::CancelJobRequest creq;
+    creq.set_job_id(id);
+    v1::CancelJobResponse cresp;
+    ASSERT_TRUE(admin_stub_->CancelJob(&cctx, creq, &cresp).ok());
+    EXPECT_EQ(cresp.job().state(), v1::Job::CANCELLED);
+  }
+  c.mutable_chunk()->set_offset(10);
+  c.mutable_chunk()->set_data(files_["config.json"].substr(10));
+  w->Write(c);
+  w->WritesDone();
+  grpc::Status s = w->Finish();
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::CANCELLED) << s.error_message();
+  EXPECT_EQ(GetJob(id).state(), v1::Job::CANCELLED);
+  EXPECT_TRUE(VersionDirs("cancelled").empty());
+  EXPECT_TRUE(StagingEmpty());
+  {  // An ended job cannot be cancelled.
+    grpc::ClientContext cctx;
+    Authorize(&cctx, kToken);
+    v1::CancelJobRequest creq;
+    creq.set_job_id(id);
+    v1::CancelJobResponse cresp;
+    EXPECT_EQ(admin_stub_->CancelJob(&cctx, creq, &cresp).error_code(),
+              grpc::StatusCode::FAILED_PRECONDITION);
+  }
+  // The slot is free again.
+  v1::UploadModelResponse r3;
+  EXPECT_TRUE(Upload(Header("other"), &r3).ok());
+}
+
+TEST_F(AdminServiceTest, CancelRunningCompressionKeepsServing) {
+  // A bigger model so that compression runs long enough to be cancelled between layers.
+  model::MakeOptions mo;
+  mo.preset = "mini";
+  mo.layers = 4;
+  mo.seed = 3;
+  ASSERT_TRUE(model::MakeCheckpoint(repo_.path() + "/big/1", mo).ok());
+  Start();
+  grpc::ClientContext ctx;
+  Authorize(&ctx, kToken);
+  v1::CompressModelRequest req;
+  req.set_model_name("big");
+  req.mutable_compression()->set_rank(200);
+  req.mutable_compression()->set_max_iters(400);
+  req.mutable_compression()->set_tol(1e-30);
+  v1::CompressModelResponse resp;
+  ASSERT_TRUE(admin_stub_->CompressModel(&ctx, req, &resp).ok());
+  EXPECT_EQ(resp.version(), 2);
+  // Classification keeps answering while the job runs.
+  int answered_while_running = 0;
+  while (true) {
+    v1::Job j = GetJob(resp.job_id());
+    if (j.state() != v1::Job::RUNNING && j.state() != v1::Job::QUEUED) break;
+    v1::ClassifyResponse cr;
+    grpc::Status s = Classify("tiny", std::nullopt, &cr);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    if (GetJob(resp.job_id()).state() == v1::Job::RUNNING) ++answered_while_running;
+    if (answered_while_running >= 3) break;
+  }
+  EXPECT_GE(answered_while_running, 3);
+  grpc::ClientContext cctx;
+  Authorize(&cctx, kToken);
+  v1::CancelJobRequest creq;
+  creq.set_job_id(resp.job_id());
+  v1::CancelJobResponse cresp;
+  grpc::Status cs = admin_stub_->CancelJob(&cctx, creq, &cresp);
+  ASSERT_TRUE(cs.ok()) << cs.error_message();
+  v1::Job j = WaitJob(resp.job_id());
+  EXPECT_EQ(j.state(), v1::Job::CANCELLED) << j.error();
+  EXPECT_EQ(VersionDirs("big"), std::vector<std::string>({"1"}));
+  EXPECT_TRUE(StagingEmpty());
+  v1::ClassifyResponse cr;
+  EXPECT_TRUE(Classify("big", 1, &cr).ok());
+}
+
+TEST_F(AdminServiceTest, CompressLoadUnloadDeleteOnOwnPort) {
+  AdminServerOptions ao;
+  ao.own_port = true;
+  ao.host = "127.0.0.1";
+  ao.port = 0;
+  Start(ao);
+  ASSERT_GT(admin_->port(), 0);
+  ASSERT_NE(admin_->port(), server_->port());
+  {  // The inference port does not serve Admin when it has its own.
+    auto other = v1::Admin::NewStub(grpc::CreateChannel(
+        absl::StrCat("127.0.0.1:", server_->port()), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    Authorize(&ctx, kToken);
+    v1::ListJobsResponse resp;
+    EXPECT_EQ(other->ListJobs(&ctx, v1::ListJobsRequest(), &resp).error_code(),
+              grpc::StatusCode::UNIMPLEMENTED);
+  }
+  grpc::ClientContext ctx;
+  Authorize(&ctx, kToken);
+  v1::CompressModelRequest req;
+  req.set_model_name("tiny");
+  req.mutable_compression()->set_ratio(4);
+  req.set_activate(true);
+  v1::CompressModelResponse resp;
+  grpc::Status s = admin_stub_->CompressModel(&ctx, req, &resp);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(resp.version(), 2);
+  v1::Job j = WaitJob(resp.job_id());
+  ASSERT_EQ(j.state(), v1::Job::SUCCEEDED) << j.error();
+  EXPECT_EQ(j.source_version(), 1);
+  EXPECT_EQ(j.report().layers(0).rank(), 16);
+  v1::ClassifyResponse cr;
+  ASSERT_TRUE(Classify("tiny", std::nullopt, &cr).ok());
+  EXPECT_EQ(cr.model_version(), 2);
+
+  {  // Unload 2: 1 serves again (loaded first, so the model is never without a version).
+    grpc::ClientContext c;
+    Authorize(&c, kToken);
+    v1::UnloadModelRequest r;
+    r.set_model_name("tiny");
+    r.set_version(2);
+    v1::UnloadModelResponse out;
+    ASSERT_TRUE(admin_stub_->UnloadModel(&c, r, &out).ok());
+    ASSERT_TRUE(Classify("tiny", std::nullopt, &cr).ok());
+    EXPECT_EQ(cr.model_version(), 1);
+  }
+  {  // Load 2 again.
+    grpc::ClientContext c;
+    Authorize(&c, kToken);
+    v1::LoadModelRequest r;
+    r.set_model_name("tiny");
+    r.set_version(2);
+    v1::LoadModelResponse out;
+    ASSERT_TRUE(admin_stub_->LoadModel(&c, r, &out).ok());
+    ASSERT_TRUE(Classify("tiny", 2, &cr).ok());
+  }
+  {  // Delete 2: gone from disk, its metrics removed, 1 serves.
+    grpc::ClientContext c;
+    Authorize(&c, kToken);
+    v1::DeleteVersionRequest r;
+    r.set_model_name("tiny");
+    r.set_version(2);
+    v1::DeleteVersionResponse out;
+    ASSERT_TRUE(admin_stub_->DeleteVersion(&c, r, &out).ok());
+    EXPECT_EQ(VersionDirs("tiny"), std::vector<std::string>({"1"}));
+    ASSERT_TRUE(Classify("tiny", std::nullopt, &cr).ok());
+    EXPECT_EQ(cr.model_version(), 1);
+    EXPECT_THAT(admin_->metrics().TextFormat(),
+                ::testing::Not(HasSubstr("collabserve_model_fidelity_agreement{model=\"tiny\"")));
+  }
+  {  // Unknown things.
+    grpc::ClientContext c;
+    Authorize(&c, kToken);
+    v1::LoadModelRequest r;
+    r.set_model_name("tiny");
+    r.set_version(9);
+    v1::LoadModelResponse out;
+    EXPECT_EQ(admin_stub_->LoadModel(&c, r, &out).error_code(), grpc::StatusCode::NOT_FOUND);
+    grpc::ClientContext c2;
+    Authorize(&c2, kToken);
+    v1::CompressModelRequest cr2;
+    cr2.set_model_name("nope");
+    cr2.mutable_compression()->set_rank(4);
+    v1::CompressModelResponse out2;
+    EXPECT_EQ(admin_stub_->CompressModel(&c2, cr2, &out2).error_code(),
+              grpc::StatusCode::NOT_FOUND);
+    grpc::ClientContext c3;
+    Authorize(&c3, kToken);
+    v1::GetJobRequest g;
+    g.set_job_id("no-such-job");
+    v1::GetJobResponse gr;
+    EXPECT_EQ(admin_stub_->GetJob(&c3, g, &gr).error_code(), grpc::StatusCode::NOT_FOUND);
+  }
+}
+
+}  // namespace
+}  // namespace collabserve::service
