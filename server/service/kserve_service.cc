@@ -1,0 +1,485 @@
+#include "server/service/kserve_service.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <glog/logging.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "server/service/model_servable.h"
+#include "server/service/status_mapping.h"
+#include "server/util/status_macros.h"
+
+// The raw tensor layout is little-endian; the float outputs are copied from memory as they are.
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "kserve_service.cc writes FP32 raw contents from host memory and needs a little-endian host"
+#endif
+
+namespace collabserve::service {
+namespace {
+
+using InferRequest = inference::ModelInferRequest;
+using InferResponse = inference::ModelInferResponse;
+
+constexpr char kText[] = "text";
+constexpr char kTextPair[] = "text_pair";
+constexpr char kLogits[] = "logits";
+constexpr char kProbabilities[] = "probabilities";
+constexpr char kLabel[] = "label";
+constexpr char kPlatform[] = "collabserve";
+
+absl::Time ToAbslTime(std::chrono::system_clock::time_point tp) {
+  if (tp == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
+  return absl::FromChrono(tp);
+}
+
+std::string ShapeString(const google::protobuf::RepeatedField<int64_t>& shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+// "" = the newest version; otherwise a positive decimal integer.
+absl::StatusOr<std::optional<int64_t>> ParseVersion(const std::string& version) {
+  if (version.empty()) return std::optional<int64_t>();
+  int64_t v = 0;
+  if (!absl::SimpleAtoi(version, &v) || v <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("model version \"", version,
+                     "\" is not a version; versions are positive integers (leave it empty for the "
+                     "newest)"));
+  }
+  return std::optional<int64_t>(v);
+}
+
+absl::StatusOr<std::shared_ptr<ModelServable>> Resolve(repository::ModelRepository* repository,
+                                                       const std::string& model,
+                                                       const std::string& version) {
+  if (model.empty()) {
+    return absl::InvalidArgumentError("model name is empty; ModelMetadata or ListModels names them");
+  }
+  ASSIGN_OR_RETURN(std::optional<int64_t> v, ParseVersion(version));
+  ASSIGN_OR_RETURN(std::shared_ptr<repository::Servable> s, repository->Get(model, v));
+  return std::static_pointer_cast<ModelServable>(std::move(s));
+}
+
+// Splits raw BYTES contents (each element: 4-byte little-endian length, then the bytes) into
+// exactly `count` elements.
+absl::Status DecodeRawBytes(const std::string& raw, int64_t count, const std::string& name,
+                            std::vector<std::string>* out) {
+  out->clear();
+  size_t pos = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    if (raw.size() - pos < 4) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "input '", name, "': raw_input_contents ends after ", i, " of ", count,
+          " BYTES elements (each element is a 4-byte little-endian length, then its bytes)"));
+    }
+    const auto* p = reinterpret_cast<const unsigned char*>(raw.data() + pos);
+    const uint32_t len = static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8) |
+                         (static_cast<uint32_t>(p[2]) << 16) | (static_cast<uint32_t>(p[3]) << 24);
+    pos += 4;
+    if (len > raw.size() - pos) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "input '", name, "': element ", i, " of raw_input_contents claims ", len,
+          " bytes but only ", raw.size() - pos, " remain"));
+    }
+    out->emplace_back(raw, pos, len);
+    pos += len;
+  }
+  if (pos != raw.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "input '", name, "': raw_input_contents has ", raw.size() - pos,
+        " bytes left over after the ", count, " BYTES elements its shape ",
+        "calls for (each element is a 4-byte little-endian length, then its bytes)"));
+  }
+  return absl::OkStatus();
+}
+
+void AppendRawBytes(const std::string& element, std::string* raw) {
+  const uint32_t len = static_cast<uint32_t>(element.size());
+  const char prefix[4] = {static_cast<char>(len & 0xff), static_cast<char>((len >> 8) & 0xff),
+                          static_cast<char>((len >> 16) & 0xff),
+                          static_cast<char>((len >> 24) & 0xff)};
+  raw->append(prefix, 4);
+  raw->append(element);
+}
+
+// The elements of one BYTES input tensor of shape [N] or [N, 1].
+absl::StatusOr<std::vector<std::string>> ReadTextInput(const InferRequest& request, int index) {
+  const InferRequest::InferInputTensor& in = request.inputs(index);
+  const std::string& name = in.name();
+  if (in.datatype() != "BYTES") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "input '", name, "' has datatype ", in.datatype().empty() ? "\"\"" : in.datatype(),
+        "; it must be BYTES (UTF-8 text)"));
+  }
+  const auto& shape = in.shape();
+  const bool shape_ok = (shape.size() == 1 || (shape.size() == 2 && shape[1] == 1)) && shape[0] >= 1;
+  if (!shape_ok) {
+    return absl::InvalidArgumentError(absl::StrCat("input '", name, "' has shape ",
+                                                   ShapeString(shape),
+                                                   "; it must be [N] or [N, 1] with N >= 1"));
+  }
+  const int64_t n = shape[0];
+  std::vector<std::string> texts;
+  if (request.raw_input_contents_size() > 0) {
+    RETURN_IF_ERROR(DecodeRawBytes(request.raw_input_contents(index), n, name, &texts));
+  } else {
+    const inference::InferTensorContents& c = in.contents();
+    if (c.bytes_contents_size() != n) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "input '", name, "' has shape ", ShapeString(shape), " (", n, " elements) but ",
+          c.bytes_contents_size(), " elements in contents.bytes_contents"));
+    }
+    texts.assign(c.bytes_contents().begin(), c.bytes_contents().end());
+  }
+  return texts;
+}
+
+bool HasTypedContents(const inference::InferTensorContents& c) {
+  return c.bool_contents_size() > 0 || c.int_contents_size() > 0 || c.int64_contents_size() > 0 ||
+         c.uint_contents_size() > 0 || c.uint64_contents_size() > 0 ||
+         c.fp32_contents_size() > 0 || c.fp64_contents_size() > 0 || c.bytes_contents_size() > 0;
+}
+
+// What a ModelInfer request asks for, checked.
+struct ParsedInfer {
+  std::vector<std::string> texts;
+  std::optional<std::vector<std::string>> pairs;
+  std::vector<std::string> outputs;  // names, in response order
+  bool raw = false;                  // answer with raw_output_contents
+  bool truncate = true;
+};
+
+absl::StatusOr<ParsedInfer> ParseInfer(const InferRequest& request) {
+  ParsedInfer p;
+  p.raw = request.raw_input_contents_size() > 0;
+  if (p.raw && request.raw_input_contents_size() != request.inputs_size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "raw_input_contents has ", request.raw_input_contents_size(), " entries for ",
+        request.inputs_size(), " inputs; it needs one per input, in the same order"));
+  }
+  bool seen_text = false;
+  for (int i = 0; i < request.inputs_size(); ++i) {
+    const auto& in = request.inputs(i);
+    if (p.raw && HasTypedContents(in.contents())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "input '", in.name(), "' has contents although the request uses raw_input_contents; "
+          "use one form for all inputs"));
+    }
+    if (in.name() == kText) {
+      if (seen_text) return absl::InvalidArgumentError("input 'text' is given twice");
+      seen_text = true;
+      ASSIGN_OR_RETURN(p.texts, ReadTextInput(request, i));
+    } else if (in.name() == kTextPair) {
+      if (p.pairs.has_value()) return absl::InvalidArgumentError("input 'text_pair' is given twice");
+      ASSIGN_OR_RETURN(p.pairs, ReadTextInput(request, i));
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "input '", in.name(), "' is not an input of this model; it takes 'text' (BYTES, [N] or "
+          "[N, 1]) and optionally 'text_pair' (same shape)"));
+    }
+  }
+  if (!seen_text) {
+    return absl::InvalidArgumentError(
+        "the request has no input 'text' (BYTES, shape [N] or [N, 1]); 'text_pair' is optional");
+  }
+  if (p.pairs.has_value() && p.pairs->size() != p.texts.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("input 'text_pair' has ", p.pairs->size(),
+                                                   " elements but 'text' has ", p.texts.size(),
+                                                   "; they must have the same shape"));
+  }
+  for (size_t i = 0; i < p.texts.size(); ++i) {
+    if (p.texts[i].empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("input 'text' element ", i, " is empty"));
+    }
+  }
+
+  for (const auto& out : request.outputs()) {
+    const std::string& name = out.name();
+    if (name != kLogits && name != kProbabilities && name != kLabel) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "requested output '", name,
+          "' is not an output of this model; its outputs are 'logits', 'probabilities', 'label'"));
+    }
+    if (std::find(p.outputs.begin(), p.outputs.end(), name) != p.outputs.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("output '", name, "' is requested twice"));
+    }
+    p.outputs.push_back(name);
+  }
+  if (p.outputs.empty()) p.outputs = {kLogits, kProbabilities, kLabel};
+
+  if (auto it = request.parameters().find("truncate"); it != request.parameters().end()) {
+    if (it->second.parameter_choice_case() != inference::InferParameter::kBoolParam) {
+      return absl::InvalidArgumentError("parameter 'truncate' must be a bool_param");
+    }
+    p.truncate = it->second.bool_param();
+  }
+  return p;
+}
+
+// Classify's rule (model::BertConfig::output_function).
+std::vector<float> Probabilities(const std::string& problem_type,
+                                 const google::protobuf::RepeatedField<float>& logits) {
+  std::vector<float> p(logits.begin(), logits.end());
+  if (problem_type == "regression" || p.empty()) return p;
+  if (problem_type == "multi_label_classification" || p.size() == 1) {
+    for (float& x : p) x = 1.0f / (1.0f + std::exp(-x));
+    return p;
+  }
+  const float mx = *std::max_element(p.begin(), p.end());
+  float sum = 0;
+  for (float& x : p) {
+    x = std::exp(x - mx);
+    sum += x;
+  }
+  for (float& x : p) x /= sum;
+  return p;
+}
+
+// Fills `response` from Classify's results for the requested outputs.
+absl::Status BuildResponse(const ParsedInfer& parsed, const model::ModelInfo& info,
+                           const v1::ClassifyResponse& result, InferResponse* response) {
+  const int64_t n = result.results_size();
+  const int64_t c = n > 0 ? result.results(0).logits_size() : 0;
+  for (const auto& r : result.results()) {
+    if (r.logits_size() != c) {
+      return absl::InternalError("results with different numbers of logits in one response");
+    }
+  }
+  response->set_model_name(result.model_name());
+  response->set_model_version(std::to_string(result.model_version()));
+  for (const std::string& name : parsed.outputs) {
+    InferResponse::InferOutputTensor* t = response->add_outputs();
+    t->set_name(name);
+    if (name == kLabel) {
+      t->set_datatype("BYTES");
+      t->add_shape(n);
+      std::string* raw = parsed.raw ? response->add_raw_output_contents() : nullptr;
+      for (const auto& r : result.results()) {
+        if (raw != nullptr) {
+          AppendRawBytes(r.label(), raw);
+        } else {
+          t->mutable_contents()->add_bytes_contents(r.label());
+        }
+      }
+      continue;
+    }
+    t->set_datatype("FP32");
+    t->add_shape(n);
+    t->add_shape(c);
+    std::vector<float> values;
+    values.reserve(n * c);
+    for (const auto& r : result.results()) {
+      if (name == kLogits) {
+        values.insert(values.end(), r.logits().begin(), r.logits().end());
+      } else {
+        std::vector<float> p = Probabilities(info.problem_type, r.logits());
+        values.insert(values.end(), p.begin(), p.end());
+      }
+    }
+    if (parsed.raw) {
+      response->add_raw_output_contents()->assign(reinterpret_cast<const char*>(values.data()),
+                                                  values.size() * sizeof(float));
+    } else {
+      t->mutable_contents()->mutable_fp32_contents()->Add(values.begin(), values.end());
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+// Like InferenceService's unary reactor: remembers that the client gave up, so that queued inputs
+// are dropped before they reach the model.
+class KServeService::InferReactor final : public grpc::ServerUnaryReactor {
+ public:
+  InferReactor() : cancelled_(std::make_shared<std::atomic<bool>>(false)) {}
+  void OnCancel() override { cancelled_->store(true, std::memory_order_relaxed); }
+  void OnDone() override { delete this; }
+  const std::shared_ptr<std::atomic<bool>>& cancelled() const { return cancelled_; }
+
+ private:
+  const std::shared_ptr<std::atomic<bool>> cancelled_;
+};
+
+KServeService::KServeService(KServeServiceOptions options) : options_(std::move(options)) {}
+
+void KServeService::Attach(InferenceService* inference, repository::ModelRepository* repository,
+                           metrics::Metrics* metrics) {
+  absl::MutexLock lock(&mu_);
+  attached_.inference = inference;
+  attached_.repository = repository;
+  attached_.metrics = metrics;
+}
+
+KServeService::Attached KServeService::attached() const {
+  absl::MutexLock lock(&mu_);
+  return attached_;
+}
+
+grpc::Status KServeService::CheckServing(const Attached& a) {
+  if (a.inference != nullptr && a.inference->draining()) {
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                        "collabserve is shutting down and takes no new requests; retry on another "
+                        "replica");
+  }
+  if (a.inference == nullptr || a.repository == nullptr) {
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                        "collabserve is still loading its models; retry once ServerReady is true");
+  }
+  return grpc::Status::OK;
+}
+
+grpc::ServerUnaryReactor* KServeService::ServerLive(grpc::CallbackServerContext* context,
+                                                    const inference::ServerLiveRequest* request,
+                                                    inference::ServerLiveResponse* response) {
+  response->set_live(true);
+  auto* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* KServeService::ServerReady(grpc::CallbackServerContext* context,
+                                                     const inference::ServerReadyRequest* request,
+                                                     inference::ServerReadyResponse* response) {
+  response->set_ready(CheckServing(attached()).ok());
+  auto* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* KServeService::ModelReady(grpc::CallbackServerContext* context,
+                                                    const inference::ModelReadyRequest* request,
+                                                    inference::ModelReadyResponse* response) {
+  auto* reactor = context->DefaultReactor();
+  if (request->name().empty()) {
+    reactor->Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "model name is empty"));
+    return reactor;
+  }
+  auto version = ParseVersion(request->version());
+  if (!version.ok()) {
+    reactor->Finish(ToGrpcStatus(version.status()));
+    return reactor;
+  }
+  const Attached a = attached();
+  response->set_ready(CheckServing(a).ok() && a.repository->Get(request->name(), *version).ok());
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* KServeService::ServerMetadata(
+    grpc::CallbackServerContext* context, const inference::ServerMetadataRequest* request,
+    inference::ServerMetadataResponse* response) {
+  response->set_name(options_.server_name);
+  response->set_version(options_.server_version);
+  auto* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* KServeService::ModelMetadata(
+    grpc::CallbackServerContext* context, const inference::ModelMetadataRequest* request,
+    inference::ModelMetadataResponse* response) {
+  auto* reactor = context->DefaultReactor();
+  const Attached a = attached();
+  grpc::Status serving = CheckServing(a);
+  if (!serving.ok()) {
+    reactor->Finish(serving);
+    return reactor;
+  }
+  auto servable = Resolve(a.repository, request->name(), request->version());
+  if (!servable.ok()) {
+    reactor->Finish(ToGrpcStatus(servable.status()));
+    return reactor;
+  }
+  const model::ModelInfo& info = (*servable)->info();
+  const int64_t c = static_cast<int64_t>(info.labels.size());
+  response->set_name((*servable)->id().model);
+  response->set_platform(kPlatform);
+  const auto all = a.repository->List();
+  if (auto it = all.find((*servable)->id().model); it != all.end()) {
+    for (const auto& v : it->second) {
+      if (v.state == repository::ModelRepository::VersionStatus::State::kAvailable) {
+        response->add_versions(std::to_string(v.version));
+      }
+    }
+  }
+  auto add = [](auto* tensors, const char* name, const char* datatype,
+                std::vector<int64_t> shape) {
+    auto* t = tensors->Add();
+    t->set_name(name);
+    t->set_datatype(datatype);
+    for (int64_t d : shape) t->add_shape(d);
+  };
+  add(response->mutable_inputs(), kText, "BYTES", {-1});
+  add(response->mutable_inputs(), kTextPair, "BYTES", {-1});
+  add(response->mutable_outputs(), kLogits, "FP32", {-1, c});
+  add(response->mutable_outputs(), kProbabilities, "FP32", {-1, c});
+  add(response->mutable_outputs(), kLabel, "BYTES", {-1});
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* KServeService::ModelInfer(grpc::CallbackServerContext* context,
+                                                    const inference::ModelInferRequest* request,
+                                                    inference::ModelInferResponse* response) {
+  auto* reactor = new InferReactor();
+  const Attached a = attached();
+  // Failures found here never reach StartClassify; count them as it counts its own.
+  auto reject = [&](const grpc::Status& status, const std::string& model,
+                    const std::string& version) {
+    VLOG(1) << "ModelInfer(" << request->model_name() << ") rejected: " << status.error_message();
+    if (a.metrics != nullptr) a.metrics->CountRequest(model, version, CodeName(status.error_code()));
+    reactor->Finish(status);
+    return reactor;
+  };
+  grpc::Status serving = CheckServing(a);
+  if (!serving.ok()) return reject(serving, "", "");
+  auto resolved = Resolve(a.repository, request->model_name(), request->model_version());
+  if (!resolved.ok()) return reject(ToGrpcStatus(resolved.status()), "", "");
+  std::shared_ptr<ModelServable> servable = std::move(resolved).value();
+  const std::string& model = servable->id().model;
+  const std::string version = std::to_string(servable->id().version);
+  auto parsed = ParseInfer(*request);
+  if (!parsed.ok()) return reject(ToGrpcStatus(parsed.status()), model, version);
+
+  // The resolved version is pinned so that the labels below describe the version that answers.
+  v1::ClassifyRequest classify;
+  classify.set_model_name(model);
+  classify.set_model_version(servable->id().version);
+  classify.mutable_options()->set_truncate(parsed->truncate);
+  for (size_t i = 0; i < parsed->texts.size(); ++i) {
+    v1::Input* in = classify.add_inputs();
+    in->set_text(std::move(parsed->texts[i]));
+    if (parsed->pairs.has_value()) in->set_text_pair(std::move((*parsed->pairs)[i]));
+  }
+  response->set_id(request->id());
+  auto shared = std::make_shared<ParsedInfer>(std::move(parsed).value());
+  a.inference->StartClassify(
+      classify, ToAbslTime(context->deadline()), reactor->cancelled(),
+      [reactor, response, servable, shared](const grpc::Status& status,
+                                            v1::ClassifyResponse* result) {
+        if (!status.ok() || result == nullptr) {
+          reactor->Finish(status.ok() ? grpc::Status(grpc::StatusCode::INTERNAL, "no result")
+                                      : status);
+          return;
+        }
+        absl::Status built = BuildResponse(*shared, servable->info(), *result, response);
+        reactor->Finish(ToGrpcStatus(built));
+      });
+  return reactor;
+}
+
+}  // namespace collabserve::service

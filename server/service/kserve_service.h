@@ -1,0 +1,98 @@
+// The Open Inference Protocol (KServe v2 / Triton, `inference.GRPCInferenceService`) on the same
+// port as collabserve.v1.Inference. ModelInfer is a front end to InferenceService::StartClassify:
+// the same validation, tokenizer, batcher, metrics and error codes as Classify.
+//
+// Tensors of every model:
+//   input  `text`          BYTES [N] or [N, 1]   UTF-8 text, one element per input (required)
+//   input  `text_pair`     BYTES, same shape     second segment for sentence-pair tasks (optional)
+//   output `logits`        FP32  [N, C]          C = number of labels, in label id order
+//   output `probabilities` FP32  [N, C]          softmax; sigmoid for multi-label models or C == 1;
+//                                                the logits for regression (Classify's rule)
+//   output `label`         BYTES [N]             the best label's name
+// Inputs may come as `contents.bytes_contents` or as `raw_input_contents` (each element a 4-byte
+// little-endian length followed by its bytes), not both in one request. The response uses the form
+// the request used: raw inputs get `raw_output_contents` (what Triton clients read), typed inputs
+// get `contents` (KServe's Python client reads either). `outputs` may ask for a subset, in any
+// order; empty means all three in the order above. The request parameter `truncate` (bool, default
+// true) is Classify's options.truncate; other parameters are ignored.
+//
+// Errors: INVALID_ARGUMENT naming the input or output (unknown name, wrong datatype, bad shape,
+// element count not matching the shape, malformed raw bytes, missing `text`, empty text) or a
+// malformed model_version; NOT_FOUND for an unknown model or version (model_version "" = newest);
+// UNAVAILABLE while the models load or the server drains; the rest as Classify.
+//
+// ModelMetadata reports platform "collabserve", the served versions, and the tensors above with -1
+// for variable dimensions (`text` as [-1]). ServerLive is always true; ServerReady is true once the
+// service is attached (models loaded) until the server starts draining; ModelReady is true when the
+// model (version) is served and the server is ready; an unknown model is not ready (OK status).
+#ifndef COLLABSERVE_SERVER_SERVICE_KSERVE_SERVICE_H_
+#define COLLABSERVE_SERVER_SERVICE_KSERVE_SERVICE_H_
+
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "kserve/grpc_predict_v2.grpc.pb.h"
+#include "server/metrics/metrics.h"
+#include "server/repository/model_repository.h"
+#include "server/service/inference_service.h"
+
+namespace collabserve::service {
+
+struct KServeServiceOptions {
+  // ServerMetadata's name and version.
+  std::string server_name = "collabserve";
+  std::string server_version = "0.1.0";
+};
+
+// Thread-safe. Register it in ServerOptions::extra_services before the Server starts, then
+// Attach() once Server::LoadModels() has succeeded; until then ModelInfer and ModelMetadata answer
+// UNAVAILABLE and the readiness calls answer false. Must outlive the Server.
+class KServeService final : public inference::GRPCInferenceService::CallbackService {
+ public:
+  explicit KServeService(KServeServiceOptions options = {});
+
+  // `inference`, `repository` and `metrics` are not owned and must stay alive until the gRPC
+  // server has shut down (Server::inference_service(), repository(), metrics() do). Call once.
+  void Attach(InferenceService* inference, repository::ModelRepository* repository,
+              metrics::Metrics* metrics);
+
+  grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* context,
+                                       const inference::ServerLiveRequest* request,
+                                       inference::ServerLiveResponse* response) override;
+  grpc::ServerUnaryReactor* ServerReady(grpc::CallbackServerContext* context,
+                                        const inference::ServerReadyRequest* request,
+                                        inference::ServerReadyResponse* response) override;
+  grpc::ServerUnaryReactor* ModelReady(grpc::CallbackServerContext* context,
+                                       const inference::ModelReadyRequest* request,
+                                       inference::ModelReadyResponse* response) override;
+  grpc::ServerUnaryReactor* ServerMetadata(grpc::CallbackServerContext* context,
+                                           const inference::ServerMetadataRequest* request,
+                                           inference::ServerMetadataResponse* response) override;
+  grpc::ServerUnaryReactor* ModelMetadata(grpc::CallbackServerContext* context,
+                                          const inference::ModelMetadataRequest* request,
+                                          inference::ModelMetadataResponse* response) override;
+  grpc::ServerUnaryReactor* ModelInfer(grpc::CallbackServerContext* context,
+                                       const inference::ModelInferRequest* request,
+                                       inference::ModelInferResponse* response) override;
+
+ private:
+  class InferReactor;
+  struct Attached {
+    InferenceService* inference = nullptr;
+    repository::ModelRepository* repository = nullptr;
+    metrics::Metrics* metrics = nullptr;
+  };
+
+  Attached attached() const;
+  // OK when attached and not draining; UNAVAILABLE (with Classify's wording) otherwise.
+  static grpc::Status CheckServing(const Attached& a);
+
+  const KServeServiceOptions options_;
+  mutable absl::Mutex mu_;
+  Attached attached_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace collabserve::service
+
+#endif  // COLLABSERVE_SERVER_SERVICE_KSERVE_SERVICE_H_

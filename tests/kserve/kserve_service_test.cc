@@ -1,0 +1,677 @@
+// The Open Inference Protocol service end to end: a real Server on 127.0.0.1:0 with tiny
+// checkpoints and the KServe service registered next to Inference, driven through stubs generated
+// from proto/kserve/grpc_predict_v2.proto. ModelInfer must agree with Classify and with the engine.
+#include "server/service/kserve_service.h"
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "collabserve/v1/inference.grpc.pb.h"
+#include "gmock/gmock.h"
+#include "grpcpp/client_context.h"
+#include "grpcpp/create_channel.h"
+#include "gtest/gtest.h"
+#include "kserve/grpc_predict_v2.grpc.pb.h"
+#include "server/model/checkpoint_maker.h"
+#include "server/model/engine.h"
+#include "server/service/model_servable.h"
+#include "server/service/server.h"
+#include "server/text/bert_tokenizer.h"
+#include "tests/service/test_util.h"
+
+namespace collabserve::service {
+namespace {
+
+using ::collabserve::testing::Eventually;
+using ::collabserve::testing::Gate;
+using ::collabserve::testing::MakeTinyModel;
+using ::collabserve::testing::ParseMetrics;
+using ::collabserve::testing::ScrapeMetrics;
+using ::collabserve::testing::TempDir;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using InferRequest = inference::ModelInferRequest;
+using InferResponse = inference::ModelInferResponse;
+
+// BYTES elements in the raw layout: 4-byte little-endian length, then the bytes.
+std::string RawBytes(const std::vector<std::string>& elements) {
+  std::string raw;
+  for (const auto& e : elements) {
+    const uint32_t n = static_cast<uint32_t>(e.size());
+    raw.push_back(static_cast<char>(n & 0xff));
+    raw.push_back(static_cast<char>((n >> 8) & 0xff));
+    raw.push_back(static_cast<char>((n >> 16) & 0xff));
+    raw.push_back(static_cast<char>((n >> 24) & 0xff));
+    raw += e;
+  }
+  return raw;
+}
+
+std::vector<std::string> ParseRawBytes(const std::string& raw) {
+  std::vector<std::string> out;
+  size_t pos = 0;
+  while (pos + 4 <= raw.size()) {
+    const auto* p = reinterpret_cast<const unsigned char*>(raw.data() + pos);
+    const uint32_t n = p[0] | (p[1] << 8) | (p[2] << 16) | (static_cast<uint32_t>(p[3]) << 24);
+    out.emplace_back(raw, pos + 4, n);
+    pos += 4 + n;
+  }
+  EXPECT_EQ(pos, raw.size()) << "malformed raw BYTES output";
+  return out;
+}
+
+std::vector<float> ParseRawFloats(const std::string& raw) {
+  EXPECT_EQ(raw.size() % 4, 0u);
+  std::vector<float> out(raw.size() / 4);
+  std::memcpy(out.data(), raw.data(), out.size() * 4);
+  return out;
+}
+
+// A BYTES input tensor with typed contents.
+void AddInput(InferRequest* r, const std::string& name, const std::vector<std::string>& values,
+              std::vector<int64_t> shape = {}) {
+  auto* in = r->add_inputs();
+  in->set_name(name);
+  in->set_datatype("BYTES");
+  if (shape.empty()) shape = {static_cast<int64_t>(values.size())};
+  for (int64_t d : shape) in->add_shape(d);
+  for (const auto& v : values) in->mutable_contents()->add_bytes_contents(v);
+}
+
+// The same with raw_input_contents.
+void AddRawInput(InferRequest* r, const std::string& name, const std::vector<std::string>& values,
+                 std::vector<int64_t> shape = {}) {
+  auto* in = r->add_inputs();
+  in->set_name(name);
+  in->set_datatype("BYTES");
+  if (shape.empty()) shape = {static_cast<int64_t>(values.size())};
+  for (int64_t d : shape) in->add_shape(d);
+  r->add_raw_input_contents(RawBytes(values));
+}
+
+// One output tensor of a response, decoded from whichever form it came in.
+struct Tensor {
+  std::string datatype;
+  std::vector<int64_t> shape;
+  std::vector<float> floats;
+  std::vector<std::string> strings;
+  bool raw = false;
+};
+
+Tensor Output(const InferResponse& resp, const std::string& name) {
+  for (int i = 0; i < resp.outputs_size(); ++i) {
+    const auto& o = resp.outputs(i);
+    if (o.name() != name) continue;
+    Tensor t;
+    t.datatype = o.datatype();
+    t.shape.assign(o.shape().begin(), o.shape().end());
+    t.raw = resp.raw_output_contents_size() > 0;
+    if (t.raw) {
+      EXPECT_EQ(resp.raw_output_contents_size(), resp.outputs_size());
+      if (o.datatype() == "BYTES") {
+        t.strings = ParseRawBytes(resp.raw_output_contents(i));
+      } else {
+        t.floats = ParseRawFloats(resp.raw_output_contents(i));
+      }
+    } else {
+      t.floats.assign(o.contents().fp32_contents().begin(), o.contents().fp32_contents().end());
+      t.strings.assign(o.contents().bytes_contents().begin(), o.contents().bytes_contents().end());
+    }
+    return t;
+  }
+  ADD_FAILURE() << "no output " << name;
+  return {};
+}
+
+class KServeTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    MakeTinyModel(repo_.path() + "/tiny/1", 1);
+    MakeTinyModel(repo_.path() + "/tiny/2", 2);
+    model::MakeOptions multi;
+    multi.labels = 3;
+    multi.label_names = {"sports", "politics", "tech"};
+    multi.problem_type = "multi_label_classification";
+    multi.seed = 5;
+    ASSERT_TRUE(model::MakeCheckpoint(repo_.path() + "/multi/1", multi).ok());
+    model::MakeOptions three;
+    three.labels = 3;
+    three.seed = 6;
+    ASSERT_TRUE(model::MakeCheckpoint(repo_.path() + "/three/1", three).ok());
+  }
+  void TearDown() override {
+    gate_.Open();
+    if (server_) server_->Shutdown();
+  }
+
+  ServerOptions Options() {
+    ServerOptions o;
+    o.host = "127.0.0.1";
+    o.port = 0;
+    o.metrics_host = "127.0.0.1";
+    o.metrics_port = 0;
+    o.model_repository = repo_.path();
+    o.poll_interval = absl::ZeroDuration();
+    o.versions_to_keep = 2;
+    o.drain_timeout = absl::Seconds(20);
+    o.servable.batching.max_queue_delay_micros = 500;
+    o.servable.before_batch_hook = [this] { gate_.Pass(); };
+    o.torch_version = "test";
+    o.extra_services.push_back(&kserve_);
+    return o;
+  }
+
+  // StartServing only: the models are not loaded and the service not attached.
+  void StartServing() {
+    server_ = std::make_unique<Server>(Options());
+    absl::Status s = server_->StartServing();
+    ASSERT_TRUE(s.ok()) << s;
+    channel_ = grpc::CreateChannel(absl::StrCat("127.0.0.1:", server_->port()),
+                                   grpc::InsecureChannelCredentials());
+    stub_ = inference::GRPCInferenceService::NewStub(channel_);
+    classify_ = v1::Inference::NewStub(channel_);
+  }
+  void LoadModels() {
+    absl::Status s = server_->LoadModels();
+    ASSERT_TRUE(s.ok()) << s;
+    kserve_.Attach(&server_->inference_service(), server_->repository(), &server_->metrics());
+  }
+  void Start() {
+    StartServing();
+    LoadModels();
+  }
+
+  std::unique_ptr<grpc::ClientContext> Context() {
+    auto ctx = std::make_unique<grpc::ClientContext>();
+    ctx->set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+    return ctx;
+  }
+
+  grpc::Status Infer(const InferRequest& req, InferResponse* resp) {
+    return stub_->ModelInfer(Context().get(), req, resp);
+  }
+
+  v1::ClassifyResponse Classify(const std::string& model, const std::vector<std::string>& texts,
+                                const std::vector<std::string>& pairs = {}) {
+    v1::ClassifyRequest req;
+    req.set_model_name(model);
+    for (size_t i = 0; i < texts.size(); ++i) {
+      auto* in = req.add_inputs();
+      in->set_text(texts[i]);
+      if (!pairs.empty()) in->set_text_pair(pairs[i]);
+    }
+    v1::ClassifyResponse resp;
+    grpc::Status s = classify_->Classify(Context().get(), req, &resp);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return resp;
+  }
+
+  // The engine's own predictions for the served version of `model`.
+  std::vector<model::Prediction> EngineRun(const std::string& model,
+                                           const std::vector<std::string>& texts,
+                                           const std::vector<std::string>& pairs = {}) {
+    auto s = server_->repository()->Get(model);
+    EXPECT_TRUE(s.ok()) << s.status();
+    auto servable = std::static_pointer_cast<ModelServable>(*s);
+    std::vector<model::TokenizedInput> batch;
+    for (size_t i = 0; i < texts.size(); ++i) {
+      std::optional<std::string_view> pair;
+      if (!pairs.empty()) pair = pairs[i];
+      auto enc = servable->engine().tokenizer().Encode(texts[i], pair,
+                                                       servable->info().max_length, true);
+      EXPECT_TRUE(enc.ok()) << enc.status();
+      model::TokenizedInput in;
+      in.input_ids.assign(enc->input_ids.begin(), enc->input_ids.end());
+      in.token_type_ids.assign(enc->token_type_ids.begin(), enc->token_type_ids.end());
+      batch.push_back(std::move(in));
+    }
+    auto out = servable->engine().Run(batch);
+    EXPECT_TRUE(out.ok()) << out.status();
+    return out.ok() ? *out : std::vector<model::Prediction>{};
+  }
+
+  void ExpectMatches(const InferResponse& resp, const std::string& model,
+                     const std::vector<std::string>& texts,
+                     const std::vector<std::string>& pairs = {}) {
+    const v1::ClassifyResponse classified = Classify(model, texts, pairs);
+    const std::vector<model::Prediction> engine = EngineRun(model, texts, pairs);
+    ASSERT_EQ(classified.results_size(), static_cast<int>(texts.size()));
+    ASSERT_EQ(engine.size(), texts.size());
+    const int64_t n = texts.size();
+    const int64_t c = engine[0].logits.size();
+    Tensor logits = Output(resp, "logits");
+    Tensor probs = Output(resp, "probabilities");
+    Tensor label = Output(resp, "label");
+    EXPECT_EQ(logits.datatype, "FP32");
+    EXPECT_EQ(probs.datatype, "FP32");
+    EXPECT_EQ(label.datatype, "BYTES");
+    EXPECT_THAT(logits.shape, ElementsAre(n, c));
+    EXPECT_THAT(probs.shape, ElementsAre(n, c));
+    EXPECT_THAT(label.shape, ElementsAre(n));
+    ASSERT_EQ(logits.floats.size(), static_cast<size_t>(n * c));
+    ASSERT_EQ(probs.floats.size(), static_cast<size_t>(n * c));
+    ASSERT_EQ(label.strings.size(), static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t j = 0; j < c; ++j) {
+        EXPECT_NEAR(logits.floats[i * c + j], classified.results(i).logits(j), 1e-5)
+            << "input " << i << " label " << j;
+        EXPECT_NEAR(logits.floats[i * c + j], engine[i].logits[j], 1e-5);
+        EXPECT_NEAR(probs.floats[i * c + j], engine[i].probabilities[j], 1e-6);
+      }
+      EXPECT_EQ(label.strings[i], classified.results(i).label());
+    }
+  }
+
+  TempDir repo_;
+  Gate gate_;
+  KServeService kserve_;
+  std::unique_ptr<Server> server_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<inference::GRPCInferenceService::Stub> stub_;
+  std::unique_ptr<v1::Inference::Stub> classify_;
+};
+
+const std::vector<std::string> kTexts = {"the best movie of the year", "not good at all",
+                                         "an utterly forgettable afternoon"};
+
+TEST_F(KServeTest, InferWithContentsMatchesClassifyAndTheEngine) {
+  Start();
+  InferRequest req;
+  req.set_model_name("tiny");
+  req.set_id("request-7");
+  AddInput(&req, "text", kTexts);
+  InferResponse resp;
+  grpc::Status s = Infer(req, &resp);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(resp.model_name(), "tiny");
+  EXPECT_EQ(resp.model_version(), "2");  // "" = newest
+  EXPECT_EQ(resp.id(), "request-7");
+  EXPECT_EQ(resp.raw_output_contents_size(), 0);  // typed in, typed out
+  ASSERT_EQ(resp.outputs_size(), 3);
+  EXPECT_EQ(resp.outputs(0).name(), "logits");
+  EXPECT_EQ(resp.outputs(1).name(), "probabilities");
+  EXPECT_EQ(resp.outputs(2).name(), "label");
+  ExpectMatches(resp, "tiny", kTexts);
+}
+
+TEST_F(KServeTest, InferWithRawContentsMatchesClassifyAndAnswersRaw) {
+  Start();
+  InferRequest req;
+  req.set_model_name("tiny");
+  AddRawInput(&req, "text", kTexts, {3, 1});
+  InferResponse resp;
+  grpc::Status s = Infer(req, &resp);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(resp.raw_output_contents_size(), 3);
+  for (const auto& o : resp.outputs()) EXPECT_FALSE(o.has_contents()) << o.name();
+  ExpectMatches(resp, "tiny", kTexts);
+}
+
+TEST_F(KServeTest, BothShapesGiveTheSameLogits) {
+  Start();
+  InferRequest flat, column;
+  flat.set_model_name("tiny");
+  column.set_model_name("tiny");
+  AddInput(&flat, "text", kTexts, {3});
+  AddInput(&column, "text", kTexts, {3, 1});
+  InferResponse a, b;
+  ASSERT_TRUE(Infer(flat, &a).ok());
+  ASSERT_TRUE(Infer(column, &b).ok());
+  EXPECT_EQ(Output(a, "logits").floats, Output(b, "logits").floats);
+}
+
+TEST_F(KServeTest, TextPairMatchesClassify) {
+  Start();
+  const std::vector<std::string> texts = {"a man plays guitar", "the cat sleeps"};
+  const std::vector<std::string> pairs = {"someone makes music", "a dog barks loudly"};
+  InferRequest req;
+  req.set_model_name("tiny");
+  AddRawInput(&req, "text", texts);
+  AddRawInput(&req, "text_pair", pairs);
+  InferResponse resp;
+  grpc::Status s = Infer(req, &resp);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  ExpectMatches(resp, "tiny", texts, pairs);
+  // The pair changes the answer: it really was used.
+  InferRequest alone;
+  alone.set_model_name("tiny");
+  AddRawInput(&alone, "text", texts);
+  InferResponse single;
+  ASSERT_TRUE(Infer(alone, &single).ok());
+  EXPECT_NE(Output(single, "logits").floats, Output(resp, "logits").floats);
+}
+
+TEST_F(KServeTest, ProbabilitiesFollowTheProblemType) {
+  Start();
+  for (const std::string model : {"multi", "three"}) {
+    SCOPED_TRACE(model);
+    InferRequest req;
+    req.set_model_name(model);
+    AddInput(&req, "text", kTexts);
+    InferResponse resp;
+    grpc::Status s = Infer(req, &resp);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    ExpectMatches(resp, model, kTexts);
+    Tensor p = Output(resp, "probabilities");
+    ASSERT_EQ(p.floats.size(), 9u);
+    const float row0 = p.floats[0] + p.floats[1] + p.floats[2];
+    if (model == "three") {
+      EXPECT_NEAR(row0, 1.0, 1e-5);  // softmax
+    } else {
+      Tensor l = Output(resp, "logits");
+      EXPECT_NEAR(p.floats[0], 1 / (1 + std::exp(-l.floats[0])), 1e-6);  // sigmoid
+    }
+  }
+}
+
+TEST_F(KServeTest, RequestedOutputsOnlyInTheirOrder) {
+  Start();
+  for (bool raw : {false, true}) {
+    SCOPED_TRACE(raw ? "raw" : "contents");
+    InferRequest req;
+    req.set_model_name("tiny");
+    if (raw) {
+      AddRawInput(&req, "text", kTexts);
+    } else {
+      AddInput(&req, "text", kTexts);
+    }
+    req.add_outputs()->set_name("label");
+    req.add_outputs()->set_name("logits");
+    InferResponse resp;
+    grpc::Status s = Infer(req, &resp);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    ASSERT_EQ(resp.outputs_size(), 2);
+    EXPECT_EQ(resp.outputs(0).name(), "label");
+    EXPECT_EQ(resp.outputs(1).name(), "logits");
+    EXPECT_EQ(resp.raw_output_contents_size(), raw ? 2 : 0);
+    const v1::ClassifyResponse classified = Classify("tiny", kTexts);
+    Tensor label = Output(resp, "label");
+    ASSERT_EQ(label.strings.size(), 3u);
+    for (int i = 0; i < 3; ++i) EXPECT_EQ(label.strings[i], classified.results(i).label());
+    EXPECT_EQ(Output(resp, "logits").floats.size(), 6u);
+  }
+}
+
+TEST_F(KServeTest, ExplicitAndUnknownVersions) {
+  Start();
+  InferRequest req;
+  req.set_model_name("tiny");
+  req.set_model_version("1");
+  AddInput(&req, "text", {"hello"});
+  InferResponse v1_resp;
+  ASSERT_TRUE(Infer(req, &v1_resp).ok());
+  EXPECT_EQ(v1_resp.model_version(), "1");
+  req.set_model_version("2");
+  InferResponse v2_resp;
+  ASSERT_TRUE(Infer(req, &v2_resp).ok());
+  EXPECT_NE(Output(v1_resp, "logits").floats, Output(v2_resp, "logits").floats);
+
+  InferResponse resp;
+  req.set_model_version("9");
+  grpc::Status s = Infer(req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(s.error_message(), HasSubstr("tiny"));
+  req.set_model_version("one");
+  s = Infer(req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("\"one\""));
+  req.set_model_version("");
+  req.set_model_name("nope");
+  s = Infer(req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(s.error_message(), HasSubstr("nope"));
+}
+
+TEST_F(KServeTest, BadInputsAreInvalidArgumentNamingTheProblem) {
+  Start();
+  struct Case {
+    std::string what;
+    std::function<void(InferRequest*)> build;
+    std::string expect;
+  };
+  const std::vector<Case> cases = {
+      {"wrong datatype",
+       [](InferRequest* r) {
+         auto* in = r->add_inputs();
+         in->set_name("text");
+         in->set_datatype("FP32");
+         in->add_shape(1);
+         in->mutable_contents()->add_fp32_contents(1);
+       },
+       "input 'text' has datatype FP32"},
+      {"matrix shape", [](InferRequest* r) { AddInput(r, "text", {"a", "b", "c", "d"}, {2, 2}); },
+       "input 'text' has shape [2, 2]"},
+      {"zero elements", [](InferRequest* r) { AddInput(r, "text", {}, {0}); },
+       "input 'text' has shape [0]"},
+      {"count mismatch", [](InferRequest* r) { AddInput(r, "text", {"a", "b"}, {3}); },
+       "input 'text' has shape [3] (3 elements) but 2"},
+      {"missing text", [](InferRequest* r) { AddInput(r, "text_pair", {"a"}); },
+       "no input 'text'"},
+      {"unknown input",
+       [](InferRequest* r) {
+         AddInput(r, "text", {"a"});
+         AddInput(r, "sentence", {"b"});
+       },
+       "input 'sentence' is not an input"},
+      {"pair count",
+       [](InferRequest* r) {
+         AddInput(r, "text", {"a", "b"});
+         AddInput(r, "text_pair", {"c"});
+       },
+       "input 'text_pair' has 1 elements but 'text' has 2"},
+      {"empty text", [](InferRequest* r) { AddInput(r, "text", {"fine", ""}); },
+       "input 'text' element 1 is empty"},
+      {"unknown output",
+       [](InferRequest* r) {
+         AddInput(r, "text", {"a"});
+         r->add_outputs()->set_name("embeddings");
+       },
+       "requested output 'embeddings'"},
+      {"raw truncated",
+       [](InferRequest* r) {
+         AddRawInput(r, "text", {"abc"});
+         r->mutable_raw_input_contents(0)->resize(5);
+       },
+       "input 'text': element 0 of raw_input_contents claims 3 bytes but only 1 remain"},
+      {"raw leftover",
+       [](InferRequest* r) {
+         AddRawInput(r, "text", {"abc"});
+         r->mutable_raw_input_contents(0)->append("xy");
+       },
+       "2 bytes left over"},
+      {"raw short",
+       [](InferRequest* r) { AddRawInput(r, "text", {"abc"}, {2}); },
+       "raw_input_contents ends after 1 of 2"},
+      {"raw count",
+       [](InferRequest* r) {
+         AddRawInput(r, "text", {"a"});
+         AddInput(r, "text_pair", {"b"});
+         r->mutable_inputs(1)->clear_contents();
+       },
+       "raw_input_contents has 1 entries for 2 inputs"},
+      {"both forms",
+       [](InferRequest* r) {
+         AddRawInput(r, "text", {"a"});
+         r->mutable_inputs(0)->mutable_contents()->add_bytes_contents("a");
+       },
+       "input 'text' has contents although the request uses raw_input_contents"},
+      {"truncate type",
+       [](InferRequest* r) {
+         AddInput(r, "text", {"a"});
+         (*r->mutable_parameters())["truncate"].set_string_param("yes");
+       },
+       "parameter 'truncate'"},
+      {"not UTF-8", [](InferRequest* r) { AddInput(r, "text", {"caf\xc3"}); }, "UTF-8"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    InferRequest req;
+    req.set_model_name("tiny");
+    c.build(&req);
+    InferResponse resp;
+    grpc::Status s = Infer(req, &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr(c.expect));
+  }
+  // Bad requests are counted as Classify counts them.
+  auto text = ScrapeMetrics(server_->metrics_port());
+  ASSERT_TRUE(text.ok()) << text.status();
+  auto m = ParseMetrics(*text);
+  EXPECT_EQ(m["collabserve_requests_total{code=\"INVALID_ARGUMENT\",model=\"tiny\",version=\"2\"}"] +
+                m["collabserve_requests_total{code=\"INVALID_ARGUMENT\",model=\"\",version=\"\"}"],
+            cases.size());
+}
+
+TEST_F(KServeTest, TruncateParameterIsClassifysOption) {
+  Start();
+  std::string long_text;
+  for (int i = 0; i < 600; ++i) long_text += "word ";
+  InferRequest req;
+  req.set_model_name("tiny");
+  AddInput(&req, "text", {long_text});
+  InferResponse resp;
+  EXPECT_TRUE(Infer(req, &resp).ok());  // truncated by default
+  (*req.mutable_parameters())["truncate"].set_bool_param(false);
+  grpc::Status s = Infer(req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("truncation is off"));
+}
+
+TEST_F(KServeTest, SuccessfulInferIsCountedLikeClassify) {
+  Start();
+  InferRequest req;
+  req.set_model_name("tiny");
+  AddInput(&req, "text", {"one", "two"});
+  InferResponse resp;
+  ASSERT_TRUE(Infer(req, &resp).ok());
+  auto text = ScrapeMetrics(server_->metrics_port());
+  ASSERT_TRUE(text.ok()) << text.status();
+  auto m = ParseMetrics(*text);
+  EXPECT_EQ(m["collabserve_requests_total{code=\"OK\",model=\"tiny\",version=\"2\"}"], 1);
+  EXPECT_EQ(m["collabserve_queue_duration_seconds_count{model=\"tiny\"}"], 2);
+  EXPECT_EQ(m["collabserve_inflight_requests"], 0);
+}
+
+TEST_F(KServeTest, Metadata) {
+  Start();
+  inference::ServerMetadataResponse server;
+  ASSERT_TRUE(stub_->ServerMetadata(Context().get(), {}, &server).ok());
+  EXPECT_EQ(server.name(), "collabserve");
+  EXPECT_FALSE(server.version().empty());
+
+  inference::ModelMetadataRequest req;
+  req.set_name("multi");
+  inference::ModelMetadataResponse meta;
+  grpc::Status s = stub_->ModelMetadata(Context().get(), req, &meta);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(meta.name(), "multi");
+  EXPECT_EQ(meta.platform(), "collabserve");
+  EXPECT_THAT(meta.versions(), ElementsAre("1"));
+  ASSERT_EQ(meta.inputs_size(), 2);
+  EXPECT_EQ(meta.inputs(0).name(), "text");
+  EXPECT_EQ(meta.inputs(0).datatype(), "BYTES");
+  EXPECT_THAT(meta.inputs(0).shape(), ElementsAre(-1));
+  EXPECT_EQ(meta.inputs(1).name(), "text_pair");
+  ASSERT_EQ(meta.outputs_size(), 3);
+  EXPECT_EQ(meta.outputs(0).name(), "logits");
+  EXPECT_EQ(meta.outputs(0).datatype(), "FP32");
+  EXPECT_THAT(meta.outputs(0).shape(), ElementsAre(-1, 3));
+  EXPECT_EQ(meta.outputs(1).name(), "probabilities");
+  EXPECT_THAT(meta.outputs(1).shape(), ElementsAre(-1, 3));
+  EXPECT_EQ(meta.outputs(2).name(), "label");
+  EXPECT_EQ(meta.outputs(2).datatype(), "BYTES");
+  EXPECT_THAT(meta.outputs(2).shape(), ElementsAre(-1));
+
+  req.set_name("tiny");
+  ASSERT_TRUE(stub_->ModelMetadata(Context().get(), req, &meta).ok());
+  EXPECT_THAT(meta.versions(), ElementsAre("1", "2"));
+  req.set_version("7");
+  s = stub_->ModelMetadata(Context().get(), req, &meta);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
+  req.set_name("nope");
+  req.set_version("");
+  s = stub_->ModelMetadata(Context().get(), req, &meta);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(s.error_message(), HasSubstr("nope"));
+}
+
+TEST_F(KServeTest, ReadinessFollowsLoadingAndDraining) {
+  auto live = [this] {
+    inference::ServerLiveResponse r;
+    grpc::Status s = stub_->ServerLive(Context().get(), {}, &r);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return r.live();
+  };
+  auto ready = [this] {
+    inference::ServerReadyResponse r;
+    grpc::Status s = stub_->ServerReady(Context().get(), {}, &r);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return r.ready();
+  };
+  auto model_ready = [this](const std::string& name, const std::string& version) {
+    inference::ModelReadyRequest req;
+    req.set_name(name);
+    req.set_version(version);
+    inference::ModelReadyResponse r;
+    grpc::Status s = stub_->ModelReady(Context().get(), req, &r);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return r.ready();
+  };
+  InferRequest req;
+  req.set_model_name("tiny");
+  AddInput(&req, "text", {"hello"});
+  InferResponse resp;
+
+  StartServing();
+  EXPECT_TRUE(live());
+  EXPECT_FALSE(ready());
+  EXPECT_FALSE(model_ready("tiny", ""));
+  grpc::Status s = Infer(req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(s.error_message(), HasSubstr("loading"));
+
+  LoadModels();
+  EXPECT_TRUE(ready());
+  EXPECT_TRUE(model_ready("tiny", ""));
+  EXPECT_TRUE(model_ready("tiny", "1"));
+  EXPECT_FALSE(model_ready("tiny", "3"));
+  EXPECT_FALSE(model_ready("nope", ""));
+  inference::ModelReadyRequest bad;
+  inference::ModelReadyResponse bad_resp;
+  EXPECT_EQ(stub_->ModelReady(Context().get(), bad, &bad_resp).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+
+  // Hold one call in the model, start draining, and look while the drain waits for it.
+  gate_.Close();
+  grpc::ClientContext held_ctx;
+  held_ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(60)));
+  InferResponse held_resp;
+  grpc::Status held_status;
+  absl::Notification held_done;
+  stub_->async()->ModelInfer(&held_ctx, &req, &held_resp, [&](grpc::Status st) {
+    held_status = std::move(st);
+    held_done.Notify();
+  });
+  ASSERT_TRUE(gate_.WaitForArrivals(1));
+  std::thread shutdown([this] { server_->Shutdown(); });
+  EXPECT_TRUE(Eventually([&] { return !ready(); }));
+  EXPECT_FALSE(model_ready("tiny", ""));
+  EXPECT_TRUE(live());
+  s = Infer(req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(s.error_message(), HasSubstr("shutting down"));
+  gate_.Open();
+  held_done.WaitForNotification();
+  EXPECT_TRUE(held_status.ok()) << held_status.error_message();  // drained, not dropped
+  EXPECT_EQ(Output(held_resp, "label").strings.size(), 1u);
+  shutdown.join();
+}
+
+}  // namespace
+}  // namespace collabserve::service
