@@ -309,6 +309,9 @@ void InferenceService::EndCall(const std::string& model, const std::string& vers
   if (!model.empty()) {
     metrics_->ForModel(model).request_duration->Observe(absl::ToDoubleSeconds(absl::Now() - arrival));
   }
+}
+
+void InferenceService::LeaveInflight() {
   metrics_->inflight_requests()->Decrement();
   inflight_.fetch_sub(1, std::memory_order_acq_rel);
 }
@@ -325,6 +328,7 @@ void InferenceService::StartClassify(const v1::ClassifyRequest& request, absl::T
     VLOG(1) << "Classify(" << request.model_name() << ") rejected: " << status;
     EndCall(model, version, g, arrival);
     finish(g, nullptr);
+    LeaveInflight();
   };
 
   grpc::Status serving = CheckServing();
@@ -380,6 +384,7 @@ void InferenceService::StartClassify(const v1::ClassifyRequest& request, absl::T
           const grpc::Status g = ToGrpcStatus(results.status());
           EndCall(model, version, g, arrival);
           finish(g, nullptr);
+          LeaveInflight();
           return;
         }
         v1::ClassifyResponse response;
@@ -403,6 +408,9 @@ void InferenceService::StartClassify(const v1::ClassifyRequest& request, absl::T
         t->set_total_us(Micros(absl::Now() - arrival));
         EndCall(model, version, grpc::Status::OK, arrival);
         finish(grpc::Status::OK, &response);
+        // Only now: the drain (Server::Shutdown) waits for this count, and the response must have
+        // been handed to gRPC before it stops the server.
+        LeaveInflight();
       });
 
   std::vector<std::unique_ptr<InferenceTask>> tasks;

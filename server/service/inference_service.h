@@ -70,8 +70,11 @@ class InferenceService final : public v1::Inference::CallbackService {
 
   // OK, or UNAVAILABLE while loading / draining.
   grpc::Status CheckServing() const;
+  // Metrics of a finished call.
   void EndCall(const std::string& model, const std::string& version, const grpc::Status& status,
                absl::Time arrival);
+  // After the call's finish callback: it no longer counts as in flight.
+  void LeaveInflight();
 
   const InferenceServiceOptions options_;
   metrics::Metrics* const metrics_;

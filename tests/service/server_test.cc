@@ -524,6 +524,8 @@ TEST_F(ServerTest, MetricsPageParsesAndPassesPromtool) {
   v1::ClassifyResponse resp;
   ASSERT_TRUE(Classify(Request("tiny", {"one", "two"}), &resp).ok());
   ASSERT_FALSE(Classify(Request("nope", {"x"}), &resp).ok());
+  // A call leaves the in-flight count just after its response is handed to gRPC.
+  ASSERT_TRUE(Eventually([&] { return Metrics()["collabserve_inflight_requests"] == 0; }));
   auto text = ScrapeMetrics(server_->metrics_port());
   ASSERT_TRUE(text.ok()) << text.status();
   auto m = ParseMetrics(*text);
