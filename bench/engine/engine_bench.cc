@@ -17,6 +17,7 @@
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
 #include <dlfcn.h>
+#include <malloc.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -156,7 +157,8 @@ double ForwardFlops(const ModelInfo& m, int batch, int seq) {
 
 struct Point {
   double seq_per_s = 0;
-  double cpu_util = 0;  // process CPU seconds / wall seconds over the timed runs
+  double cpu_ms_per_seq = 0;  // median process CPU time of a run / batch: the work, whatever the load
+  double cpu_util = 0;        // process CPU seconds / wall seconds over the timed runs
   int runs = 0;
 };
 
@@ -175,18 +177,20 @@ Point Measure(const Engine& engine, int batch, int seq, const Flags& f) {
     std::vector<TokenizedInput> head(inputs.begin(), inputs.begin() + std::min(batch, f.warmup_batch));
     run(head);
   }
-  std::vector<double> times;
+  std::vector<double> times, cpu_times;
   double cpu0 = CpuSeconds(), wall0 = Now(), spent = 0;
   while (static_cast<int>(times.size()) < f.max_runs &&
          (static_cast<int>(times.size()) < f.min_runs || spent < f.budget_s)) {
-    double t0 = Now();
+    double t0 = Now(), c0 = CpuSeconds();
     run(inputs);
     times.push_back(Now() - t0);
+    cpu_times.push_back(CpuSeconds() - c0);
     spent += times.back();
   }
   Point p;
   p.runs = static_cast<int>(times.size());
   p.seq_per_s = batch / Median(times);
+  p.cpu_ms_per_seq = 1e3 * Median(cpu_times) / batch;
   p.cpu_util = (CpuSeconds() - cpu0) / (Now() - wall0);
   return p;
 }
@@ -204,9 +208,15 @@ double SgemmPeak(int n) {
   return 2.0 * n * n * n / Median(times) / 1e9;
 }
 
-// Reads "batch<TAB>seq<TAB>seq_per_s..." lines (a '#' line is a comment).
-std::map<std::pair<int, int>, double> ReadTsv(const std::string& path) {
-  std::map<std::pair<int, int>, double> out;
+struct Baseline {
+  double seq_per_s = 0;
+  double cpu_ms_per_seq = 0;
+};
+using Baselines = std::map<std::pair<int, int>, Baseline>;
+
+// Reads "batch<TAB>seq<TAB>seq_per_s<TAB>runs<TAB>cpu_ms_per_seq" lines ('#' starts a comment).
+Baselines ReadTsv(const std::string& path) {
+  Baselines out;
   if (path.empty()) return out;
   std::ifstream in(path);
   if (!in) {
@@ -217,9 +227,9 @@ std::map<std::pair<int, int>, double> ReadTsv(const std::string& path) {
   while (std::getline(in, line)) {
     if (line.empty() || line[0] == '#') continue;
     std::istringstream ls(line);
-    int b = 0, s = 0;
-    double v = 0;
-    if (!(ls >> b >> s >> v)) {
+    int b = 0, s = 0, runs = 0;
+    Baseline v;
+    if (!(ls >> b >> s >> v.seq_per_s >> runs >> v.cpu_ms_per_seq)) {
       std::fprintf(stderr, "engine_bench: %s: bad line '%s'\n", path.c_str(), line.c_str());
       std::exit(1);
     }
@@ -228,11 +238,9 @@ std::map<std::pair<int, int>, double> ReadTsv(const std::string& path) {
   return out;
 }
 
-std::string Cell(const std::map<std::pair<int, int>, double>& m, int b, int s, const char* fmt) {
-  auto it = m.find({b, s});
-  if (it == m.end()) return "-";
+std::string Fmt(const char* fmt, double v) {
   char buf[32];
-  std::snprintf(buf, sizeof buf, fmt, it->second);
+  std::snprintf(buf, sizeof buf, fmt, v);
   return buf;
 }
 
@@ -249,9 +257,14 @@ int Main(int argc, char** argv) {
   Flags f;
   if (!ParseFlags(argc, argv, &f)) return 2;
 
-  // Thread settings (what the server's main should set too): ATen's intra-op pool (OpenMP here)
+  // Process settings (what the server's main should set too). Threads: ATen's intra-op pool (OpenMP here)
   // and OpenBLAS's own pthreads pool, both to --threads.
   at::set_num_threads(f.threads);
+  // Keep freed activation buffers (up to glibc's 32 MiB mmap ceiling) in the heap instead of
+  // returning them to the kernel after every Run: otherwise each forward pass page-faults and zeroes
+  // its buffers afresh (~10% of a BERT-base pass at batch 1).
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);
+  mallopt(M_TRIM_THRESHOLD, 256 << 20);
   using SetThreads = void (*)(int);
   using GetInt = int (*)();
   using GetConfig = char* (*)();
@@ -290,14 +303,19 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "engine_bench: cannot write %s\n", f.tsv_out.c_str());
     return 1;
   }
-  if (tsv) std::fprintf(tsv, "# batch\tseq\tcollabserve_seq_per_s\truns\tcollab_seq_per_s\n");
+  if (tsv) {
+    std::fprintf(tsv, "# batch\tseq\tcollabserve_seq_per_s\truns\tcpu_ms_per_seq\tcollab_seq_per_s\n");
+  }
 
-  std::printf("\n%5s %5s | %11s %9s | %9s %9s | %8s | %8s %6s | %5s %4s\n", "batch", "seq",
-              "collabserve", "collab", "PyTorch", "ORT", "vs best", "GFLOP/s", "%peak", "CPU%",
-              "runs");
-  std::printf("%5s %5s | %11s %9s | %9s %9s | %8s | %8s %6s | %5s %4s\n", "", "", "seq/s",
-              "seq/s", "seq/s", "seq/s", "baseline", "", "", "", "");
-  std::printf("------------+-----------------------+---------------------+----------+-----------------+-----------\n");
+  const char* row = "%5s %5s | %11s %9s | %9s %9s | %8s | %8s %6s | %7s %7s %7s %8s | %5s %4s\n";
+  std::printf("\n");
+  std::printf(row, "batch", "seq", "collabserve", "collab", "PyTorch", "ORT", "vs best", "GFLOP/s",
+              "%peak", "CPU ms", "per seq", "", "CPU vs", "CPU%", "runs");
+  std::printf(row, "", "", "seq/s", "seq/s", "seq/s", "seq/s", "baseline", "", "", "collab-", "PyTorch",
+              "ORT", "best", "", "");
+  std::printf(row, "", "", "", "", "", "", "", "", "", "serve", "", "", "baseline", "", "");
+  std::printf("------------+-----------------------+---------------------+----------+-----------------+"
+              "----------------------------------+-----------\n");
   for (int b : f.batches) {
     for (int s : f.seqs) {
       if (s > info.max_length) {
@@ -307,28 +325,50 @@ int Main(int argc, char** argv) {
       Point p = Measure(*engine, b, s, f);
       Point pc;
       if (collab) pc = Measure(*collab, b, s, f);
-      double best = 0;
+      std::vector<Baseline> found;
+      std::string cells[4] = {"-", "-", "-", "-"};  // PyTorch seq/s, ORT seq/s, PyTorch CPU, ORT CPU
+      int i = 0;
       for (auto* m : {&pytorch, &ort}) {
         auto it = m->find({b, s});
-        if (it != m->end()) best = std::max(best, it->second);
+        if (it != m->end()) {
+          found.push_back(it->second);
+          cells[i] = Fmt("%.2f", it->second.seq_per_s);
+          cells[i + 2] = Fmt("%.1f", it->second.cpu_ms_per_seq);
+        }
+        ++i;
+      }
+      std::string ratio = "-", cpu_ratio = "-";
+      if (!found.empty()) {
+        double best = 0, best_cpu = 1e300;
+        for (const Baseline& x : found) {
+          best = std::max(best, x.seq_per_s);
+          best_cpu = std::min(best_cpu, x.cpu_ms_per_seq);
+        }
+        ratio = Fmt("%.2fx", p.seq_per_s / best);
+        cpu_ratio = Fmt("%.2fx", best_cpu / p.cpu_ms_per_seq);
       }
       double gflops = ForwardFlops(info, b, s) * p.seq_per_s / b / 1e9;
-      char ratio[16] = "-", collab_s[16] = "-", pct[16] = "-";
-      if (best > 0) std::snprintf(ratio, sizeof ratio, "%.2fx", p.seq_per_s / best);
-      if (collab) std::snprintf(collab_s, sizeof collab_s, "%.2f", pc.seq_per_s);
-      if (peak > 0) std::snprintf(pct, sizeof pct, "%.0f%%", 100 * gflops / peak);
-      std::printf("%5d %5d | %11.2f %9s | %9s %9s | %8s | %8.1f %6s | %4.0f%% %4d\n", b, s,
-                  p.seq_per_s, collab_s, Cell(pytorch, b, s, "%.2f").c_str(),
-                  Cell(ort, b, s, "%.2f").c_str(), ratio, gflops, pct, 100 * p.cpu_util, p.runs);
+      std::printf(row, std::to_string(b).c_str(), std::to_string(s).c_str(),
+                  Fmt("%.2f", p.seq_per_s).c_str(), collab ? Fmt("%.2f", pc.seq_per_s).c_str() : "-",
+                  cells[0].c_str(), cells[1].c_str(), ratio.c_str(), Fmt("%.1f", gflops).c_str(),
+                  peak > 0 ? Fmt("%.0f%%", 100 * gflops / peak).c_str() : "-",
+                  Fmt("%.1f", p.cpu_ms_per_seq).c_str(), cells[2].c_str(), cells[3].c_str(),
+                  cpu_ratio.c_str(), Fmt("%.0f%%", 100 * p.cpu_util).c_str(),
+                  std::to_string(p.runs).c_str());
       std::fflush(stdout);
-      if (tsv) std::fprintf(tsv, "%d\t%d\t%.4f\t%d\t%.4f\n", b, s, p.seq_per_s, p.runs, pc.seq_per_s);
+      if (tsv) {
+        std::fprintf(tsv, "%d\t%d\t%.4f\t%d\t%.3f\t%.4f\n", b, s, p.seq_per_s, p.runs,
+                     p.cpu_ms_per_seq, pc.seq_per_s);
+      }
     }
   }
   if (tsv) std::fclose(tsv);
   getloadavg(loadavg, 1);
-  std::printf("\nmedians of timed runs after one warm-up; 'vs best baseline' = collabserve / max(PyTorch, "
-              "ORT); GFLOP/s and %%peak for collabserve; CPU%% = process CPU time / wall time "
-              "(100%% = one core busy); load average %.2f at end\n", loadavg[0]);
+  std::printf("\nmedians of timed runs after one warm-up. vs best baseline = collabserve seq/s / max(PyTorch, ORT);"
+              "\nGFLOP/s, %%peak and CPU%% for collabserve; CPU ms per seq = median process CPU time of a run /"
+              "\nbatch (the work done, spinning threads included; less sensitive to other load than seq/s);"
+              "\nCPU vs best baseline = min(PyTorch, ORT) CPU ms / collabserve CPU ms; CPU%% = CPU time / wall"
+              "\ntime (100%% = one core busy). Load average %.2f at end.\n", loadavg[0]);
   return 0;
 }
 

@@ -23,6 +23,11 @@ function parseArgs(argv) {
   return a;
 }
 
+function median(v) {
+  const s = [...v].sort((x, y) => x - y), n = s.length;
+  return n % 2 ? s[(n - 1) / 2] : 0.5 * (s[n / 2 - 1] + s[n / 2]);
+}
+
 // Identical to engine_bench.cc's MakeInputs.
 function makeInputs(batch, seq) {
   const n = batch * seq;
@@ -53,24 +58,23 @@ const session = await ort.InferenceSession.create(a.model, {
   graphOptimizationLevel: 'all',
 });
 console.error(`ort_bench: onnxruntime-node ${ort.env.versions?.common ?? '?'}, intraOpNumThreads=${a.threads}`);
-const lines = ['# batch\tseq\tort_seq_per_s\truns'];
+const lines = ['# batch\tseq\tort_seq_per_s\truns\tcpu_ms_per_seq'];
 for (const b of a.batches) {
   for (const s of a.seqs) {
     const feeds = makeInputs(b, s);
     await session.run(makeInputs(Math.min(b, a.warmup_batch), s));  // warm-up
-    const times = [];
+    const times = [], cpu = [];
     let spent = 0;
     while (times.length < a.max_runs && (times.length < a.min_runs || spent < a.budget_s)) {
-      const t0 = performance.now();
+      const t0 = performance.now(), c0 = process.cpuUsage();
       await session.run(feeds);
-      const dt = (performance.now() - t0) / 1000;
+      const dt = (performance.now() - t0) / 1000, dc = process.cpuUsage(c0);
       times.push(dt);
+      cpu.push((dc.user + dc.system) / 1e6);
       spent += dt;
     }
-    times.sort((x, y) => x - y);
-    const n = times.length;
-    const med = n % 2 ? times[(n - 1) / 2] : 0.5 * (times[n / 2 - 1] + times[n / 2]);
-    lines.push(`${b}\t${s}\t${(b / med).toFixed(4)}\t${n}`);
+    const n = times.length, med = median(times);
+    lines.push(`${b}\t${s}\t${(b / med).toFixed(4)}\t${n}\t${(1e3 * median(cpu) / b).toFixed(3)}`);
     fs.writeFileSync(a.out, lines.join('\n') + '\n');
     console.error(`ort_bench: ${b} x ${s}: ${(b / med).toFixed(2)} seq/s (${n} runs)`);
   }

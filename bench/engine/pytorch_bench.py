@@ -8,7 +8,8 @@ usage: pytorch_bench.py --model DIR --out FILE.tsv [--batches 1,8,32] [--seqs 16
 Loads DIR with bert_module (checked against tests/reference/bert_reference.py first: logits within
 1e-4), then for each grid point runs one warm-up forward and timed forwards under
 torch.inference_mode until --budget_s is spent (at least --min_runs, at most --max_runs), and writes
-"batch<TAB>seq<TAB>median seq/s<TAB>runs" lines. The timing policy and inputs equal engine_bench's.
+"batch<TAB>seq<TAB>median seq/s<TAB>runs<TAB>median CPU ms per sequence" lines. The timing policy
+and inputs equal engine_bench's.
 """
 import argparse
 import os
@@ -19,6 +20,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bert_module  # noqa: E402
+
+
+def median(v):
+    v = sorted(v)
+    n = len(v)
+    return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
 
 
 def ints(s):
@@ -62,21 +69,20 @@ def main():
     print(f"pytorch_bench: torch {torch.__version__}, get_num_threads()={torch.get_num_threads()}",
           file=sys.stderr)
     with open(a.out, "w") as out, torch.inference_mode():
-        out.write("# batch\tseq\tpytorch_seq_per_s\truns\n")
+        out.write("# batch\tseq\tpytorch_seq_per_s\truns\tcpu_ms_per_seq\n")
         for b in a.batches:
             for s in a.seqs:
                 ids, types, mask = bert_module.make_inputs(b, s)
                 w = min(b, a.warmup_batch)
                 model(ids[:w], types[:w], mask[:w])  # warm-up
-                times = []
+                times, cpu = [], []
                 while len(times) < a.max_runs and (len(times) < a.min_runs or sum(times) < a.budget_s):
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     model(ids, types, mask)
                     times.append(time.perf_counter() - t0)
-                times.sort()
-                n = len(times)
-                med = times[n // 2] if n % 2 else 0.5 * (times[n // 2 - 1] + times[n // 2])
-                out.write(f"{b}\t{s}\t{b / med:.4f}\t{n}\n")
+                    cpu.append(time.process_time() - c0)
+                n, med, cpu_med = len(times), median(times), median(cpu)
+                out.write(f"{b}\t{s}\t{b / med:.4f}\t{n}\t{1e3 * cpu_med / b:.3f}\n")
                 out.flush()
                 print(f"pytorch_bench: {b} x {s}: {b / med:.2f} seq/s ({n} runs)", file=sys.stderr)
 
