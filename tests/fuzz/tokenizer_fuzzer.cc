@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "server/text/bert_tokenizer.h"
+#include "tests/fuzz/fuzz_util.h"
 
 #ifndef COLLABSERVE_SOURCE_DIR
 #define COLLABSERVE_SOURCE_DIR "."
@@ -31,32 +32,6 @@ using collabserve::text::BertTokenizer;
 [[noreturn]] void Fail(const char* what) {
   std::fprintf(stderr, "TOKENIZER INVARIANT VIOLATED: %s\n", what);
   std::abort();
-}
-
-bool WellFormedUtf8(std::string_view s) {
-  const auto* p = reinterpret_cast<const uint8_t*>(s.data());
-  size_t i = 0, n = s.size();
-  while (i < n) {
-    uint8_t b = p[i];
-    if (b <= 0x7F) { ++i; continue; }
-    int len;
-    uint8_t lo = 0x80, hi = 0xBF;
-    if (b >= 0xC2 && b <= 0xDF) len = 2;
-    else if (b == 0xE0) { len = 3; lo = 0xA0; }
-    else if ((b >= 0xE1 && b <= 0xEC) || b == 0xEE || b == 0xEF) len = 3;
-    else if (b == 0xED) { len = 3; hi = 0x9F; }
-    else if (b == 0xF0) { len = 4; lo = 0x90; }
-    else if (b >= 0xF1 && b <= 0xF3) len = 4;
-    else if (b == 0xF4) { len = 4; hi = 0x8F; }
-    else return false;
-    if (i + len > n) return false;
-    if (p[i + 1] < lo || p[i + 1] > hi) return false;
-    for (int k = 2; k < len; ++k) {
-      if (p[i + k] < 0x80 || p[i + k] > 0xBF) return false;
-    }
-    i += len;
-  }
-  return true;
 }
 
 std::vector<std::unique_ptr<BertTokenizer>>* tokenizers = nullptr;
@@ -102,10 +77,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const size_t split = pair ? n * data[2] / 255 : n;
   const std::string_view a = all.substr(0, split), b = all.substr(split);
 
-  const bool valid = WellFormedUtf8(a) && (!pair || WellFormedUtf8(b));
+  const bool valid = collabserve::fuzz::ValidUtf8(a) && (!pair || collabserve::fuzz::ValidUtf8(b));
   auto enc = tok.Encode(a, pair ? std::optional<std::string_view>(b) : std::nullopt, max_length, truncate);
   auto ids_a = tok.TokenizeToIds(a);
-  if (ids_a.ok() != WellFormedUtf8(a)) Fail("TokenizeToIds accepts exactly the well-formed UTF-8");
+  if (ids_a.ok() != collabserve::fuzz::ValidUtf8(a)) Fail("TokenizeToIds accepts exactly the well-formed UTF-8");
   if (auto tokens = tok.Tokenize(a); tokens.ok() != ids_a.ok() ||
                                      (tokens.ok() && tokens->size() != ids_a->size())) {
     Fail("Tokenize and TokenizeToIds disagree");

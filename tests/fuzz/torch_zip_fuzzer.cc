@@ -6,6 +6,7 @@
 // both (*.bin whole files, *.pkl pickles).
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -69,5 +70,26 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (name.empty()) fuzz::Violation("empty name accepted", name);
     fuzz::CheckTensorInBounds(name, tensor, file, file_size);
   }
+  // Round trip through the writer, which refuses names that are not valid UTF-8 (the pickle's
+  // strings are bytes we do not validate), so only checkpoints whose names are valid.
+  std::vector<std::string> storage;
+  storage.reserve(checkpoint->tensors.size());
+  std::vector<model::io::TensorToWrite> tensors;
+  for (const auto& [name, tensor] : checkpoint->tensors) {
+    if (!fuzz::ValidUtf8(name)) return 0;
+    storage.push_back(fuzz::ContiguousBytes(tensor));
+    tensors.push_back({name, tensor.dtype, tensor.shape, storage.back().data()});
+  }
+  auto written = model::io::SerializeTorchZip(tensors);
+  if (!written.ok()) {
+    std::fprintf(stderr, "cannot write what was read: %s\n", std::string(written.status().message()).c_str());
+    std::abort();
+  }
+  auto again = model::io::ParseTorchZip(std::make_shared<const std::string>(*std::move(written)), "again");
+  if (!again.ok()) {
+    std::fprintf(stderr, "cannot read what was written: %s\n", std::string(again.status().message()).c_str());
+    std::abort();
+  }
+  fuzz::CheckSameTensors(*checkpoint, *again);
   return 0;
 }
