@@ -12,7 +12,7 @@ export CCACHE_BASEDIR := $(CURDIR)
 export CCACHE_MAXSIZE ?= 5G
 export CCACHE_SLOPPINESS := pch_defines,time_macros,include_file_mtime,include_file_ctime
 
-.PHONY: all deps configure build test run bench clean
+.PHONY: all deps configure build test run bench clean fuzz
 
 all: build
 
@@ -35,6 +35,12 @@ run: build
 
 bench: build
 	scripts/run-bench.sh $(BUILD_DIR)
+
+# libFuzzer targets (clang, ASan + UBSan) in their own build dir, each run FUZZ_SECONDS on a copy of
+# its seed corpus; see tests/fuzz/run_fuzz.sh.
+FUZZ_SECONDS ?= 60
+fuzz: deps
+	tests/fuzz/run_fuzz.sh --build-dir build-fuzz --seconds $(FUZZ_SECONDS)
 
 clean:
 	rm -rf $(BUILD_DIR)
