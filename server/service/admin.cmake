@@ -20,3 +20,12 @@ if(NOT TARGET collabserve_admin)
     PRIVATE OpenSSL::Crypto OpenMP::OpenMP_CXX prometheus-cpp::core absl::flags absl::strings
             absl::str_format absl::time)
 endif()
+
+# collabctl's admin commands (client/collabctl_admin.cc): link into collabctl.
+if(NOT TARGET collabctl_admin)
+  find_package(OpenSSL REQUIRED)
+  add_library(collabctl_admin ${CMAKE_CURRENT_LIST_DIR}/../../client/collabctl_admin.cc)
+  target_link_libraries(collabctl_admin
+    PUBLIC collabserve_admin_proto gRPC::grpc++
+    PRIVATE OpenSSL::Crypto absl::flags absl::strings absl::str_format absl::time)
+endif()

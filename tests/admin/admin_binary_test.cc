@@ -1,0 +1,266 @@
+// build/bin/collabserve with --admin_token_file as a subprocess, killed with SIGKILL in the middle
+// of an upload and in the middle of a compression job, then restarted on the same repository: no
+// partial version is ever visible, the old versions serve, and root/.staging is cleaned.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "collabserve/v1/inference.grpc.pb.h"
+#include "gmock/gmock.h"
+#include "grpcpp/create_channel.h"
+#include "gtest/gtest.h"
+#include "server/model/checkpoint_maker.h"
+#include "server/util/files.h"
+#include "tests/admin/admin_test_util.h"
+#include "tests/service/test_util.h"
+
+namespace collabserve {
+namespace {
+
+using ::collabserve::testing::Authorize;
+using ::collabserve::testing::Eventually;
+using ::collabserve::testing::HeaderFor;
+using ::collabserve::testing::MakeTinyModel;
+using ::collabserve::testing::ReadDir;
+using ::collabserve::testing::TempDir;
+
+constexpr char kToken[] = "binary-test-token";
+
+std::string Bin(const std::string& name) {
+  const char* dir = std::getenv("COLLABSERVE_BINARY_DIR");
+  return absl::StrCat(dir != nullptr ? dir : ".", "/bin/", name);
+}
+
+// collabserve as a child process; its stdout is read until "serving".
+class ServerProcess {
+ public:
+  ServerProcess(const std::string& repo, const std::string& token_file, const std::string& log) {
+    int fds[2];
+    EXPECT_EQ(pipe(fds), 0);
+    pid_ = fork();
+    if (pid_ == 0) {
+      dup2(fds[1], 1);
+      close(fds[0]);
+      close(fds[1]);
+      FILE* err = std::fopen(log.c_str(), "a");
+      if (err != nullptr) dup2(fileno(err), 2);
+      std::vector<std::string> args = {Bin("collabserve"), "--host=127.0.0.1", "--port=0",
+                                       "--metrics_port=-1", "--poll_interval_s=0",
+                                       "--model_repository=" + repo,
+                                       "--admin_token_file=" + token_file};
+      std::vector<char*> argv;
+      for (auto& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      execv(argv[0], argv.data());
+      _exit(127);
+    }
+    close(fds[1]);
+    out_ = fdopen(fds[0], "r");
+    char line[512];
+    while (fgets(line, sizeof(line), out_) != nullptr) {
+      std::string l(line);
+      if (absl::StartsWith(l, "admin on 127.0.0.1:")) {
+        admin_port_ = std::atoi(l.c_str() + strlen("admin on 127.0.0.1:"));
+      } else if (absl::StartsWith(l, "listening on 127.0.0.1:")) {
+        port_ = std::atoi(l.c_str() + strlen("listening on 127.0.0.1:"));
+      } else if (absl::StartsWith(l, "serving")) {
+        serving_ = true;
+        break;
+      }
+    }
+  }
+  ~ServerProcess() {
+    if (pid_ > 0) Kill();
+    if (out_ != nullptr) fclose(out_);
+  }
+  void Kill() {
+    kill(pid_, SIGKILL);
+    int status = 0;
+    waitpid(pid_, &status, 0);
+    pid_ = -1;
+  }
+  bool serving() const { return serving_; }
+  int port() const { return port_; }
+  int admin_port() const { return admin_port_; }
+
+ private:
+  pid_t pid_ = -1;
+  FILE* out_ = nullptr;
+  int port_ = 0, admin_port_ = 0;
+  bool serving_ = false;
+};
+
+class AdminBinaryTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    MakeTinyModel(repo_.path() + "/tiny/1", 1);
+    ASSERT_TRUE(util::WriteFileAtomic(tmp_.path() + "/token", std::string(kToken) + "\n").ok());
+  }
+  // The repository removes staging leftovers older than its process's start minus a 2 s margin
+  // (entries newer than that may belong to another live process), and the start time it reads
+  // from /proc has one second of rounding; a real restart takes longer than this.
+  void WaitOutRestartMargin() { absl::SleepFor(absl::Milliseconds(3500)); }
+
+  std::unique_ptr<ServerProcess> Start() {
+    auto p = std::make_unique<ServerProcess>(repo_.path(), tmp_.path() + "/token",
+                                             tmp_.path() + "/server.log");
+    EXPECT_TRUE(p->serving()) << "see " << tmp_.path() << "/server.log";
+    EXPECT_EQ(p->admin_port(), p->port());  // --admin_port=0: the inference port
+    return p;
+  }
+  std::unique_ptr<v1::Admin::Stub> AdminStub(const ServerProcess& p) {
+    return v1::Admin::NewStub(grpc::CreateChannel(absl::StrCat("127.0.0.1:", p.admin_port()),
+                                                  grpc::InsecureChannelCredentials()));
+  }
+  // The version the server answers with for `model`, or -1.
+  int64_t ServedVersion(const ServerProcess& p, const std::string& model) {
+    auto stub = v1::Inference::NewStub(grpc::CreateChannel(
+        absl::StrCat("127.0.0.1:", p.port()), grpc::InsecureChannelCredentials()));
+    v1::ClassifyRequest req;
+    req.set_model_name(model);
+    req.add_inputs()->set_text("still serving after a crash");
+    v1::ClassifyResponse resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+    grpc::Status s = stub->Classify(&ctx, req, &resp);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return s.ok() ? resp.model_version() : -1;
+  }
+  std::vector<std::string> Entries(const std::string& rel) {
+    std::vector<std::string> out;
+    const std::string dir = repo_.path() + "/" + rel;
+    if (!std::filesystem::exists(dir)) return out;
+    for (const auto& e : std::filesystem::directory_iterator(dir)) {
+      out.push_back(e.path().filename().string());
+    }
+    std::sort(out.begin(), out.end());
+    return out;
+  }
+  // What the repository root holds besides models: only an empty .staging may remain.
+  void ExpectNoLeftovers() {
+    EXPECT_TRUE(Entries(".staging").empty())
+        << absl::StrJoin(Entries(".staging"), ", ") << "\n"
+        << util::ReadFile(tmp_.path() + "/server.log").value_or("");
+    for (const std::string& e : Entries("")) EXPECT_FALSE(absl::StartsWith(e, ".trash")) << e;
+  }
+
+  TempDir repo_, tmp_;
+};
+
+TEST_F(AdminBinaryTest, KillDuringUploadThenRestart) {
+  model::MakeOptions mo;
+  mo.preset = "tiny";
+  mo.seed = 5;
+  ASSERT_TRUE(model::MakeCheckpoint(tmp_.path() + "/src", mo).ok());
+  auto files = ReadDir(tmp_.path() + "/src");
+  {
+    auto server = Start();
+    auto stub = AdminStub(*server);
+    grpc::ClientContext ctx;
+    Authorize(&ctx, kToken);
+    v1::UploadModelResponse resp;
+    auto writer = stub->UploadModel(&ctx, &resp);
+    v1::UploadModelRequest req;
+    *req.mutable_header() = HeaderFor("tiny", files);
+    req.mutable_header()->mutable_compression()->set_rank(8);
+    req.mutable_header()->set_activate(true);
+    ASSERT_TRUE(writer->Write(req));
+    const std::string& w = files["model.safetensors"];
+    for (size_t off = 0; off < w.size() / 2; off += 64 << 10) {
+      v1::UploadModelRequest c;
+      c.mutable_chunk()->set_file_name("model.safetensors");
+      c.mutable_chunk()->set_offset(off);
+      c.mutable_chunk()->set_data(w.substr(off, 64 << 10));
+      ASSERT_TRUE(writer->Write(c));
+    }
+    // The partial upload is on disk, in staging only.
+    ASSERT_TRUE(Eventually([&] { return Entries(".staging").size() == 1; }));
+    EXPECT_EQ(Entries("tiny"), std::vector<std::string>({"1"}));
+    server->Kill();
+    ctx.TryCancel();
+  }
+  EXPECT_EQ(Entries("tiny"), std::vector<std::string>({"1"}));
+  WaitOutRestartMargin();
+  auto server = Start();
+  EXPECT_EQ(ServedVersion(*server, "tiny"), 1);
+  EXPECT_EQ(Entries("tiny"), std::vector<std::string>({"1"}));
+  ExpectNoLeftovers();
+}
+
+TEST_F(AdminBinaryTest, KillDuringCompressionAndAfterPublishThenRestart) {
+  model::MakeOptions mo;
+  mo.preset = "mini";
+  mo.seed = 9;
+  ASSERT_TRUE(model::MakeCheckpoint(repo_.path() + "/big/1", mo).ok());
+  // Kill after the first layer is compressed (the job is writing into staging), then after the
+  // version was published (the rename is done; loading may not be).
+  for (v1::JobEvent::Kind kill_at : {v1::JobEvent::LAYER_COMPRESSED, v1::JobEvent::PUBLISHED}) {
+    SCOPED_TRACE(v1::JobEvent::Kind_Name(kill_at));
+    const std::vector<std::string> before = Entries("big");
+    {
+      auto server = Start();
+      auto stub = AdminStub(*server);
+      grpc::ClientContext ctx;
+      Authorize(&ctx, kToken);
+      v1::CompressModelRequest req;
+      req.set_model_name("big");
+      req.set_source_version(1);
+      req.mutable_compression()->set_rank(64);
+      if (kill_at == v1::JobEvent::LAYER_COMPRESSED) {
+        req.mutable_compression()->set_max_iters(400);
+        req.mutable_compression()->set_tol(1e-30);
+      }
+      req.set_activate(true);
+      v1::CompressModelResponse resp;
+      grpc::Status s = stub->CompressModel(&ctx, req, &resp);
+      ASSERT_TRUE(s.ok()) << s.error_message();
+      grpc::ClientContext wctx;
+      Authorize(&wctx, kToken);
+      v1::WatchJobRequest wreq;
+      wreq.set_job_id(resp.job_id());
+      auto reader = stub->WatchJob(&wctx, wreq);
+      v1::WatchJobResponse r;
+      bool reached = false;
+      while (reader->Read(&r)) {
+        if (r.event().kind() == kill_at) {
+          reached = true;
+          break;
+        }
+      }
+      ASSERT_TRUE(reached);
+      server->Kill();
+      wctx.TryCancel();
+    }
+    const std::vector<std::string> after_kill = Entries("big");
+    if (kill_at == v1::JobEvent::LAYER_COMPRESSED) {
+      // Three more layers of 400 iterations were still to go: nothing was published.
+      EXPECT_EQ(after_kill, before);
+    } else {
+      EXPECT_EQ(after_kill.size(), before.size() + 1);
+    }
+    WaitOutRestartMargin();
+    auto server = Start();
+    ExpectNoLeftovers();
+    // Every version on disk is complete: the newest one serves, and each loads.
+    const int64_t served = ServedVersion(*server, "big");
+    EXPECT_EQ(served, std::stoll(after_kill.back()));
+    for (const std::string& v : after_kill) {
+      EXPECT_TRUE(std::filesystem::exists(repo_.path() + "/big/" + v + "/config.json")) << v;
+    }
+    EXPECT_EQ(ServedVersion(*server, "tiny"), 1);
+  }
+}
+
+}  // namespace
+}  // namespace collabserve

@@ -1,0 +1,90 @@
+// collabctl's admin commands against an in-process server (flags set as collabctl's main would
+// have parsed them).
+#include "client/collabctl_admin.h"
+
+#include <cstdlib>
+#include <filesystem>
+#include <memory>
+
+#include "absl/flags/declare.h"
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "server/model/checkpoint_maker.h"
+#include "server/service/admin_server.h"
+#include "server/service/server.h"
+#include "server/util/files.h"
+#include "tests/service/test_util.h"
+
+ABSL_DECLARE_FLAG(std::string, dir);
+ABSL_DECLARE_FLAG(std::string, name);
+ABSL_DECLARE_FLAG(int, rank);
+ABSL_DECLARE_FLAG(double, ratio);
+ABSL_DECLARE_FLAG(bool, wait);
+ABSL_DECLARE_FLAG(std::string, token_file);
+
+namespace collabserve::client {
+namespace {
+
+using ::collabserve::testing::MakeTinyModel;
+using ::collabserve::testing::TempDir;
+
+TEST(CollabctlAdminTest, UploadWaitJobsLoadUnload) {
+  TempDir repo, src;
+  MakeTinyModel(repo.path() + "/tiny/1", 1);
+  MakeTinyModel(src.path() + "/m", 3);
+  service::ServerOptions o;
+  o.host = "127.0.0.1";
+  o.port = 0;
+  o.metrics_port = -1;
+  o.model_repository = repo.path();
+  o.poll_interval = absl::ZeroDuration();
+  o.drain_timeout = absl::Seconds(5);
+  service::AdminServerOptions ao;
+  ao.token = "cli-token";
+  auto admin = service::AdminServer::Create(ao, &o);
+  ASSERT_TRUE(admin.ok());
+  service::Server server(o);
+  ASSERT_TRUE(server.Start().ok());
+  ASSERT_TRUE((*admin)->Start(&server).ok());
+  const std::string address = absl::StrCat("127.0.0.1:", server.port());
+  char* none[] = {nullptr};
+
+  unsetenv("COLLABSERVE_TOKEN");
+  EXPECT_EQ(RunAdminCommand("jobs", 0, none, address), 2);  // no token at all
+  setenv("COLLABSERVE_TOKEN", "wrong", 1);
+  EXPECT_EQ(RunAdminCommand("jobs", 0, none, address), 1);  // UNAUTHENTICATED
+  ASSERT_TRUE(util::WriteFileAtomic(src.path() + "/token", "cli-token\n").ok());
+  absl::SetFlag(&FLAGS_token_file, src.path() + "/token");  // the file wins over the variable
+
+  absl::SetFlag(&FLAGS_dir, src.path() + "/m");
+  absl::SetFlag(&FLAGS_name, "cli");
+  absl::SetFlag(&FLAGS_rank, 8);
+  absl::SetFlag(&FLAGS_ratio, 2.0);
+  EXPECT_EQ(RunAdminCommand("upload", 0, none, address), 2);  // two compression flags
+  absl::SetFlag(&FLAGS_ratio, 0.0);
+  absl::SetFlag(&FLAGS_wait, true);
+  EXPECT_EQ(RunAdminCommand("upload", 0, none, address), 0);
+  EXPECT_TRUE(std::filesystem::exists(repo.path() + "/cli/1/config.json"));
+  EXPECT_EQ(RunAdminCommand("jobs", 0, none, address), 0);
+
+  char name[] = "cli", one[] = "1", nine[] = "9";
+  char* v1[] = {name, one};
+  char* v9[] = {name, nine};
+  EXPECT_EQ(RunAdminCommand("unload", 2, v1, address), 0);
+  EXPECT_EQ(RunAdminCommand("load", 2, v1, address), 0);
+  EXPECT_EQ(RunAdminCommand("load", 2, v9, address), 1);  // NOT_FOUND
+  EXPECT_EQ(RunAdminCommand("load", 1, v1, address), 2);  // usage
+  char tiny[] = "tiny";
+  char* compress_args[] = {tiny};
+  EXPECT_EQ(RunAdminCommand("compress", 1, compress_args, address), 0);
+  EXPECT_TRUE(std::filesystem::exists(repo.path() + "/tiny/2/config.json"));
+  EXPECT_EQ(RunAdminCommand("delete", 2, v1, address), 0);
+  EXPECT_FALSE(std::filesystem::exists(repo.path() + "/cli/1"));
+
+  (*admin)->Shutdown();
+  server.Shutdown();
+}
+
+}  // namespace
+}  // namespace collabserve::client
