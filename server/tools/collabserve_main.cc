@@ -17,6 +17,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "server/model/checkpoint_maker.h"
+#include "server/service/admin_server.h"
 #include "server/service/server.h"
 #include "server/util/files.h"
 
@@ -115,11 +116,21 @@ int Run(int argc, char** argv) {
   o.build_version = "0.1.0";
   o.torch_version = TORCH_VERSION;
 
+  // The Admin service (--admin_token_file): registered on this port or bound to --admin_port.
+  auto admin = collabserve::service::CreateAdminFromFlags(&o);
+  if (!admin.ok()) {
+    std::cerr << "collabserve: " << admin.status() << "\n";
+    return 1;
+  }
   Server server(o);
   absl::Status s = server.StartServing();
+  if (s.ok() && *admin != nullptr) s = (*admin)->Start(&server);
   if (!s.ok()) {
     std::cerr << "collabserve: " << s << "\n";
     return 1;
+  }
+  if (*admin != nullptr) {
+    std::printf("admin on 127.0.0.1:%d\n", (*admin)->port() >= 0 ? (*admin)->port() : server.port());
   }
   // Tests and scripts read these lines to find the ports.
   std::printf("listening on 127.0.0.1:%d\n", server.port());
@@ -138,6 +149,7 @@ int Run(int argc, char** argv) {
   sigwait(&signals, &sig);
   LOG(INFO) << "signal " << sig << ": draining (up to " << absl::GetFlag(FLAGS_drain_timeout_s)
             << " s)";
+  if (*admin != nullptr) (*admin)->Shutdown();  // cancels jobs so the drain does not wait on them
   server.Shutdown();
   return 0;
 }

@@ -10,3 +10,6 @@ if(COLLABSERVE_BUILD_BENCH)
   add_executable(serving_engine_peak ${CMAKE_SOURCE_DIR}/bench/serving/engine_peak.cc)
   target_link_libraries(serving_engine_peak PRIVATE collabserve_model absl::strings)
 endif()
+# The Admin service (server/service/admin.cmake defines collabserve_admin).
+include(${CMAKE_SOURCE_DIR}/server/service/admin.cmake)
+target_link_libraries(collabserve PRIVATE collabserve_admin)
