@@ -7,6 +7,7 @@
 #include <cstring>
 #include <memory>
 #include <optional>
+#include <regex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -248,6 +249,16 @@ std::vector<float> Probabilities(const std::string& problem_type,
   return p;
 }
 
+// StartClassify names the inputs of a ClassifyRequest ("inputs[3].text"); say it in tensor terms.
+grpc::Status InTensorTerms(const grpc::Status& status) {
+  if (status.error_code() != grpc::StatusCode::INVALID_ARGUMENT) return status;
+  static const std::regex* const kField = new std::regex(R"(inputs\[(\d+)\]\.(text_pair|text))");
+  static const std::regex* const kInput = new std::regex(R"(inputs\[(\d+)\])");
+  std::string message = std::regex_replace(status.error_message(), *kField, "input '$2' element $1");
+  message = std::regex_replace(message, *kInput, "element $1 of 'text'");
+  return grpc::Status(status.error_code(), message);
+}
+
 // Fills `response` from Classify's results for the requested outputs.
 absl::Status BuildResponse(const ParsedInfer& parsed, const model::ModelInfo& info,
                            const v1::ClassifyResponse& result, InferResponse* response) {
@@ -473,7 +484,7 @@ grpc::ServerUnaryReactor* KServeService::ModelInfer(grpc::CallbackServerContext*
                                             v1::ClassifyResponse* result) {
         if (!status.ok() || result == nullptr) {
           reactor->Finish(status.ok() ? grpc::Status(grpc::StatusCode::INTERNAL, "no result")
-                                      : status);
+                                      : InTensorTerms(status));
           return;
         }
         absl::Status built = BuildResponse(*shared, servable->info(), *result, response);

@@ -507,7 +507,14 @@ TEST_F(KServeTest, BadInputsAreInvalidArgumentNamingTheProblem) {
          (*r->mutable_parameters())["truncate"].set_string_param("yes");
        },
        "parameter 'truncate'"},
-      {"not UTF-8", [](InferRequest* r) { AddInput(r, "text", {"caf\xc3"}); }, "UTF-8"},
+      {"not UTF-8", [](InferRequest* r) { AddInput(r, "text", {"fine", "caf\xc3"}); },
+       "element 1 of 'text'"},
+      {"pair too long",
+       [](InferRequest* r) {
+         AddInput(r, "text", {"a"});
+         AddInput(r, "text_pair", {std::string(70000, 'x')});
+       },
+       "input 'text_pair' element 0 is 70000 bytes"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.what);
@@ -540,6 +547,7 @@ TEST_F(KServeTest, TruncateParameterIsClassifysOption) {
   (*req.mutable_parameters())["truncate"].set_bool_param(false);
   grpc::Status s = Infer(req, &resp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("element 0 of 'text'"));
   EXPECT_THAT(s.error_message(), HasSubstr("truncation is off"));
 }
 

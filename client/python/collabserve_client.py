@@ -1,0 +1,323 @@
+#!/usr/bin/python3
+"""A Python client for collabserve, using Debian's python3-grpcio and python3-protobuf.
+
+The stubs are generated at run time from the repository's .proto files with `protoc --python_out`
+and `grpc_python_plugin` (Debian package protobuf-compiler-grpc) into a temporary directory, so no
+generated code is kept anywhere. Every command prints JSON (one object per line) on stdout, and
+exits non-zero with the gRPC status code and message on stderr when a call fails.
+
+  collabserve_client.py --address 127.0.0.1:8500 health [--service MODEL]
+  collabserve_client.py classify --model tiny [--version 2] [--pair TEXT ...] TEXT ...
+  collabserve_client.py infer --model tiny [--version 2] [--raw] [--pair TEXT ...] TEXT ...
+  collabserve_client.py kserve-status [--model tiny]
+  collabserve_client.py upload --token-file F --model NAME --dir CHECKPOINT_DIR
+                               [--rank R | --ratio X] [--activate] [--watch]
+  collabserve_client.py watch --token-file F JOB_ID
+
+`classify` calls collabserve.v1.Inference/Classify; `infer` calls the Open Inference Protocol's
+inference.GRPCInferenceService/ModelInfer (KServe v2, same port); `health` calls grpc.health.v1;
+`upload` streams a Hugging Face BERT checkpoint to collabserve.v1.Admin/UploadModel and `watch`
+follows the job with WatchJob until it ends (exit status 0 only if it SUCCEEDED).
+"""
+
+import argparse
+import atexit
+import hashlib
+import importlib
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+
+try:
+    import grpc
+except ImportError:  # pragma: no cover - the message is the point
+    sys.exit("collabserve_client: python3-grpcio is not installed "
+             "(apt-get install python3-grpcio, or scripts/install-deps.sh)")
+
+DEFAULT_PROTO_DIR = os.path.normpath(
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "proto"))
+UPLOAD_CHUNK_BYTES = 1 << 20
+
+
+class Stubs:
+    """Modules generated from the .proto files: inference, admin (None if admin.proto is absent),
+    kserve and health, each with its _pb2 and _pb2_grpc."""
+
+    def __init__(self, proto_dir, out_dir=None):
+        protoc = shutil.which("protoc")
+        plugin = shutil.which("grpc_python_plugin")
+        if protoc is None or plugin is None:
+            raise RuntimeError("protoc and grpc_python_plugin are needed to generate the stubs "
+                               "(apt-get install protobuf-compiler protobuf-compiler-grpc)")
+        if out_dir is None:
+            out_dir = tempfile.mkdtemp(prefix="collabserve-pystubs-")
+            atexit.register(shutil.rmtree, out_dir, True)
+        # health.proto is compiled from its own directory: as grpc/health/v1/health_pb2 it would
+        # be shadowed by the grpc package itself. The wire names (grpc.health.v1.Health) stay.
+        jobs = [(proto_dir, "collabserve/v1/inference.proto"),
+                (proto_dir, "kserve/grpc_predict_v2.proto"),
+                (os.path.join(proto_dir, "grpc", "health", "v1"), "health.proto")]
+        has_admin = os.path.exists(os.path.join(proto_dir, "collabserve", "v1", "admin.proto"))
+        if has_admin:
+            jobs.append((proto_dir, "collabserve/v1/admin.proto"))
+        for include, proto in jobs:
+            cmd = [protoc, "--proto_path=" + include, "--python_out=" + out_dir,
+                   "--grpc_python_out=" + out_dir, "--plugin=protoc-gen-grpc_python=" + plugin,
+                   os.path.join(include, proto)]
+            run = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            if run.returncode != 0:
+                raise RuntimeError("protoc failed on %s:\n%s" % (proto, run.stdout))
+        sys.path.insert(0, out_dir)
+        load = importlib.import_module
+        self.inference_pb2 = load("collabserve.v1.inference_pb2")
+        self.inference_grpc = load("collabserve.v1.inference_pb2_grpc")
+        self.kserve_pb2 = load("kserve.grpc_predict_v2_pb2")
+        self.kserve_grpc = load("kserve.grpc_predict_v2_pb2_grpc")
+        self.health_pb2 = load("health_pb2")
+        self.health_grpc = load("health_pb2_grpc")
+        self.admin_pb2 = load("collabserve.v1.admin_pb2") if has_admin else None
+        self.admin_grpc = load("collabserve.v1.admin_pb2_grpc") if has_admin else None
+
+
+def raw_bytes(elements):
+    """BYTES tensor elements in the Open Inference Protocol's raw layout."""
+    return b"".join(struct.pack("<I", len(e)) + e for e in elements)
+
+
+def parse_raw_bytes(raw):
+    out, pos = [], 0
+    while pos < len(raw):
+        (n,) = struct.unpack_from("<I", raw, pos)
+        out.append(raw[pos + 4:pos + 4 + n])
+        pos += 4 + n
+    return out
+
+
+def parse_raw_fp32(raw):
+    return list(struct.unpack("<%df" % (len(raw) // 4), raw))
+
+
+class Client:
+    def __init__(self, address, stubs, timeout_s=30.0, token=None):
+        self.stubs = stubs
+        self.timeout = timeout_s
+        self.channel = grpc.insecure_channel(address)
+        self.inference = stubs.inference_grpc.InferenceStub(self.channel)
+        self.kserve = stubs.kserve_grpc.GRPCInferenceServiceStub(self.channel)
+        self.health = stubs.health_grpc.HealthStub(self.channel)
+        self.metadata = [("authorization", "Bearer " + token)] if token else None
+        self.admin = stubs.admin_grpc.AdminStub(self.channel) if stubs.admin_grpc else None
+
+    def check_health(self, service=""):
+        pb = self.stubs.health_pb2
+        resp = self.health.Check(pb.HealthCheckRequest(service=service), timeout=self.timeout)
+        return pb.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    def classify(self, model, texts, pairs=None, version=None):
+        pb = self.stubs.inference_pb2
+        req = pb.ClassifyRequest(model_name=model)
+        if version is not None:
+            req.model_version = version
+        for i, text in enumerate(texts):
+            item = req.inputs.add(text=text)
+            if pairs:
+                item.text_pair = pairs[i]
+        resp = self.inference.Classify(req, timeout=self.timeout)
+        return [{"label": r.label, "score": r.score, "logits": list(r.logits),
+                 "model_version": resp.model_version} for r in resp.results]
+
+    def infer(self, model, texts, pairs=None, version="", raw=False):
+        """KServe v2 ModelInfer; one dict per input with logits, probabilities and label."""
+        pb = self.stubs.kserve_pb2
+        req = pb.ModelInferRequest(model_name=model, model_version=version, id="python-client")
+        tensors = [("text", texts)] + ([("text_pair", pairs)] if pairs else [])
+        for name, values in tensors:
+            encoded = [v.encode("utf-8") for v in values]
+            tensor = req.inputs.add(name=name, datatype="BYTES", shape=[len(values)])
+            if raw:
+                req.raw_input_contents.append(raw_bytes(encoded))
+            else:
+                tensor.contents.bytes_contents.extend(encoded)
+        resp = self.kserve.ModelInfer(req, timeout=self.timeout)
+        if resp.id != req.id:
+            raise RuntimeError("ModelInfer echoed id %r, sent %r" % (resp.id, req.id))
+        outputs = {}
+        for i, out in enumerate(resp.outputs):
+            if resp.raw_output_contents:
+                data = resp.raw_output_contents[i]
+                values = parse_raw_bytes(data) if out.datatype == "BYTES" else parse_raw_fp32(data)
+            else:
+                values = (list(out.contents.bytes_contents) if out.datatype == "BYTES"
+                          else list(out.contents.fp32_contents))
+            outputs[out.name] = (list(out.shape), values)
+        n = len(texts)
+        c = outputs["logits"][0][1]
+        rows = []
+        for i in range(n):
+            rows.append({"label": outputs["label"][1][i].decode("utf-8"),
+                         "logits": outputs["logits"][1][i * c:(i + 1) * c],
+                         "probabilities": outputs["probabilities"][1][i * c:(i + 1) * c],
+                         "model_version": resp.model_version,
+                         "raw": bool(resp.raw_output_contents)})
+        return rows
+
+    def kserve_status(self, model=None):
+        pb = self.stubs.kserve_pb2
+        out = {
+            "live": self.kserve.ServerLive(pb.ServerLiveRequest(), timeout=self.timeout).live,
+            "ready": self.kserve.ServerReady(pb.ServerReadyRequest(), timeout=self.timeout).ready,
+        }
+        meta = self.kserve.ServerMetadata(pb.ServerMetadataRequest(), timeout=self.timeout)
+        out["server"] = {"name": meta.name, "version": meta.version}
+        if model:
+            out["model_ready"] = self.kserve.ModelReady(
+                pb.ModelReadyRequest(name=model), timeout=self.timeout).ready
+            m = self.kserve.ModelMetadata(pb.ModelMetadataRequest(name=model),
+                                          timeout=self.timeout)
+            out["model"] = {
+                "name": m.name, "platform": m.platform, "versions": list(m.versions),
+                "inputs": [[t.name, t.datatype, list(t.shape)] for t in m.inputs],
+                "outputs": [[t.name, t.datatype, list(t.shape)] for t in m.outputs]}
+        return out
+
+    def _need_admin(self):
+        if self.admin is None:
+            raise RuntimeError("proto/collabserve/v1/admin.proto is missing: no Admin stubs")
+        if self.metadata is None:
+            raise RuntimeError("the Admin service needs a token (--token-file)")
+
+    def upload(self, model, checkpoint_dir, rank=None, ratio=None, activate=False):
+        """Streams every known file of `checkpoint_dir`; returns the UploadModelResponse."""
+        self._need_admin()
+        pb = self.stubs.admin_pb2
+        known = ["config.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json",
+                 "model.safetensors", "pytorch_model.bin"]
+        names = [n for n in known if os.path.isfile(os.path.join(checkpoint_dir, n))]
+        header = pb.UploadHeader(model_name=model, activate=activate)
+        if rank is not None:
+            header.compression.rank = rank
+        elif ratio is not None:
+            header.compression.ratio = ratio
+        for name in names:
+            path = os.path.join(checkpoint_dir, name)
+            digest = hashlib.sha256()
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(UPLOAD_CHUNK_BYTES), b""):
+                    digest.update(block)
+            header.files.add(name=name, size=os.path.getsize(path), sha256=digest.hexdigest())
+
+        def requests():
+            yield pb.UploadModelRequest(header=header)
+            for name in names:
+                offset = 0
+                with open(os.path.join(checkpoint_dir, name), "rb") as f:
+                    for block in iter(lambda: f.read(UPLOAD_CHUNK_BYTES), b""):
+                        yield pb.UploadModelRequest(
+                            chunk=pb.UploadChunk(file_name=name, offset=offset, data=block))
+                        offset += len(block)
+
+        return self.admin.UploadModel(requests(), timeout=max(self.timeout, 600),
+                                      metadata=self.metadata)
+
+    def watch(self, job_id):
+        """Yields (event kind, job state, event) until the job ends."""
+        self._need_admin()
+        pb = self.stubs.admin_pb2
+        for resp in self.admin.WatchJob(pb.WatchJobRequest(job_id=job_id),
+                                        timeout=max(self.timeout, 3600), metadata=self.metadata):
+            yield (pb.JobEvent.Kind.Name(resp.event.kind), pb.Job.State.Name(resp.state),
+                   resp.event)
+
+
+def print_json(obj):
+    print(json.dumps(obj, sort_keys=True), flush=True)
+
+
+def watch_and_print(client, job_id):
+    """Prints each event; returns the job's final state name."""
+    state = "STATE_UNSPECIFIED"
+    for kind, state, event in client.watch(job_id):
+        print_json({"job_id": job_id, "event": kind, "state": state, "message": event.message,
+                    "version": event.version})
+    return state
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--address", default="127.0.0.1:8500", help="host:port of collabserve")
+    parser.add_argument("--proto-dir", default=DEFAULT_PROTO_DIR,
+                        help="directory holding collabserve/, kserve/ and grpc/ .proto files")
+    parser.add_argument("--timeout", type=float, default=30.0, help="deadline per call (s)")
+    parser.add_argument("--token-file", help="file with the Admin bearer token")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("health")
+    p.add_argument("--service", default="", help="model name, or empty for the whole server")
+    for name in ("classify", "infer"):
+        p = sub.add_parser(name)
+        p.add_argument("--model", required=True)
+        p.add_argument("--version", default=None)
+        p.add_argument("--pair", action="append", help="text_pair, once per text")
+        p.add_argument("texts", nargs="+")
+        if name == "infer":
+            p.add_argument("--raw", action="store_true", help="send raw_input_contents")
+    p = sub.add_parser("kserve-status")
+    p.add_argument("--model")
+    p = sub.add_parser("upload")
+    p.add_argument("--model", required=True)
+    p.add_argument("--dir", required=True, help="Hugging Face BERT checkpoint directory")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--rank", type=int)
+    group.add_argument("--ratio", type=float)
+    p.add_argument("--activate", action="store_true")
+    p.add_argument("--watch", action="store_true", help="follow the job until it ends")
+    p = sub.add_parser("watch")
+    p.add_argument("job_id")
+    args = parser.parse_args(argv)
+
+    if args.command in ("classify", "infer") and args.pair and len(args.pair) != len(args.texts):
+        parser.error("give --pair once per text (%d texts, %d pairs)"
+                     % (len(args.texts), len(args.pair)))
+    token = None
+    if args.token_file:
+        with open(args.token_file) as f:
+            token = f.read().strip()
+    try:
+        client = Client(args.address, Stubs(args.proto_dir), args.timeout, token)
+        if args.command == "health":
+            status = client.check_health(args.service)
+            print_json({"service": args.service, "status": status})
+            return 0 if status == "SERVING" else 1
+        if args.command == "classify":
+            version = int(args.version) if args.version is not None else None
+            for row in client.classify(args.model, args.texts, args.pair, version):
+                print_json(row)
+        elif args.command == "infer":
+            for row in client.infer(args.model, args.texts, args.pair, args.version or "",
+                                    args.raw):
+                print_json(row)
+        elif args.command == "kserve-status":
+            print_json(client.kserve_status(args.model))
+        elif args.command == "upload":
+            resp = client.upload(args.model, args.dir, args.rank, args.ratio, args.activate)
+            print_json({"job_id": resp.job_id, "model_name": resp.model_name,
+                        "version": resp.version})
+            if args.watch:
+                return 0 if watch_and_print(client, resp.job_id) == "SUCCEEDED" else 1
+        elif args.command == "watch":
+            return 0 if watch_and_print(client, args.job_id) == "SUCCEEDED" else 1
+    except grpc.RpcError as e:
+        print("collabserve_client: %s: %s: %s" % (args.command, e.code().name, e.details()),
+              file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        print("collabserve_client: %s" % e, file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+#!/usr/bin/python3
+"""Interoperability test: client/python/collabserve_client.py (Debian's python3-grpcio, stubs
+generated at run time) against the real build/bin/collabserve started on 127.0.0.1:0.
+
+  python_client_test.py --server BIN/collabserve --model-tool BIN/collabserve-model \
+      --client client/python/collabserve_client.py --proto-dir proto [--admin]
+
+Fails (never skips) when python3-grpcio, protoc or grpc_python_plugin is missing. With --admin the
+server gets an admin token and the test uploads a checkpoint and watches its compression job.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+ARGS = None
+
+
+def run(cmd, check=True, timeout=300):
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError("%s exited %d\nstdout:\n%s\nstderr:\n%s"
+                             % (" ".join(cmd), proc.returncode, proc.stdout, proc.stderr))
+    return proc
+
+
+class PythonClientTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.mkdtemp(prefix="collabserve-pyclient-")
+        cls.repo = os.path.join(cls.tmp, "repo")
+        run([ARGS.model_tool, "make", "--out", os.path.join(cls.repo, "tiny", "1"),
+             "--seed", "3"])
+        cmd = [ARGS.server, "--host=127.0.0.1", "--port=0", "--metrics_port=-1",
+               "--model_repository=" + cls.repo, "--poll_interval_s=0"]
+        cls.token_file = None
+        if ARGS.admin:
+            cls.token_file = os.path.join(cls.tmp, "token")
+            with open(cls.token_file, "w") as f:
+                f.write("python-client-test-token\n")
+            cmd.append("--admin_token_file=" + cls.token_file)
+        cls.server = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        cls.address = None
+        serving = False
+        for line in cls.server.stdout:
+            if line.startswith("listening on 127.0.0.1:"):
+                cls.address = line.split("listening on ", 1)[1].strip()
+            elif line.startswith("serving"):
+                serving = True
+                break
+        if not serving or cls.address is None:
+            cls.server.kill()
+            cls.server.wait()
+            raise AssertionError("collabserve did not start (exit %s); see its stderr above"
+                                 % cls.server.returncode)
+
+    @classmethod
+    def tearDownClass(cls):
+        if cls.server.poll() is None:
+            cls.server.kill()
+            cls.server.wait()
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    def client(self, *args, check=True):
+        cmd = ["/usr/bin/python3", ARGS.client, "--address", self.address,
+               "--proto-dir", ARGS.proto_dir, "--timeout", "60"]
+        if self.token_file:
+            cmd += ["--token-file", self.token_file]
+        return run(cmd + list(args), check=check, timeout=900)
+
+    def rows(self, *args):
+        return [json.loads(line) for line in self.client(*args).stdout.splitlines()]
+
+    def test_0_dependencies_are_installed(self):
+        proc = run(["/usr/bin/python3", "-c", "import grpc, google.protobuf"], check=False)
+        self.assertEqual(proc.returncode, 0,
+                         "python3-grpcio / python3-protobuf missing (scripts/install-deps.sh):\n"
+                         + proc.stderr)
+        for tool in ("protoc", "grpc_python_plugin"):
+            self.assertIsNotNone(shutil.which(tool),
+                                 tool + " missing (protobuf-compiler, protobuf-compiler-grpc)")
+
+    def test_health(self):
+        self.assertEqual(self.rows("health"), [{"service": "", "status": "SERVING"}])
+        self.assertEqual(self.rows("health", "--service", "tiny")[0]["status"], "SERVING")
+        proc = self.client("health", "--service", "nope", check=False)
+        self.assertEqual(proc.returncode, 2)
+        self.assertIn("NOT_FOUND", proc.stderr)
+
+    def test_classify_and_kserve_infer_agree(self):
+        texts = ["the best movie of the year", "not good at all"]
+        classified = self.rows("classify", "--model", "tiny", *texts)
+        self.assertEqual(len(classified), 2)
+        for raw in (False, True):
+            inferred = self.rows("infer", "--model", "tiny", *(["--raw"] if raw else []), *texts)
+            self.assertEqual(len(inferred), 2)
+            for c, k in zip(classified, inferred):
+                self.assertEqual(k["raw"], raw)
+                self.assertEqual(k["label"], c["label"])
+                self.assertEqual(k["model_version"], "1")
+                self.assertEqual(len(k["logits"]), len(c["logits"]))
+                for a, b in zip(k["logits"], c["logits"]):
+                    self.assertAlmostEqual(a, b, places=5)
+                self.assertAlmostEqual(sum(k["probabilities"]), 1.0, places=5)
+                self.assertAlmostEqual(max(k["probabilities"]), c["score"], places=5)
+
+    def test_text_pair(self):
+        args = ["--model", "tiny", "--pair", "someone makes music", "a man plays guitar"]
+        classified = self.rows("classify", *args)
+        inferred = self.rows("infer", *args)
+        for a, b in zip(inferred[0]["logits"], classified[0]["logits"]):
+            self.assertAlmostEqual(a, b, places=5)
+        alone = self.rows("classify", "--model", "tiny", "a man plays guitar")
+        self.assertNotEqual(alone[0]["logits"], classified[0]["logits"])
+
+    def test_kserve_status_and_metadata(self):
+        status = self.rows("kserve-status", "--model", "tiny")[0]
+        self.assertTrue(status["live"])
+        self.assertTrue(status["ready"])
+        self.assertTrue(status["model_ready"])
+        self.assertEqual(status["server"]["name"], "collabserve")
+        self.assertEqual(status["model"]["platform"], "collabserve")
+        self.assertEqual(status["model"]["versions"], ["1"])
+        self.assertEqual(status["model"]["inputs"][0], ["text", "BYTES", [-1]])
+        self.assertEqual(status["model"]["outputs"][0], ["logits", "FP32", [-1, 2]])
+
+    def test_errors_come_back_as_grpc_status(self):
+        proc = self.client("classify", "--model", "missing", "x", check=False)
+        self.assertEqual(proc.returncode, 2)
+        self.assertIn("NOT_FOUND", proc.stderr)
+        proc = self.client("infer", "--model", "tiny", "--version", "x", "hello", check=False)
+        self.assertEqual(proc.returncode, 2)
+        self.assertIn("INVALID_ARGUMENT", proc.stderr)
+
+    def test_upload_and_watch(self):
+        if not ARGS.admin:
+            self.fail("run with --admin to test upload and watch (the Admin service)")
+        checkpoint = os.path.join(self.tmp, "upload")
+        run([ARGS.model_tool, "make", "--out", checkpoint, "--seed", "4"])
+        proc = self.client("upload", "--model", "uploaded", "--dir", checkpoint, "--rank", "8",
+                           "--activate", "--watch", check=False)
+        lines = [json.loads(l) for l in proc.stdout.splitlines()]
+        self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
+        self.assertTrue(lines[0]["job_id"])
+        events = [l["event"] for l in lines[1:]]
+        self.assertIn("PUBLISHED", events)
+        self.assertEqual(lines[-1]["state"], "SUCCEEDED")
+        # Watching an ended job replays its events and ends.
+        again = self.client("watch", lines[0]["job_id"])
+        self.assertIn("SUCCEEDED", again.stdout)
+        rows = self.rows("classify", "--model", "uploaded", "hello there")
+        self.assertEqual(rows[0]["model_version"], lines[0]["version"])
+        self.assertEqual(self.rows("health", "--service", "uploaded")[0]["status"], "SERVING")
+
+    def test_z_sigterm_drains_and_exits_cleanly(self):
+        self.server.send_signal(signal.SIGTERM)
+        self.assertEqual(self.server.wait(timeout=120), 0)
+
+
+def main():
+    global ARGS
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--server", required=True)
+    parser.add_argument("--model-tool", required=True)
+    parser.add_argument("--client", required=True)
+    parser.add_argument("--proto-dir", required=True)
+    parser.add_argument("--admin", action="store_true")
+    ARGS, rest = parser.parse_known_args()
+    for path in (ARGS.server, ARGS.model_tool, ARGS.client):
+        if not os.path.exists(path):
+            sys.exit("python_client_test: %s does not exist (build it first)" % path)
+    unittest.main(argv=[sys.argv[0]] + rest, verbosity=2)
+
+
+if __name__ == "__main__":
+    main()
