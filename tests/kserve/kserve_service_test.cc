@@ -370,6 +370,55 @@ TEST_F(KServeTest, ProbabilitiesFollowTheProblemType) {
   }
 }
 
+TEST_F(KServeTest, ConcurrentCallsBatchedTogetherEachGetTheirOwnResults) {
+  Start();
+  constexpr int kCalls = 8;
+  struct Call {
+    grpc::ClientContext ctx;
+    InferRequest req;
+    InferResponse resp;
+    grpc::Status status;
+    absl::Notification done;
+    std::vector<std::string> texts;
+  };
+  std::vector<std::unique_ptr<Call>> calls;
+  // Hold the model so that the calls queue up and share batches.
+  gate_.Close();
+  for (int i = 0; i < kCalls; ++i) {
+    auto c = std::make_unique<Call>();
+    c->texts = {absl::StrCat("call ", i, " first text"), absl::StrCat("call ", i, " and its second")};
+    c->req.set_model_name("tiny");
+    c->req.set_id(absl::StrCat("id-", i));
+    if (i % 2 == 0) {
+      AddInput(&c->req, "text", c->texts);
+    } else {
+      AddRawInput(&c->req, "text", c->texts, {2, 1});
+    }
+    c->ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(60)));
+    Call* raw = c.get();
+    stub_->async()->ModelInfer(&raw->ctx, &raw->req, &raw->resp, [raw](grpc::Status st) {
+      raw->status = std::move(st);
+      raw->done.Notify();
+    });
+    calls.push_back(std::move(c));
+  }
+  ASSERT_TRUE(gate_.WaitForArrivals(1));
+  gate_.Open();
+  for (int i = 0; i < kCalls; ++i) {
+    Call& c = *calls[i];
+    c.done.WaitForNotification();
+    ASSERT_TRUE(c.status.ok()) << c.status.error_message();
+    EXPECT_EQ(c.resp.id(), absl::StrCat("id-", i));
+    const std::vector<model::Prediction> engine = EngineRun("tiny", c.texts);
+    Tensor logits = Output(c.resp, "logits");
+    ASSERT_EQ(logits.floats.size(), 4u);
+    for (int j = 0; j < 2; ++j) {
+      EXPECT_NEAR(logits.floats[2 * j], engine[j].logits[0], 1e-5) << "call " << i;
+      EXPECT_NEAR(logits.floats[2 * j + 1], engine[j].logits[1], 1e-5) << "call " << i;
+    }
+  }
+}
+
 TEST_F(KServeTest, RequestedOutputsOnlyInTheirOrder) {
   Start();
   for (bool raw : {false, true}) {
