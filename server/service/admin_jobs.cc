@@ -120,7 +120,10 @@ absl::Status ParseCompressionSpec(const v1::CompressionSpec& spec, bool* request
 
 // ---------------------------------------------------------------------------------------- Job
 
-Job::Job(v1::Job initial) : id_(initial.id()), job_(std::move(initial)) {}
+Job::Job(v1::Job initial)
+    : id_(initial.id()),
+      created_unix_micros_(initial.created_unix_micros()),
+      job_(std::move(initial)) {}
 
 bool Job::IsTerminal(v1::Job::State s) {
   return s == v1::Job::SUCCEEDED || s == v1::Job::FAILED || s == v1::Job::CANCELLED;
@@ -313,6 +316,7 @@ absl::StatusOr<std::shared_ptr<Job>> JobManager::Create(const JobSpec& spec) {
 }
 
 void JobManager::Enqueue(const std::shared_ptr<Job>& job, std::string input_dir,
+                         std::function<absl::Status()> verify,
                          std::function<void(const absl::Status&)> on_validated) {
   if (job->terminal()) {  // cancelled while receiving
     on_validated(absl::CancelledError(absl::StrCat("job ", job->id(), " was cancelled")));
@@ -328,6 +332,7 @@ void JobManager::Enqueue(const std::shared_ptr<Job>& job, std::string input_dir,
       Work w;
       w.job = job;
       w.input_dir = std::move(input_dir);
+      w.verify = std::move(verify);
       w.on_validated = std::move(on_validated);
       queue_.push_back(std::move(w));
     }
@@ -356,8 +361,7 @@ std::vector<std::shared_ptr<Job>> JobManager::List() const {
     for (auto& [id, job] : jobs_) out.push_back(job);
   }
   std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) {
-    const int64_t ta = a->Snapshot(false).created_unix_micros();
-    const int64_t tb = b->Snapshot(false).created_unix_micros();
+    const int64_t ta = a->created_unix_micros(), tb = b->created_unix_micros();
     return ta != tb ? ta > tb : a->id() > b->id();
   });
   return out;
@@ -444,15 +448,20 @@ absl::Status JobManager::Process(Work& work, repository::ModelRepository* repo) 
     return absl::CancelledError(absl::StrCat("job ", job.id(), " was cancelled"));
   };
 
-  ASSIGN_OR_RETURN(model::BertConfig config,
-                   [&]() -> absl::StatusOr<model::BertConfig> {
-                     auto c = model::BertConfig::FromFile(util::JoinPath(work.input_dir, "config.json"));
-                     if (!c.ok()) {
-                       return absl::InvalidArgumentError(absl::StrCat(
-                           "the engine rejects the checkpoint: ", c.status().message()));
-                     }
-                     return c;
-                   }());
+  if (spec.kind() == v1::Job::UPLOAD && work.verify) {
+    job.Record(Event(v1::JobEvent::VALIDATING, "verifying checksums"));
+    RETURN_IF_ERROR(work.verify());
+    work.verify = nullptr;
+  }
+  if (job.cancel_requested()) return cancelled();
+
+  absl::StatusOr<model::BertConfig> config_or =
+      model::BertConfig::FromFile(util::JoinPath(work.input_dir, "config.json"));
+  if (!config_or.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the engine rejects the checkpoint: ", config_or.status().message()));
+  }
+  const model::BertConfig& config = *config_or;
   if (spec.kind() == v1::Job::UPLOAD) {
     job.Record(Event(v1::JobEvent::VALIDATING, "loading the checkpoint to validate it"));
     absl::Status valid;

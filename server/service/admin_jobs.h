@@ -35,6 +35,7 @@ class Job {
   explicit Job(v1::Job initial);
 
   const std::string& id() const { return id_; }
+  int64_t created_unix_micros() const { return created_unix_micros_; }
   // A copy of the job; without the event list unless `with_events`.
   v1::Job Snapshot(bool with_events) const;
   v1::Job::State state() const;
@@ -60,6 +61,7 @@ class Job {
   static bool IsTerminal(v1::Job::State s);
 
   const std::string id_;
+  const int64_t created_unix_micros_;
   std::atomic<bool> cancel_{false};
   mutable absl::Mutex mu_;
   v1::Job job_ ABSL_GUARDED_BY(mu_);
@@ -130,10 +132,13 @@ class JobManager {
   std::string StagingDir(const Job& job) const;
 
   // Hands a RECEIVING upload (its files in `input_dir`, inside StagingDir) to the workers.
-  // `on_validated` is called once, from a worker: OK once the engine accepted the checkpoint,
-  // otherwise the reason the job ended before that (INVALID_ARGUMENT for a rejected checkpoint,
-  // CANCELLED, ...). A COMPRESS job is enqueued by Create() itself.
+  // A worker first runs `verify` (the upload's checksums and fsync: slow I/O kept off the gRPC
+  // threads; may be null), then validates the checkpoint. `on_validated` is called once, from a
+  // worker: OK once the engine accepted the checkpoint, otherwise the reason the job ended before
+  // that (INVALID_ARGUMENT for a bad checksum or a rejected checkpoint, CANCELLED, ...). A COMPRESS
+  // job is enqueued by Create() itself.
   void Enqueue(const std::shared_ptr<Job>& job, std::string input_dir,
+               std::function<absl::Status()> verify,
                std::function<void(const absl::Status&)> on_validated);
 
   // Ends a job that never reached a worker (its upload failed or was abandoned by the client).
@@ -151,6 +156,7 @@ class JobManager {
   struct Work {
     std::shared_ptr<Job> job;
     std::string input_dir;
+    std::function<absl::Status()> verify;
     std::function<void(const absl::Status&)> on_validated;
   };
 

@@ -136,20 +136,20 @@ class AdminService::UploadReactor : public grpc::ServerReadReactor<v1::UploadMod
       Fail(absl::CancelledError(absl::StrCat("job ", job_->id(), " was cancelled")));
       return;
     }
-    if (absl::Status s = session_->Finish(); !s.ok()) {
-      Fail(s);
-      return;
-    }
-    ReportBytes();
-    session_.reset();
     const v1::Job j = job_->Snapshot(false);
     response_->set_job_id(j.id());
     response_->set_model_name(j.model_name());
     response_->set_version(j.version());
-    // From here on a worker owns the job; it calls back exactly once.
-    service_->jobs_->Enqueue(job_, dir_, [this](const absl::Status& s) {
-      Finish(ToGrpcStatus(s));
-    });
+    // From here on a worker owns the job and the session: it verifies the checksums (and flushes
+    // the files) off the gRPC threads, then calls back exactly once.
+    std::shared_ptr<UploadSession> session(std::move(session_));
+    service_->jobs_->Enqueue(
+        job_, dir_,
+        [session] {
+          absl::Status s = session->Finish();
+          return s;
+        },
+        [this, session](const absl::Status& s) { Finish(ToGrpcStatus(s)); });
   }
 
   void Fail(const absl::Status& s) {
