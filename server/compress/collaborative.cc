@@ -56,6 +56,7 @@ absl::StatusOr<CpResult> Decompose(const HeadFactors& f, int rank, int full, con
   co.tol = o.tol;
   co.seed = seed;
   co.init = CpAlsOptions::Init::kSvd;
+  co.precision = o.float64 ? CpAlsOptions::Precision::kFloat64 : CpAlsOptions::Precision::kFloat32;
   return FactorizedCpAls(f.P, f.Q, co);
 }
 

@@ -53,6 +53,9 @@ struct CompressOptions {
   double tol = 1e-6;
   uint64_t seed = 0;
   std::string device = "cpu";          // where CP-ALS runs: cpu | cuda[:N]
+  // Arithmetic of the ALS sweeps. float32 is about 2x faster on CPU; its final errors are within
+  // ~3e-4 of float64's (bench/compress/RESULTS.md). The reported error is always float64.
+  bool float64 = false;
   int parallel_layers = 1;             // layers decomposed at once (each uses the intra-op pool)
   std::vector<std::string> probes;     // empty: the built-in probe sentences
   std::string source;                  // recorded in config.json's collaborative.source

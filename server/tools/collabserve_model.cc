@@ -26,6 +26,7 @@
 #include "server/tools/commands.h"
 #include "server/tools/flags.h"
 #include "server/util/files.h"
+#include "server/util/process_env.h"
 #include "server/util/status_macros.h"
 
 namespace collabserve::tools {
@@ -254,6 +255,7 @@ int Usage() {
 }  // namespace collabserve::tools
 
 int main(int argc, char** argv) {
+  collabserve::util::EnsurePassiveOpenMpWaiting(argv);
   google::InitGoogleLogging(argv[0]);
   FLAGS_logtostderr = true;
   using namespace collabserve::tools;

@@ -19,7 +19,7 @@ namespace collabserve::tools {
 absl::Status Compress(int argc, char** argv) {
   ASSIGN_OR_RETURN(Flags f, Flags::Parse(argc, argv, 2,
                                          {"model", "out", "rank", "ratio", "ranks", "max_error", "max_iters",
-                                          "tol", "seed", "device", "probe", "parallel_layers"}));
+                                          "tol", "seed", "device", "probe", "parallel_layers", "precision"}));
   if (!f.Has("model") || !f.Has("out")) {
     return absl::InvalidArgumentError("compress: --model IN and --out OUT are required");
   }
@@ -56,6 +56,11 @@ absl::Status Compress(int argc, char** argv) {
   o.seed = static_cast<uint64_t>(seed);
   o.parallel_layers = static_cast<int>(par);
   o.device = f.Get("device", "cpu");
+  std::string precision = f.Get("precision", "f32");
+  if (precision != "f32" && precision != "f64") {
+    return absl::InvalidArgumentError(absl::StrCat("--precision '", precision, "' is not f32 or f64"));
+  }
+  o.float64 = precision == "f64";
   if (f.Has("probe")) {
     ASSIGN_OR_RETURN(std::string text, util::ReadFile(f.Get("probe"), 64 << 20));
     for (absl::string_view line : absl::StrSplit(text, '\n', absl::SkipWhitespace())) {
