@@ -39,9 +39,9 @@ section_engine() {
     rm -rf "$MODELS/base-collab384"
     "$model_tool" compress --model "$MODELS/base" --out "$MODELS/base-collab384" --rank 384 >/dev/null
   fi
-  local work
-  work=$(mktemp -d)
-  trap 'rm -rf "$work"' RETURN
+  # Each program's own results stay next to the models (the README's table is made from them).
+  local work="$BUILD_DIR/bench-results"
+  mkdir -p "$work"
   # shellcheck disable=SC2086  # ENGINE_BENCH_FLAGS is a list of flags
   local flags=(--threads="$THREADS" ${ENGINE_BENCH_FLAGS:-})
   local pyflags=()
@@ -54,7 +54,8 @@ section_engine() {
   fi
   node "$ROOT/bench/engine/ort_bench.mjs" --model "$MODELS/base/model.onnx" --out "$work/ort.tsv" "${pyflags[@]}"
   "$bench" --model="$MODELS/base" --collab_model="$MODELS/base-collab384" \
-    --pytorch_tsv="$work/pytorch.tsv" --ort_tsv="$work/ort.tsv" "${flags[@]}"
+    --pytorch_tsv="$work/pytorch.tsv" --ort_tsv="$work/ort.tsv" \
+    --tsv_out="$work/collabserve.tsv" "${flags[@]}"
 }
 
 for s in "${SECTIONS[@]}"; do

@@ -1,6 +1,7 @@
 #include "server/model/bert.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <dlfcn.h>
 
 #include <cmath>
@@ -12,10 +13,11 @@ namespace collabserve::model {
 namespace {
 
 // oneDNN's row-major SGEMM (dnnl_sgemm, oneDNN >= 1.0), looked up at run time in the libraries
-// already loaded: Debian's LibTorch links libdnnl.so.2. For the skinny products of small batches
-// (a few dozen token rows against a 768 × 3072 weight) it is 2-4× faster than OpenBLAS 0.3.21, which
-// spends most of such a call packing the weight. When the symbol is absent (a LibTorch that hides
-// its oneDNN) or COLLABSERVE_GEMM=aten, matmuls go through at::addmm_out.
+// already loaded: Debian's LibTorch links libdnnl.so.2. Against OpenBLAS 0.3.21 (what at::addmm
+// calls there) it saves 5-15% of the CPU time of a BERT-base pass at batch 1-8 (OpenBLAS spends
+// most of a skinny product packing the weight), and it lets attention run fused per head
+// (FusedAttention). When the symbol is absent (a LibTorch that hides its oneDNN) or
+// COLLABSERVE_GEMM=aten, everything goes through ATen ops instead.
 using SgemmFn = int (*)(char transa, char transb, int64_t m, int64_t n, int64_t k, float alpha,
                         const float* a, int64_t lda, const float* b, int64_t ldb, float beta,
                         float* c, int64_t ldc);
@@ -52,6 +54,44 @@ at::Tensor Dense(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
                                       : b.unsqueeze(0).expand({x.size(0), w.size(0)}).contiguous();
   GemmAccumulate(out, x, w);
   return out;
+}
+
+// Standard self-attention for one layer, fused per (sequence, head): q, k and v are read in place
+// from the projection proj [B·S, 3D] (rows [q/sqrt(dk) | k | v], heads side by side), the [S, S]
+// scores stay in cache through mask and softmax, and the context is written straight into its
+// [B·S, D] slot. Needs the sgemm; returns ctx [B·S, D].
+at::Tensor FusedAttention(SgemmFn sgemm, const at::Tensor& proj, const at::Tensor& mask_add,
+                          int64_t B, int64_t S, int64_t H, int64_t dk) {
+  const int64_t D = H * dk, ld = 3 * D;
+  at::Tensor ctx = at::empty({B * S, D}, proj.options());
+  const float* p = proj.data_ptr<float>();
+  float* c = ctx.data_ptr<float>();
+  const float* mask = mask_add.defined() ? mask_add.data_ptr<float>() : nullptr;  // [B, S]
+  // Each task owns whole (b, h) slices; inside at::parallel_for the sgemm and softmax run on the
+  // calling thread.
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    at::Tensor scores = at::empty({S, S}, proj.options());
+    float* sc = scores.data_ptr<float>();
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / H, h = i % H;
+      const float* q = p + b * S * ld + h * dk;
+      const float* k = q + D;
+      const float* v = q + 2 * D;
+      int st = sgemm('N', 'T', S, S, dk, 1.0f, q, ld, k, ld, 0.0f, sc, S);
+      TORCH_CHECK(st == 0, "dnnl_sgemm (attention scores) failed with status ", st);
+      if (mask != nullptr) {
+        const float* m = mask + b * S;
+        for (int64_t r = 0; r < S; ++r) {
+          float* row = sc + r * S;
+          for (int64_t j = 0; j < S; ++j) row[j] += m[j];
+        }
+      }
+      at::_softmax_out(scores, scores, -1, false);
+      st = sgemm('N', 'N', S, dk, S, 1.0f, sc, S, v, ld, 0.0f, c + b * S * D + h * dk, D);
+      TORCH_CHECK(st == 0, "dnnl_sgemm (attention context) failed with status ", st);
+    }
+  });
+  return ctx;
 }
 
 }  // namespace
@@ -189,6 +229,29 @@ at::Tensor BertClassifier::Layer(const EncoderLayer& l, const at::Tensor& h,
   const int64_t H = config_.num_attention_heads, dk = config_.head_size();
   const at::Tensor h2 = h.view({T, D});
   at::Tensor proj = Dense(h2, l.fused_w, l.fused_b);  // [T, *]
+  at::Tensor ctx;
+  SgemmFn sgemm = FindSgemm();
+  if (!l.collaborative && sgemm != nullptr && proj.scalar_type() == at::kFloat && proj.is_cpu()) {
+    at::Tensor mask2;
+    if (mask_add.defined()) mask2 = mask_add.view({B, S}).contiguous();
+    ctx = FusedAttention(sgemm, proj, mask2, B, S, H, dk);
+  } else {
+    ctx = Attention(l, proj, mask_add, B, S);
+  }
+  auto attn = Dense(ctx, l.attn_out_w, l.attn_out_b, h2);
+  auto h1 = at::layer_norm(attn, {D}, l.attn_ln_w, l.attn_ln_b, config_.layer_norm_eps);
+  auto inter = Dense(h1, l.inter_w, l.inter_b);
+  inter = Activation(inter);
+  auto out = Dense(inter, l.out_w, l.out_b, h1);
+  return at::layer_norm(out, {D}, l.out_ln_w, l.out_ln_b, config_.layer_norm_eps).view({B, S, D});
+}
+
+// Self-attention with ATen ops (collaborative layers, and standard ones without the sgemm):
+// proj [B·S, *] -> ctx [B·S, D].
+at::Tensor BertClassifier::Attention(const EncoderLayer& l, const at::Tensor& proj,
+                                     const at::Tensor& mask_add, int64_t B, int64_t S) const {
+  const int64_t D = config_.hidden_size, T = B * S;
+  const int64_t H = config_.num_attention_heads, dk = config_.head_size();
   at::Tensor scores, v;
   if (l.collaborative) {
     const int64_t R = l.rank;
@@ -208,13 +271,7 @@ at::Tensor BertClassifier::Layer(const EncoderLayer& l, const at::Tensor& h,
   if (mask_add.defined()) scores.add_(mask_add);
   auto probs = at::_softmax(scores, -1, false);
   // [B, H, S, dk] -> [B, S, H, dk] = [T, D].
-  auto ctx = at::matmul(probs, v).transpose(1, 2).reshape({T, D});
-  auto attn = Dense(ctx, l.attn_out_w, l.attn_out_b, h2);
-  auto h1 = at::layer_norm(attn, {D}, l.attn_ln_w, l.attn_ln_b, config_.layer_norm_eps);
-  auto inter = Dense(h1, l.inter_w, l.inter_b);
-  inter = Activation(inter);
-  auto out = Dense(inter, l.out_w, l.out_b, h1);
-  return at::layer_norm(out, {D}, l.out_ln_w, l.out_ln_b, config_.layer_norm_eps).view({B, S, D});
+  return at::matmul(probs, v).transpose(1, 2).reshape({T, D});
 }
 
 at::Tensor BertClassifier::EncoderOutput(const at::Tensor& input_ids,

@@ -80,6 +80,8 @@ class BertClassifier : public ParamNode {
  private:
   at::Tensor Embed(const at::Tensor& input_ids, const at::Tensor& token_type_ids) const;
   at::Tensor Layer(const EncoderLayer& l, const at::Tensor& h, const at::Tensor& mask_add) const;
+  at::Tensor Attention(const EncoderLayer& l, const at::Tensor& proj, const at::Tensor& mask_add,
+                       int64_t B, int64_t S) const;
   at::Tensor Activation(const at::Tensor& x) const;
 
   BertConfig config_;
