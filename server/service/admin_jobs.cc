@@ -149,6 +149,7 @@ void Job::Record(v1::JobEvent event, const std::function<void(v1::Job*)>& mutate
   event.set_sequence(job_.events_size());
   event.set_unix_micros(NowMicros());
   *job_.add_events() = event;
+  event_states_.push_back(job_.state());
   for (auto& [handle, listener] : listeners_) listener(event, job_.state());
 }
 
@@ -159,10 +160,7 @@ void Job::Update(const std::function<void(v1::Job*)>& mutate) {
 
 int Job::Subscribe(Listener listener) {
   absl::MutexLock l(&mu_);
-  for (int i = 0; i < job_.events_size(); ++i) {
-    // The state after a past event: the current one for the last, "running" before it.
-    listener(job_.events(i), i + 1 == job_.events_size() ? job_.state() : v1::Job::RUNNING);
-  }
+  for (int i = 0; i < job_.events_size(); ++i) listener(job_.events(i), event_states_[i]);
   const int handle = next_listener_++;
   listeners_.emplace(handle, std::move(listener));
   return handle;
@@ -629,6 +627,7 @@ void JobManager::Finish(const std::shared_ptr<Job>& job, const absl::Status& sta
     e.set_sequence(job->job_.events_size());
     e.set_unix_micros(now);
     *job->job_.add_events() = e;
+    job->event_states_.push_back(state);
     for (auto& [handle, listener] : job->listeners_) listener(e, state);
   }
   if (metrics_ != nullptr) metrics_->JobEnded(Outcome(status), (now - created) / 1e6);

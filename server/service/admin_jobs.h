@@ -65,6 +65,7 @@ class Job {
   std::atomic<bool> cancel_{false};
   mutable absl::Mutex mu_;
   v1::Job job_ ABSL_GUARDED_BY(mu_);
+  std::vector<v1::Job::State> event_states_ ABSL_GUARDED_BY(mu_);  // the state after each event
   bool committing_ ABSL_GUARDED_BY(mu_) = false;  // publishing: no longer cancellable
   bool finishing_ ABSL_GUARDED_BY(mu_) = false;   // JobManager::Finish has begun
   int next_listener_ ABSL_GUARDED_BY(mu_) = 0;

@@ -179,6 +179,8 @@ TEST_F(AdminServiceTest, UploadCompressClassifyMatchesOfflineCompress) {
   EXPECT_EQ(std::count(kinds.begin(), kinds.end(), v1::JobEvent::LAYER_COMPRESSED), 2);
   ASSERT_FALSE(events.empty());
   EXPECT_EQ(events.back().event().kind(), v1::JobEvent::SUCCEEDED);
+  EXPECT_EQ(events.front().event().kind(), v1::JobEvent::BYTES_RECEIVED);
+  EXPECT_EQ(events.front().state(), v1::Job::RECEIVING);  // replayed with the state of the time
   EXPECT_EQ(events.back().state(), v1::Job::SUCCEEDED);
   for (size_t i = 0; i < events.size(); ++i) EXPECT_EQ(events[i].event().sequence(), int64_t(i));
   const v1::WatchJobResponse* bytes_done = nullptr;
@@ -440,6 +442,11 @@ TEST_F(AdminServiceTest, TwoConcurrentUploadsGetTwoVersions) {
   EXPECT_EQ(WaitJob(r1.job_id()).state(), v1::Job::SUCCEEDED);
   EXPECT_EQ(WaitJob(r2.job_id()).state(), v1::Job::SUCCEEDED);
   EXPECT_EQ(VersionDirs("both"), std::vector<std::string>({"1", "2"}));
+  // An explicit version that exists is refused before any byte is taken.
+  v1::UploadHeader h = Header("both");
+  h.set_version(2);
+  v1::UploadModelResponse r3;
+  EXPECT_EQ(Upload(h, &r3).error_code(), grpc::StatusCode::ALREADY_EXISTS);
 }
 
 TEST_F(AdminServiceTest, CancelDuringUploadLeavesNothing) {
