@@ -10,6 +10,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "client/collabctl_admin.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -153,13 +154,19 @@ int Bench(const Client& client) {
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "collabctl [--address=HOST:PORT] (classify TEXT... | tokenize TEXT... | models | model [NAME] "
-      "| health | bench)");
+      "| health | bench | upload --dir=D --name=N [--rank=R|--ratio=X|--max_error=E] [--wait] "
+      "| jobs [ID] | watch ID | cancel ID | compress NAME [VERSION] | load|unload|delete NAME VERSION)");
   std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
   if (rest.size() < 2) {
     std::cerr << absl::ProgramUsageMessage() << "\n";
     return 2;
   }
   const std::string command = rest[1];
+  if (collabserve::client::IsAdminCommand(command)) {
+    std::vector<char*> a(rest.begin() + 2, rest.end());
+    return collabserve::client::RunAdminCommand(command, static_cast<int>(a.size()), a.data(),
+                                                absl::GetFlag(FLAGS_address));
+  }
   std::vector<std::string> args(rest.begin() + 2, rest.end());
   collabserve::client::ClientOptions options;
   options.address = absl::GetFlag(FLAGS_address);

@@ -111,9 +111,20 @@ absl::Status Metrics::StartExposer(const std::string& host, int port, int* bound
   return absl::OkStatus();
 }
 
+void Metrics::AddCollectable(std::shared_ptr<prometheus::Collectable> collectable) {
+  absl::MutexLock lock(&extra_mu_);
+  extra_.push_back(std::move(collectable));
+}
+
 std::string Metrics::TextFormat() const {
   prometheus::TextSerializer serializer;
-  return serializer.Serialize(registry_->Collect());
+  auto families = registry_->Collect();
+  absl::MutexLock lock(&extra_mu_);
+  for (const auto& c : extra_) {
+    auto more = c->Collect();
+    families.insert(families.end(), std::make_move_iterator(more.begin()), std::make_move_iterator(more.end()));
+  }
+  return serializer.Serialize(families);
 }
 
 ModelMetrics Metrics::ForModel(const std::string& model) {

@@ -16,6 +16,7 @@
 #include "server/metrics/http_exposer.h"
 
 namespace prometheus {
+class Collectable;
 class Counter;
 class Gauge;
 class Histogram;
@@ -67,6 +68,10 @@ class Metrics {
 
   ModelMetrics ForModel(const std::string& model);
 
+  // Adds another source of metric families (e.g. the admin service's registry) to what
+  // TextFormat() and /metrics return. Kept alive until Metrics is destroyed.
+  void AddCollectable(std::shared_ptr<prometheus::Collectable> collectable);
+
   // collabserve_requests_total{model,version,code} += 1. `version` may be "" when no version was
   // resolved (e.g. unknown model).
   void CountRequest(const std::string& model, const std::string& version, const std::string& code);
@@ -103,6 +108,9 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>* compression_ratio_;
   prometheus::Family<prometheus::Gauge>* load_seconds_;
   prometheus::Gauge* inflight_;
+
+  mutable absl::Mutex extra_mu_;
+  std::vector<std::shared_ptr<prometheus::Collectable>> extra_ ABSL_GUARDED_BY(extra_mu_);
 
   absl::Mutex mu_;
   std::map<std::string, ModelMetrics> models_ ABSL_GUARDED_BY(mu_);

@@ -49,6 +49,9 @@ AdminServer::~AdminServer() { Shutdown(); }
 
 absl::Status AdminServer::Start(Server* server) {
   server_.store(server);
+  // The admin families appear on the server's /metrics next to the inference ones. A registry
+  // the server already collects (options.registry) must not be added twice.
+  if (server != nullptr && !options_.registry) server->metrics().AddCollectable(metrics_->registry());
   if (!options_.own_port) return absl::OkStatus();
   std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();
   if (!options_.tls_cert_file.empty() || !options_.tls_key_file.empty()) {
