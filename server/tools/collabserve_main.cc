@@ -16,6 +16,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
+#include "server/util/process_env.h"
 #include "server/model/checkpoint_maker.h"
 #include "server/service/admin_server.h"
 #include "server/service/server.h"
@@ -156,4 +157,7 @@ int Run(int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) { return Run(argc, argv); }
+int main(int argc, char** argv) {
+  collabserve::util::EnsurePassiveOpenMpWaiting(argv);
+  return Run(argc, argv);
+}
