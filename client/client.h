@@ -5,6 +5,7 @@
 #define COLLABSERVE_CLIENT_CLIENT_H_
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -14,6 +15,22 @@
 #include "grpcpp/channel.h"
 
 namespace collabserve::client {
+
+// Retries of calls that fail with UNAVAILABLE (server unreachable, restarting or draining) or
+// RESOURCE_EXHAUSTED (its queue is full). Every Client call is safe to repeat: none changes the
+// server's state. Attempts are spaced by exponential backoff with jitter (each wait is drawn
+// uniformly from [backoff / 2, backoff]) and stay inside the call's one deadline: a wait that would
+// end past the deadline is not started and the last error is returned.
+struct RetryOptions {
+  // Attempts in all, the first included; 1 disables retries.
+  int max_attempts = 5;
+  std::chrono::milliseconds initial_backoff{50};
+  std::chrono::milliseconds max_backoff{2000};
+  double backoff_multiplier = 2.0;
+  // Called before each wait with the error of the attempt that just failed and its number (1, 2,
+  // ...). For logging and tests; may be empty.
+  std::function<void(const absl::Status& error, int attempt)> on_retry;
+};
 
 struct ClientOptions {
   // "host:port".
@@ -27,6 +44,7 @@ struct ClientOptions {
   std::string root_certs_pem;
   // Wait for the channel to connect in Create (up to default_deadline); UNAVAILABLE otherwise.
   bool wait_for_connection = false;
+  RetryOptions retry;
 };
 
 // Thread-safe: one Client may be used from many threads (gRPC channels and stubs are).
@@ -34,7 +52,8 @@ class Client {
  public:
   static absl::StatusOr<std::unique_ptr<Client>> Create(const ClientOptions& options);
 
-  // Each call uses `deadline` if non-zero, else options.default_deadline.
+  // Each call uses `deadline` if non-zero, else options.default_deadline; the deadline covers all
+  // of its attempts (see RetryOptions).
   absl::StatusOr<v1::ClassifyResponse> Classify(const v1::ClassifyRequest& request,
                                                 std::chrono::milliseconds deadline = {}) const;
   absl::StatusOr<v1::TokenizeResponse> Tokenize(const v1::TokenizeRequest& request,
@@ -53,7 +72,10 @@ class Client {
 
  private:
   Client(ClientOptions options, std::shared_ptr<grpc::Channel> channel);
-  void SetDeadline(grpc::ClientContext* context, std::chrono::milliseconds deadline) const;
+  // Runs `attempt` (one RPC on the context it is given) until it succeeds, fails with a code that
+  // is not retried, runs out of attempts, or the next wait would pass the deadline.
+  absl::Status CallWithRetries(std::chrono::milliseconds deadline,
+                               const std::function<grpc::Status(grpc::ClientContext*)>& attempt) const;
 
   ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
