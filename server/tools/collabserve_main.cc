@@ -16,6 +16,8 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
+#include <thread>
+
 #include "server/util/process_env.h"
 #include "server/model/checkpoint_maker.h"
 #include "server/service/admin_server.h"
@@ -33,7 +35,7 @@ ABSL_FLAG(int, num_load_threads, 1, "versions loaded in parallel");
 ABSL_FLAG(std::string, device, "cpu", "cpu, cuda or cuda:N");
 ABSL_FLAG(std::string, dtype, "float32", "float32; float16/bfloat16 on CUDA");
 ABSL_FLAG(int, num_batch_threads, 1, "batch threads per model version (concurrent forward passes)");
-ABSL_FLAG(int, inference_threads, 0, "torch intra-op threads (0 = torch's default)");
+ABSL_FLAG(int, inference_threads, 0, "torch intra-op threads (0 = one per core; Debian's LibTorch would default to 1)");
 ABSL_FLAG(int, max_batch_size, 32, "most inputs in one forward pass (1 = no batching)");
 ABSL_FLAG(int64_t, max_batch_tokens, 16384, "most padded tokens in one forward pass");
 ABSL_FLAG(int64_t, max_queue_delay_micros, 2000, "longest an input waits for its batch to fill");
@@ -77,8 +79,10 @@ int Run(int argc, char** argv) {
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
-  if (absl::GetFlag(FLAGS_inference_threads) > 0) {
-    at::set_num_threads(absl::GetFlag(FLAGS_inference_threads));
+  {
+    int threads = absl::GetFlag(FLAGS_inference_threads);
+    if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    at::set_num_threads(threads);
   }
 
   ServerOptions o;
