@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs the benchmarks (`make bench`): one section per benchmark, each printing its own table.
-#   scripts/run-bench.sh BUILD_DIR [SECTION...]     sections: engine (default: all)
+#   scripts/run-bench.sh BUILD_DIR [SECTION...]     sections: engine compress serving batching
+#                                                   (default: all, in that order)
 # Environment: BENCH_THREADS (2), ENGINE_BENCH_FLAGS (extra flags for all three engine programs,
 # e.g. "--batches=1,8 --seqs=16,128 --budget_s=2").
 set -euo pipefail
@@ -13,7 +14,7 @@ PY=/usr/bin/python3  # Debian's Python, the one with torch
 THREADS=${BENCH_THREADS:-2}
 MODELS="$BUILD_DIR/bench-models"
 SECTIONS=("$@")
-[ ${#SECTIONS[@]} -eq 0 ] && SECTIONS=(engine)
+[ ${#SECTIONS[@]} -eq 0 ] && SECTIONS=(engine compress serving batching)
 
 # Same thread settings for every implementation: ATen/OpenMP, OpenBLAS and ONNX Runtime intra-op
 # pools all get $THREADS threads; idle OpenMP workers sleep instead of spinning (on a shared or
@@ -58,9 +59,51 @@ section_engine() {
     --tsv_out="$work/collabserve.tsv" "${flags[@]}"
 }
 
+section_compress() {
+  echo "== compress: factorised CP-ALS vs dense (textbook) CP-ALS, one BERT-base layer =="
+  "$BUILD_DIR/bin/cp_bench"
+  echo
+  echo "== compress: whole BERT-base-shaped model (12 layers), collabserve-model compress =="
+  local model_tool="$BUILD_DIR/bin/collabserve-model" out="$BUILD_DIR/bench-results/compress"
+  mkdir -p "$MODELS" "$out"
+  [ -f "$MODELS/base/config.json" ] || { rm -rf "$MODELS/base"; "$model_tool" make --out "$MODELS/base" --preset base >/dev/null; }
+  [ -f "$MODELS/base-planted/config.json" ] || { rm -rf "$MODELS/base-planted";
+    "$model_tool" make --out "$MODELS/base-planted" --preset base --planted_rank 256 >/dev/null; }
+  printf '%-8s %-5s %9s %9s %10s %10s %9s %9s %9s\n' model rank wall_s cp_s max_err qk_ratio top1 max_dlogit mean_kl
+  for m in base base-planted; do
+    for r in 384 256; do
+      rm -rf "$out/$m-$r"
+      local t0=$(date +%s.%N)
+      "$model_tool" compress --model "$MODELS/$m" --out "$out/$m-$r" --rank "$r" > "$out/$m-$r.json"
+      local t1=$(date +%s.%N)
+      "$PY" - "$out/$m-$r.json" "$m" "$r" "$t0" "$t1" <<'PYEOF'
+import json, sys
+r = json.load(open(sys.argv[1]))
+err = max(l["relative_error"] for l in r["layers"])
+p, f = r["parameters"], r["fidelity"]
+print(f"{sys.argv[2]:<8} {sys.argv[3]:<5} {float(sys.argv[5]) - float(sys.argv[4]):9.1f} {r['decompose_seconds']:9.1f} {err:10.4f} "
+      f"{p['attention_qk_ratio']:10.2f} {f['top1_agreement']:9.3f} {f['max_abs_logit_diff']:9.3f} {f['mean_kl']:9.4f}")
+PYEOF
+    done
+  done
+}
+
+section_serving() {
+  echo "== serving: collabserve under closed-loop load vs the raw engine (same run) =="
+  "$ROOT/bench/serving/run_serving_bench.sh" "$BUILD_DIR"
+}
+
+section_batching() {
+  echo "== batching: the scheduler alone, arrival order vs length-aware =="
+  "$BUILD_DIR/bin/batching_bench"
+}
+
 for s in "${SECTIONS[@]}"; do
   case "$s" in
     engine) section_engine ;;
+    compress) section_compress ;;
+    serving) section_serving ;;
+    batching) section_batching ;;
     *) echo "run-bench: unknown section '$s'" >&2; exit 2 ;;
   esac
   echo
