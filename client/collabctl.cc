@@ -172,6 +172,9 @@ int main(int argc, char** argv) {
   options.address = absl::GetFlag(FLAGS_address);
   options.default_deadline = std::chrono::milliseconds(absl::GetFlag(FLAGS_deadline_ms));
   options.use_tls = absl::GetFlag(FLAGS_tls);
+  // A load generator measures what the server does: an overloaded server's RESOURCE_EXHAUSTED
+  // is a result to count, not something to retry.
+  if (command == "bench") options.retry.max_attempts = 1;
   auto client = Client::Create(options);
   if (!client.ok()) return Fail(client.status());
   if (command == "classify") return Classify(**client, args);

@@ -21,6 +21,7 @@
 #include "server/util/process_env.h"
 #include "server/model/checkpoint_maker.h"
 #include "server/service/admin_server.h"
+#include "server/service/kserve_service.h"
 #include "server/service/server.h"
 #include "server/util/files.h"
 
@@ -127,6 +128,12 @@ int Run(int argc, char** argv) {
     std::cerr << "collabserve: " << admin.status() << "\n";
     return 1;
   }
+  // The Open Inference Protocol (KServe v2) on this port; declared before the Server so that it
+  // outlives it, attached once the models are loaded (until then it answers not ready).
+  collabserve::service::KServeServiceOptions kserve_options;
+  kserve_options.server_version = o.build_version;
+  collabserve::service::KServeService kserve(kserve_options);
+  o.extra_services.push_back(&kserve);
   Server server(o);
   absl::Status s = server.StartServing();
   if (s.ok() && *admin != nullptr) s = (*admin)->Start(&server);
@@ -147,6 +154,7 @@ int Run(int argc, char** argv) {
     server.Shutdown();
     return 1;
   }
+  kserve.Attach(&server.inference_service(), server.repository(), &server.metrics());
   std::printf("serving\n");
   std::fflush(stdout);
 

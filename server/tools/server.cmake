@@ -12,4 +12,4 @@ if(COLLABSERVE_BUILD_BENCH)
 endif()
 # The Admin service (server/service/admin.cmake defines collabserve_admin).
 include(${CMAKE_SOURCE_DIR}/server/service/admin.cmake)
-target_link_libraries(collabserve PRIVATE collabserve_admin)
+target_link_libraries(collabserve PRIVATE collabserve_admin collabserve_kserve)
