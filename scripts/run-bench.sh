@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs the benchmarks (`make bench`): one section per benchmark, each printing its own table.
-#   scripts/run-bench.sh BUILD_DIR [SECTION...]     sections: engine compress serving batching
+#   scripts/run-bench.sh BUILD_DIR [SECTION...]     sections: engine compress serving admin batching
 #                                                   (default: all, in that order)
 # Environment: BENCH_THREADS (2), ENGINE_BENCH_FLAGS (extra flags for all three engine programs,
 # e.g. "--batches=1,8 --seqs=16,128 --budget_s=2").
@@ -14,7 +14,7 @@ PY=/usr/bin/python3  # Debian's Python, the one with torch
 THREADS=${BENCH_THREADS:-2}
 MODELS="$BUILD_DIR/bench-models"
 SECTIONS=("$@")
-[ ${#SECTIONS[@]} -eq 0 ] && SECTIONS=(engine compress serving batching)
+[ ${#SECTIONS[@]} -eq 0 ] && SECTIONS=(engine compress serving admin batching)
 
 # Same thread settings for every implementation: ATen/OpenMP, OpenBLAS and ONNX Runtime intra-op
 # pools all get $THREADS threads; idle OpenMP workers sleep instead of spinning (on a shared or
@@ -93,6 +93,11 @@ section_serving() {
   "$ROOT/bench/serving/run_serving_bench.sh" "$BUILD_DIR"
 }
 
+section_admin() {
+  echo "== admin: upload + compress + load a BERT-base-shaped checkpoint; classify p99 during the job =="
+  "$ROOT/bench/admin/run_admin_bench.sh" "$BUILD_DIR"
+}
+
 section_batching() {
   echo "== batching: the scheduler alone, arrival order vs length-aware =="
   "$BUILD_DIR/bin/batching_bench"
@@ -103,6 +108,7 @@ for s in "${SECTIONS[@]}"; do
     engine) section_engine ;;
     compress) section_compress ;;
     serving) section_serving ;;
+    admin) section_admin ;;
     batching) section_batching ;;
     *) echo "run-bench: unknown section '$s'" >&2; exit 2 ;;
   esac
