@@ -22,6 +22,7 @@
 #include "gtest/gtest.h"
 #include "server/model/checkpoint_maker.h"
 #include "server/util/files.h"
+#include "tests/testing/server_process.h"
 #include "tests/admin/admin_test_util.h"
 #include "tests/service/test_util.h"
 
@@ -37,69 +38,8 @@ using ::collabserve::testing::TempDir;
 
 constexpr char kToken[] = "binary-test-token";
 
-std::string Bin(const std::string& name) {
-  const char* dir = std::getenv("COLLABSERVE_BINARY_DIR");
-  return absl::StrCat(dir != nullptr ? dir : ".", "/bin/", name);
-}
 
-// collabserve as a child process; its stdout is read until "serving".
-class ServerProcess {
- public:
-  ServerProcess(const std::string& repo, const std::string& token_file, const std::string& log) {
-    int fds[2];
-    EXPECT_EQ(pipe(fds), 0);
-    pid_ = fork();
-    if (pid_ == 0) {
-      dup2(fds[1], 1);
-      close(fds[0]);
-      close(fds[1]);
-      FILE* err = std::fopen(log.c_str(), "a");
-      if (err != nullptr) dup2(fileno(err), 2);
-      std::vector<std::string> args = {Bin("collabserve"), "--host=127.0.0.1", "--port=0",
-                                       "--metrics_port=-1", "--poll_interval_s=0",
-                                       "--model_repository=" + repo,
-                                       "--admin_token_file=" + token_file};
-      std::vector<char*> argv;
-      for (auto& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      execv(argv[0], argv.data());
-      _exit(127);
-    }
-    close(fds[1]);
-    out_ = fdopen(fds[0], "r");
-    char line[512];
-    while (fgets(line, sizeof(line), out_) != nullptr) {
-      std::string l(line);
-      if (absl::StartsWith(l, "admin on 127.0.0.1:")) {
-        admin_port_ = std::atoi(l.c_str() + strlen("admin on 127.0.0.1:"));
-      } else if (absl::StartsWith(l, "listening on 127.0.0.1:")) {
-        port_ = std::atoi(l.c_str() + strlen("listening on 127.0.0.1:"));
-      } else if (absl::StartsWith(l, "serving")) {
-        serving_ = true;
-        break;
-      }
-    }
-  }
-  ~ServerProcess() {
-    if (pid_ > 0) Kill();
-    if (out_ != nullptr) fclose(out_);
-  }
-  void Kill() {
-    kill(pid_, SIGKILL);
-    int status = 0;
-    waitpid(pid_, &status, 0);
-    pid_ = -1;
-  }
-  bool serving() const { return serving_; }
-  int port() const { return port_; }
-  int admin_port() const { return admin_port_; }
-
- private:
-  pid_t pid_ = -1;
-  FILE* out_ = nullptr;
-  int port_ = 0, admin_port_ = 0;
-  bool serving_ = false;
-};
+using ::collabserve::testing::ServerProcess;
 
 class AdminBinaryTest : public ::testing::Test {
  protected:
@@ -113,8 +53,11 @@ class AdminBinaryTest : public ::testing::Test {
   void WaitOutRestartMargin() { absl::SleepFor(absl::Milliseconds(3500)); }
 
   std::unique_ptr<ServerProcess> Start() {
-    auto p = std::make_unique<ServerProcess>(repo_.path(), tmp_.path() + "/token",
-                                             tmp_.path() + "/server.log");
+    auto p = std::make_unique<ServerProcess>(
+        std::vector<std::string>{"--host=127.0.0.1", "--port=0", "--metrics_port=-1",
+                                 "--poll_interval_s=0", "--model_repository=" + repo_.path(),
+                                 "--admin_token_file=" + tmp_.path() + "/token"},
+        tmp_.path() + "/server.log");
     EXPECT_TRUE(p->serving()) << "see " << tmp_.path() << "/server.log";
     EXPECT_EQ(p->admin_port(), p->port());  // --admin_port=0: the inference port
     return p;

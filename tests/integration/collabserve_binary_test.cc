@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/testing/server_process.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -29,10 +30,7 @@ using ::collabserve::testing::MakeTinyModel;
 using ::collabserve::testing::TempDir;
 using ::testing::HasSubstr;
 
-std::string Bin(const std::string& name) {
-  const char* dir = std::getenv("COLLABSERVE_BINARY_DIR");
-  return absl::StrCat(dir != nullptr ? dir : ".", "/bin/", name);
-}
+std::string Bin(const std::string& name) { return testing::BinaryPath(name); }
 
 // Runs a shell command; returns its exit status and stdout.
 int RunCommand(const std::string& cmd, std::string* out) {
@@ -46,73 +44,7 @@ int RunCommand(const std::string& cmd, std::string* out) {
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
-// collabserve as a child process; its stdout is read until "serving".
-class ServerProcess {
- public:
-  explicit ServerProcess(std::vector<std::string> args) {
-    int fds[2];
-    EXPECT_EQ(pipe(fds), 0);
-    pid_ = fork();
-    if (pid_ == 0) {
-      dup2(fds[1], 1);
-      close(fds[0]);
-      close(fds[1]);
-      std::vector<char*> argv;
-      std::string bin = Bin("collabserve");
-      argv.push_back(bin.data());
-      for (auto& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      execv(bin.c_str(), argv.data());
-      _exit(127);
-    }
-    close(fds[1]);
-    out_ = fdopen(fds[0], "r");
-    char line[512];
-    while (fgets(line, sizeof(line), out_) != nullptr) {
-      std::string l(line);
-      if (absl::StartsWith(l, "listening on 127.0.0.1:")) {
-        port_ = std::atoi(l.c_str() + strlen("listening on 127.0.0.1:"));
-      } else if (absl::StartsWith(l, "metrics on 127.0.0.1:")) {
-        metrics_port_ = std::atoi(l.c_str() + strlen("metrics on 127.0.0.1:"));
-      } else if (absl::StartsWith(l, "serving")) {
-        serving_ = true;
-        break;
-      }
-    }
-  }
-  ~ServerProcess() {
-    if (pid_ > 0) {
-      kill(pid_, SIGKILL);
-      waitpid(pid_, nullptr, 0);
-    }
-    if (out_ != nullptr) fclose(out_);
-  }
-  // SIGTERM, then the exit status (or -1 if it did not exit normally within 60 s).
-  int Terminate() {
-    kill(pid_, SIGTERM);
-    const absl::Time give_up = absl::Now() + absl::Seconds(60);
-    int status = 0;
-    while (absl::Now() < give_up) {
-      if (waitpid(pid_, &status, WNOHANG) == pid_) {
-        pid_ = -1;
-        return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-      }
-      absl::SleepFor(absl::Milliseconds(20));
-    }
-    return -1;
-  }
-  bool serving() const { return serving_; }
-  int port() const { return port_; }
-  int metrics_port() const { return metrics_port_; }
-  std::string address() const { return absl::StrCat("127.0.0.1:", port_); }
-
- private:
-  pid_t pid_ = -1;
-  FILE* out_ = nullptr;
-  int port_ = 0;
-  int metrics_port_ = -1;
-  bool serving_ = false;
-};
+using ::collabserve::testing::ServerProcess;
 
 TEST(CollabserveBinaryTest, ServesCollabctlAndMatchesTheOfflineTool) {
   TempDir repo;

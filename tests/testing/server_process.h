@@ -1,0 +1,119 @@
+// build/bin/collabserve as a child process, for tests that need the real binary (signals, kill -9,
+// restarts). Its stdout is read until the line "serving"; the ports it prints on the way
+// ("listening on", "metrics on", "admin on") are kept.
+#ifndef COLLABSERVE_TESTS_TESTING_SERVER_PROCESS_H_
+#define COLLABSERVE_TESTS_TESTING_SERVER_PROCESS_H_
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+
+namespace collabserve::testing {
+
+// $COLLABSERVE_BINARY_DIR/bin/<name> (set by ctest).
+inline std::string BinaryPath(const std::string& name) {
+  const char* dir = std::getenv("COLLABSERVE_BINARY_DIR");
+  return absl::StrCat(dir != nullptr ? dir : ".", "/bin/", name);
+}
+
+class ServerProcess {
+ public:
+  // Starts collabserve with `args`; blocks until it prints "serving" or exits. Its stderr is
+  // appended to `stderr_log` when given.
+  explicit ServerProcess(std::vector<std::string> args, const std::string& stderr_log = "") {
+    int fds[2];
+    if (pipe(fds) != 0) return;
+    pid_ = fork();
+    if (pid_ == 0) {
+      dup2(fds[1], 1);
+      close(fds[0]);
+      close(fds[1]);
+      if (!stderr_log.empty()) {
+        FILE* err = std::fopen(stderr_log.c_str(), "a");
+        if (err != nullptr) dup2(fileno(err), 2);
+      }
+      std::string bin = BinaryPath("collabserve");
+      std::vector<char*> argv = {bin.data()};
+      for (auto& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      execv(bin.c_str(), argv.data());
+      _exit(127);
+    }
+    close(fds[1]);
+    out_ = fdopen(fds[0], "r");
+    char line[512];
+    while (out_ != nullptr && fgets(line, sizeof(line), out_) != nullptr) {
+      std::string l(line);
+      if (ParsePort(l, "listening on 127.0.0.1:", &port_) || ParsePort(l, "metrics on 127.0.0.1:", &metrics_port_) ||
+          ParsePort(l, "admin on 127.0.0.1:", &admin_port_)) {
+        continue;
+      }
+      if (absl::StartsWith(l, "serving")) {
+        serving_ = true;
+        break;
+      }
+    }
+  }
+  ~ServerProcess() {
+    if (pid_ > 0) Kill();
+    if (out_ != nullptr) fclose(out_);
+  }
+  ServerProcess(const ServerProcess&) = delete;
+  ServerProcess& operator=(const ServerProcess&) = delete;
+
+  // SIGKILL, then reap.
+  void Kill() {
+    kill(pid_, SIGKILL);
+    waitpid(pid_, nullptr, 0);
+    pid_ = -1;
+  }
+  // SIGTERM, then the exit status (or -1 if it did not exit normally within 60 s).
+  int Terminate() {
+    kill(pid_, SIGTERM);
+    const absl::Time give_up = absl::Now() + absl::Seconds(60);
+    int status = 0;
+    while (absl::Now() < give_up) {
+      if (waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = -1;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+      }
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    return -1;
+  }
+
+  bool serving() const { return serving_; }
+  int port() const { return port_; }
+  int metrics_port() const { return metrics_port_; }
+  int admin_port() const { return admin_port_; }
+  std::string address() const { return absl::StrCat("127.0.0.1:", port_); }
+
+ private:
+  static bool ParsePort(const std::string& line, const char* prefix, int* port) {
+    if (!absl::StartsWith(line, prefix)) return false;
+    *port = std::atoi(line.c_str() + std::strlen(prefix));
+    return true;
+  }
+
+  pid_t pid_ = -1;
+  FILE* out_ = nullptr;
+  int port_ = 0;
+  int metrics_port_ = -1;
+  int admin_port_ = 0;
+  bool serving_ = false;
+};
+
+}  // namespace collabserve::testing
+
+#endif  // COLLABSERVE_TESTS_TESTING_SERVER_PROCESS_H_
