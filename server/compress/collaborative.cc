@@ -360,6 +360,9 @@ absl::StatusOr<CompressReport> CompressModelDirectory(const std::string& in_dir,
   compressed->Prepare(c10::Device(c10::kCPU), c10::kFloat);
   ASSIGN_OR_RETURN(report.fidelity, MeasureFidelity(*source, *compressed, in_dir, o.probes));
   if (IsCancelled(o)) return absl::CancelledError("compression cancelled");
+  // The original is no longer needed: free it before the writer builds the output file, so the
+  // peak holds two copies of the model's size rather than three (upload jobs run this in the server).
+  source.reset();
 
   // Write everything into a temporary sibling, then one rename publishes it.
   std::string tmp = absl::StrCat(out_dir, ".tmp-", ::getpid(), "-", std::random_device()());

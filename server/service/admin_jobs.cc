@@ -1,5 +1,6 @@
 #include "server/service/admin_jobs.h"
 
+#include <malloc.h>
 #include <ATen/Parallel.h>
 #include <glog/logging.h>
 #include <omp.h>
@@ -479,6 +480,10 @@ absl::Status JobManager::Process(Work& work, repository::ModelRepository* repo) 
         if (!ranks.ok()) valid = absl::InvalidArgumentError(ranks.status().message());
       }
     }
+    // The validation engine is gone; hand its pages back to the OS before compression loads the
+    // model again (glibc keeps large freed chunks in the heap otherwise, and the server's peak
+    // memory would hold both copies).
+    ::malloc_trim(0);
     if (!valid.ok()) return valid;
     job.Record(Event(v1::JobEvent::VALIDATED, "checkpoint accepted"));
     if (work.on_validated) {
@@ -522,6 +527,7 @@ absl::Status JobManager::Process(Work& work, repository::ModelRepository* repo) 
     o.cancelled = job.cancel_flag();
     absl::StatusOr<compress::CompressReport> report =
         compress::CompressModelDirectory(work.input_dir, out, o);
+    ::malloc_trim(0);  // likewise for the original and the compressed model, before loading it to serve
     if (!report.ok()) {
       if (job.cancel_requested()) return cancelled();
       return report.status();
