@@ -50,7 +50,9 @@ struct FidelityReport {
 struct CompressOptions {
   RankSpec spec;
   int max_iters = 100;
-  double tol = 1e-6;
+  // Stop a layer when a sweep changes its relative error by less than this. 1e-5 stops BERT-base
+  // layers after ~45 of 100 sweeps within 2e-4 of the 100-sweep error (README, compression).
+  double tol = 1e-5;
   uint64_t seed = 0;
   std::string device = "cpu";          // where CP-ALS runs: cpu | cuda[:N]
   // Arithmetic of the ALS sweeps. float32 is about 2x faster on CPU; its final errors are within

@@ -49,7 +49,7 @@ absl::Status Compress(int argc, char** argv) {
     ASSIGN_OR_RETURN(o.spec.max_error, f.GetDouble("max_error", 0));
   }
   ASSIGN_OR_RETURN(int64_t iters, f.GetInt("max_iters", 100));
-  ASSIGN_OR_RETURN(o.tol, f.GetDouble("tol", 1e-6));
+  ASSIGN_OR_RETURN(o.tol, f.GetDouble("tol", 1e-5));
   ASSIGN_OR_RETURN(int64_t seed, f.GetInt("seed", 0));
   ASSIGN_OR_RETURN(int64_t par, f.GetInt("parallel_layers", 1));
   o.max_iters = static_cast<int>(iters);
