@@ -254,14 +254,12 @@ absl::StatusOr<std::unique_ptr<model::BertClassifier>> ConvertToCollaborative(
     return absl::InternalError(absl::StrCat("building the collaborative model failed: ", e.what()));
   }
 
-  const int64_t std_qk = model::StandardQkParamsPerLayer(sc);
   model::ParamCounts before = model::CountParams(source), after = model::CountParams(*out);
   report->layers = layer_reports;
   report->qk_params_before = before.attention_qk;
   report->qk_params_after = after.attention_qk;
   report->total_params_before = before.total;
   report->total_params_after = after.total;
-  (void)std_qk;
   return out;
 }
 

@@ -222,13 +222,14 @@ absl::StatusOr<std::unique_ptr<BertTokenizer>> BertTokenizer::Create(std::vector
   return tokenizer;
 }
 
-absl::StatusOr<std::unique_ptr<BertTokenizer>> BertTokenizer::FromFiles(
-    const std::string& vocab_path, const std::string& tokenizer_config_path) {
-  TokenizerOptions options;
-  if (!tokenizer_config_path.empty()) RETURN_IF_ERROR(ApplyConfig(tokenizer_config_path, &options));
+namespace {
+
+// Reads `vocab_path` and builds the tokenizer with `options`; errors name the vocabulary file.
+absl::StatusOr<std::unique_ptr<BertTokenizer>> FromVocabFile(const std::string& vocab_path,
+                                                              TokenizerOptions options) {
   ASSIGN_OR_RETURN(std::string contents, util::ReadFile(vocab_path, kMaxVocabFileBytes));
   ASSIGN_OR_RETURN(std::vector<std::string> vocab, ParseVocab(vocab_path, contents));
-  auto tokenizer = Create(std::move(vocab), std::move(options));
+  auto tokenizer = BertTokenizer::Create(std::move(vocab), std::move(options));
   if (!tokenizer.ok()) {
     return absl::Status(tokenizer.status().code(),
                         absl::StrCat(vocab_path, ": ", tokenizer.status().message()));
@@ -236,22 +237,23 @@ absl::StatusOr<std::unique_ptr<BertTokenizer>> BertTokenizer::FromFiles(
   return tokenizer;
 }
 
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<BertTokenizer>> BertTokenizer::FromFiles(
+    const std::string& vocab_path, const std::string& tokenizer_config_path) {
+  TokenizerOptions options;
+  if (!tokenizer_config_path.empty()) RETURN_IF_ERROR(ApplyConfig(tokenizer_config_path, &options));
+  return FromVocabFile(vocab_path, std::move(options));
+}
+
 absl::StatusOr<std::unique_ptr<BertTokenizer>> BertTokenizer::FromDirectory(
     const std::string& dir) {
-  const std::string vocab_path = util::JoinPath(dir, "vocab.txt");
   const std::string config_path = util::JoinPath(dir, "tokenizer_config.json");
   const std::string map_path = util::JoinPath(dir, "special_tokens_map.json");
   TokenizerOptions options;
   if (util::FileExists(config_path)) RETURN_IF_ERROR(ApplyConfig(config_path, &options));
   if (util::FileExists(map_path)) RETURN_IF_ERROR(ApplyConfig(map_path, &options));
-  ASSIGN_OR_RETURN(std::string contents, util::ReadFile(vocab_path, kMaxVocabFileBytes));
-  ASSIGN_OR_RETURN(std::vector<std::string> vocab, ParseVocab(vocab_path, contents));
-  auto tokenizer = Create(std::move(vocab), std::move(options));
-  if (!tokenizer.ok()) {
-    return absl::Status(tokenizer.status().code(),
-                        absl::StrCat(vocab_path, ": ", tokenizer.status().message()));
-  }
-  return tokenizer;
+  return FromVocabFile(util::JoinPath(dir, "vocab.txt"), std::move(options));
 }
 
 const std::string& BertTokenizer::IdToToken(int32_t id) const {
