@@ -16,18 +16,6 @@
 
 namespace collabserve::testing {
 
-TempDir::TempDir() {
-  const char* base = std::getenv("TEST_TMPDIR");
-  std::string templ = absl::StrCat(base != nullptr && *base ? base : "/tmp", "/collabserve-test-XXXXXX");
-  if (mkdtemp(templ.data()) == nullptr) ADD_FAILURE() << "mkdtemp " << templ;
-  path_ = templ;
-}
-
-TempDir::~TempDir() {
-  std::error_code ec;
-  std::filesystem::remove_all(path_, ec);
-}
-
 void MakeTinyModel(const std::string& dir, uint64_t seed) {
   model::MakeOptions o;
   o.preset = "tiny";

@@ -11,19 +11,10 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "tests/testing/test_util.h"
 
+// TempDir comes from the shared test helpers (one definition for every test).
 namespace collabserve::testing {
-
-// A fresh directory under $TEST_TMPDIR or /tmp, removed by the destructor.
-class TempDir {
- public:
-  TempDir();
-  ~TempDir();
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
 
 // Writes a tiny random-weight checkpoint (labels negative/positive) to `dir`.
 void MakeTinyModel(const std::string& dir, uint64_t seed);
