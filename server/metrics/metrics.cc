@@ -9,6 +9,7 @@
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
 #include "prometheus/text_serializer.h"
+#include "server/metrics/process_metrics.h"
 
 namespace collabserve::metrics {
 namespace {
@@ -98,6 +99,7 @@ Metrics::Metrics(const std::string& build_version, const std::string& torch_vers
       .Register(r)
       .Add({{"version", build_version}, {"torch_version", torch_version}})
       .Set(1);
+  AddCollectable(ProcessCollectable());  // e.g. the repository's load failures
 }
 
 Metrics::~Metrics() = default;

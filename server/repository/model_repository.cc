@@ -21,6 +21,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
 #include "glog/logging.h"
+#include "server/metrics/process_metrics.h"
 #include "server/util/status_macros.h"
 
 namespace collabserve::repository {
@@ -135,6 +136,14 @@ absl::Status RemoveTree(const std::string& path) {
 }
 
 }  // namespace
+
+std::string LoadFailureReason(const absl::Status& status) {
+  if (status.ok()) return "ok";
+  std::string name = absl::StatusCodeToString(status.code());  // "INVALID_ARGUMENT"
+  if (name.empty()) return "unknown";
+  absl::AsciiStrToLower(&name);
+  return name;
+}
 
 std::string ServableId::DebugString() const { return absl::StrCat(model, ":", version); }
 
@@ -413,8 +422,9 @@ absl::StatusOr<std::shared_ptr<Servable>> ModelRepository::LoadOne(const LoadJob
   }
   if (!result.ok()) {
     const absl::Status& s = result.status();
-    LOG(WARNING) << "model repository: loading " << job.id.DebugString() << " from " << job.path
-                 << " failed: " << s;
+    LOG(ERROR) << "model repository: loading " << job.id.DebugString() << " from " << job.path
+               << " failed: " << s;
+    metrics::CountRepositoryLoadFailure(job.id.model, LoadFailureReason(s));
     return absl::Status(s.code(), absl::StrCat("loading ", job.id.DebugString(), " from ",
                                                job.path, ": ", s.message()));
   }

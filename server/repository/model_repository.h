@@ -56,6 +56,13 @@ using ServableLoader =
     std::function<absl::StatusOr<std::shared_ptr<Servable>>(const ServableId& id,
                                                             const std::string& path)>;
 
+// The `reason` label under which a failed load is counted in
+// collabserve_repository_load_failures_total{model,reason}: the error's status code in snake case
+// ("invalid_argument" for a corrupt or inconsistent checkpoint, "not_found" for a missing file,
+// "internal", ...). Every failed load attempt counts once; a failed version is retried (and can
+// count again) only after its directory changes.
+std::string LoadFailureReason(const absl::Status& status);
+
 // What happened to a version; passed to RepositoryOptions::on_event.
 enum class VersionEvent { kLoading, kAvailable, kLoadFailed, kUnloaded };
 const char* VersionEventName(VersionEvent event);  // "loading", "available", ...

@@ -18,6 +18,7 @@
 #include "absl/synchronization/notification.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/metrics/metrics.h"
 
 namespace collabserve::repository {
 namespace {
@@ -276,6 +277,41 @@ TEST_F(ModelRepositoryTest, FailingVersionIsSkippedAndRetriedOnlyWhenItsDirector
   EXPECT_EQ(loader_.loads("m", 2), 2);
   EXPECT_EQ(Served("m"), 2);
   EXPECT_THAT(States()["m"], ElementsAre("1:unloaded", "2:available"));
+}
+
+// The value of collabserve_repository_load_failures_total{model,reason} (0 if absent). The
+// family is process-wide, so tests compare before and after.
+double LoadFailures(const std::string& model, const std::string& reason) {
+  metrics::Metrics m("test", "test");
+  const std::string text = m.TextFormat();
+  const std::string series = absl::StrCat("collabserve_repository_load_failures_total{model=\"",
+                                          model, "\",reason=\"", reason, "\"} ");
+  const size_t at = text.find(series);
+  return at == std::string::npos ? 0 : std::stod(text.substr(at + series.size()));
+}
+
+TEST_F(ModelRepositoryTest, EachFailedLoadIsCountedByModelAndReason) {
+  EXPECT_EQ(LoadFailureReason(absl::DataLossError("x")), "data_loss");
+  EXPECT_EQ(LoadFailureReason(absl::InvalidArgumentError("x")), "invalid_argument");
+  EXPECT_EQ(LoadFailureReason(absl::NotFoundError("x")), "not_found");
+  const double before = LoadFailures("counted", "data_loss");
+  const double other_before = LoadFailures("other", "data_loss");
+  MakeVersion("counted", 1);
+  MakeVersion("counted", 2, /*broken=*/true);
+  MakeVersion("other", 1);
+  Open();
+  EXPECT_EQ(Served("counted"), 1);
+  EXPECT_EQ(LoadFailures("counted", "data_loss"), before + 1);
+  ASSERT_TRUE(repo_->Poll().ok());  // unchanged: not retried, not counted again
+  EXPECT_EQ(LoadFailures("counted", "data_loss"), before + 1);
+  std::ofstream(fs::path(VersionDir("counted", 2)) / "still-broken") << "x";  // changed, still bad
+  ASSERT_TRUE(repo_->Poll().ok());
+  EXPECT_EQ(LoadFailures("counted", "data_loss"), before + 2);
+  EXPECT_EQ(LoadFailures("other", "data_loss"), other_before);
+  fs::remove(fs::path(VersionDir("counted", 2)) / "broken");  // fixed
+  ASSERT_TRUE(repo_->Poll().ok());
+  EXPECT_EQ(Served("counted"), 2);
+  EXPECT_EQ(LoadFailures("counted", "data_loss"), before + 2);
 }
 
 TEST_F(ModelRepositoryTest, FailedNewestVersionWhileOlderWasUnloadedLoadsTheOlder) {
