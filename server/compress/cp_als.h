@@ -61,6 +61,12 @@ struct CpResult {
   // (beyond rounding) in float64.
   std::vector<double> error_history;
   double seconds = 0;                // wall time of the whole call, initialisation included.
+  // Where `seconds` went (FactorizedCpAls and DenseCpAls; 0 for the block form): argument checks,
+  // conversions, precomputation and initialisation; the sweeps; forming the returned factors and
+  // their float64 error.
+  double setup_seconds = 0;
+  double sweep_seconds = 0;
+  double finish_seconds = 0;
   bool exact = false;                // true for the block form, which reproduces T exactly.
 };
 
