@@ -7,7 +7,10 @@
 //   (a) it is full: it holds max_batch_size tasks, or queued tasks had to be left out of it because
 //       of the limits (the queue holds more than one batch's worth), or
 //   (b) the oldest queued task has waited max_queue_delay_micros (immediately if that is 0), or
-//   (c) the scheduler is shutting down (draining).
+//   (c) release_when_idle is set and no batch is being processed (every batch thread is idle):
+//       the model would sit idle while the batch waits for company, so a lone request (low load)
+//       pays no queue delay; under load a batch is always in flight and batches still fill, or
+//   (d) the scheduler is shutting down (draining).
 // A batch always contains the oldest queued task (no starvation). With length_aware, the rest of it
 // is the queued tasks whose lengths are closest to the oldest one's (ties: shorter, then older);
 // otherwise the tasks that follow the oldest in arrival order, up to the first that does not fit.
@@ -22,6 +25,9 @@
 // makes room without costing a full scan on every rejected Schedule.
 //
 // Cost: Schedule is O(log n) (n = queued tasks); forming a batch of k tasks is O(k log n).
+// Schedule wakes a batch thread only when its decision may change (the queue was empty, the batch
+// may now be full, or the new task's deadline is the earliest), not on every arrival: a batch
+// thread waiting out the delay is not woken 31 times to find its batch still not full.
 #ifndef COLLABSERVE_SERVER_BATCHING_BATCH_SCHEDULER_H_
 #define COLLABSERVE_SERVER_BATCHING_BATCH_SCHEDULER_H_
 
@@ -63,6 +69,8 @@ struct SchedulerOptions {
   int64_t max_queue_size = 1024;
   // Threads that form batches and run the callback; batches are processed concurrently. >= 1.
   int num_batch_threads = 1;
+  // Release a batch at once, whatever its size, when no batch is being processed (policy (c)).
+  bool release_when_idle = false;
   // Group tasks of similar length (see the policy above) instead of taking them in arrival order.
   bool length_aware = true;
   // Time source; nullptr means RealClock::Get(). Must outlive the scheduler's threads.
@@ -228,12 +236,15 @@ class SchedulerCore {
 
   // The loop of each batch thread.
   void Run() {
+    bool processed = false;  // this thread has just processed a batch
     for (;;) {
       std::vector<Dropped> dropped;
       std::unique_ptr<Batch<TaskType>> batch;
       bool exit = false;
       {
         absl::MutexLock lock(&mu_);
+        if (processed) --in_flight_;
+        processed = false;
         for (;;) {
           const absl::Time now = clock_->Now();
           MaybeSweepLocked(now, &dropped);
@@ -251,8 +262,10 @@ class SchedulerCore {
           if (chosen.empty()) continue;  // everything was dead; look again
           const absl::Time release_time = queue_.begin()->second.enqueue_time +
                                           absl::Microseconds(options_.max_queue_delay_micros);
-          if (full || closing_ || now >= release_time) {
+          if (full || closing_ || now >= release_time ||
+              (options_.release_when_idle && in_flight_ == 0)) {
             batch = FormBatchLocked(chosen, now);
+            ++in_flight_;
             // Another idle thread may be able to form the next batch right away.
             if (!queue_.empty()) cv_.Signal();
             break;
@@ -267,6 +280,7 @@ class SchedulerCore {
                 << batch->padded_size() << " padded tokens, padding ratio "
                 << batch->padding_ratio();
         process_batch_(std::move(batch));
+        processed = true;
       }
       if (exit) return;
     }
@@ -286,6 +300,7 @@ class SchedulerCore {
         stats_.tasks_failed_shutdown += static_cast<int64_t>(queue_.size());
         queue_.clear();
         by_length_.clear();
+        longest_queued_ = 0;
       }
       cv_.SignalAll();
     }
@@ -341,14 +356,30 @@ class SchedulerCore {
             " tasks waiting", n > 1 ? absl::StrCat(", ", n, " more requested") : "", ")"));
       }
     }
+    // Whether a waiting batch thread could decide differently now (see the class comment): it
+    // waits for work while the queue is empty, and otherwise until the oldest task's release time
+    // or the earliest deadline, neither of which a younger task moves unless its deadline is
+    // earlier; or the batch may have become full.
+    bool wake = queue_.empty();
     for (size_t i = 0; i < n; ++i) {
-      earliest_deadline_ = std::min(earliest_deadline_, tasks[i]->deadline());
+      const absl::Time deadline = tasks[i]->deadline();
+      if (deadline < earliest_deadline_) {
+        earliest_deadline_ = deadline;
+        wake = true;
+      }
       const uint64_t seq = next_seq_++;
       if (options_.length_aware) by_length_.emplace(sizes[i], seq);
       queue_.emplace_hint(queue_.end(), seq, Entry{std::move(tasks[i]), sizes[i], now});
+      longest_queued_ = std::max(longest_queued_, sizes[i]);
     }
     stats_.tasks_scheduled += static_cast<int64_t>(n);
-    cv_.Signal();
+    // May be full: the limits may leave a queued task out. Conservative (longest_queued_ is an
+    // upper bound): an unneeded wake-up costs a context switch, a missed one a whole delay.
+    const auto queued = static_cast<int64_t>(queue_.size());
+    if (queued >= options_.max_batch_size || !FitsTokens(queued, longest_queued_, options_)) {
+      wake = true;
+    }
+    if (wake) cv_.Signal();
     return absl::OkStatus();
   }
 
@@ -367,6 +398,7 @@ class SchedulerCore {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (options_.length_aware) by_length_.erase({it->second.size, it->first});
     queue_.erase(it);
+    if (queue_.empty()) longest_queued_ = 0;
   }
 
   // Moves a dead task out of the queue into *dropped.
@@ -471,6 +503,10 @@ class SchedulerCore {
   absl::Time earliest_deadline_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
   absl::Time last_sweep_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   bool closing_ ABSL_GUARDED_BY(mu_) = false;
+  // >= every queued task's size (reset when the queue empties).
+  int64_t longest_queued_ ABSL_GUARDED_BY(mu_) = 0;
+  // Batches formed whose callback has not returned yet.
+  int in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   SchedulerStats stats_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -398,6 +398,75 @@ TEST_F(BatchSchedulerTest, IdleThreadFailsATaskAtItsDeadline) {
   EXPECT_EQ(scheduler->NumEnqueuedTasks(), 0);
 }
 
+TEST_F(BatchSchedulerTest, AYoungerTaskWithAnEarlierDeadlineIsFailedAtItsDeadline) {
+  SchedulerOptions options = Options();
+  options.max_queue_delay_micros = 1'000'000;
+  auto scheduler = Create(options);
+  const absl::Time t0 = clock_.Now();
+  ScheduleOk(scheduler.get(), 0, 8);  // no deadline: the thread waits for the 1 s delay
+  ASSERT_TRUE(clock_.BlockUntilWaiting(1, t0 + absl::Seconds(1)));
+  std::unique_ptr<TestTask> task = Task(1, 8, t0 + absl::Milliseconds(5));
+  ASSERT_TRUE(scheduler->Schedule(&task).ok());
+  // The arrival moved the earliest deadline, so the waiting thread now waits for it instead.
+  ASSERT_TRUE(clock_.BlockUntilWaiting(1, t0 + absl::Milliseconds(5)));
+  clock_.AdvanceTime(absl::Milliseconds(5));
+  ASSERT_TRUE(recorder_->AwaitDone(1));
+  EXPECT_EQ(recorder_->fail_code(1), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_TRUE(recorder_->batches().empty());
+  EXPECT_EQ(scheduler->NumEnqueuedTasks(), 1);
+}
+
+TEST_F(BatchSchedulerTest, ReleaseWhenIdleSendsALoneTaskAtOnce) {
+  SchedulerOptions options = Options();
+  options.max_queue_delay_micros = 10'000'000;
+  options.release_when_idle = true;
+  auto scheduler = Create(options);
+  ScheduleOk(scheduler.get(), 0, 8);
+  ASSERT_TRUE(recorder_->AwaitDone(1));  // the clock never moves
+  EXPECT_THAT(recorder_->batch_ids(), ElementsAre(ElementsAre(0)));
+  EXPECT_THAT(recorder_->batches()[0].queue_waits, ElementsAre(absl::ZeroDuration()));
+}
+
+TEST_F(BatchSchedulerTest, ReleaseWhenIdleWaitsWhileABatchIsBeingProcessed) {
+  SchedulerOptions options = Options();
+  options.max_batch_size = 4;
+  options.max_queue_delay_micros = 1000;
+  options.num_batch_threads = 2;
+  options.release_when_idle = true;
+  absl::Notification entered, release;
+  std::unique_ptr<Scheduler> scheduler;
+  ASSERT_TRUE(Scheduler::Create(
+                  options,
+                  [&, r = recorder_](std::unique_ptr<Batch<TestTask>> batch) {
+                    if (batch->task(0).id() == 0) {  // keeps one batch thread busy
+                      entered.Notify();
+                      release.WaitForNotification();
+                    }
+                    r->RecordBatch(*batch);
+                  },
+                  &scheduler)
+                  .ok());
+  const absl::Time t0 = clock_.Now();
+  ScheduleOk(scheduler.get(), 0, 8);
+  ASSERT_TRUE(entered.WaitForNotificationWithTimeout(kGuard));
+  // A batch is in flight: the other thread (idle) lets the next batch fill for the delay.
+  ScheduleOk(scheduler.get(), 1, 8);
+  ScheduleOk(scheduler.get(), 2, 8);
+  ASSERT_TRUE(clock_.BlockUntilWaiting(1, t0 + absl::Microseconds(1000)));
+  EXPECT_EQ(recorder_->done(), 0);
+  ScheduleOk(scheduler.get(), 3, 8);
+  ScheduleOk(scheduler.get(), 4, 8);
+  ScheduleOk(scheduler.get(), 5, 8);
+  ScheduleOk(scheduler.get(), 6, 8);  // 1..4 are a full batch; 5 and 6 stay
+  ASSERT_TRUE(recorder_->AwaitDone(4));
+  EXPECT_THAT(recorder_->batch_ids(), ElementsAre(ElementsAre(1, 2, 3, 4)));
+  // Once the first batch is done nothing is in flight, and 5 and 6 go without waiting.
+  release.Notify();
+  ASSERT_TRUE(recorder_->AwaitDone(7));
+  EXPECT_THAT(recorder_->batch_ids(),
+              ElementsAre(ElementsAre(1, 2, 3, 4), ElementsAre(0), ElementsAre(5, 6)));
+}
+
 TEST_F(BatchSchedulerTest, QueueFullOfDeadTasksMakesRoomForANewOne) {
   SchedulerOptions options = Options();
   options.max_queue_size = 2;
