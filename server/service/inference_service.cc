@@ -159,16 +159,23 @@ class InferenceService::ClassifyReactor final : public grpc::ServerUnaryReactor 
 };
 
 // Reads requests as they come, starts each one at once, and writes the responses in completion
-// order (one write in flight at a time, the rest queued). Finishes when the client has half-closed
-// and every started request has been answered, or once the call is cancelled and nothing is
-// pending any more.
+// order (one write in flight at a time, the rest queued). Flow control: while
+// options.stream_max_pending_responses requests are outstanding (running, queued for writing or
+// being written) no read is outstanding, so a client that sends without reading is held back by
+// HTTP/2 flow control instead of growing the queue; the read resumes when a write completes.
+// Finishes when the client has half-closed and every started request has been answered, or once
+// the call is cancelled and nothing is pending any more.
 class InferenceService::StreamReactor final
     : public grpc::ServerBidiReactor<v1::StreamClassifyRequest, v1::StreamClassifyResponse> {
  public:
+  // `service->open_streams_` already counts this stream; OnDone uncounts it.
   StreamReactor(InferenceService* service, grpc::CallbackServerContext* context)
       : service_(service),
+        max_pending_(std::max(1, service->options_.stream_max_pending_responses)),
         deadline_(ToAbslTime(context->deadline())),
         cancelled_(std::make_shared<std::atomic<bool>>(false)) {
+    absl::MutexLock lock(&mu_);
+    reading_ = true;
     StartRead(&request_);
   }
 
@@ -177,6 +184,7 @@ class InferenceService::StreamReactor final
       std::optional<grpc::Status> done;
       {
         absl::MutexLock lock(&mu_);
+        reading_ = false;
         reads_done_ = true;
         done = FinishStatusLocked();
       }
@@ -185,7 +193,8 @@ class InferenceService::StreamReactor final
     }
     {
       absl::MutexLock lock(&mu_);
-      ++pending_;
+      ++pending_;  // reading_ stays true: request_ is in use until the next read is started
+      NotePendingLocked();
     }
     const std::string id = request_.id();
     service_->StartClassify(
@@ -210,9 +219,13 @@ class InferenceService::StreamReactor final
           // Last use of `this`: OnDone (which deletes it) may run as soon as Finish is called.
           if (done) Finish(*done);
         });
-    // No request of this stream can have finished the call: reads_done_ is still false.
+    // No request of this stream can have finished the call: reads_done_ is still false, and a
+    // cancellation cannot finish it while this reaction runs (gRPC holds the reactor until it
+    // returns). StartRead is called under mu_, as StartWrite is: gRPC never runs a reaction inline.
     request_.Clear();
-    StartRead(&request_);
+    absl::MutexLock lock(&mu_);
+    reading_ = false;
+    MaybeReadLocked();
   }
 
   void OnWriteDone(bool ok) override {
@@ -226,6 +239,7 @@ class InferenceService::StreamReactor final
       }
       MaybeWriteLocked();
       done = FinishStatusLocked();
+      if (!done) MaybeReadLocked();
     }
     if (done) Finish(*done);
   }
@@ -242,9 +256,42 @@ class InferenceService::StreamReactor final
     if (done) Finish(*done);
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    service_->open_streams_.fetch_sub(1, std::memory_order_acq_rel);
+    delete this;
+  }
 
  private:
+  int Outstanding() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return pending_ + static_cast<int>(queue_.size()) + (writing_ ? 1 : 0);
+  }
+
+  void NotePendingLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const int64_t n = Outstanding();
+    int64_t seen = service_->stream_pending_high_water_.load(std::memory_order_relaxed);
+    while (n > seen && !service_->stream_pending_high_water_.compare_exchange_weak(
+                           seen, n, std::memory_order_acq_rel)) {
+    }
+  }
+
+  // Starts the next read unless one is outstanding, the stream is ending, or it is at its limit
+  // of pending requests (then the next completed write calls this again).
+  void MaybeReadLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (reading_ || reads_done_ || finished_ || call_cancelled_ || write_failed_) return;
+    if (Outstanding() >= max_pending_) {
+      if (!paused_) {
+        paused_ = true;
+        service_->stream_read_pauses_.fetch_add(1, std::memory_order_acq_rel);
+        VLOG(1) << "ClassifyStream: " << Outstanding()
+                << " responses pending (--stream_max_pending_responses); reading paused";
+      }
+      return;
+    }
+    paused_ = false;
+    reading_ = true;
+    StartRead(&request_);
+  }
+
   void MaybeWriteLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (writing_ || queue_.empty() || finished_) return;
     current_ = std::move(queue_.front());
@@ -269,12 +316,16 @@ class InferenceService::StreamReactor final
   }
 
   InferenceService* const service_;
+  const int max_pending_;
   const absl::Time deadline_;
   const std::shared_ptr<std::atomic<bool>> cancelled_;
   v1::StreamClassifyRequest request_;  // owned by the one outstanding read
 
   absl::Mutex mu_;
-  int pending_ ABSL_GUARDED_BY(mu_) = 0;
+  int pending_ ABSL_GUARDED_BY(mu_) = 0;  // started, not yet answered
+  // A read is outstanding, or its request is being started (request_ is in use either way).
+  bool reading_ ABSL_GUARDED_BY(mu_) = false;
+  bool paused_ ABSL_GUARDED_BY(mu_) = false;   // not reading: at the pending limit
   bool reads_done_ ABSL_GUARDED_BY(mu_) = false;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool write_failed_ ABSL_GUARDED_BY(mu_) = false;
@@ -283,6 +334,18 @@ class InferenceService::StreamReactor final
   std::deque<v1::StreamClassifyResponse> queue_ ABSL_GUARDED_BY(mu_);
   v1::StreamClassifyResponse current_ ABSL_GUARDED_BY(mu_);
 };
+
+namespace {
+
+// A ClassifyStream refused before it started (too many streams open).
+class RefusedStream final
+    : public grpc::ServerBidiReactor<v1::StreamClassifyRequest, v1::StreamClassifyResponse> {
+ public:
+  explicit RefusedStream(const grpc::Status& status) { Finish(status); }
+  void OnDone() override { delete this; }
+};
+
+}  // namespace
 
 // ---------------------------------------------------------------------------------------------
 
@@ -444,6 +507,18 @@ grpc::ServerUnaryReactor* InferenceService::Classify(grpc::CallbackServerContext
 
 grpc::ServerBidiReactor<v1::StreamClassifyRequest, v1::StreamClassifyResponse>*
 InferenceService::ClassifyStream(grpc::CallbackServerContext* context) {
+  const int64_t open = open_streams_.fetch_add(1, std::memory_order_acq_rel);
+  if (open >= options_.max_concurrent_streams) {
+    open_streams_.fetch_sub(1, std::memory_order_acq_rel);
+    streams_refused_.fetch_add(1, std::memory_order_acq_rel);
+    metrics_->CountRequest("", "", CodeName(grpc::StatusCode::RESOURCE_EXHAUSTED));
+    return new RefusedStream(grpc::Status(
+        grpc::StatusCode::RESOURCE_EXHAUSTED,
+        absl::StrCat(open, " ClassifyStream calls are open, the limit of this server "
+                           "(--max_concurrent_streams=",
+                     options_.max_concurrent_streams,
+                     "); retry with backoff, or send several requests on one stream")));
+  }
   return new StreamReactor(this, context);
 }
 

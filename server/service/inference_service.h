@@ -23,6 +23,13 @@ struct InferenceServiceOptions {
   int max_inputs_per_request = 64;
   // Most bytes in one text (or text_pair).
   int64_t max_text_bytes = 64 * 1024;
+  // Most ClassifyStream calls open at once; one more is refused with RESOURCE_EXHAUSTED. >= 1.
+  int max_concurrent_streams = 256;
+  // Flow control of one ClassifyStream: requests read but not yet answered (running, or answered
+  // and waiting for the client to read the response). At the limit the server stops reading that
+  // stream until the client reads a response, so HTTP/2 flow control pushes back on a client that
+  // sends without reading, and the stream's memory stays bounded. >= 1.
+  int stream_max_pending_responses = 32;
 };
 
 // Thread-safe. The repository is attached once the models are loaded (until then calls get
@@ -41,6 +48,17 @@ class InferenceService final : public v1::Inference::CallbackService {
   int64_t inflight() const { return inflight_.load(std::memory_order_acquire); }
   // Calls (unary or streams) whose client cancelled or whose deadline passed, as seen by OnCancel.
   int64_t cancellations() const { return cancellations_.load(std::memory_order_acquire); }
+  // ClassifyStream calls open now (reactors not yet done).
+  int64_t open_streams() const { return open_streams_.load(std::memory_order_acquire); }
+  // ClassifyStream calls refused because max_concurrent_streams were open.
+  int64_t streams_refused() const { return streams_refused_.load(std::memory_order_acquire); }
+  // The most requests any one stream has had pending (read, not yet written) at once; never above
+  // stream_max_pending_responses.
+  int64_t stream_pending_high_water() const {
+    return stream_pending_high_water_.load(std::memory_order_acquire);
+  }
+  // Times a stream stopped reading because stream_max_pending_responses were pending.
+  int64_t stream_read_pauses() const { return stream_read_pauses_.load(std::memory_order_acquire); }
 
   // Used by the unary and the streaming handler: validates `request`, tokenizes it and queues its
   // inputs; `finish` is called exactly once, possibly before this returns, possibly on a batch
@@ -82,6 +100,10 @@ class InferenceService final : public v1::Inference::CallbackService {
   std::atomic<bool> draining_{false};
   std::atomic<int64_t> inflight_{0};
   std::atomic<int64_t> cancellations_{0};
+  std::atomic<int64_t> open_streams_{0};
+  std::atomic<int64_t> streams_refused_{0};
+  std::atomic<int64_t> stream_pending_high_water_{0};
+  std::atomic<int64_t> stream_read_pauses_{0};
 };
 
 }  // namespace collabserve::service

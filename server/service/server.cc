@@ -1,9 +1,12 @@
 #include "server/service/server.h"
 
+#include <algorithm>
 #include <chrono>
+#include <thread>
 #include <utility>
 
 #include <glog/logging.h>
+#include <grpc/grpc.h>
 
 #include "absl/strings/str_cat.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -11,17 +14,238 @@
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
+#include "grpcpp/support/server_interceptor.h"
 #include "server/service/servable_reaper.h"
 #include "server/util/files.h"
 #include "server/util/status_macros.h"
 
 namespace collabserve::service {
 
+// ---------------------------------------------------------------------------------------------
+// StreamIdleWatchdog
+
+class StreamIdleWatchdog::Core {
+ public:
+  explicit Core(std::map<std::string, Limit> limits) : limits_(std::move(limits)) {
+    absl::Duration shortest = absl::InfiniteDuration();
+    for (const auto& [method, limit] : limits_) shortest = std::min(shortest, limit.timeout);
+    // Checked a few times per timeout: an idle call ends between 1x and 1.25x its timeout.
+    tick_ = std::clamp(shortest / 4, absl::Milliseconds(10), absl::Seconds(1));
+  }
+
+  // Null for a method that is not watched.
+  const Limit* LimitFor(const char* method) const {
+    if (method == nullptr) return nullptr;
+    auto it = limits_.find(method);
+    return it == limits_.end() ? nullptr : &it->second;
+  }
+
+  uint64_t Register(grpc_call* call, const Limit* limit) {
+    absl::MutexLock lock(&mu_);
+    const uint64_t id = next_id_++;
+    calls_[id] = Entry{call, limit, absl::Now(), /*watching=*/true};
+    return id;
+  }
+  void Touch(uint64_t id) {
+    absl::MutexLock lock(&mu_);
+    auto it = calls_.find(id);
+    if (it != calls_.end()) it->second.last_activity = absl::Now();
+  }
+  void Unwatch(uint64_t id) {
+    absl::MutexLock lock(&mu_);
+    auto it = calls_.find(id);
+    if (it != calls_.end()) it->second.watching = false;
+  }
+  void Remove(uint64_t id) {
+    absl::MutexLock lock(&mu_);
+    calls_.erase(id);
+  }
+
+  void Start() {
+    absl::MutexLock lock(&mu_);
+    if (thread_.joinable() || stop_) return;
+    thread_ = std::thread([this] { Run(); });
+  }
+  void Stop() {
+    std::thread t;
+    {
+      absl::MutexLock lock(&mu_);
+      stop_ = true;
+      cv_.SignalAll();
+      t.swap(thread_);
+    }
+    if (t.joinable()) t.join();
+  }
+
+  int64_t calls_ended() const {
+    absl::MutexLock lock(&mu_);
+    return ended_;
+  }
+  int64_t calls_watched() const {
+    absl::MutexLock lock(&mu_);
+    return static_cast<int64_t>(calls_.size());
+  }
+
+ private:
+  struct Entry {
+    grpc_call* call;
+    const Limit* limit;
+    absl::Time last_activity;
+    bool watching;
+  };
+  struct Expired {
+    grpc_call* call;  // referenced: the call may finish while it is being cancelled
+    std::string message;
+  };
+
+  void Run() {
+    for (;;) {
+      std::vector<Expired> expired;
+      {
+        absl::MutexLock lock(&mu_);
+        cv_.WaitWithTimeout(&mu_, tick_);
+        if (stop_) return;
+        const absl::Time now = absl::Now();
+        for (auto& [id, e] : calls_) {
+          if (!e.watching || now - e.last_activity < e.limit->timeout) continue;
+          e.watching = false;
+          ++ended_;
+          grpc_call_ref(e.call);
+          expired.push_back(Expired{
+              e.call, absl::StrCat("the client ", e.limit->what, " for ",
+                                   absl::FormatDuration(now - e.last_activity),
+                                   "; this server ends such calls after ",
+                                   absl::FormatDuration(e.limit->timeout), " (", e.limit->flag,
+                                   ")")});
+        }
+      }
+      // Outside mu_: cancelling may run the call's reactions, and so the interceptor, inline.
+      for (Expired& x : expired) {
+        LOG(WARNING) << "ending an idle call: " << x.message;
+        grpc_call_cancel_with_status(x.call, GRPC_STATUS_DEADLINE_EXCEEDED, x.message.c_str(),
+                                     nullptr);
+        grpc_call_unref(x.call);
+      }
+    }
+  }
+
+  const std::map<std::string, Limit> limits_;
+  absl::Duration tick_;
+  mutable absl::Mutex mu_;
+  absl::CondVar cv_;
+  std::map<uint64_t, Entry> calls_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  int64_t ended_ ABSL_GUARDED_BY(mu_) = 0;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_ ABSL_GUARDED_BY(mu_);
+};
+
+namespace {
+
+// One per watched call: registers it on its first hook and reports its traffic.
+class IdleInterceptor final : public grpc::experimental::Interceptor {
+ public:
+  IdleInterceptor(std::shared_ptr<StreamIdleWatchdog::Core> core,
+                  grpc::experimental::ServerRpcInfo* info, const StreamIdleWatchdog::Limit* limit)
+      : core_(std::move(core)), info_(info), limit_(limit) {}
+  ~IdleInterceptor() override {
+    if (id_ != 0) core_->Remove(id_);
+  }
+
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    using grpc::experimental::InterceptionHookPoints;
+    if (id_ == 0 && !finished_) {
+      grpc_call* call = info_->server_context()->c_call();
+      if (call != nullptr) id_ = core_->Register(call, limit_);
+    }
+    if (id_ != 0) {
+      if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_MESSAGE)) {
+        // No message: the client half-closed (or the call failed); nothing more to wait for.
+        if (methods->GetRecvMessage() == nullptr) {
+          core_->Unwatch(id_);
+        } else {
+          core_->Touch(id_);
+        }
+      }
+      if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_SEND_MESSAGE)) {
+        core_->Touch(id_);
+      }
+      if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS) ||
+          methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_CLOSE)) {
+        core_->Unwatch(id_);
+        finished_ = true;
+      }
+    }
+    methods->Proceed();
+  }
+
+ private:
+  const std::shared_ptr<StreamIdleWatchdog::Core> core_;
+  grpc::experimental::ServerRpcInfo* const info_;
+  const StreamIdleWatchdog::Limit* const limit_;
+  uint64_t id_ = 0;
+  bool finished_ = false;
+};
+
+class IdleInterceptorFactory final
+    : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  explicit IdleInterceptorFactory(std::shared_ptr<StreamIdleWatchdog::Core> core)
+      : core_(std::move(core)) {}
+  grpc::experimental::Interceptor* CreateServerInterceptor(
+      grpc::experimental::ServerRpcInfo* info) override {
+    const StreamIdleWatchdog::Limit* limit = core_->LimitFor(info->method());
+    if (limit == nullptr) return nullptr;
+    return new IdleInterceptor(core_, info, limit);
+  }
+
+ private:
+  const std::shared_ptr<StreamIdleWatchdog::Core> core_;
+};
+
+bool IsLimit(absl::Duration d) { return d > absl::ZeroDuration() && d != absl::InfiniteDuration(); }
+
+}  // namespace
+
+StreamIdleWatchdog::StreamIdleWatchdog(std::map<std::string, Limit> limits)
+    : core_(std::make_shared<Core>(std::move(limits))) {}
+StreamIdleWatchdog::~StreamIdleWatchdog() { Stop(); }
+void StreamIdleWatchdog::Start() { core_->Start(); }
+void StreamIdleWatchdog::Stop() { core_->Stop(); }
+std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>
+StreamIdleWatchdog::NewInterceptorFactory() {
+  return std::make_unique<IdleInterceptorFactory>(core_);
+}
+int64_t StreamIdleWatchdog::calls_ended() const { return core_->calls_ended(); }
+int64_t StreamIdleWatchdog::calls_watched() const { return core_->calls_watched(); }
+
+// ---------------------------------------------------------------------------------------------
+// Server
+
+namespace {
+
+std::map<std::string, StreamIdleWatchdog::Limit> IdleLimits(const ServerOptions& o) {
+  std::map<std::string, StreamIdleWatchdog::Limit> limits;
+  if (IsLimit(o.stream_idle_timeout)) {
+    limits["/collabserve.v1.Inference/ClassifyStream"] = {
+        o.stream_idle_timeout, "--stream_idle_timeout_s", "sent no request and read no response"};
+  }
+  if (IsLimit(o.upload_idle_timeout)) {
+    limits["/collabserve.v1.Admin/UploadModel"] = {o.upload_idle_timeout,
+                                                   "--upload_idle_timeout_s",
+                                                   "sent no upload data"};
+  }
+  return limits;
+}
+
+}  // namespace
+
 Server::Server(ServerOptions options)
     : options_(std::move(options)),
       metrics_(std::make_unique<metrics::Metrics>(options_.build_version, options_.torch_version)),
       inference_(std::make_unique<InferenceService>(options_.inference, metrics_.get())),
-      reaper_(std::make_shared<ServableReaper>()) {}
+      reaper_(std::make_shared<ServableReaper>()),
+      idle_watchdog_(std::make_unique<StreamIdleWatchdog>(IdleLimits(options_))) {}
 
 Server::~Server() { Shutdown(); }
 
@@ -37,6 +261,24 @@ absl::Status Server::StartServing() {
   }
   if (options_.tls_cert_file.empty() != options_.tls_key_file.empty()) {
     return absl::InvalidArgumentError("--tls_cert and --tls_key must be given together");
+  }
+  if (options_.max_message_bytes < 1024) {
+    return absl::InvalidArgumentError(absl::StrCat("--max_message_bytes=", options_.max_message_bytes,
+                                                   " is below 1024; requests would not fit"));
+  }
+  if (options_.inference.max_concurrent_streams < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max_concurrent_streams=", options_.inference.max_concurrent_streams, " must be >= 1"));
+  }
+  if (options_.inference.stream_max_pending_responses < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--stream_max_pending_responses=",
+                     options_.inference.stream_max_pending_responses, " must be >= 1"));
+  }
+  if (options_.stream_idle_timeout < absl::ZeroDuration() ||
+      options_.upload_idle_timeout < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        "--stream_idle_timeout_s and --upload_idle_timeout_s must be >= 0 (0 = no limit)");
   }
   if (options_.metrics_port >= 0) {
     RETURN_IF_ERROR(
@@ -61,6 +303,12 @@ absl::Status Server::StartServing() {
   builder.SetMaxSendMessageSize(options_.max_message_bytes);
   builder.RegisterService(inference_.get());
   for (grpc::Service* s : options_.extra_services) builder.RegisterService(s);
+  {
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
+    creators.push_back(idle_watchdog_->NewInterceptorFactory());
+    builder.experimental().SetInterceptorCreators(std::move(creators));
+  }
+  idle_watchdog_->Start();
   server_ = builder.BuildAndStart();
   if (server_ == nullptr || port_ == 0) {
     server_.reset();
@@ -170,6 +418,7 @@ void Server::Shutdown() {
     server_->Shutdown(std::chrono::system_clock::now());
     server_->Wait();
   }
+  idle_watchdog_->Stop();
   if (repository_ != nullptr) repository_->StopPolling();
   repository_.reset();  // servables go to the reaper, which drains their schedulers
   // In-flight completions may still hold a servable for a moment; they must all be gone before

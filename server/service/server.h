@@ -22,11 +22,52 @@
 namespace grpc {
 class Server;
 class Service;
+namespace experimental {
+class ServerInterceptorFactoryInterface;
+}  // namespace experimental
 }  // namespace grpc
 
 namespace collabserve::service {
 
 class ServableReaper;
+
+// Ends streaming calls whose client has stalled, so that a stalled client holds neither a thread
+// (the callback API holds none anyway) nor memory for longer than a bound. A watched call is idle
+// when, for its method's timeout, it has received no message from the client and completed no
+// write to it; the clock restarts at every message either way, and stops once the client has
+// half-closed or the server has begun to send the final status (from then on the server works
+// and the call's deadline governs). An idle call is ended with DEADLINE_EXCEEDED and a message
+// naming the limit's flag; the handler sees a cancelled call (its pending read or write fails).
+//
+// Thread-safe. Start() starts one checking thread; Stop() (or the destructor) joins it. The
+// interceptor factory (install it on a grpc::ServerBuilder) may outlive the watchdog: calls it
+// watches after Stop() are simply not ended.
+class StreamIdleWatchdog {
+ public:
+  struct Limit {
+    absl::Duration timeout;  // > 0
+    std::string flag;        // named in the status message, e.g. "--upload_idle_timeout_s"
+    std::string what;        // what the client did not do, e.g. "sent no upload data"
+  };
+  // `limits`: full method name ("/collabserve.v1.Admin/UploadModel") -> its limit.
+  explicit StreamIdleWatchdog(std::map<std::string, Limit> limits);
+  ~StreamIdleWatchdog();  // Stop()
+  StreamIdleWatchdog(const StreamIdleWatchdog&) = delete;
+  StreamIdleWatchdog& operator=(const StreamIdleWatchdog&) = delete;
+
+  void Start();
+  void Stop();
+  std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> NewInterceptorFactory();
+  // Calls ended for idleness so far.
+  int64_t calls_ended() const;
+  // Watched calls now open.
+  int64_t calls_watched() const;
+
+  class Core;  // shared with the interceptors
+
+ private:
+  std::shared_ptr<Core> core_;
+};
 
 struct ServerOptions {
   // gRPC address; port 0 picks a free one (see Server::port()).
@@ -42,7 +83,15 @@ struct ServerOptions {
   int num_load_threads = 1;
   ServableOptions servable;
   InferenceServiceOptions inference;
+  // Largest gRPC message in either direction; a bigger one ends its call with RESOURCE_EXHAUSTED
+  // ("received message larger than max (N vs. LIMIT)").
   int max_message_bytes = 16 << 20;
+  // A ClassifyStream with no request sent and no response read for this long is ended
+  // (StreamIdleWatchdog). Zero or infinite: never.
+  absl::Duration stream_idle_timeout = absl::Minutes(5);
+  // An Admin UploadModel stream (served on this port) that sends no data for this long is ended;
+  // its job fails and its staging directory is removed. Zero or infinite: never.
+  absl::Duration upload_idle_timeout = absl::Minutes(1);
   // PEM files; both set = TLS, both empty = plaintext.
   std::string tls_cert_file;
   std::string tls_key_file;
@@ -87,6 +136,7 @@ class Server {
   // Null before LoadModels().
   repository::ModelRepository* repository() const { return repository_.get(); }
   InferenceService& inference_service() { return *inference_; }
+  StreamIdleWatchdog& idle_watchdog() { return *idle_watchdog_; }
 
  private:
   void OnVersionEvent(const repository::ServableId& id, repository::VersionEvent event);
@@ -96,6 +146,7 @@ class Server {
   std::unique_ptr<metrics::Metrics> metrics_;
   std::unique_ptr<InferenceService> inference_;
   std::shared_ptr<ServableReaper> reaper_;
+  std::unique_ptr<StreamIdleWatchdog> idle_watchdog_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<repository::ModelRepository> repository_;
   int port_ = 0;

@@ -44,7 +44,19 @@ ABSL_FLAG(int64_t, max_queue_size, 1024, "most queued inputs per model version (
 ABSL_FLAG(bool, length_aware_batching, true, "group inputs of similar length");
 ABSL_FLAG(int, max_inputs_per_request, 64, "most inputs in one request");
 ABSL_FLAG(int64_t, max_text_bytes, 65536, "most bytes in one input text");
-ABSL_FLAG(int, max_message_bytes, 16 << 20, "largest gRPC message");
+ABSL_FLAG(int, max_message_bytes, 16 << 20,
+          "largest gRPC message either way; a bigger one is RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, max_concurrent_streams, 256,
+          "most ClassifyStream calls open at once; one more is RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, stream_max_pending_responses, 32,
+          "per ClassifyStream: requests read but not yet answered and read by the client; at the "
+          "limit the server stops reading the stream (flow control) until the client reads");
+ABSL_FLAG(double, stream_idle_timeout_s, 300,
+          "end a ClassifyStream (DEADLINE_EXCEEDED) after this long with no request sent and no "
+          "response read (0 = never)");
+ABSL_FLAG(double, upload_idle_timeout_s, 60,
+          "end an Admin UploadModel stream that sends no data for this long; its staging is "
+          "removed (0 = never)");
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain (with --tls_key: serve TLS)");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key");
 ABSL_FLAG(double, drain_timeout_s, 30, "on SIGTERM/SIGINT, how long in-flight calls may finish");
@@ -115,7 +127,11 @@ int Run(int argc, char** argv) {
   b.length_aware = absl::GetFlag(FLAGS_length_aware_batching);
   o.inference.max_inputs_per_request = absl::GetFlag(FLAGS_max_inputs_per_request);
   o.inference.max_text_bytes = absl::GetFlag(FLAGS_max_text_bytes);
+  o.inference.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
+  o.inference.stream_max_pending_responses = absl::GetFlag(FLAGS_stream_max_pending_responses);
   o.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  o.stream_idle_timeout = absl::Seconds(absl::GetFlag(FLAGS_stream_idle_timeout_s));
+  o.upload_idle_timeout = absl::Seconds(absl::GetFlag(FLAGS_upload_idle_timeout_s));
   o.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
   o.tls_key_file = absl::GetFlag(FLAGS_tls_key);
   o.drain_timeout = absl::Seconds(absl::GetFlag(FLAGS_drain_timeout_s));

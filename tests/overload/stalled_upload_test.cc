@@ -1,0 +1,189 @@
+// A stalled Admin.UploadModel stream (issue 7, slow clients): the server ends it after
+// --upload_idle_timeout_s with a status naming the limit, the job ends, the staging directory is
+// removed, and the server goes on serving. An upload that keeps sending is not cut.
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "collabserve/v1/admin.grpc.pb.h"
+#include "collabserve/v1/inference.grpc.pb.h"
+#include "gmock/gmock.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "gtest/gtest.h"
+#include "server/model/checkpoint_maker.h"
+#include "server/service/admin_server.h"
+#include "server/service/server.h"
+#include "tests/admin/admin_test_util.h"
+#include "tests/overload/overload_test_util.h"
+#include "tests/service/test_util.h"
+
+namespace collabserve::service {
+namespace {
+
+using ::collabserve::testing::Authorize;
+using ::collabserve::testing::ClassifyRequestFor;
+using ::collabserve::testing::Eventually;
+using ::collabserve::testing::HeaderFor;
+using ::collabserve::testing::MakeTinyModel;
+using ::collabserve::testing::ReadDir;
+using ::collabserve::testing::TempDir;
+using ::testing::HasSubstr;
+
+constexpr char kToken[] = "overload-test-token";
+
+class StalledUploadTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    MakeTinyModel(repo_.path() + "/tiny/1", 1);
+    model::MakeOptions mo;
+    mo.preset = "tiny";
+    mo.seed = 3;
+    mo.label_names = {"negative", "positive"};
+    ASSERT_TRUE(model::MakeCheckpoint(src_.path() + "/m", mo).ok());
+    files_ = ReadDir(src_.path() + "/m");
+  }
+  void TearDown() override {
+    if (admin_) admin_->Shutdown();
+    if (server_) server_->Shutdown();
+  }
+
+  void Start(absl::Duration upload_idle_timeout) {
+    ServerOptions o;
+    o.host = "127.0.0.1";
+    o.port = 0;
+    o.metrics_port = -1;
+    o.model_repository = repo_.path();
+    o.poll_interval = absl::ZeroDuration();
+    o.drain_timeout = absl::Seconds(5);
+    o.torch_version = "test";
+    o.upload_idle_timeout = upload_idle_timeout;
+    AdminServerOptions ao;
+    ao.token = kToken;
+    ao.service.max_upload_bytes = 64 << 20;
+    auto admin = AdminServer::Create(ao, &o);
+    ASSERT_TRUE(admin.ok()) << admin.status();
+    admin_ = std::move(*admin);
+    server_ = std::make_unique<Server>(o);
+    ASSERT_TRUE(server_->Start().ok());
+    ASSERT_TRUE(admin_->Start(server_.get()).ok());
+    auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", server_->port()),
+                                       grpc::InsecureChannelCredentials());
+    inference_ = v1::Inference::NewStub(channel);
+    admin_stub_ = v1::Admin::NewStub(channel);
+  }
+
+  std::vector<v1::Job> ListJobs() {
+    grpc::ClientContext ctx;
+    Authorize(&ctx, kToken);
+    v1::ListJobsResponse resp;
+    grpc::Status s = admin_stub_->ListJobs(&ctx, v1::ListJobsRequest(), &resp);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return {resp.jobs().begin(), resp.jobs().end()};
+  }
+
+  // Entries under the repository's staging directory (uploads being received or processed).
+  int StagingEntries() {
+    const std::string dir = repo_.path() + "/.staging";
+    std::error_code ec;
+    if (!std::filesystem::exists(dir, ec)) return 0;
+    int n = 0;
+    for (auto it = std::filesystem::directory_iterator(dir, ec);
+         !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
+      ++n;
+    }
+    return n;
+  }
+
+  void ExpectServing() {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+    v1::ClassifyResponse r;
+    grpc::Status s = inference_->Classify(&ctx, ClassifyRequestFor("tiny", {"still here"}), &r);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+  }
+
+  TempDir repo_, src_;
+  std::map<std::string, std::string> files_;
+  std::unique_ptr<AdminServer> admin_;
+  std::unique_ptr<Server> server_;
+  std::unique_ptr<v1::Inference::Stub> inference_;
+  std::unique_ptr<v1::Admin::Stub> admin_stub_;
+};
+
+TEST_F(StalledUploadTest, UploadThatStopsSendingIsEndedAndItsStagingRemoved) {
+  Start(absl::Seconds(1));
+  const std::string weights = files_.count("model.safetensors") ? "model.safetensors"
+                                                                : "pytorch_model.bin";
+  ASSERT_GT(files_[weights].size(), 2u);
+
+  grpc::ClientContext ctx;
+  Authorize(&ctx, kToken);  // a 60 s deadline: the idle limit must end the call well before
+  v1::UploadModelResponse response;
+  auto writer = admin_stub_->UploadModel(&ctx, &response);
+  v1::UploadModelRequest req;
+  *req.mutable_header() = HeaderFor("stalled", files_);
+  ASSERT_TRUE(writer->Write(req));
+  v1::UploadModelRequest chunk;
+  chunk.mutable_chunk()->set_file_name(weights);
+  chunk.mutable_chunk()->set_offset(0);
+  chunk.mutable_chunk()->set_data(files_[weights].substr(0, files_[weights].size() / 2));
+  ASSERT_TRUE(writer->Write(chunk));
+  // The upload is being staged...
+  ASSERT_TRUE(Eventually([&] { return StagingEntries() > 0; }));
+  // ... and then the client sends nothing more (no WritesDone either) and waits for the status.
+  grpc::Status st = writer->Finish();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << st.error_message();
+  EXPECT_THAT(st.error_message(), HasSubstr("--upload_idle_timeout_s"));
+  EXPECT_THAT(st.error_message(), HasSubstr("sent no upload data"));
+  EXPECT_GE(server_->idle_watchdog().calls_ended(), 1);
+
+  // The job ended and its staging directory is gone.
+  ASSERT_TRUE(Eventually([&] {
+    std::vector<v1::Job> jobs = ListJobs();
+    return jobs.size() == 1 &&
+           (jobs[0].state() == v1::Job::FAILED || jobs[0].state() == v1::Job::CANCELLED);
+  }));
+  EXPECT_TRUE(Eventually([&] { return StagingEntries() == 0; }));
+  EXPECT_FALSE(std::filesystem::exists(repo_.path() + "/stalled"));
+  ExpectServing();
+}
+
+TEST_F(StalledUploadTest, UploadThatKeepsSendingIsNotCut) {
+  // Chunks every 100 ms for longer than the limit: the clock restarts at every chunk.
+  Start(absl::Seconds(3));
+  grpc::ClientContext ctx;
+  Authorize(&ctx, kToken);
+  v1::UploadModelResponse response;
+  auto writer = admin_stub_->UploadModel(&ctx, &response);
+  v1::UploadModelRequest req;
+  *req.mutable_header() = HeaderFor("steady", files_);
+  ASSERT_TRUE(writer->Write(req));
+  size_t total = 0;
+  for (const auto& [name, content] : files_) total += content.size();
+  const size_t chunk_size = std::max<size_t>(1, total / 50);
+  const absl::Time start = absl::Now();
+  for (const auto& [name, content] : files_) {
+    for (size_t off = 0; off < content.size(); off += chunk_size) {
+      v1::UploadModelRequest c;
+      c.mutable_chunk()->set_file_name(name);
+      c.mutable_chunk()->set_offset(static_cast<int64_t>(off));
+      c.mutable_chunk()->set_data(content.substr(off, chunk_size));
+      ASSERT_TRUE(writer->Write(c)) << "the server ended the upload after "
+                                    << absl::FormatDuration(absl::Now() - start);
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+  }
+  writer->WritesDone();
+  grpc::Status st = writer->Finish();
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_GT(absl::Now() - start, absl::Seconds(3));
+  EXPECT_EQ(server_->idle_watchdog().calls_ended(), 0);
+  ExpectServing();
+}
+
+}  // namespace
+}  // namespace collabserve::service
