@@ -12,7 +12,7 @@ export CCACHE_BASEDIR := $(CURDIR)
 export CCACHE_MAXSIZE ?= 5G
 export CCACHE_SLOPPINESS := pch_defines,time_macros,include_file_mtime,include_file_ctime
 
-.PHONY: all deps configure build test run bench clean fuzz
+.PHONY: all deps configure build test test-asan test-tsan run bench clean fuzz
 
 all: build
 
@@ -29,6 +29,15 @@ build: configure
 
 test: build
 	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) --timeout 1500
+
+# The suite under sanitizers (scripts/sanitizer-tests.sh): ASan + UBSan in build-asan, TSan in
+# build-tsan.
+
+test-asan: deps
+	JOBS=$(JOBS) scripts/sanitizer-tests.sh asan
+
+test-tsan: deps
+	JOBS=$(JOBS) scripts/sanitizer-tests.sh tsan
 
 run: build
 	scripts/run-demo.sh $(BUILD_DIR) $(PORT) $(METRICS_PORT)
