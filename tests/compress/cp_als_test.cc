@@ -115,6 +115,54 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(Shape{4, 32, 32, 8}, Shape{4, 32, 24, 8},
                                          Shape{8, 12, 12, 8})));
 
+// The float32 sweeps follow the dense float32 ALS as well (to float32 resolution), on the
+// coefficient form (N_h·d_k <= 2·D) and on explicit factors.
+TEST(FactorizedCpAlsTest, Float32FollowsTheDenseFloat32Path) {
+  for (const Shape& shape : {Shape{4, 32, 32, 8}, Shape{8, 12, 12, 8}}) {
+    const at::Tensor P = Randn({shape.heads, shape.dq, shape.head_size}, 23).to(at::kFloat);
+    const at::Tensor Q = Randn({shape.heads, shape.dk, shape.head_size}, 24).to(at::kFloat);
+    CpAlsOptions options = Options(6, 30);
+    options.precision = CpAlsOptions::Precision::kFloat32;
+    auto factorized = FactorizedCpAls(P, Q, options);
+    auto dense = DenseCpAls(at::matmul(P, Q.transpose(1, 2)), options);
+    ASSERT_TRUE(factorized.ok()) << factorized.status();
+    ASSERT_TRUE(dense.ok()) << dense.status();
+    ASSERT_EQ(factorized->error_history.size(), dense->error_history.size());
+    for (size_t i = 0; i < dense->error_history.size(); ++i) {
+      EXPECT_NEAR(factorized->error_history[i], dense->error_history[i], 1e-4)
+          << "sweep " << i + 1 << ", N_h " << shape.heads;
+    }
+    EXPECT_NEAR(factorized->relative_error, dense->relative_error, 1e-4);
+  }
+}
+
+// T = 0 makes every MTTKRP and Gram zero; the sweeps must stay finite and give T̂ = 0.
+TEST(FactorizedCpAlsTest, AZeroTensorGivesAZeroApproximation) {
+  const at::Tensor P = at::zeros({kHeads, kDim, kHeadSize}, at::kDouble);
+  const at::Tensor Q = Randn({kHeads, kDim, kHeadSize}, 25);
+  for (auto init : {CpAlsOptions::Init::kSvd, CpAlsOptions::Init::kRandom}) {
+    auto result = FactorizedCpAls(P, Q, Options(5, 3, init));
+    ASSERT_TRUE(result.ok()) << result.status();
+    EXPECT_EQ(result->relative_error, 0.0);
+    EXPECT_TRUE(at::isfinite(result->query).all().item<bool>());
+    EXPECT_TRUE(at::isfinite(result->key).all().item<bool>());
+    EXPECT_EQ(Reconstruct(result->mixing, result->query, result->key).abs().max().item<double>(),
+              0.0);
+  }
+}
+
+// setup + sweeps + finish account for the whole call.
+TEST(FactorizedCpAlsTest, TimeSplitAddsUpToTheCall) {
+  const Factors f = RandomFactors(27);
+  auto result = FactorizedCpAls(f.P, f.Q, Options(6, 5));
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_GE(result->setup_seconds, 0);
+  EXPECT_GE(result->sweep_seconds, 0);
+  EXPECT_GE(result->finish_seconds, 0);
+  EXPECT_NEAR(result->setup_seconds + result->sweep_seconds + result->finish_seconds,
+              result->seconds, 1e-9);
+}
+
 TEST(FactorizedCpAlsTest, ErrorNeverRises) {
   const Factors f = RandomFactors(31);
   for (auto init : {CpAlsOptions::Init::kSvd, CpAlsOptions::Init::kRandom}) {
