@@ -1,5 +1,7 @@
 // Closed-loop load generator: `concurrency` workers, each sending one Classify at a time and the
-// next as soon as the previous answers, for a bounded time and count.
+// next as soon as the previous answers, for a bounded time and count. By default the workers are
+// gRPC callback-API loops (no thread per worker), so that the generator costs the machine it
+// shares with the server little CPU; BenchApi::kThreads keeps one blocking thread per worker.
 #ifndef COLLABSERVE_CLIENT_BENCH_H_
 #define COLLABSERVE_CLIENT_BENCH_H_
 
@@ -12,6 +14,11 @@
 
 namespace collabserve::client {
 
+enum class BenchApi {
+  kCallback,  // each worker starts its next call from the previous call's completion callback
+  kThreads,   // a thread per worker, blocking in Client::Classify
+};
+
 struct BenchOptions {
   std::string model = "demo";
   int concurrency = 4;
@@ -22,6 +29,7 @@ struct BenchOptions {
   std::vector<int> lengths = {32};
   int inputs_per_request = 1;
   std::chrono::milliseconds deadline{30000};
+  BenchApi api = BenchApi::kCallback;
 };
 
 struct BenchResult {
@@ -32,6 +40,9 @@ struct BenchResult {
   double requests_per_s = 0;
   double inputs_per_s = 0;
   double p50_ms = 0, p90_ms = 0, p99_ms = 0;
+  // CPU time (user + system) this process spent while the load ran: the load generator's own cost,
+  // which on a machine shared with the server is taken from the server.
+  double client_cpu_s = 0;
 };
 
 // Text that the bert-base-uncased vocabulary splits into exactly `num_tokens - 2` word pieces (one

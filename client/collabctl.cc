@@ -33,6 +33,9 @@ ABSL_FLAG(int64_t, max_requests, 0, "bench: stop after this many requests (0 = d
 ABSL_FLAG(int, input_tokens, 32, "bench: tokens per input (with [CLS]/[SEP])");
 ABSL_FLAG(std::string, lengths, "", "bench: comma-separated token counts used round-robin (overrides --input_tokens)");
 ABSL_FLAG(int, inputs_per_request, 1, "bench: inputs per Classify call");
+ABSL_FLAG(std::string, bench_api, "callback",
+          "bench: callback (gRPC callback API, no thread per worker: cheap on a shared machine) or "
+          "threads (one blocking thread per worker)");
 
 namespace {
 
@@ -129,6 +132,12 @@ int Bench(const Client& client) {
   o.max_requests = absl::GetFlag(FLAGS_max_requests);
   o.inputs_per_request = absl::GetFlag(FLAGS_inputs_per_request);
   o.lengths = {absl::GetFlag(FLAGS_input_tokens)};
+  const std::string api = absl::GetFlag(FLAGS_bench_api);
+  if (api == "threads") {
+    o.api = collabserve::client::BenchApi::kThreads;
+  } else if (api != "callback") {
+    return Fail(absl::InvalidArgumentError("--bench_api must be callback or threads, not '" + api + "'"));
+  }
   if (!absl::GetFlag(FLAGS_lengths).empty()) {
     o.lengths.clear();
     for (auto p : absl::StrSplit(absl::GetFlag(FLAGS_lengths), ',')) {
@@ -142,9 +151,10 @@ int Bench(const Client& client) {
   auto r = collabserve::client::RunBench(client, o);
   if (!r.ok()) return Fail(r.status());
   std::printf("concurrency=%d requests=%lld errors=%lld elapsed_s=%.3f rps=%.2f inputs_per_s=%.2f "
-              "p50_ms=%.3f p90_ms=%.3f p99_ms=%.3f\n",
+              "p50_ms=%.3f p90_ms=%.3f p99_ms=%.3f client_cpu_s=%.3f\n",
               o.concurrency, static_cast<long long>(r->requests), static_cast<long long>(r->errors),
-              r->elapsed_s, r->requests_per_s, r->inputs_per_s, r->p50_ms, r->p90_ms, r->p99_ms);
+              r->elapsed_s, r->requests_per_s, r->inputs_per_s, r->p50_ms, r->p90_ms, r->p99_ms,
+              r->client_cpu_s);
   if (r->errors > 0) std::fprintf(stderr, "first error: %s\n", r->first_error.c_str());
   return r->errors > 0 ? 1 : 0;
 }

@@ -47,6 +47,27 @@ TEST(BenchTest, RejectsBadOptionsBeforeSendingAnything) {
   EXPECT_EQ(RunBench(**client, o).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+TEST(BenchTest, AnUnreachableServerCountsEveryRequestAsAnError) {
+  ClientOptions co;
+  co.address = "127.0.0.1:1";
+  co.retry.max_attempts = 1;
+  auto client = Client::Create(co);
+  ASSERT_TRUE(client.ok());
+  for (BenchApi api : {BenchApi::kCallback, BenchApi::kThreads}) {
+    BenchOptions o;
+    o.api = api;
+    o.concurrency = 3;
+    o.duration_s = 60;
+    o.max_requests = 30;
+    o.deadline = std::chrono::milliseconds(5000);
+    auto r = RunBench(**client, o);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->requests, 0);
+    EXPECT_EQ(r->errors, 30);
+    EXPECT_NE(r->first_error.find("UNAVAILABLE"), std::string::npos) << r->first_error;
+  }
+}
+
 TEST(ClientTest, UnreachableServerIsUnavailable) {
   ClientOptions co;
   co.address = "127.0.0.1:1";

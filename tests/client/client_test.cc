@@ -1,6 +1,8 @@
 // Client against a real in-process server: retries with backoff on RESOURCE_EXHAUSTED and
-// UNAVAILABLE, inside the caller's deadline, and no retry of other errors.
+// UNAVAILABLE, inside the caller's deadline, and no retry of other errors; the load generator.
 #include "client/client.h"
+
+#include "client/bench.h"
 
 #include <atomic>
 #include <chrono>
@@ -176,6 +178,47 @@ TEST(ClientRetryDeadlineTest, BadRetryOptionsAreRejected) {
   co.retry.max_backoff = milliseconds(100);
   co.retry.backoff_multiplier = 0.5;
   EXPECT_EQ(Client::Create(co).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// The load generator against a real server, with each API: every request it was allowed is sent
+// and answered, and the figures it reports are consistent.
+TEST(BenchAgainstServerTest, EveryRequestIsAnsweredWithEitherApi) {
+  TempDir repo;
+  MakeTinyModel(repo.path() + "/tiny/1", 1);
+  service::ServerOptions o;
+  o.host = "127.0.0.1";
+  o.port = 0;
+  o.metrics_port = -1;
+  o.model_repository = repo.path();
+  o.poll_interval = absl::ZeroDuration();
+  service::Server server(o);
+  absl::Status s = server.Start();
+  ASSERT_TRUE(s.ok()) << s;
+  ClientOptions co;
+  co.address = absl::StrCat("127.0.0.1:", server.port());
+  co.retry.max_attempts = 1;
+  auto client = Client::Create(co);
+  ASSERT_TRUE(client.ok()) << client.status();
+  for (BenchApi api : {BenchApi::kCallback, BenchApi::kThreads}) {
+    BenchOptions b;
+    b.model = "tiny";
+    b.api = api;
+    b.concurrency = 8;
+    b.duration_s = 120;  // the request count ends the run
+    b.max_requests = 64;
+    b.inputs_per_request = 2;
+    b.lengths = {8, 16};
+    auto r = RunBench(**client, b);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->requests, 64) << r->first_error;
+    EXPECT_EQ(r->errors, 0) << r->first_error;
+    EXPECT_DOUBLE_EQ(r->inputs_per_s, 2 * r->requests_per_s);
+    EXPECT_GT(r->p50_ms, 0);
+    EXPECT_LE(r->p50_ms, r->p90_ms);
+    EXPECT_LE(r->p90_ms, r->p99_ms);
+    EXPECT_GE(r->client_cpu_s, 0);
+  }
+  server.Shutdown();
 }
 
 }  // namespace
