@@ -52,6 +52,7 @@ absl::StatusOr<std::unique_ptr<ModelServable>> ModelServable::Load(
   batching::SchedulerOptions so = options.batching;
   so.name = id.DebugString();
   so.clock = s->clock_;
+  so.release_when_idle = options.release_batch_when_idle;
   // The model cannot take more than max_length tokens per input; a batch must fit one such input.
   so.max_batch_tokens = std::max<int64_t>(so.max_batch_tokens, info.max_length);
   ModelServable* raw = s.get();

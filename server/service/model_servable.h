@@ -21,8 +21,13 @@ namespace collabserve::service {
 
 struct ServableOptions {
   model::EngineOptions engine;
-  // Batching (see batching::SchedulerOptions); name and clock are set per version.
+  // Batching (see batching::SchedulerOptions); name and clock are set per version, and
+  // release_when_idle from release_batch_when_idle below.
   batching::SchedulerOptions batching;
+  // batching::SchedulerOptions::release_when_idle for every version: a request that finds the
+  // model idle runs at once instead of waiting max_queue_delay_micros for others to join it (under
+  // load a batch is always in flight, so batches still fill).
+  bool release_batch_when_idle = true;
   batching::Clock* clock = nullptr;  // nullptr: the real clock
   // Testing only: runs on the batch thread before each forward pass (e.g. to hold the model busy).
   std::function<void()> before_batch_hook;
