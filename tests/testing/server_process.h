@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -31,7 +32,10 @@ class ServerProcess {
  public:
   // Starts collabserve with `args`; blocks until it prints "serving" or exits. Its stderr is
   // appended to `stderr_log` when given.
-  explicit ServerProcess(std::vector<std::string> args, const std::string& stderr_log = "") {
+  // `in_child`, when given, runs in the child between fork and exec (e.g. to set a resource
+  // limit or a signal disposition that exec keeps); it must only make async-signal-safe calls.
+  explicit ServerProcess(std::vector<std::string> args, const std::string& stderr_log = "",
+                         const std::function<void()>& in_child = nullptr) {
     int fds[2];
     if (pipe(fds) != 0) return;
     pid_ = fork();
@@ -43,6 +47,7 @@ class ServerProcess {
         FILE* err = std::fopen(stderr_log.c_str(), "a");
         if (err != nullptr) dup2(fileno(err), 2);
       }
+      if (in_child) in_child();
       std::string bin = BinaryPath("collabserve");
       std::vector<char*> argv = {bin.data()};
       for (auto& a : args) argv.push_back(a.data());
@@ -94,6 +99,7 @@ class ServerProcess {
   }
 
   bool serving() const { return serving_; }
+  pid_t pid() const { return pid_; }  // -1 once killed or reaped
   int port() const { return port_; }
   int metrics_port() const { return metrics_port_; }
   int admin_port() const { return admin_port_; }
