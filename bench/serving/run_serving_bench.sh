@@ -3,21 +3,40 @@
 # concurrencies, with batching on and off (--max_batch_size=1), against the engine's best raw
 # throughput (serving_engine_peak: batched Engine::Run, no gRPC) measured in the same run.
 #   bench/serving/run_serving_bench.sh [BUILD_DIR=build]
-# Environment: PRESET (tiny|mini|base; default mini), TOKENS (32), DURATION_S (5 per point),
-# CONCURRENCY ("1 4 16 32"), THREADS (torch intra-op threads, 2), DELAY_US (max_queue_delay_micros,
-# 2000), MAX_BATCH (32).
-# Note: the load generator runs on the same machine and takes CPU from the server; on a 2-core
-# machine this caps the served fraction of the raw ceiling.
+# Environment:
+#   PRESET (tiny|mini|base; mini)  TOKENS (32 per input)  DURATION_S (5 per point)
+#   CONCURRENCY ("1 4 16 32 64 128")  REPEATS (3: every point is run that often, medians shown)
+#   THREADS (2: the cores inference may use)  BATCH_THREADS (2: batch threads; each gets
+#   THREADS / BATCH_THREADS intra-op threads)  DELAY_US (max_queue_delay_micros, 2000)
+#   MAX_BATCH (32)  MODES ("batching no-batching")  SERVER_FLAGS (extra collabserve flags)
+#   BENCH_API (callback|threads: collabctl bench's workers)  OUT (also write the table there, as
+#   Markdown)  RECORDS (keep every run's raw figures there, TSV)
+# The raw ceiling is the best of one stream with THREADS intra-op threads and BATCH_THREADS
+# concurrent streams with THREADS / BATCH_THREADS each, at batch sizes up to MAX_BATCH.
+# The load generator runs on the same machine and takes CPU from the server: its CPU share
+# (client CPU / (client + server CPU) during each point) is part of the table.
 set -euo pipefail
 BUILD_DIR=$(cd "${1:-build}" && pwd)
+HERE=$(cd "$(dirname "$0")" && pwd)
 PRESET=${PRESET:-mini}
 TOKENS=${TOKENS:-32}
 DURATION_S=${DURATION_S:-5}
-CONCURRENCY=${CONCURRENCY:-"1 4 16 32"}
+CONCURRENCY=${CONCURRENCY:-"1 4 16 32 64 128"}
+REPEATS=${REPEATS:-3}
 THREADS=${THREADS:-2}
+BATCH_THREADS=${BATCH_THREADS:-2}
 DELAY_US=${DELAY_US:-2000}
 MAX_BATCH=${MAX_BATCH:-32}
-export OMP_NUM_THREADS=$THREADS OPENBLAS_NUM_THREADS=$THREADS OMP_WAIT_POLICY=PASSIVE
+SERVER_FLAGS=${SERVER_FLAGS:-}
+MODES=${MODES:-"batching no-batching"}
+BENCH_API=${BENCH_API:-callback}
+OUT=${OUT:-}
+INTRA=$((THREADS / BATCH_THREADS))
+((INTRA >= 1)) || { echo "run_serving_bench: BATCH_THREADS ($BATCH_THREADS) > THREADS ($THREADS)" >&2; exit 2; }
+# Idle OpenMP workers sleep instead of spinning; OpenBLAS (Debian's pthread build) gets the same
+# per-stream count as ATen: its threads are process-wide and a multi-threaded GEMM holds a global
+# lock, so with several batch threads each must run its GEMMs in its own thread.
+export OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=$INTRA OPENBLAS_NUM_THREADS=$INTRA
 
 for b in collabserve collabctl collabserve-model serving_engine_peak; do
   [[ -x "$BUILD_DIR/bin/$b" ]] || { echo "run_serving_bench: $BUILD_DIR/bin/$b missing; build it" >&2; exit 1; }
@@ -29,19 +48,30 @@ cleanup() {
   rm -rf "$work"
 }
 trap cleanup EXIT
+records=${RECORDS:-$work/records.tsv}
+: >"$records"
+ticks=$(getconf CLK_TCK)
 
 "$BUILD_DIR/bin/collabserve-model" make --out "$work/repo/bench/1" --preset "$PRESET" >/dev/null
 
-echo "== raw engine (Engine::Run, $TOKENS tokens/input, $THREADS threads) =="
-"$BUILD_DIR/bin/serving_engine_peak" --model="$work/repo/bench/1" --tokens="$TOKENS" \
-  --threads="$THREADS" --seconds=$((DURATION_S * 2)) --batches=1,2,4,8,16,$MAX_BATCH | tee "$work/peak.txt"
-read -r raw_best raw_batch_ms <<<"$(awk '/^best/ {split($3,a,"="); split($4,b,"="); print a[2], b[2]}' "$work/peak.txt")"
+batches=1,2,4,8,16
+((MAX_BATCH > 16)) && batches="$batches,$MAX_BATCH"
+raw() {  # $1 streams, $2 threads per stream; appends "raw" records
+  OMP_NUM_THREADS=$2 OPENBLAS_NUM_THREADS=$2 "$BUILD_DIR/bin/serving_engine_peak" \
+    --model="$work/repo/bench/1" --tokens="$TOKENS" --threads="$2" --streams="$1" \
+    --seconds=$((DURATION_S * 2)) --batches="$batches" >"$work/peak.txt"
+  awk -v rep="$rep" -v st="$1" -v th="$2" '/^best/ {split($3,a,"="); split($4,b,"=");
+    split($6,c,"="); printf "raw\t%s\t%dx%d\tinputs_per_s=%s batch_ms=%s cpu_us=%s\n", rep, st, th, a[2], b[2], c[2]}' \
+    "$work/peak.txt" >>"$records"
+  sed 's/^/    /' "$work/peak.txt"
+}
 
 start_server() {  # $@: extra flags
-  "$BUILD_DIR/bin/collabserve" --host=127.0.0.1 --port=0 --metrics_port=-1 \
-    --model_repository="$work/repo" --poll_interval_s=0 --inference_threads="$THREADS" \
-    --max_queue_delay_micros="$DELAY_US" --max_queue_size=4096 "$@" \
-    >"$work/server.out" 2>"$work/server.err" &
+  # shellcheck disable=SC2086  # SERVER_FLAGS is a list of flags
+  "$BUILD_DIR/bin/collabserve" --host=127.0.0.1 --port=0 --metrics_port=0 \
+    --model_repository="$work/repo" --poll_interval_s=0 --inference_threads="$INTRA" \
+    --num_batch_threads="$BATCH_THREADS" --max_queue_delay_micros="$DELAY_US" \
+    --max_queue_size=4096 $SERVER_FLAGS "$@" >"$work/server.out" 2>"$work/server.err" &
   server_pid=$!
   for _ in $(seq 1 600); do
     grep -q '^serving' "$work/server.out" 2>/dev/null && break
@@ -49,39 +79,56 @@ start_server() {  # $@: extra flags
     sleep 0.1
   done
   port=$(awk -F: '/^listening on/ {print $2}' "$work/server.out")
+  mport=$(awk -F: '/^metrics on/ {print $2}' "$work/server.out")
 }
 stop_server() {
   kill -TERM "$server_pid"
   wait "$server_pid" || { echo "run_serving_bench: server exited non-zero" >&2; exit 1; }
   server_pid=
 }
+server_cpu_s() { awk -v t="$ticks" '{printf "%.3f", ($14 + $15) / t}' "/proc/$server_pid/stat"; }
+# Sums of the batch-size and inference-seconds histograms (all label sets).
+scrape() {
+  curl -fsS "http://127.0.0.1:$mport/metrics" | awk '
+    /^collabserve_batch_size_sum/ {bs += $NF} /^collabserve_batch_size_count/ {bc += $NF}
+    /^collabserve_inference_duration_seconds_sum/ {is += $NF}
+    END {printf "%s %s %s", bs + 0, bc + 0, is + 0}'
+}
 
-results=()
-for mode in batching no-batching; do
-  if [[ $mode == batching ]]; then start_server --max_batch_size="$MAX_BATCH"; else start_server --max_batch_size=1; fi
-  # Warm the connection and the model up.
-  "$BUILD_DIR/bin/collabctl" --address=127.0.0.1:"$port" bench --model=bench --concurrency=2 \
-    --duration_s=1 --input_tokens="$TOKENS" >/dev/null
-  for c in $CONCURRENCY; do
-    line=$("$BUILD_DIR/bin/collabctl" --address=127.0.0.1:"$port" bench --model=bench \
-      --concurrency="$c" --duration_s="$DURATION_S" --input_tokens="$TOKENS")
-    results+=("$mode $c $line")
+for rep in $(seq 1 "$REPEATS"); do
+  echo "== repeat $rep/$REPEATS (load average: $(cut -d' ' -f1-3 /proc/loadavg)) =="
+  echo "  raw engine, 1 stream x $THREADS threads:"
+  raw 1 "$THREADS"
+  if ((BATCH_THREADS > 1)); then
+    echo "  raw engine, $BATCH_THREADS streams x $INTRA threads:"
+    raw "$BATCH_THREADS" "$INTRA"
+  fi
+  for mode in $MODES; do
+    if [[ $mode == batching ]]; then start_server --max_batch_size="$MAX_BATCH"; else start_server --max_batch_size=1; fi
+    # Warm the connection and the model up.
+    "$BUILD_DIR/bin/collabctl" --address=127.0.0.1:"$port" bench --model=bench --concurrency=2 \
+      --duration_s=1 --input_tokens="$TOKENS" >/dev/null
+    for c in $CONCURRENCY; do
+      cpu0=$(server_cpu_s)
+      read -r bs0 bc0 is0 <<<"$(scrape)"
+      line=$("$BUILD_DIR/bin/collabctl" --address=127.0.0.1:"$port" bench --model=bench \
+        --concurrency="$c" --duration_s="$DURATION_S" --input_tokens="$TOKENS" --deadline_ms=60000 \
+        --bench_api="$BENCH_API")
+      cpu1=$(server_cpu_s)
+      read -r bs1 bc1 is1 <<<"$(scrape)"
+      extra=$(awk -v c0="$cpu0" -v c1="$cpu1" -v bs0="$bs0" -v bs1="$bs1" -v bc0="$bc0" \
+        -v bc1="$bc1" -v is0="$is0" -v is1="$is1" 'BEGIN {bc = bc1 - bc0;
+        printf "server_cpu_s=%.3f batch_mean=%.2f busy_s=%.3f", c1 - c0,
+        (bc > 0 ? (bs1 - bs0) / bc : 0), is1 - is0}')
+      printf '%s\t%s\t%s\t%s %s load=%s\n' "$mode" "$rep" "$c" "$line" "$extra" \
+        "$(cut -d' ' -f1 /proc/loadavg)" >>"$records"
+      echo "  $mode c=$c: $line $extra"
+    done
+    stop_server
   done
-  stop_server
 done
 
 echo
-echo "== served vs raw (preset $PRESET, $TOKENS tokens/input, max_queue_delay ${DELAY_US}us, raw best $raw_best inputs/s, one batch ${raw_batch_ms} ms) =="
-printf "%-12s %6s %12s %9s %9s %9s %9s %14s %7s\n" mode conc inputs/s vs_raw p50_ms p90_ms p99_ms p99_bound_ms errors
-for r in "${results[@]}"; do
-  set -- $r
-  mode=$1 c=$2
-  shift 2
-  declare -A kv=()
-  for f in "$@"; do kv[${f%%=*}]=${f#*=}; done
-  bound=$(awk -v d="$DELAY_US" -v b="$raw_batch_ms" 'BEGIN {printf "%.3f", 2 * (d / 1000 + b)}')
-  ratio=$(awk -v x="${kv[inputs_per_s]}" -v r="$raw_best" 'BEGIN {printf "%.3f", x / r}')
-  printf "%-12s %6s %12s %9s %9s %9s %9s %14s %7s\n" "$mode" "$c" "${kv[inputs_per_s]}" "$ratio" \
-    "${kv[p50_ms]}" "${kv[p90_ms]}" "${kv[p99_ms]}" "$bound" "${kv[errors]}"
-done
-echo "vs_raw = served inputs/s / raw engine's best; p99_bound = 2 x (queue delay + one batch at the best size)"
+/usr/bin/python3 "$HERE/summarize.py" --records="$records" --delay_us="$DELAY_US" \
+  --title="preset $PRESET, $TOKENS tokens/input, max_batch_size $MAX_BATCH, max_queue_delay ${DELAY_US} us, $BATCH_THREADS batch thread(s) x $INTRA intra-op thread(s), collabctl bench --bench_api=$BENCH_API, $DURATION_S s per point, median of $REPEATS" \
+  ${OUT:+--out="$OUT"}
