@@ -11,9 +11,13 @@
 //     measured ("-"): it follows the same iterates as factorised/svd, as the equal-sweeps table
 //     and tests/compress/cp_als_test.cc check.
 //
-// Usage: cp_bench [--iters=100] [--dense_iters=10] [--repeats=3] [--ranks=384,256]
-//                 [--shared_dim=256] [--noise=0.1] [--layers=12] [--threads=2] [--skip_dense]
-//                 [--model_only]
+// Usage: cp_bench [--iters=100] [--dense_iters=10] [--repeats=3] [--dense_repeats=3]
+//                 [--ranks=384,256] [--precisions=f64,f32] [--kinds=random,planted]
+//                 [--shared_dim=256] [--noise=0.1] [--layers=12] [--model_tol=1e-5]
+//                 [--threads=2] [--skip_dense] [--model_only]
+// Times are medians over the repeats; the equal-sweeps runs are interleaved (dense, factorised,
+// ...) so a load change on this shared machine hits both; cpu_spdup is the same ratio in CPU
+// seconds (user + system, all threads), the steadier figure under load.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
@@ -48,6 +52,11 @@ struct Flags {
   int threads = 2;
   bool skip_dense = false;
   bool model_only = false;
+  int dense_repeats = 3;
+  double model_tol = 1e-5;
+  std::vector<CpAlsOptions::Precision> precisions = {CpAlsOptions::Precision::kFloat64,
+                                                     CpAlsOptions::Precision::kFloat32};
+  std::vector<std::string> kinds = {"random", "planted"};
 };
 
 bool ParseFlags(int argc, char** argv, Flags* flags) {
@@ -82,6 +91,27 @@ bool ParseFlags(int argc, char** argv, Flags* flags) {
         ok = ok && absl::SimpleAtoi(part, &r);
         flags->ranks.push_back(r);
       }
+    } else if (value_of("dense_repeats", &v)) {
+      ok = absl::SimpleAtoi(v, &flags->dense_repeats);
+    } else if (value_of("model_tol", &v)) {
+      ok = absl::SimpleAtod(v, &flags->model_tol);
+    } else if (value_of("precisions", &v)) {
+      flags->precisions.clear();
+      for (absl::string_view part : absl::StrSplit(v, ',')) {
+        if (part == "f64") {
+          flags->precisions.push_back(CpAlsOptions::Precision::kFloat64);
+        } else if (part == "f32") {
+          flags->precisions.push_back(CpAlsOptions::Precision::kFloat32);
+        } else {
+          ok = false;
+        }
+      }
+    } else if (value_of("kinds", &v)) {
+      flags->kinds.clear();
+      for (absl::string_view part : absl::StrSplit(v, ',')) {
+        ok = ok && (part == "random" || part == "planted");
+        flags->kinds.emplace_back(part);
+      }
     } else if (arg == "--skip_dense") {
       flags->skip_dense = true;
     } else if (arg == "--model_only") {
@@ -94,7 +124,8 @@ bool ParseFlags(int argc, char** argv, Flags* flags) {
       return false;
     }
   }
-  return flags->repeats >= 1 && flags->iters >= 1 && flags->dense_iters >= 1;
+  return flags->repeats >= 1 && flags->iters >= 1 && flags->dense_iters >= 2 &&
+         flags->dense_repeats >= 1 && flags->model_tol >= 0;
 }
 
 at::Tensor Randn(at::IntArrayRef shape, uint64_t seed) {
@@ -204,59 +235,92 @@ Row RunFactorized(const Layer& layer, const CpAlsOptions& options, int repeats, 
 }
 
 void PrintTableHeader() {
-  std::printf("  %-11s %-6s %-4s %5s %6s %11s %8s %10s %10s %10s\n", "method", "init", "prec",
-              "rank", "iters", "seconds", "cpu_s", "rel_error", "err@k", "speedup");
+  std::printf("  %-11s %-6s %-4s %5s %6s %11s %8s %10s %10s %10s %9s\n", "method", "init", "prec",
+              "rank", "iters", "seconds", "cpu_s", "rel_error", "err@k", "speedup", "cpu_spdup");
 }
 
-void PrintRow(const Row& row, double dense_seconds) {
+// dense_cpu <= 0: no CPU-time ratio (the extrapolated rows).
+void PrintRow(const Row& row, double dense_seconds, double dense_cpu = -1) {
   char error[32];
   if (row.rel_error >= 0) {
     std::snprintf(error, sizeof(error), "%10.6f", row.rel_error);
   } else {
     std::snprintf(error, sizeof(error), "%10s", "-");
   }
-  std::printf("  %-11s %-6s %-4s %5d %6d %10.3f%s %8.2f %s %10.6f %9.1fx\n", row.method.c_str(),
+  char cpu_ratio[32];
+  if (dense_cpu > 0 && row.cpu_seconds > 0) {
+    std::snprintf(cpu_ratio, sizeof(cpu_ratio), "%8.1fx", dense_cpu / row.cpu_seconds);
+  } else {
+    std::snprintf(cpu_ratio, sizeof(cpu_ratio), "%9s", "-");
+  }
+  std::printf("  %-11s %-6s %-4s %5d %6d %10.3f%s %8.2f %s %10.6f %9.1fx %s\n", row.method.c_str(),
               InitName(row.init), PrecisionName(row.precision), row.rank, row.iters, row.seconds,
               row.extrapolated ? "*" : " ", row.cpu_seconds, error, row.error_at_dense,
-              dense_seconds / row.seconds);
+              dense_seconds / row.seconds, cpu_ratio);
 }
 
 void BenchLayer(const char* kind, const Layer& layer, const Flags& flags) {
   for (int rank : flags.ranks) {
-    for (auto precision : {CpAlsOptions::Precision::kFloat64, CpAlsOptions::Precision::kFloat32}) {
-      // Equal sweeps: all methods exactly dense_iters sweeps (tol 0).
-      std::vector<Row> equal;
-      for (auto init : {CpAlsOptions::Init::kSvd, CpAlsOptions::Init::kRandom}) {
-        CpAlsOptions options = MakeOptions(rank, flags.dense_iters, init, precision);
-        options.tol = 0;
-        equal.push_back(RunFactorized(layer, options, flags.repeats, flags.dense_iters));
+    for (auto precision : flags.precisions) {
+      // Equal sweeps: all methods exactly dense_iters sweeps (tol 0). The runs are interleaved
+      // (dense, factorised svd, factorised random, repeated) so that a change in the machine's
+      // load hits all three alike; each figure is a median over its repeats.
+      const CpAlsOptions::Init inits[] = {CpAlsOptions::Init::kSvd, CpAlsOptions::Init::kRandom};
+      std::vector<std::vector<double>> times(2), cpus(2);
+      std::vector<CpResult> last(2);
+      std::vector<double> dense_times, dense_cpus, dense_ones;
+      CpResult dense;
+      const at::Tensor T =
+          flags.skip_dense ? at::Tensor() : at::matmul(layer.P, layer.Q.transpose(1, 2));
+      for (int rep = 0; rep < std::max(flags.repeats, flags.dense_repeats); ++rep) {
+        if (!flags.skip_dense && rep < flags.dense_repeats) {
+          CpAlsOptions options =
+              MakeOptions(rank, flags.dense_iters, CpAlsOptions::Init::kSvd, precision);
+          options.tol = 0;
+          const double cpu_start = CpuSeconds();
+          dense = MustRun(DenseCpAls(T, options));
+          dense_cpus.push_back(CpuSeconds() - cpu_start);
+          dense_times.push_back(dense.seconds);
+          // A 1-sweep run separates the initialisation (SVD of two 768 × 9216 unfoldings) from
+          // the per-sweep cost for the extrapolation.
+          options.max_iters = 1;
+          dense_ones.push_back(MustRun(DenseCpAls(T, options)).seconds);
+        }
+        if (rep >= flags.repeats) continue;
+        for (int k = 0; k < 2; ++k) {
+          CpAlsOptions options = MakeOptions(rank, flags.dense_iters, inits[k], precision);
+          options.tol = 0;
+          const double cpu_start = CpuSeconds();
+          last[k] = MustRun(FactorizedCpAls(layer.P, layer.Q, options));
+          cpus[k].push_back(CpuSeconds() - cpu_start);
+          times[k].push_back(last[k].seconds);
+        }
       }
-      double dense_seconds = 0, dense_per_sweep = 0, dense_init = 0;
+      std::vector<Row> equal;
+      for (int k = 0; k < 2; ++k) {
+        equal.push_back({"factorized", inits[k], precision, rank, last[k].iterations,
+                         Median(times[k]), Median(cpus[k]), last[k].relative_error,
+                         last[k].error_history.back()});
+      }
+      double dense_seconds = 0, dense_per_sweep = 0, dense_init = 0, dense_cpu = 0;
       Row dense_row;
       if (!flags.skip_dense) {
-        const at::Tensor T = at::matmul(layer.P, layer.Q.transpose(1, 2));
-        CpAlsOptions options =
-            MakeOptions(rank, flags.dense_iters, CpAlsOptions::Init::kSvd, precision);
-        options.tol = 0;
-        const double cpu_start = CpuSeconds();
-        CpResult dense = MustRun(DenseCpAls(T, options));
-        const double dense_cpu = CpuSeconds() - cpu_start;
-        // A 1-sweep run separates the initialisation (SVD of two 768 × 9216 unfoldings) from the
-        // per-sweep cost for the extrapolation.
-        options.max_iters = 1;
-        CpResult one = MustRun(DenseCpAls(T, options));
-        dense_per_sweep = (dense.seconds - one.seconds) / (flags.dense_iters - 1);
-        dense_init = std::max(0.0, one.seconds - dense_per_sweep);
-        dense_seconds = dense.seconds;
+        dense_seconds = Median(dense_times);
+        dense_cpu = Median(dense_cpus);
+        dense_per_sweep = (dense_seconds - Median(dense_ones)) / (flags.dense_iters - 1);
+        dense_init = std::max(0.0, Median(dense_ones) - dense_per_sweep);
         dense_row = {"dense",    CpAlsOptions::Init::kSvd, precision,
-                     rank,       dense.iterations,         dense.seconds,
+                     rank,       dense.iterations,         dense_seconds,
                      dense_cpu,  dense.relative_error,     dense.relative_error};
       }
       std::printf("\n[%s layer, R=%d, %s] equal sweeps (%d each, all measured; speedup vs dense)\n",
                   kind, rank, PrecisionName(precision), flags.dense_iters);
       PrintTableHeader();
-      if (!flags.skip_dense) PrintRow(dense_row, dense_seconds);
-      for (const Row& row : equal) PrintRow(row, flags.skip_dense ? row.seconds : dense_seconds);
+      if (!flags.skip_dense) PrintRow(dense_row, dense_seconds, dense_cpu);
+      for (const Row& row : equal) {
+        PrintRow(row, flags.skip_dense ? row.seconds : dense_seconds,
+                 flags.skip_dense ? row.cpu_seconds : dense_cpu);
+      }
 
       // Full run: factorised up to flags.iters sweeps with tol 1e-6.
       std::vector<Row> full;
@@ -296,19 +360,20 @@ void BenchLayer(const char* kind, const Layer& layer, const Flags& flags) {
 }
 
 void BenchModel(const Flags& flags, int rank) {
-  std::printf("\nWhole model: %d random BERT-base layers, R=%d, max %d sweeps, tol 1e-6, %d threads\n",
-              flags.layers, rank, flags.iters, flags.threads);
+  std::printf("\nWhole model: %d random BERT-base layers, R=%d, max %d sweeps, tol %g, %d threads\n",
+              flags.layers, rank, flags.iters, flags.model_tol, flags.threads);
   std::printf("  %-4s %-6s %9s %9s %11s %14s %14s\n", "prec", "init", "seconds", "cpu_s",
               "s/layer", "mean rel_err", "mean sweeps");
   std::vector<Layer> layers;
   for (int l = 0; l < flags.layers; ++l) layers.push_back(RandomLayer(1000 + 10 * l));
-  for (auto precision : {CpAlsOptions::Precision::kFloat32, CpAlsOptions::Precision::kFloat64}) {
+  for (auto precision : flags.precisions) {
     for (auto init : {CpAlsOptions::Init::kSvd}) {
       double total = 0, err = 0, sweeps = 0;
       const double cpu_start = CpuSeconds();
       for (const Layer& layer : layers) {
-        CpResult r = MustRun(FactorizedCpAls(layer.P, layer.Q,
-                                             MakeOptions(rank, flags.iters, init, precision)));
+        CpAlsOptions options = MakeOptions(rank, flags.iters, init, precision);
+        options.tol = flags.model_tol;
+        CpResult r = MustRun(FactorizedCpAls(layer.P, layer.Q, options));
         total += r.seconds;
         err += r.relative_error;
         sweeps += r.iterations;
@@ -350,8 +415,13 @@ int main(int argc, char** argv) {
               "* = dense time extrapolated as init + sweeps x measured per-sweep time\n",
               flags.dense_iters);
   if (!flags.model_only) {
-    BenchLayer("random", RandomLayer(1), flags);
-    BenchLayer("planted", PlantedLayer(2, flags.shared_dim, flags.noise), flags);
+    for (const std::string& kind : flags.kinds) {
+      if (kind == "random") {
+        BenchLayer("random", RandomLayer(1), flags);
+      } else {
+        BenchLayer("planted", PlantedLayer(2, flags.shared_dim, flags.noise), flags);
+      }
+    }
   }
   if (flags.layers > 0) BenchModel(flags, flags.ranks.front());
   std::printf("\nload average at end: %s\n", LoadAverage().c_str());
