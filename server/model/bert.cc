@@ -9,8 +9,19 @@
 #include <cstring>
 #include <limits>
 
+#include "server/model/kernels.h"
+
 namespace collabserve::model {
 namespace {
+
+// How the CPU float32 dense layers run. kPacked: PackedLinear (weights packed at load, AVX-512)
+// for up to kPackedMaxRows tokens, where oneDNN's sgemm spends much of a skinny product packing the
+// weight (1.5-2x the GFLOP/s at 16 rows, on par at 128); dnnl_sgemm above that, where its own
+// blocking beats ours. kDnnl: dnnl_sgemm for every size (the engine before PackedLinear).
+// kAten: at::addmm and ATen attention everywhere. COLLABSERVE_GEMM=aten|dnnl|packed chooses;
+// "packed" uses PackedLinear at every size (tests, benchmarks).
+enum class GemmMode { kAten, kDnnl, kHybrid, kPacked };
+constexpr int64_t kPackedMaxRows = 256;
 
 // oneDNN's row-major SGEMM (dnnl_sgemm, oneDNN >= 1.0), looked up at run time in the libraries
 // already loaded: Debian's LibTorch links libdnnl.so.2. Against OpenBLAS 0.3.21 (what at::addmm
@@ -22,13 +33,30 @@ using SgemmFn = int (*)(char transa, char transb, int64_t m, int64_t n, int64_t 
                         const float* a, int64_t lda, const float* b, int64_t ldb, float beta,
                         float* c, int64_t ldc);
 
+GemmMode ChosenGemmMode() {
+  static const GemmMode mode = [] {
+    const char* choice = std::getenv("COLLABSERVE_GEMM");
+    if (choice == nullptr || *choice == '\0') return GemmMode::kHybrid;
+    if (std::strcmp(choice, "aten") == 0) return GemmMode::kAten;
+    if (std::strcmp(choice, "dnnl") == 0) return GemmMode::kDnnl;
+    if (std::strcmp(choice, "packed") == 0) return GemmMode::kPacked;
+    return GemmMode::kHybrid;
+  }();
+  return mode;
+}
+
 SgemmFn FindSgemm() {
   static const SgemmFn fn = [] {
-    const char* choice = std::getenv("COLLABSERVE_GEMM");
-    if (choice != nullptr && std::strcmp(choice, "aten") == 0) return SgemmFn(nullptr);
+    if (ChosenGemmMode() == GemmMode::kAten) return SgemmFn(nullptr);
     return reinterpret_cast<SgemmFn>(dlsym(RTLD_DEFAULT, "dnnl_sgemm"));
   }();
   return fn;
+}
+
+bool UsePacking(const c10::Device& device, c10::ScalarType dtype) {
+  const GemmMode mode = ChosenGemmMode();
+  return device.is_cpu() && dtype == at::kFloat && PackedLinearSupported() &&
+         (mode == GemmMode::kHybrid || mode == GemmMode::kPacked);
 }
 
 // out[T, N] += x[T, K] · w[N, K]^T, in place (out holds the bias, or bias + residual).
@@ -47,13 +75,34 @@ void GemmAccumulate(at::Tensor& out, const at::Tensor& x, const at::Tensor& w) {
   at::addmm_out(out, out, x, w.t());
 }
 
-// x[T, K] · w[N, K]^T + b (+ residual[T, N]) as one pre-filled output and one accumulating GEMM.
+// x[T, K] · w[N, K]^T + b (+ residual[T, N]) as one pre-filled output and one accumulating GEMM,
+// or, with a packed weight and few enough rows, one PackedLinear that writes each output once.
 at::Tensor Dense(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
-                 const at::Tensor& residual = at::Tensor()) {
+                 const PackedWeight* packed, const at::Tensor& residual = at::Tensor()) {
+  const int64_t T = x.size(0), N = w.size(0);
+  if (packed != nullptr && x.is_contiguous() &&
+      (ChosenGemmMode() == GemmMode::kPacked || T <= kPackedMaxRows || FindSgemm() == nullptr)) {
+    at::Tensor out = at::empty({T, N}, x.options());
+    at::Tensor r = residual.defined() ? residual.contiguous() : residual;
+    PackedLinear(x.data_ptr<float>(), x.size(1), T, *packed, b.data_ptr<float>(),
+                 r.defined() ? r.data_ptr<float>() : nullptr, N, out.data_ptr<float>(), N);
+    return out;
+  }
   at::Tensor out = residual.defined() ? at::add(residual, b)
-                                      : b.unsqueeze(0).expand({x.size(0), w.size(0)}).contiguous();
+                                      : b.unsqueeze(0).expand({T, N}).contiguous();
   GemmAccumulate(out, x, w);
   return out;
+}
+
+// LayerNorm over the last dimension of x [T, D], in place on the CPU (x is a temporary).
+at::Tensor LayerNormInPlace(at::Tensor x, const at::Tensor& w, const at::Tensor& b, double eps) {
+  if (x.is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 2 &&
+      w.is_contiguous() && b.is_contiguous()) {
+    LayerNormRowsInPlace(x.data_ptr<float>(), x.size(1), x.size(0), x.size(1), w.data_ptr<float>(),
+                         b.data_ptr<float>(), eps);
+    return x;
+  }
+  return at::layer_norm(x, {x.size(-1)}, w, b, eps);
 }
 
 // Standard self-attention for one layer, fused per (sequence, head): q, k and v are read in place
@@ -198,6 +247,13 @@ void BertClassifier::Prepare(const c10::Device& device, c10::ScalarType dtype) {
       l.fused_w = at::cat({l.query_w * scale, l.key_w, l.value_w}, 0).contiguous();
       l.fused_b = at::cat({l.query_b * scale, l.key_b, l.value_b}, 0).contiguous();
     }
+    l.fused_p = l.attn_out_p = l.inter_p = l.out_p = nullptr;
+    if (UsePacking(device, dtype)) {
+      l.fused_p = std::make_shared<const PackedWeight>(l.fused_w);
+      l.attn_out_p = std::make_shared<const PackedWeight>(l.attn_out_w);
+      l.inter_p = std::make_shared<const PackedWeight>(l.inter_w);
+      l.out_p = std::make_shared<const PackedWeight>(l.out_w);
+    }
   }
 }
 
@@ -228,7 +284,7 @@ at::Tensor BertClassifier::Layer(const EncoderLayer& l, const at::Tensor& h,
   const int64_t B = h.size(0), S = h.size(1), D = config_.hidden_size, T = B * S;
   const int64_t H = config_.num_attention_heads, dk = config_.head_size();
   const at::Tensor h2 = h.view({T, D});
-  at::Tensor proj = Dense(h2, l.fused_w, l.fused_b);  // [T, *]
+  at::Tensor proj = Dense(h2, l.fused_w, l.fused_b, l.fused_p.get());  // [T, *]
   at::Tensor ctx;
   SgemmFn sgemm = FindSgemm();
   if (!l.collaborative && sgemm != nullptr && proj.scalar_type() == at::kFloat && proj.is_cpu()) {
@@ -238,12 +294,11 @@ at::Tensor BertClassifier::Layer(const EncoderLayer& l, const at::Tensor& h,
   } else {
     ctx = Attention(l, proj, mask_add, B, S);
   }
-  auto attn = Dense(ctx, l.attn_out_w, l.attn_out_b, h2);
-  auto h1 = at::layer_norm(attn, {D}, l.attn_ln_w, l.attn_ln_b, config_.layer_norm_eps);
-  auto inter = Dense(h1, l.inter_w, l.inter_b);
-  inter = Activation(inter);
-  auto out = Dense(inter, l.out_w, l.out_b, h1);
-  return at::layer_norm(out, {D}, l.out_ln_w, l.out_ln_b, config_.layer_norm_eps).view({B, S, D});
+  auto h1 = LayerNormInPlace(Dense(ctx, l.attn_out_w, l.attn_out_b, l.attn_out_p.get(), h2),
+                             l.attn_ln_w, l.attn_ln_b, config_.layer_norm_eps);
+  auto inter = Activation(Dense(h1, l.inter_w, l.inter_b, l.inter_p.get()));
+  auto out = Dense(inter, l.out_w, l.out_b, l.out_p.get(), h1);
+  return LayerNormInPlace(out, l.out_ln_w, l.out_ln_b, config_.layer_norm_eps).view({B, S, D});
 }
 
 // Self-attention with ATen ops (collaborative layers, and standard ones without the sgemm):

@@ -16,12 +16,15 @@
 
 #include <torch/nn/module.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "server/model/config.h"
 
 namespace collabserve::model {
+
+class PackedWeight;  // server/model/kernels.h
 
 // A node in the parameter tree: exists only to give parameters their Hugging Face names.
 class ParamNode : public torch::nn::Module {
@@ -48,6 +51,8 @@ struct EncoderLayer {
   // collaborative [2R + D + H, D] = [W~Q^T; W~K^T; value; content_bias].
   at::Tensor fused_w, fused_b;
   at::Tensor mixing_4d;  // [1, H, 1, R]
+  // The four dense weights packed for PackedLinear (CPU float32 on an AVX-512 CPU; null otherwise).
+  std::shared_ptr<const PackedWeight> fused_p, attn_out_p, inter_p, out_p;
 };
 
 class BertClassifier : public ParamNode {

@@ -1,0 +1,125 @@
+// The dense layers of a BERT-base pass one at a time: PackedLinear (weights packed at load) vs
+// oneDNN's dnnl_sgemm (what the engine used before) vs at::addmm (ATen/OpenBLAS), on the four
+// weight shapes of a layer and a few token counts. Prints GFLOP per process CPU second (median of
+// timed repetitions; with --threads=1 that is the single-core rate, whatever else the machine runs)
+// and the ratio to the best of the other two, measured in the same run.
+//
+// Usage: gemm_bench [--threads=2] [--rows=16,128,1024,4096] [--reps=0 (auto)]
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
+#include <dlfcn.h>
+#include <time.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "server/model/kernels.h"
+
+namespace collabserve::model {
+namespace {
+
+using SgemmFn = int (*)(char, char, int64_t, int64_t, int64_t, float, const float*, int64_t,
+                        const float*, int64_t, float, float*, int64_t);
+
+// Process CPU seconds: on a shared machine a descheduled thread does not count, so the figure is
+// the work a product costs rather than how busy the machine was.
+double Now() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return ts.tv_sec + 1e-9 * ts.tv_nsec;
+}
+
+template <typename F>
+double MedianSeconds(F&& f, double budget_s) {
+  f();  // warm-up
+  std::vector<double> t;
+  double spent = 0;
+  while (t.size() < 3 || (spent < budget_s && t.size() < 200)) {
+    double t0 = Now();
+    f();
+    t.push_back(Now() - t0);
+    spent += t.back();
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+int Main(int argc, char** argv) {
+  int threads = 2;
+  std::vector<int64_t> rows_list = {16, 128, 1024, 4096};
+  double budget_s = 0.5;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    bool ok = false;
+    if (a.rfind("--threads=", 0) == 0) ok = absl::SimpleAtoi(a.substr(10), &threads) && threads > 0;
+    else if (a.rfind("--budget_s=", 0) == 0) ok = absl::SimpleAtod(a.substr(11), &budget_s);
+    else if (a.rfind("--rows=", 0) == 0) {
+      rows_list.clear();
+      ok = true;
+      for (auto p : absl::StrSplit(a.substr(7), ',')) {
+        int64_t v = 0;
+        ok = ok && absl::SimpleAtoi(p, &v) && v > 0;
+        rows_list.push_back(v);
+      }
+    }
+    if (!ok) {
+      std::fprintf(stderr, "gemm_bench: bad flag '%s' (--threads=N --rows=A,B --budget_s=S)\n", a.c_str());
+      return 2;
+    }
+  }
+  at::set_num_threads(threads);
+  c10::InferenceMode guard;
+  auto sgemm = reinterpret_cast<SgemmFn>(dlsym(RTLD_DEFAULT, "dnnl_sgemm"));
+  if (!PackedLinearSupported()) {
+    std::fprintf(stderr, "gemm_bench: this CPU has no AVX-512F; PackedLinear is not used here\n");
+    return 1;
+  }
+  struct Shape { const char* name; int64_t n, k; };
+  const Shape shapes[] = {{"QKV 2304x768", 2304, 768}, {"out 768x768", 768, 768},
+                          {"FFN1 3072x768", 3072, 768}, {"FFN2 768x3072", 768, 3072},
+                          {"collab 1548x768", 1548, 768}};
+  std::printf("threads %d; GFLOP per CPU second (process CPU time, all threads), median; out = x w^T + bias (+ residual for out/FFN2)\n", threads);
+  std::printf("%-16s %6s | %9s %9s %9s | %s\n", "weight", "rows", "packed", "dnnl", "addmm",
+              "packed / best other");
+  for (const Shape& s : shapes) {
+    at::Tensor w = at::randn({s.n, s.k}) * 0.05, b = at::randn({s.n});
+    PackedWeight pw(w);
+    for (int64_t rows : rows_list) {
+      at::Tensor x = at::randn({rows, s.k}), res = at::randn({rows, s.n}), out = at::empty({rows, s.n});
+      const double flops = 2.0 * rows * s.n * s.k;
+      double tp = MedianSeconds([&] {
+        PackedLinear(x.data_ptr<float>(), s.k, rows, pw, b.data_ptr<float>(), res.data_ptr<float>(),
+                     s.n, out.data_ptr<float>(), s.n);
+      }, budget_s);
+      double td = 0;
+      if (sgemm != nullptr) {
+        td = MedianSeconds([&] {
+          out.copy_(res).add_(b);
+          sgemm('N', 'T', rows, s.n, s.k, 1.0f, x.data_ptr<float>(), s.k, w.data_ptr<float>(), s.k,
+                1.0f, out.data_ptr<float>(), s.n);
+        }, budget_s);
+      }
+      double ta = MedianSeconds([&] {
+        out.copy_(res).add_(b);
+        at::addmm_out(out, out, x, w.t());
+      }, budget_s);
+      double best_other = std::max(td > 0 ? flops / td : 0.0, flops / ta);
+      std::printf("%-16s %6ld | %9.1f %9s %9.1f | %.2fx\n", s.name, static_cast<long>(rows),
+                  flops / tp / 1e9, td > 0 ? std::to_string(flops / td / 1e9).substr(0, 6).c_str() : "-",
+                  flops / ta / 1e9, (flops / tp) / best_other);
+      std::fflush(stdout);
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace collabserve::model
+
+int main(int argc, char** argv) { return collabserve::model::Main(argc, argv); }

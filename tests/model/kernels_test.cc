@@ -1,0 +1,116 @@
+// The CPU kernels against the ATen compositions they replace: PackedLinear against
+// x · w^T + bias (+ residual) by at::addmm, LayerNormRowsInPlace against at::layer_norm, on odd
+// shapes (partial panels and row tiles, K not a multiple of the k block, strided rows).
+#include "server/model/kernels.h"
+
+#include <c10/core/InferenceMode.h>
+#include <gtest/gtest.h>
+
+#include <tuple>
+
+namespace collabserve::model {
+namespace {
+
+// max |a - b| / (1 + max |b|): the products sum hundreds of terms in a different order than BLAS.
+double RelErr(const at::Tensor& a, const at::Tensor& b) {
+  return (a - b).abs().max().item<double>() / (1.0 + b.abs().max().item<double>());
+}
+
+class PackedLinearTest : public ::testing::TestWithParam<std::tuple<int64_t, int64_t, int64_t>> {
+ protected:
+  void SetUp() override {
+    if (!PackedLinearSupported()) GTEST_SKIP() << "this CPU has no AVX-512F: PackedLinear is never used here";
+  }
+};
+
+TEST_P(PackedLinearTest, EqualsAddmmWithBiasAndResidual) {
+  c10::InferenceMode guard;
+  const auto [rows, n, k] = GetParam();
+  at::manual_seed(rows * 1000 + n * 10 + k);
+  // Strided rows: x and out live in wider buffers, as q/k/v do inside the fused projection.
+  at::Tensor xbuf = at::randn({rows, k + 3}), w = at::randn({n, k}), b = at::randn({n});
+  at::Tensor res = at::randn({rows, n + 5}), out = at::full({rows, n + 2}, 7.0f);
+  at::Tensor x = xbuf.narrow(1, 1, k), r = res.narrow(1, 0, n);
+  PackedWeight pw(w);
+  EXPECT_EQ(pw.n(), n);
+  EXPECT_EQ(pw.k(), k);
+
+  PackedLinear(x.data_ptr<float>(), k + 3, rows, pw, b.data_ptr<float>(), r.data_ptr<float>(),
+               n + 5, out.data_ptr<float>(), n + 2);
+  at::Tensor want = at::addmm(r + b, x, w.t());
+  EXPECT_LT(RelErr(out.narrow(1, 0, n), want), 1e-5);
+  // The padding columns of out are not written.
+  EXPECT_TRUE(out.narrow(1, n, 2).eq(7.0f).all().item<bool>());
+
+  // No bias, no residual.
+  PackedLinear(x.data_ptr<float>(), k + 3, rows, pw, nullptr, nullptr, 0, out.data_ptr<float>(), n + 2);
+  EXPECT_LT(RelErr(out.narrow(1, 0, n), at::mm(x, w.t())), 1e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, PackedLinearTest,
+                         ::testing::Values(std::make_tuple(1, 1, 1), std::make_tuple(1, 32, 768),
+                                           std::make_tuple(7, 17, 5), std::make_tuple(8, 33, 300),
+                                           std::make_tuple(9, 100, 513), std::make_tuple(16, 64, 256),
+                                           std::make_tuple(130, 48, 257),
+                                           std::make_tuple(600, 40, 70)));
+
+TEST(PackedLinear, OutputMayBeTheResidual) {
+  if (!PackedLinearSupported()) GTEST_SKIP() << "no AVX-512F";
+  c10::InferenceMode guard;
+  at::manual_seed(3);
+  at::Tensor x = at::randn({20, 50}), w = at::randn({45, 50}), b = at::randn({45}), r = at::randn({20, 45});
+  at::Tensor want = at::addmm(r + b, x, w.t());
+  PackedWeight pw(w);
+  PackedLinear(x.data_ptr<float>(), 50, 20, pw, b.data_ptr<float>(), r.data_ptr<float>(), 45,
+               r.data_ptr<float>(), 45);
+  EXPECT_LT(RelErr(r, want), 1e-5);
+}
+
+TEST(PackedLinear, ARowsResultDoesNotDependOnTheOtherRows) {
+  if (!PackedLinearSupported()) GTEST_SKIP() << "no AVX-512F";
+  c10::InferenceMode guard;
+  at::manual_seed(4);
+  const int64_t k = 3072, n = 100;
+  at::Tensor x = at::randn({300, k}), w = at::randn({n, k}), b = at::randn({n});
+  PackedWeight pw(w);
+  at::Tensor all = at::empty({300, n});
+  PackedLinear(x.data_ptr<float>(), k, 300, pw, b.data_ptr<float>(), nullptr, 0, all.data_ptr<float>(), n);
+  for (int64_t row : {0, 7, 8, 150, 299}) {
+    at::Tensor one = at::empty({1, n});
+    PackedLinear(x[row].data_ptr<float>(), k, 1, pw, b.data_ptr<float>(), nullptr, 0, one.data_ptr<float>(), n);
+    EXPECT_TRUE(at::equal(one[0], all[row])) << "row " << row;
+  }
+}
+
+TEST(PackedWeight, RejectsWhatItCannotPack) {
+  c10::InferenceMode guard;
+  EXPECT_THROW(PackedWeight(at::zeros({4, 4}, at::kDouble)), c10::Error);
+  EXPECT_THROW(PackedWeight(at::zeros({4})), c10::Error);
+}
+
+TEST(LayerNormRowsInPlace, OneColumnGivesTheBias) {
+  at::Tensor x = at::full({2, 1}, 5.0f), g = at::full({1}, 3.0f), b = at::full({1}, -0.5f);
+  LayerNormRowsInPlace(x.data_ptr<float>(), 1, 2, 1, g.data_ptr<float>(), b.data_ptr<float>(), 1e-12);
+  EXPECT_EQ(x[0][0].item<float>(), -0.5f);
+  EXPECT_EQ(x[1][0].item<float>(), -0.5f);
+}
+
+TEST(LayerNormRowsInPlace, EqualsAtenLayerNorm) {
+  c10::InferenceMode guard;
+  at::manual_seed(5);
+  for (int64_t d : {15, 37, 768}) {
+    for (int64_t rows : {1, 3, 100}) {
+      // Rows with a large common offset: a one-pass variance would lose the small spread.
+      at::Tensor buf = at::randn({rows, d + 4}) * 3 + 50, g = at::randn({d}), bt = at::randn({d});
+      at::Tensor x = buf.narrow(1, 0, d);
+      at::Tensor want = at::layer_norm(x, {d}, g, bt, 1e-12);
+      at::Tensor pad_before = buf.narrow(1, d, 4).clone();
+      LayerNormRowsInPlace(x.data_ptr<float>(), d + 4, rows, d, g.data_ptr<float>(), bt.data_ptr<float>(), 1e-12);
+      EXPECT_LT(RelErr(x, want), 1e-5) << "d=" << d << " rows=" << rows;
+      EXPECT_TRUE(at::equal(buf.narrow(1, d, 4), pad_before));
+    }
+  }
+}
+
+}  // namespace
+}  // namespace collabserve::model
