@@ -4,7 +4,7 @@ file, torch.save zips of tiny state dicts, Hugging Face configs) and the nasty c
 use. Deterministic; rerun after changing it and commit the output. Needs Debian's python3 with torch
 (call /usr/bin/python3 explicitly). Every file stays under 20 KB.
 
-    /usr/bin/python3 tests/fuzz/make_corpus.py
+    /usr/bin/python3 tests/fuzz/make_corpus.py [target...]
 """
 import collections
 import io
@@ -13,6 +13,8 @@ import os
 import pickle
 import shutil
 import struct
+import subprocess
+import sys
 import zipfile
 
 import torch
@@ -284,13 +286,80 @@ def gen_tokenizer():
         put("tokenizer", f"text_{i:03d}", bytes([flags, max_length, (i * 37) % 256]) + text)
 
 
+# ---- admin upload header (Admin.UploadModel's first message) ----
+
+def upload_header(text, limit=3):
+    """One seed for admin_upload_fuzzer: a byte picking --max_upload_bytes (3: 1 GiB, see the
+    fuzzer's table), then the v1.UploadHeader written in protobuf text format, encoded by protoc."""
+    out = subprocess.run(
+        ["protoc", "--proto_path", os.path.join(REPO, "proto"), "--encode=collabserve.v1.UploadHeader",
+         os.path.join(REPO, "proto", "collabserve", "v1", "admin.proto")],
+        input=text.encode(), stdout=subprocess.PIPE, check=True).stdout
+    return bytes([limit]) + out
+
+
+def gen_admin_upload():
+    sha = "0123456789abcdef" * 4
+    def f(name, size=10, digest=sha):
+        return f'files {{ name: "{name}" size: {size} sha256: "{digest}" }}\n'
+    base = f("config.json", 600) + f("vocab.txt", 231508) + f("model.safetensors", 438000000)
+    headers = {
+        "valid_safetensors": 'model_name: "bert-sst2"\n' + base,
+        "valid_bin_all_files": ('model_name: "m_1.v-2" version: 3 activate: true\n' + f("config.json")
+                                + f("vocab.txt") + f("pytorch_model.bin") + f("tokenizer_config.json")
+                                + f("special_tokens_map.json", 0)),
+        "valid_compression": ('model_name: "m" compression { rank: 32 max_iters: 50 tol: 1e-5 } '
+                              'min_agreement: 0.9 probes: "a probe"\n' + base),
+        "valid_ratio": 'model_name: "m" compression { ratio: 2.5 }\n' + base,
+        "valid_ranks": 'model_name: "m" compression { ranks { ranks: [0, 8, 16] } }\n' + base,
+        "valid_max_error": 'model_name: "m" compression { max_error: 0.05 seed: 7 }\n' + base,
+        "empty_name": 'model_name: ""\n' + base,
+        "dot_name": 'model_name: ".hidden"\n' + base,
+        "slash_name": 'model_name: "a/b"\n' + base,
+        "long_name": f'model_name: "{"x" * 256}"\n' + base,
+        "zero_version": 'model_name: "m" version: 0\n' + base,
+        "negative_version": 'model_name: "m" version: -5\n' + base,
+        "path_traversal": 'model_name: "m"\n' + base + f("../config.json"),
+        "path_separator": 'model_name: "m"\n' + base + f("sub/vocab.txt"),
+        "backslash": 'model_name: "m"\n' + base + f("sub\\\\vocab.txt"),
+        "nul_in_name": 'model_name: "m"\n' + base + f("vocab.txt\\000x"),
+        "unknown_file": 'model_name: "m"\n' + base + f("run.sh"),
+        "duplicate_file": 'model_name: "m"\n' + base + f("vocab.txt"),
+        "negative_size": 'model_name: "m"\n' + f("config.json", -1) + f("vocab.txt") + f("model.safetensors"),
+        "huge_sizes": ('model_name: "m"\n' + f("config.json", 2**62) + f("vocab.txt", 2**62)
+                       + f("model.safetensors", 2**63 - 1)),
+        "over_limit": 'model_name: "m"\n' + f("config.json", 2**30) + f("vocab.txt", 1) + f("model.safetensors"),
+        "short_sha": 'model_name: "m"\n' + f("config.json", 1, "abc") + f("vocab.txt") + f("model.safetensors"),
+        "non_hex_sha": 'model_name: "m"\n' + f("config.json", 1, "g" * 64) + f("vocab.txt") + f("model.safetensors"),
+        "upper_hex_sha": 'model_name: "m"\n' + f("config.json", 1, "ABCDEF0123456789" * 4) + f("vocab.txt") + f("model.safetensors"),
+        "no_vocab": 'model_name: "m"\n' + f("config.json") + f("model.safetensors"),
+        "no_config": 'model_name: "m"\n' + f("vocab.txt") + f("model.safetensors"),
+        "no_weights": 'model_name: "m"\n' + f("config.json") + f("vocab.txt"),
+        "two_weights": 'model_name: "m"\n' + base + f("pytorch_model.bin"),
+        "no_files": 'model_name: "m"\n',
+        "bad_compression": 'model_name: "m" compression { rank: -1 max_iters: -3 tol: -1 } min_agreement: 2\n' + base,
+        "nan_agreement": 'model_name: "m" min_agreement: nan compression { ratio: nan }\n' + base,
+    }
+    for name, text in headers.items():
+        put("admin_upload", name, upload_header(text))
+    # The same valid header under the other limits of the fuzzer's table (0, 1, 1 MiB, max, -1,
+    # min, 4 KiB).
+    for limit in (0, 1, 2, 4, 5, 6, 7):
+        put("admin_upload", f"valid_limit_{limit}", upload_header(headers["valid_bin_all_files"], limit))
+    put("admin_upload", "not_a_proto", b"\x03\xff\xff\xff\xff")
+
+
+GENERATORS = {"safetensors": lambda: gen_safetensors(), "torch_zip": lambda: gen_torch_zip(),
+              "config_json": lambda: gen_config(), "tokenizer_config_json": lambda: gen_tokenizer_config(),
+              "tokenizer": lambda: gen_tokenizer(), "admin_upload": gen_admin_upload}
+
+
 if __name__ == "__main__":
-    shutil.rmtree(OUT, ignore_errors=True)
-    gen_safetensors()
-    gen_torch_zip()
-    gen_config()
-    gen_tokenizer_config()
-    gen_tokenizer()
+    # No argument: every corpus; otherwise only the named ones (e.g. admin_upload).
+    names = sys.argv[1:] or list(GENERATORS)
+    for n in names:
+        shutil.rmtree(os.path.join(OUT, n), ignore_errors=True)
+        GENERATORS[n]()
     for t in sorted(os.listdir(OUT)):
         files = os.listdir(os.path.join(OUT, t))
         print(f"{t}: {len(files)} files, {sum(os.path.getsize(os.path.join(OUT, t, f)) for f in files)} bytes")

@@ -6,7 +6,7 @@
 # is run once, then the fuzzer runs for N seconds (FUZZ_SECONDS, default 60; --ci: 10) on a working
 # copy of the corpus in DIR/corpus/<target> (the committed seeds are never modified). A crashing input
 # is saved as DIR/artifacts/<target>/crash-*: add it to tests/fuzz/regressions/<target>/ with the fix.
-# Targets: safetensors torch_zip config_json tokenizer_config_json tokenizer (default: all).
+# Targets: safetensors torch_zip config_json tokenizer_config_json tokenizer admin_upload (default: all).
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -23,7 +23,7 @@ while [ $# -gt 0 ]; do
     *) targets+=("$1"); shift ;;
   esac
 done
-[ ${#targets[@]} -gt 0 ] || targets=(safetensors torch_zip config_json tokenizer_config_json tokenizer)
+[ ${#targets[@]} -gt 0 ] || targets=(safetensors torch_zip config_json tokenizer_config_json tokenizer admin_upload)
 
 cxx=${FUZZ_CXX:-}
 if [ -z "$cxx" ]; then
