@@ -1,0 +1,137 @@
+#include "server/util/process_memory.h"
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+
+namespace collabserve::util {
+
+absl::StatusOr<ProcessMemory> ParseProcStatus(absl::string_view text) {
+  ProcessMemory m;
+  bool have_rss = false;
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    int64_t* field = nullptr;
+    absl::string_view rest = line;
+    if (absl::ConsumePrefix(&rest, "VmRSS:")) {
+      field = &m.rss_bytes;
+      have_rss = true;
+    } else if (absl::ConsumePrefix(&rest, "VmHWM:")) {
+      field = &m.hwm_bytes;
+    } else if (absl::ConsumePrefix(&rest, "RssAnon:")) {
+      field = &m.rss_anon_bytes;
+    } else if (absl::ConsumePrefix(&rest, "RssFile:")) {
+      field = &m.rss_file_bytes;
+    } else {
+      continue;
+    }
+    rest = absl::StripAsciiWhitespace(rest);
+    int64_t kib = 0;
+    if (!absl::ConsumeSuffix(&rest, "kB") ||
+        !absl::SimpleAtoi(absl::StripAsciiWhitespace(rest), &kib) || kib < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("process status: malformed line '", line, "'"));
+    }
+    *field = kib * 1024;
+  }
+  if (!have_rss) return absl::InvalidArgumentError("process status: no VmRSS line");
+  return m;
+}
+
+absl::StatusOr<ProcessMemory> ReadProcessMemory() {
+  // /proc files report size 0, so read until EOF rather than by size.
+  FILE* f = std::fopen("/proc/self/status", "re");
+  if (f == nullptr) {
+    return absl::UnavailableError(absl::StrCat("cannot read /proc/self/status: ", std::strerror(errno)));
+  }
+  std::string text;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) text.append(buf, n);
+  std::fclose(f);
+  return ParseProcStatus(text);
+}
+
+MemoryPhases::MemoryPhases(absl::Duration interval) : interval_(interval) {}
+
+MemoryPhases::~MemoryPhases() { Finish(); }
+
+void MemoryPhases::Sample() {
+  if (!in_phase_) return;
+  absl::StatusOr<ProcessMemory> m = ReadProcessMemory();
+  if (!m.ok()) return;
+  MemoryPhase& p = phases_.back();
+  if (m->rss_bytes > p.rss_peak_bytes) {
+    p.rss_peak_bytes = m->rss_bytes;
+    p.rss_file_peak_bytes = m->rss_file_bytes;
+  }
+  p.rss_end_bytes = m->rss_bytes;
+  p.hwm_end_bytes = m->hwm_bytes;
+}
+
+void MemoryPhases::EndPhaseLocked() {
+  if (!in_phase_) return;
+  Sample();
+  phases_.back().seconds = absl::ToDoubleSeconds(absl::Now() - phase_start_);
+  in_phase_ = false;
+}
+
+void MemoryPhases::Begin(std::string name) {
+  absl::MutexLock l(&mu_);
+  if (stop_) return;
+  EndPhaseLocked();
+  MemoryPhase p;
+  p.name = std::move(name);
+  phases_.push_back(std::move(p));
+  in_phase_ = true;
+  phase_start_ = absl::Now();
+  Sample();
+  phases_.back().rss_start_bytes = phases_.back().rss_end_bytes;
+  if (!running_) {
+    running_ = true;
+    sampler_ = std::thread([this] { Loop(); });
+  }
+}
+
+void MemoryPhases::Loop() {
+  absl::MutexLock l(&mu_);
+  while (!stop_) {
+    mu_.AwaitWithTimeout(absl::Condition(&stop_), interval_);
+    if (!stop_) Sample();
+  }
+}
+
+std::vector<MemoryPhase> MemoryPhases::Finish() {
+  {
+    absl::MutexLock l(&mu_);
+    EndPhaseLocked();
+    stop_ = true;
+  }
+  if (sampler_.joinable()) sampler_.join();
+  absl::MutexLock l(&mu_);
+  return phases_;
+}
+
+std::vector<MemoryPhase> MemoryPhases::phases() const {
+  absl::MutexLock l(&mu_);
+  std::vector<MemoryPhase> out = phases_;
+  if (in_phase_) out.back().seconds = absl::ToDoubleSeconds(absl::Now() - phase_start_);
+  return out;
+}
+
+std::string MemoryPhases::Format(const std::vector<MemoryPhase>& phases) {
+  auto mib = [](int64_t b) { return b / (1024 * 1024); };
+  std::string out;
+  for (const MemoryPhase& p : phases) {
+    absl::StrAppendFormat(&out, "%s: %.1f s, rss %d -> %d MiB, peak %d MiB (file %d), hwm %d MiB\n",
+                          p.name, p.seconds, mib(p.rss_start_bytes), mib(p.rss_end_bytes),
+                          mib(p.rss_peak_bytes), mib(p.rss_file_peak_bytes), mib(p.hwm_end_bytes));
+  }
+  return out;
+}
+
+}  // namespace collabserve::util

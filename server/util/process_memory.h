@@ -1,0 +1,85 @@
+// This process's resident memory as the kernel reports it (/proc/self/status), and a sampler that
+// finds the peak of each phase of a long operation (an admin job) without resetting VmHWM.
+#ifndef COLLABSERVE_SERVER_UTIL_PROCESS_MEMORY_H_
+#define COLLABSERVE_SERVER_UTIL_PROCESS_MEMORY_H_
+
+#include <cstdint>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+
+namespace collabserve::util {
+
+// Figures in bytes. rss = anon + file + shmem; hwm is the process's peak rss since it started (or
+// since the last write of "5" to /proc/self/clear_refs).
+struct ProcessMemory {
+  int64_t rss_bytes = 0;       // VmRSS
+  int64_t hwm_bytes = 0;       // VmHWM
+  int64_t rss_anon_bytes = 0;  // RssAnon: heap, tensors
+  int64_t rss_file_bytes = 0;  // RssFile: mapped file pages touched (e.g. a memory-mapped checkpoint)
+};
+
+// Parses the text of a /proc/<pid>/status file. Fields that are absent stay 0 (RssAnon/RssFile
+// need Linux 4.5); INVALID_ARGUMENT if VmRSS is missing or a value is malformed.
+absl::StatusOr<ProcessMemory> ParseProcStatus(absl::string_view text);
+
+// ParseProcStatus of /proc/self/status. UNAVAILABLE where /proc cannot be read (not Linux).
+absl::StatusOr<ProcessMemory> ReadProcessMemory();
+
+// Figures of one phase. Peaks are sampled (every `interval`): a spike shorter than that can be
+// missed, and hwm_end (exact, but process-wide and monotonic) bounds it from above.
+struct MemoryPhase {
+  std::string name;
+  double seconds = 0;
+  int64_t rss_start_bytes = 0;
+  int64_t rss_end_bytes = 0;
+  int64_t rss_peak_bytes = 0;       // max of the samples, the start and the end
+  int64_t rss_file_peak_bytes = 0;  // RssFile at the sample where rss peaked
+  int64_t hwm_end_bytes = 0;        // VmHWM when the phase ended
+};
+
+// Splits a long operation into named phases and records each one's memory: Begin("load") ...
+// Begin("convert") ... Finish(). A background thread samples /proc/self/status every `interval`
+// between the first Begin and Finish. Thread-safe; Begin/Finish are meant for one thread. Where
+// /proc cannot be read, every figure is 0.
+class MemoryPhases {
+ public:
+  explicit MemoryPhases(absl::Duration interval = absl::Milliseconds(5));
+  ~MemoryPhases();  // Finish()
+  MemoryPhases(const MemoryPhases&) = delete;
+  MemoryPhases& operator=(const MemoryPhases&) = delete;
+
+  // Ends the current phase (if any) and starts `name`; starts the sampler on the first call.
+  void Begin(std::string name);
+  // Ends the current phase and stops the sampler. Idempotent. Returns every phase, in order.
+  std::vector<MemoryPhase> Finish();
+  // The phases so far (the current one with its figures up to now).
+  std::vector<MemoryPhase> phases() const;
+
+  // One line per phase: "name: 1.2 s, rss 400 -> 812 MiB, peak 900 MiB (file 300), hwm 950 MiB".
+  static std::string Format(const std::vector<MemoryPhase>& phases);
+
+ private:
+  void Sample() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void EndPhaseLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Loop();
+
+  const absl::Duration interval_;
+  mutable absl::Mutex mu_;
+  bool running_ ABSL_GUARDED_BY(mu_) = false;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Time phase_start_ ABSL_GUARDED_BY(mu_);
+  std::vector<MemoryPhase> phases_ ABSL_GUARDED_BY(mu_);
+  bool in_phase_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread sampler_;
+};
+
+}  // namespace collabserve::util
+
+#endif  // COLLABSERVE_SERVER_UTIL_PROCESS_MEMORY_H_
