@@ -1,5 +1,7 @@
 #include "server/model/io/safetensors.h"
 
+#include <fstream>
+#include <iterator>
 #include <random>
 #include <string>
 
@@ -94,6 +96,33 @@ TEST(SafetensorsTest, WriterRejectsBadTensors) {
   EXPECT_INVALID(WriteSafetensors(TempPath("w"), {{"a", DType::kF32, {-1}, &x}}, {}), "invalid dim -1");
   EXPECT_INVALID(WriteSafetensors(TempPath("w"), {{"a", DType::kF32, {2}, nullptr}}, {}), "has no data");
   EXPECT_INVALID(WriteSafetensors(TempPath("w"), {{"__metadata__", DType::kF32, {1}, &x}}, {}), "reserved");
+}
+
+// The writer streams the tensors into the file: the file holds exactly the serialized bytes, and a
+// rejected write leaves an existing file as it was, with no temporary file beside it.
+TEST(SafetensorsTest, StreamedFileEqualsTheSerializedBytes) {
+  auto t = MakeFormulaTensors("layer.0");
+  const std::map<std::string, std::string> metadata = {{"format", "pt"}};
+  const std::string path = TempPath("streamed.safetensors");
+  ASSERT_TRUE(WriteSafetensors(path, t.tensors, metadata).ok());
+  auto expected = SerializeSafetensors(t.tensors, metadata);
+  ASSERT_TRUE(expected.ok()) << expected.status();
+  std::ifstream in(path, std::ios::binary);
+  std::string got((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(got, *expected);
+}
+
+TEST(SafetensorsTest, ARejectedWriteLeavesTheOldFile) {
+  const std::string path = TempPath("kept.safetensors");
+  auto t = MakeFormulaTensors("a");
+  ASSERT_TRUE(WriteSafetensors(path, t.tensors, {}).ok());
+  float x = 1;
+  EXPECT_INVALID(WriteSafetensors(path, {{"b", DType::kF32, {2}, nullptr}}, {}), "has no data");
+  auto ckpt = ReadSafetensors(path);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  EXPECT_EQ(ckpt->tensors.size(), t.tensors.size());
+  EXPECT_FALSE(WriteSafetensors("/nonexistent-dir-for-collabserve/x.safetensors",
+                                {{"a", DType::kF32, {1}, &x}}, {}).ok());
 }
 
 TEST(SafetensorsTest, MissingFileIsNotFound) {

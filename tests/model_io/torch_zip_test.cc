@@ -4,6 +4,7 @@
 
 #include <cstdlib>
 #include <fstream>
+#include <iterator>
 #include <random>
 #include <sstream>
 #include <string>
@@ -139,6 +140,18 @@ TEST(TorchZipTest, RoundTripsWithZip64Records) {
   auto c = ParseTorchZip(shared, "zip64.bin");
   ASSERT_TRUE(c.ok()) << c.status();
   ExpectFormula(*c, t.tensors, shared->data());
+}
+
+// The writer streams the entries into the file: the file holds exactly the serialized bytes.
+TEST(TorchZipTest, StreamedFileEqualsTheSerializedBytes) {
+  auto t = MakeFormulaTensors("encoder.layer.0");
+  const std::string path = TempPath("streamed.bin");
+  ASSERT_TRUE(WriteTorchZip(path, t.tensors).ok());
+  auto expected = SerializeTorchZip(t.tensors);
+  ASSERT_TRUE(expected.ok()) << expected.status();
+  std::ifstream in(path, std::ios::binary);
+  std::string got((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(got, *expected);
 }
 
 TEST(TorchZipTest, WriterRejectsBadTensors) {

@@ -8,7 +8,7 @@
 #include "nlohmann/json.hpp"
 #include "server/model/io/checked_math.h"
 #include "server/model/io/str_util.h"
-#include "server/util/files.h"
+#include "server/util/atomic_file_writer.h"
 #include "server/util/status_macros.h"
 
 namespace collabserve::model::io {
@@ -313,8 +313,18 @@ absl::StatusOr<Checkpoint> ReadSafetensors(const std::string& path) {
   return ParseSafetensorsBytes(std::move(bytes), path);
 }
 
-absl::StatusOr<std::string> SerializeSafetensors(const std::vector<TensorToWrite>& tensors,
-                                                 const std::map<std::string, std::string>& metadata) {
+namespace {
+
+// What a safetensors file holds, in order: the 8-byte length and the header, then each tensor's
+// bytes (views of the caller's data).
+struct SafetensorsLayout {
+  std::string prefix;
+  std::vector<std::string_view> data;
+  uint64_t total_bytes = 0;
+};
+
+absl::StatusOr<SafetensorsLayout> LayOutSafetensors(const std::vector<TensorToWrite>& tensors,
+                                                    const std::map<std::string, std::string>& metadata) {
   std::vector<const TensorToWrite*> order;
   std::set<std::string_view> names;
   for (const TensorToWrite& t : tensors) {
@@ -352,6 +362,7 @@ absl::StatusOr<std::string> SerializeSafetensors(const std::vector<TensorToWrite
     for (const auto& [k, v] : metadata) meta[k] = v;
     header["__metadata__"] = std::move(meta);
   }
+  SafetensorsLayout layout;
   uint64_t offset = 0;
   for (const TensorToWrite* t : order) {
     uint64_t bytes = DTypeSize(t->dtype);
@@ -360,6 +371,7 @@ absl::StatusOr<std::string> SerializeSafetensors(const std::vector<TensorToWrite
                        {"shape", t->shape},
                        {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
+    if (bytes > 0) layout.data.emplace_back(static_cast<const char*>(t->data), bytes);
   }
   std::string header_text;
   try {
@@ -368,23 +380,32 @@ absl::StatusOr<std::string> SerializeSafetensors(const std::vector<TensorToWrite
     return absl::InvalidArgumentError(Cat("WriteSafetensors: ", e.what()));
   }
   while (header_text.size() % 8 != 0) header_text.push_back(' ');
-  std::string out;
-  out.reserve(8 + header_text.size() + offset);
   uint64_t n = header_text.size();
-  for (int i = 0; i < 8; ++i) out.push_back(static_cast<char>((n >> (8 * i)) & 0xff));
-  out += header_text;
-  for (const TensorToWrite* t : order) {
-    uint64_t bytes = DTypeSize(t->dtype);
-    for (int64_t d : t->shape) bytes *= static_cast<uint64_t>(d);
-    if (bytes > 0) out.append(static_cast<const char*>(t->data), bytes);
-  }
+  for (int i = 0; i < 8; ++i) layout.prefix.push_back(static_cast<char>((n >> (8 * i)) & 0xff));
+  layout.prefix += header_text;
+  layout.total_bytes = layout.prefix.size() + offset;
+  return layout;
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> SerializeSafetensors(const std::vector<TensorToWrite>& tensors,
+                                                 const std::map<std::string, std::string>& metadata) {
+  ASSIGN_OR_RETURN(SafetensorsLayout layout, LayOutSafetensors(tensors, metadata));
+  std::string out;
+  out.reserve(layout.total_bytes);
+  out += layout.prefix;
+  for (std::string_view d : layout.data) out.append(d.data(), d.size());
   return out;
 }
 
 absl::Status WriteSafetensors(const std::string& path, const std::vector<TensorToWrite>& tensors,
                               const std::map<std::string, std::string>& metadata) {
-  ASSIGN_OR_RETURN(std::string bytes, SerializeSafetensors(tensors, metadata));
-  return util::WriteFileAtomic(path, bytes);
+  ASSIGN_OR_RETURN(SafetensorsLayout layout, LayOutSafetensors(tensors, metadata));
+  ASSIGN_OR_RETURN(std::unique_ptr<util::AtomicFileWriter> file, util::AtomicFileWriter::Create(path));
+  RETURN_IF_ERROR(file->Append(layout.prefix));
+  for (std::string_view d : layout.data) RETURN_IF_ERROR(file->Append({d.data(), d.size()}));
+  return file->Commit();
 }
 
 }  // namespace collabserve::model::io

@@ -39,7 +39,8 @@ absl::StatusOr<Checkpoint> ParseSafetensorsBytes(FileBytes bytes, std::string_vi
 // (temp file + fsync + rename). As the reference implementation does, the header is space-padded to
 // a multiple of 8 and the data is laid out by element size (largest first), then name, so every
 // tensor starts at a multiple of its element size and the buffer has no holes. INVALID_ARGUMENT for empty, duplicate or reserved ("__metadata__")
-// names, negative dims, or null data for a non-empty tensor. The file is assembled in memory first.
+// names, negative dims, or null data for a non-empty tensor. The tensors stream from the caller's
+// buffers into the temporary file: the writer holds the header, never a copy of the data.
 absl::Status WriteSafetensors(const std::string& path, const std::vector<TensorToWrite>& tensors,
                               const std::map<std::string, std::string>& metadata);
 

@@ -10,7 +10,7 @@
 #include "server/model/io/str_util.h"
 #include "server/model/io/restricted_unpickler.h"
 #include "server/model/io/zip_archive.h"
-#include "server/util/files.h"
+#include "server/util/atomic_file_writer.h"
 #include "server/util/status_macros.h"
 
 namespace collabserve::model::io {
@@ -208,7 +208,12 @@ absl::StatusOr<Checkpoint> ReadTorchZip(const std::string& path) {
   return ParseTorchZipBytes(std::move(bytes), path);
 }
 
-absl::StatusOr<std::string> SerializeTorchZip(const std::vector<TensorToWrite>& tensors, bool force_zip64) {
+namespace {
+
+// The archive's entries: data.pkl (held in `pickle`), then each tensor's bytes as a view of the
+// caller's buffer.
+absl::StatusOr<std::vector<ZipSource>> LayOutTorchZip(const std::vector<TensorToWrite>& tensors,
+                                                      std::string* pickle_out) {
   std::set<std::string_view> names;
   std::vector<uint64_t> sizes;
   for (const TensorToWrite& t : tensors) {
@@ -268,24 +273,37 @@ absl::StatusOr<std::string> SerializeTorchZip(const std::vector<TensorToWrite>& 
   w.Op('s');
   w.Op('b');  // BUILD: sets OrderedDict._metadata
   w.Op('.');
-  const std::string pickle = w.Take();
+  *pickle_out = w.Take();
 
   std::vector<ZipSource> entries;
-  entries.push_back({"archive/data.pkl", pickle});
+  entries.push_back({"archive/data.pkl", *pickle_out});
   entries.push_back({"archive/byteorder", "little"});
   for (size_t i = 0; i < tensors.size(); ++i) {
     entries.push_back({Cat("archive/data/", i),
                        std::string_view(static_cast<const char*>(tensors[i].data), sizes[i])});
   }
   entries.push_back({"archive/version", "3\n"});
+  return entries;
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> SerializeTorchZip(const std::vector<TensorToWrite>& tensors, bool force_zip64) {
+  std::string pickle;
+  ASSIGN_OR_RETURN(std::vector<ZipSource> entries, LayOutTorchZip(tensors, &pickle));
   ZipWriteOptions options;
   options.force_zip64 = force_zip64;
   return BuildZip(entries, options);
 }
 
 absl::Status WriteTorchZip(const std::string& path, const std::vector<TensorToWrite>& tensors) {
-  ASSIGN_OR_RETURN(std::string bytes, SerializeTorchZip(tensors));
-  return util::WriteFileAtomic(path, bytes);
+  std::string pickle;
+  ASSIGN_OR_RETURN(std::vector<ZipSource> entries, LayOutTorchZip(tensors, &pickle));
+  ASSIGN_OR_RETURN(std::unique_ptr<util::AtomicFileWriter> file, util::AtomicFileWriter::Create(path));
+  RETURN_IF_ERROR(WriteZip(entries, ZipWriteOptions(), [&file](std::string_view bytes) {
+    return file->Append({bytes.data(), bytes.size()});
+  }));
+  return file->Commit();
 }
 
 }  // namespace collabserve::model::io

@@ -40,7 +40,8 @@ absl::StatusOr<Checkpoint> ParseTorchZipBytes(FileBytes bytes, std::string_view 
 // Hugging Face save_pretrained writes it ({module prefix: {"version": 1}} for every prefix of every
 // name, which is what nn.Module records for BERT's modules), one storage per tensor, each 64-byte
 // aligned, zip top folder "archive", format version 3, byteorder "little". Written atomically
-// (temp file + fsync + rename); the file is assembled in memory first. INVALID_ARGUMENT for empty or
+// (temp file + fsync + rename); the tensors stream from the caller's buffers into the temporary
+// file, the writer holds only the pickle and the headers. INVALID_ARGUMENT for empty or
 // duplicate names, negative or oversized dims, or null data for a non-empty tensor.
 absl::Status WriteTorchZip(const std::string& path, const std::vector<TensorToWrite>& tensors);
 

@@ -10,6 +10,7 @@
 #include "absl/strings/str_format.h"
 #include "server/model/io/checked_math.h"
 #include "server/model/io/str_util.h"
+#include "server/util/status_macros.h"
 
 namespace collabserve::model::io {
 namespace {
@@ -349,8 +350,8 @@ std::string_view ZipArchive::Contents(const ZipEntry& entry) const {
   return std::string_view(reinterpret_cast<const char*>(bytes_.data) + entry.data_offset, entry.size);
 }
 
-absl::StatusOr<std::string> BuildZip(const std::vector<ZipSource>& entries,
-                                     const ZipWriteOptions& options) {
+absl::Status WriteZip(const std::vector<ZipSource>& entries, const ZipWriteOptions& options,
+                      const ZipSink& sink) {
   std::set<std::string_view> names;
   for (const ZipSource& e : entries) {
     if (std::string bad = CheckName(e.name); !bad.empty()) {
@@ -362,17 +363,24 @@ absl::StatusOr<std::string> BuildZip(const std::vector<ZipSource>& entries,
     }
   }
   const uint32_t align = std::max<uint32_t>(options.alignment, 1);
+  // Headers collect in `out` and go to the sink before each entry's data, which goes straight
+  // from the caller's buffer; `pos` counts what the sink has taken.
   std::string out;
-  uint64_t total = 0;
-  for (const ZipSource& e : entries) total += e.data.size() + e.name.size() * 2 + 200 + align;
-  out.reserve(total);
+  uint64_t pos = 0;
+  auto flush = [&]() -> absl::Status {
+    if (out.empty()) return absl::OkStatus();
+    RETURN_IF_ERROR(sink(out));
+    pos += out.size();
+    out.clear();
+    return absl::OkStatus();
+  };
   struct Written {
     uint64_t offset;
     uint32_t crc;
   };
   std::vector<Written> written;
   for (const ZipSource& e : entries) {
-    const uint64_t offset = out.size();
+    const uint64_t offset = (pos + out.size());
     const uint64_t n = e.data.size();
     const bool zip64 = options.force_zip64 || n >= 0xffffffffu;
     const uint32_t crc = Crc32(e.data.data(), e.data.size());
@@ -405,10 +413,14 @@ absl::StatusOr<std::string> BuildZip(const std::vector<ZipSource>& entries,
       Put16(&out, static_cast<uint16_t>(pad));
       out.append(pad, 'Z');
     }
-    out.append(e.data.data(), e.data.size());
+    RETURN_IF_ERROR(flush());
+    if (!e.data.empty()) {
+      RETURN_IF_ERROR(sink(e.data));
+      pos += e.data.size();
+    }
     written.push_back({offset, crc});
   }
-  const uint64_t cd_offset = out.size();
+  const uint64_t cd_offset = (pos + out.size());
   for (size_t i = 0; i < entries.size(); ++i) {
     const ZipSource& e = entries[i];
     const uint64_t n = e.data.size();
@@ -443,12 +455,12 @@ absl::StatusOr<std::string> BuildZip(const std::vector<ZipSource>& entries,
       if (big_offset) Put64(&out, written[i].offset);
     }
   }
-  const uint64_t cd_size = out.size() - cd_offset;
+  const uint64_t cd_size = (pos + out.size()) - cd_offset;
   const uint64_t count = entries.size();
   const bool zip64_end = options.force_zip64 || count >= 0xffff || cd_size >= 0xffffffffu ||
                          cd_offset >= 0xffffffffu;
   if (zip64_end) {
-    const uint64_t z64 = out.size();
+    const uint64_t z64 = (pos + out.size());
     Put32(&out, kZip64EocdSig);
     Put64(&out, kZip64EocdSize - 12);
     Put16(&out, 45);
@@ -472,6 +484,19 @@ absl::StatusOr<std::string> BuildZip(const std::vector<ZipSource>& entries,
   Put32(&out, zip64_end ? 0xffffffffu : static_cast<uint32_t>(cd_size));
   Put32(&out, zip64_end ? 0xffffffffu : static_cast<uint32_t>(cd_offset));
   Put16(&out, 0);
+  return flush();
+}
+
+absl::StatusOr<std::string> BuildZip(const std::vector<ZipSource>& entries,
+                                     const ZipWriteOptions& options) {
+  std::string out;
+  uint64_t total = 0;
+  for (const ZipSource& e : entries) total += e.data.size() + e.name.size() * 2 + 200 + options.alignment;
+  out.reserve(total);
+  RETURN_IF_ERROR(WriteZip(entries, options, [&out](std::string_view bytes) {
+    out.append(bytes.data(), bytes.size());
+    return absl::OkStatus();
+  }));
   return out;
 }
 

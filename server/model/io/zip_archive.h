@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <string_view>
@@ -76,8 +77,17 @@ struct ZipSource {
   std::string_view data;
 };
 
-// A complete archive of stored entries, in the given order; ZIP64 records are used where a size,
-// an offset or the entry count needs them. INVALID_ARGUMENT for a bad or duplicate name.
+// Takes the archive's bytes in order; an error stops the write and is returned.
+using ZipSink = std::function<absl::Status(std::string_view bytes)>;
+
+// Writes a complete archive of stored entries, in the given order, to `sink`; ZIP64 records are
+// used where a size, an offset or the entry count needs them. Entry data goes to the sink straight
+// from the caller's buffers (no copy). INVALID_ARGUMENT for a bad or duplicate name (before
+// anything is written).
+absl::Status WriteZip(const std::vector<ZipSource>& entries, const ZipWriteOptions& options,
+                      const ZipSink& sink);
+
+// The same archive as one string.
 absl::StatusOr<std::string> BuildZip(const std::vector<ZipSource>& entries,
                                      const ZipWriteOptions& options = ZipWriteOptions());
 
