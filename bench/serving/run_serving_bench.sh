@@ -92,7 +92,8 @@ scrape() {
   curl -fsS "http://127.0.0.1:$mport/metrics" | awk '
     /^collabserve_batch_size_sum/ {bs += $NF} /^collabserve_batch_size_count/ {bc += $NF}
     /^collabserve_inference_duration_seconds_sum/ {is += $NF}
-    END {printf "%s %s %s", bs + 0, bc + 0, is + 0}'
+    /^collabserve_queue_duration_seconds_sum/ {qs += $NF} /^collabserve_queue_duration_seconds_count/ {qc += $NF}
+    END {printf "%s %s %s %s %s", bs + 0, bc + 0, is + 0, qs + 0, qc + 0}'
 }
 
 for rep in $(seq 1 "$REPEATS"); do
@@ -110,16 +111,17 @@ for rep in $(seq 1 "$REPEATS"); do
       --duration_s=1 --input_tokens="$TOKENS" >/dev/null
     for c in $CONCURRENCY; do
       cpu0=$(server_cpu_s)
-      read -r bs0 bc0 is0 <<<"$(scrape)"
+      read -r bs0 bc0 is0 qs0 qc0 <<<"$(scrape)"
       line=$("$BUILD_DIR/bin/collabctl" --address=127.0.0.1:"$port" bench --model=bench \
         --concurrency="$c" --duration_s="$DURATION_S" --input_tokens="$TOKENS" --deadline_ms=60000 \
         --bench_api="$BENCH_API")
       cpu1=$(server_cpu_s)
-      read -r bs1 bc1 is1 <<<"$(scrape)"
+      read -r bs1 bc1 is1 qs1 qc1 <<<"$(scrape)"
       extra=$(awk -v c0="$cpu0" -v c1="$cpu1" -v bs0="$bs0" -v bs1="$bs1" -v bc0="$bc0" \
-        -v bc1="$bc1" -v is0="$is0" -v is1="$is1" 'BEGIN {bc = bc1 - bc0;
-        printf "server_cpu_s=%.3f batch_mean=%.2f busy_s=%.3f", c1 - c0,
-        (bc > 0 ? (bs1 - bs0) / bc : 0), is1 - is0}')
+        -v bc1="$bc1" -v is0="$is0" -v is1="$is1" -v qs0="$qs0" -v qs1="$qs1" -v qc0="$qc0" \
+        -v qc1="$qc1" 'BEGIN {bc = bc1 - bc0; qc = qc1 - qc0;
+        printf "server_cpu_s=%.3f batch_mean=%.2f busy_s=%.3f queue_mean_ms=%.3f", c1 - c0,
+        (bc > 0 ? (bs1 - bs0) / bc : 0), is1 - is0, (qc > 0 ? 1000 * (qs1 - qs0) / qc : 0)}')
       printf '%s\t%s\t%s\t%s %s load=%s\n' "$mode" "$rep" "$c" "$line" "$extra" \
         "$(cut -d' ' -f1 /proc/loadavg)" >>"$records"
       echo "  $mode c=$c: $line $extra"

@@ -74,9 +74,9 @@ def main():
                  f"one batch) = {bound:.1f} ms.")
     lines.append("")
     lines.append("| mode | conc | inputs/s | vs raw | p50 ms | p99 ms | p99 / bound | mean batch "
-                 "| model busy | client CPU share | client us/req | server us/input | CPU-bound ratio "
-                 "| errors |")
-    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+                 "| mean queue ms | model busy | client CPU share | client us/req | server us/input "
+                 "| CPU-bound ratio | errors |")
+    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for (mode, conc) in sorted(points, key=lambda k: (k[0] != "batching", k[1])):
         ps = points[(mode, conc)]
         ratio = median([p["inputs_per_s"] / ceiling[p["rep"]][1] for p in ps if p["rep"] in ceiling])
@@ -94,7 +94,8 @@ def main():
         lines.append(
             f"| {mode} | {conc} | {median([p['inputs_per_s'] for p in ps]):.0f} | {ratio:.2f} | "
             f"{median([p['p50_ms'] for p in ps]):.1f} | {p99:.1f} | {p99 / bound:.2f} | "
-            f"{median([p['batch_mean'] for p in ps]):.1f} | {busy:.2f} | {share:.2f} | "
+            f"{median([p['batch_mean'] for p in ps]):.1f} | "
+            f"{median([p.get('queue_mean_ms', float('nan')) for p in ps]):.2f} | {busy:.2f} | {share:.2f} | "
             f"{client_us:.0f} | {server_us:.0f} | {cpu_ratio:.2f} | "
             f"{int(sum(p['errors'] for p in ps))} |")
     loads = [p["load"] for ps in points.values() for p in ps if "load" in p]
@@ -103,7 +104,8 @@ def main():
         lines.append(f"1-minute load average during the points: min {min(loads):.2f}, "
                      f"median {median(loads):.2f}, max {max(loads):.2f}.")
     lines.append("")
-    lines.append("vs raw: served inputs/s over the ceiling of the same repeat. Model busy: seconds "
+    lines.append("vs raw: served inputs/s over the ceiling of the same repeat. Mean queue: scheduled to "
+                 "batch formed (collabserve_queue_duration_seconds). Model busy: seconds "
                  "inside forward passes per second (up to the number of batch threads). Client "
                  "CPU share: the load generator's CPU over its and the server's, during the point. "
                  "Server us/input: server CPU (all threads) per input served. CPU-bound ratio: the "
