@@ -6,7 +6,7 @@
 # Environment:
 #   PRESET (tiny|mini|base; mini)  TOKENS (32 per input)  DURATION_S (5 per point)
 #   CONCURRENCY ("1 4 16 32 64 128")  REPEATS (3: every point is run that often, medians shown)
-#   THREADS (2: the cores inference may use)  BATCH_THREADS (2: batch threads; each gets
+#   THREADS (2: the cores inference may use)  BATCH_THREADS (1: batch threads; each gets
 #   THREADS / BATCH_THREADS intra-op threads)  DELAY_US (max_queue_delay_micros, 2000)
 #   MAX_BATCH (32)  MODES ("batching no-batching")  SERVER_FLAGS (extra collabserve flags)
 #   BENCH_API (callback|threads: collabctl bench's workers)  OUT (also write the table there, as
@@ -24,7 +24,7 @@ DURATION_S=${DURATION_S:-5}
 CONCURRENCY=${CONCURRENCY:-"1 4 16 32 64 128"}
 REPEATS=${REPEATS:-3}
 THREADS=${THREADS:-2}
-BATCH_THREADS=${BATCH_THREADS:-2}
+BATCH_THREADS=${BATCH_THREADS:-1}
 DELAY_US=${DELAY_US:-2000}
 MAX_BATCH=${MAX_BATCH:-32}
 SERVER_FLAGS=${SERVER_FLAGS:-}
