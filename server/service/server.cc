@@ -113,7 +113,7 @@ class StreamIdleWatchdog::Core {
           grpc_call_ref(e.call);
           expired.push_back(Expired{
               e.call, absl::StrCat("the client ", e.limit->what, " for ",
-                                   absl::FormatDuration(now - e.last_activity),
+                                   absl::FormatDuration(absl::Trunc(now - e.last_activity, absl::Milliseconds(1))),
                                    "; this server ends such calls after ",
                                    absl::FormatDuration(e.limit->timeout), " (", e.limit->flag,
                                    ")")});

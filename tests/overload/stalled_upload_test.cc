@@ -1,6 +1,7 @@
 // A stalled Admin.UploadModel stream (issue 7, slow clients): the server ends it after
 // --upload_idle_timeout_s with a status naming the limit, the job ends, the staging directory is
 // removed, and the server goes on serving. An upload that keeps sending is not cut.
+#include <cstdio>
 #include <filesystem>
 #include <map>
 #include <memory>
@@ -147,6 +148,10 @@ TEST_F(StalledUploadTest, UploadThatStopsSendingIsEndedAndItsStagingRemoved) {
     return jobs.size() == 1 &&
            (jobs[0].state() == v1::Job::FAILED || jobs[0].state() == v1::Job::CANCELLED);
   }));
+  const v1::Job job = ListJobs()[0];
+  std::printf("stalled upload: client status %d \"%s\"; job %s: %s\n",
+              static_cast<int>(st.error_code()), st.error_message().c_str(),
+              v1::Job::State_Name(job.state()).c_str(), job.error().c_str());
   EXPECT_TRUE(Eventually([&] { return StagingEntries() == 0; }));
   EXPECT_FALSE(std::filesystem::exists(repo_.path() + "/stalled"));
   ExpectServing();
