@@ -111,10 +111,10 @@ class StreamIdleWatchdog::Core {
           e.watching = false;
           ++ended_;
           grpc_call_ref(e.call);
+          const absl::Duration idle = absl::Trunc(now - e.last_activity, absl::Milliseconds(1));
           expired.push_back(Expired{
               e.call, absl::StrCat("the client ", e.limit->what, " for ",
-                                   absl::FormatDuration(absl::Trunc(now - e.last_activity, absl::Milliseconds(1))),
-                                   "; this server ends such calls after ",
+                                   absl::FormatDuration(idle), "; this server ends such calls after ",
                                    absl::FormatDuration(e.limit->timeout), " (", e.limit->flag,
                                    ")")});
         }
