@@ -38,7 +38,10 @@ TEST(OverloadBinaryTest, BadLimitsAreRefusedAtStartNamingTheFlag) {
                                  "--stream_idle_timeout_s=-1"}) {
     const std::string log = tmp / "stderr.log";
     {
-      ServerProcess server({"--port=0", "--metrics_port=-1", "--host=127.0.0.1", flag}, log);
+      // An empty repository: the flags are checked before any model would be loaded.
+      ServerProcess server({"--port=0", "--metrics_port=-1", "--host=127.0.0.1",
+                            absl::StrCat("--model_repository=", tmp.path()), flag},
+                           log);
       EXPECT_FALSE(server.serving()) << flag;
     }
     auto err = util::ReadFile(log);
