@@ -149,42 +149,56 @@ class IdleInterceptor final : public grpc::experimental::Interceptor {
                   grpc::experimental::ServerRpcInfo* info, const StreamIdleWatchdog::Limit* limit)
       : core_(std::move(core)), info_(info), limit_(limit) {}
   ~IdleInterceptor() override {
-    if (id_ != 0) core_->Remove(id_);
+    uint64_t id;
+    {
+      absl::MutexLock lock(&mu_);
+      id = id_;
+    }
+    if (id != 0) core_->Remove(id);
   }
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
     using grpc::experimental::InterceptionHookPoints;
-    if (id_ == 0 && !finished_) {
-      grpc_call* call = info_->server_context()->c_call();
-      if (call != nullptr) id_ = core_->Register(call, limit_);
-    }
-    if (id_ != 0) {
+    const bool ending =
+        methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS) ||
+        methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_CLOSE);
+    const uint64_t id = Id(ending);
+    if (id != 0) {
       if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_MESSAGE)) {
         // No message: the client half-closed (or the call failed); nothing more to wait for.
         if (methods->GetRecvMessage() == nullptr) {
-          core_->Unwatch(id_);
+          core_->Unwatch(id);
         } else {
-          core_->Touch(id_);
+          core_->Touch(id);
         }
       }
       if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_SEND_MESSAGE)) {
-        core_->Touch(id_);
+        core_->Touch(id);
       }
-      if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS) ||
-          methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_CLOSE)) {
-        core_->Unwatch(id_);
-        finished_ = true;
-      }
+      if (ending) core_->Unwatch(id);
     }
     methods->Proceed();
   }
 
  private:
+  // Registers the call on its first hook (gRPC may run the hooks of a read and a write batch
+  // concurrently). 0 once the call is ending without having been registered.
+  uint64_t Id(bool ending) {
+    absl::MutexLock lock(&mu_);
+    if (id_ == 0 && !ended_) {
+      grpc_call* call = info_->server_context()->c_call();
+      if (call != nullptr) id_ = core_->Register(call, limit_);
+    }
+    if (ending) ended_ = true;
+    return id_;
+  }
+
   const std::shared_ptr<StreamIdleWatchdog::Core> core_;
   grpc::experimental::ServerRpcInfo* const info_;
   const StreamIdleWatchdog::Limit* const limit_;
-  uint64_t id_ = 0;
-  bool finished_ = false;
+  absl::Mutex mu_;
+  uint64_t id_ ABSL_GUARDED_BY(mu_) = 0;
+  bool ended_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 class IdleInterceptorFactory final
