@@ -61,9 +61,9 @@ struct CpResult {
   // (beyond rounding) in float64.
   std::vector<double> error_history;
   double seconds = 0;                // wall time of the whole call, initialisation included.
-  // Where `seconds` went (FactorizedCpAls and DenseCpAls; 0 for the block form): argument checks,
-  // conversions, precomputation and initialisation; the sweeps; forming the returned factors and
-  // their float64 error.
+  // Where `seconds` went (FactorizedCpAls and DenseCpAls; 0 for the block form): conversions,
+  // precomputation and initialisation; the sweeps; forming the returned factors and their
+  // float64 error. They add up to `seconds`.
   double setup_seconds = 0;
   double sweep_seconds = 0;
   double finish_seconds = 0;
