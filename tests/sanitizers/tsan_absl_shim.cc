@@ -1,11 +1,13 @@
-// Test-only, linked into the batching tests when they are built with -fsanitize=thread: teaches
-// ThreadSanitizer about absl::Mutex / CondVar / Notification when abseil itself was not built with
-// TSan (Debian's shared libabsl). Without it TSan cannot see the happens-before edges of absl's
-// futex-based locks and reports every guarded access as a race.
+// Linked into every executable of a COLLABSERVE_SANITIZE=thread tree (tests/sanitizers/
+// sanitizers.cmake): teaches ThreadSanitizer about absl::Mutex / CondVar / Notification when abseil
+// itself was not built with TSan (Debian's shared libabsl). Without it TSan cannot see the
+// happens-before edges of absl's futex-based locks and reports every guarded access as a race.
 //
-// The executable's definitions below interpose the shared library's exported entry points (abseil
-// calls them through the PLT, even internally); each forwards to the real function (dlsym
-// RTLD_NEXT) and tells TSan that the lock's address was released before / acquired after.
+// The executable's definitions below interpose the shared library's exported entry points for every
+// caller: our code, abseil itself (it calls them through the PLT, even internally) and gRPC (whose
+// grpc_core::Mutex is an absl::Mutex). Each forwards to the real function (dlsym RTLD_NEXT) and
+// tells TSan that the lock's address was released before / acquired after. The real function is
+// looked up on first use, so an executable that never locks an absl::Mutex does not need abseil.
 #include <dlfcn.h>
 
 #include <cstdio>
