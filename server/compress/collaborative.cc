@@ -232,7 +232,16 @@ absl::StatusOr<std::unique_ptr<model::BertClassifier>> ConvertToCollaborative(
     for (const auto& item : source.named_parameters(true)) src_params[item.key()] = item.value();
     for (auto& item : out->named_parameters(true)) {
       auto it = src_params.find(item.key());
-      if (it != src_params.end()) item.value().copy_(it->second.to(at::kCPU, at::kFloat));
+      if (it == src_params.end()) continue;
+      at::Tensor src = it->second.to(at::kCPU, at::kFloat);  // no copy when it already is
+      // Share the storage rather than copy it (the compressed model would otherwise double the
+      // memory of everything the conversion leaves unchanged). set_ rebinds the parameter's
+      // TensorImpl, so the model's own handles to it (EncoderLayer) see the shared storage too.
+      if (src.sizes() == item.value().sizes()) {
+        item.value().set_(src);
+      } else {
+        item.value().copy_(src);  // throws, naming the shapes
+      }
     }
     const double scale = 1.0 / std::sqrt(static_cast<double>(dk));
     for (int i = 0; i < L; ++i) {
@@ -349,20 +358,53 @@ absl::StatusOr<CompressReport> CompressModelDirectory(const std::string& in_dir,
   if (config.collaborative.present()) {
     return absl::InvalidArgumentError(absl::StrCat(in_dir, ": the model is already collaborative"));
   }
+  if (options.on_step) options.on_step("load");
   ASSIGN_OR_RETURN(auto source, model::LoadClassifier(in_dir, config));
-  source->Prepare(c10::Device(c10::kCPU), c10::kFloat);
+  try {
+    source->Prepare(c10::Device(c10::kCPU), c10::kFloat);
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat(in_dir, ": preparing the model failed: ", e.what()));
+  }
+  ASSIGN_OR_RETURN(CompressReport report, CompressLoadedModel(*source, in_dir, out_dir, options));
+  report.seconds = SecondsSince(t0);
+  return report;
+}
+
+absl::StatusOr<CompressReport> CompressLoadedModel(const model::BertClassifier& source,
+                                                   const std::string& in_dir, const std::string& out_dir,
+                                                   const CompressOptions& options) {
+  auto t0 = Clock::now();
+  auto step = [&](const char* name) {
+    if (options.on_step) options.on_step(name);
+  };
+  std::error_code ec;
+  if (std::filesystem::exists(out_dir, ec)) {
+    return absl::AlreadyExistsError(absl::StrCat(out_dir, ": already exists; choose a new output directory"));
+  }
+  if (source.config().collaborative.present()) {
+    return absl::InvalidArgumentError(absl::StrCat(in_dir, ": the model is already collaborative"));
+  }
+  if (!source.device().is_cpu() || source.dtype() != c10::kFloat) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(in_dir, ": the loaded model must be prepared on the CPU in float32 to compress it"));
+  }
   CompressOptions o = options;
   if (o.source.empty()) o.source = in_dir;
   CompressReport report;
-  ASSIGN_OR_RETURN(auto compressed, ConvertToCollaborative(*source, o, &report));
-  compressed->Prepare(c10::Device(c10::kCPU), c10::kFloat);
-  ASSIGN_OR_RETURN(report.fidelity, MeasureFidelity(*source, *compressed, in_dir, o.probes));
+  step("convert");
+  ASSIGN_OR_RETURN(auto compressed, ConvertToCollaborative(source, o, &report));
+  try {
+    compressed->Prepare(c10::Device(c10::kCPU), c10::kFloat);
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("preparing the compressed model failed: ", e.what()));
+  }
+  step("fidelity");
+  ASSIGN_OR_RETURN(report.fidelity, MeasureFidelity(source, *compressed, in_dir, o.probes));
   if (IsCancelled(o)) return absl::CancelledError("compression cancelled");
-  // The original is no longer needed: free it before the writer builds the output file, so the
-  // peak holds two copies of the model's size rather than three (upload jobs run this in the server).
-  source.reset();
 
-  // Write everything into a temporary sibling, then one rename publishes it.
+  step("write");
+  // Write everything into a temporary sibling, then one rename publishes it. The weights stream
+  // from the model's tensors into the file (no in-memory copy of the file).
   std::string tmp = absl::StrCat(out_dir, ".tmp-", ::getpid(), "-", std::random_device()());
   std::filesystem::create_directories(tmp, ec);
   if (ec) return absl::FailedPreconditionError(absl::StrCat(tmp, ": cannot create: ", ec.message()));

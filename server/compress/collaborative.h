@@ -65,6 +65,9 @@ struct CompressOptions {
   std::function<void(const LayerReport&)> on_layer;
   // Set to true to abandon the work; the call then returns CANCELLED and writes nothing.
   const std::atomic<bool>* cancelled = nullptr;
+  // Called, from the calling thread, as each step of CompressModelDirectory starts: "load",
+  // "convert", "fidelity", "write" (e.g. to measure each step's memory).
+  std::function<void(const std::string& step)> on_step;
 };
 
 struct CompressReport {
@@ -83,7 +86,10 @@ struct CompressReport {
 absl::StatusOr<std::vector<int>> ResolveRanks(const RankSpec& spec, const model::BertConfig& config);
 
 // Converts `source` (standard layers; already-collaborative layers are refused) into a new
-// collaborative classifier. Fills `report->layers` and the parameter counts.
+// collaborative classifier. Fills `report->layers` and the parameter counts. Every parameter the
+// two models have in common (embeddings, value/output projections, feed-forward, LayerNorms, head)
+// shares the source's CPU float32 storage instead of being copied: the result costs only its new
+// attention tensors, and neither model may be modified in place afterwards (Prepare() is fine).
 absl::StatusOr<std::unique_ptr<model::BertClassifier>> ConvertToCollaborative(
     const model::BertClassifier& source, const CompressOptions& options, CompressReport* report);
 
@@ -99,6 +105,15 @@ absl::StatusOr<FidelityReport> MeasureFidelity(const model::BertClassifier& orig
 // renamed into place at the end, so `out_dir` is either complete or absent.
 absl::StatusOr<CompressReport> CompressModelDirectory(const std::string& in_dir, const std::string& out_dir,
                                                       const CompressOptions& options);
+
+// The same pipeline on a model already loaded from `in_dir` (e.g. the one an Engine loaded to
+// validate an upload), so the checkpoint is read once: `source` must be in_dir's standard model,
+// prepared on the CPU in float32; it is read, never modified, and must outlive the call. in_dir
+// provides the vocabulary and tokenizer files. Steps reported to on_step: "convert", "fidelity",
+// "write".
+absl::StatusOr<CompressReport> CompressLoadedModel(const model::BertClassifier& source,
+                                                   const std::string& in_dir, const std::string& out_dir,
+                                                   const CompressOptions& options);
 
 }  // namespace collabserve::compress
 

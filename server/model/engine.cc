@@ -63,6 +63,7 @@ class TorchEngine final : public Engine {
 
   const ModelInfo& info() const override { return info_; }
   const text::BertTokenizer& tokenizer() const override { return *tokenizer_; }
+  const BertClassifier& classifier() const override { return *model_; }
 
   absl::StatusOr<std::vector<Prediction>> Run(
       absl::Span<const TokenizedInput* const> batch) const override {

@@ -19,6 +19,8 @@ class BertTokenizer;
 
 namespace collabserve::model {
 
+class BertClassifier;
+
 struct EngineOptions {
   // "cpu", "cuda" or "cuda:N".
   std::string device = "cpu";
@@ -79,6 +81,10 @@ class Engine {
 
   virtual const ModelInfo& info() const = 0;
   virtual const text::BertTokenizer& tokenizer() const = 0;
+  // The loaded classifier, for code that goes on to transform the model it validated (an upload
+  // job compresses it instead of reading the checkpoint a second time). Read it only; valid while
+  // the engine lives.
+  virtual const BertClassifier& classifier() const = 0;
 
   // Runs one batch: pads to the longest input, masks the padding, returns one Prediction per
   // input in order. A sequence's result does not depend on what it is batched with. INVALID_ARGUMENT

@@ -9,6 +9,8 @@
 
 #include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "server/model/bert.h"
@@ -203,6 +205,65 @@ TEST_F(CollaborativeTest, PerLayerRanksAndStandardLayers) {
   ASSERT_TRUE(engine.ok()) << engine.status();
   EXPECT_EQ((*engine)->info().collaborative_ranks, (std::vector<int>{0, 16}));
   EXPECT_LT((*engine)->info().params.attention_qk, 2 * 2 * (64 * 64 + 64));
+}
+
+// An upload job compresses the model its validation engine loaded instead of reading the
+// checkpoint again: the result must be the same files as compressing the directory.
+TEST_F(CollaborativeTest, CompressingTheEnginesModelEqualsCompressingTheDirectory) {
+  ASSERT_TRUE(CompressModelDirectory(src_.path(), work_ / "from_dir", Rank(24)).ok());
+  auto engine = model::Engine::Load(src_.path());
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  std::vector<std::string> steps;
+  CompressOptions o = Rank(24);
+  o.on_step = [&steps](const std::string& s) { steps.push_back(s); };
+  auto report = CompressLoadedModel((*engine)->classifier(), src_.path(), work_ / "from_engine", o);
+  ASSERT_TRUE(report.ok()) << report.status();
+  EXPECT_EQ(steps, (std::vector<std::string>{"convert", "fidelity", "write"}));
+  auto read = [](const std::string& p) {
+    std::ifstream in(p, std::ios::binary);
+    return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  };
+  EXPECT_TRUE(read(work_ / "from_dir/model.safetensors") ==
+              read(work_ / "from_engine/model.safetensors"));
+  // The engine's model is untouched and still serves the original logits.
+  auto preds = (*engine)->Run(Inputs(**engine));
+  ASSERT_TRUE(preds.ok());
+  std::vector<std::vector<float>> got;
+  for (auto& p : *preds) got.push_back(p.logits);
+  EXPECT_EQ(MaxDiff(got, Logits(src_.path())), 0);
+  // A collaborative engine is refused.
+  auto collab = model::Engine::Load(work_ / "from_dir");
+  ASSERT_TRUE(collab.ok()) << collab.status();
+  EXPECT_THAT(std::string(CompressLoadedModel((*collab)->classifier(), work_ / "from_dir",
+                                              work_ / "again", Rank(8)).status().message()),
+              HasSubstr("already collaborative"));
+  EXPECT_FALSE(std::filesystem::exists(work_ / "again"));
+}
+
+// The compressed model costs only its new attention tensors: everything the conversion leaves
+// unchanged shares the original's storage.
+TEST_F(CollaborativeTest, UnchangedParametersShareTheOriginalsStorage) {
+  auto config = model::BertConfig::FromFile(src_ / "config.json");
+  ASSERT_TRUE(config.ok()) << config.status();
+  auto source = model::LoadClassifier(src_.path(), *config);
+  ASSERT_TRUE(source.ok()) << source.status();
+  (*source)->Prepare(c10::Device(c10::kCPU), c10::kFloat);
+  CompressReport report;
+  auto out = ConvertToCollaborative(**source, Rank(16), &report);
+  ASSERT_TRUE(out.ok()) << out.status();
+  std::map<std::string, at::Tensor> src;
+  for (const auto& item : (*source)->named_parameters(true)) src[item.key()] = item.value();
+  int shared = 0;
+  for (const auto& item : (*out)->named_parameters(true)) {
+    auto it = src.find(item.key());
+    if (it == src.end()) continue;  // a new collaborative tensor
+    EXPECT_EQ(item.value().data_ptr(), it->second.data_ptr()) << item.key();
+    ++shared;
+  }
+  EXPECT_GT(shared, 10);
+  // The layers' own handles see the shared tensors too.
+  EXPECT_EQ((*out)->layers()[0].value_w.data_ptr(), (*source)->layers()[0].value_w.data_ptr());
+  EXPECT_EQ((*out)->layers()[1].inter_w.data_ptr(), (*source)->layers()[1].inter_w.data_ptr());
 }
 
 TEST_F(CollaborativeTest, BadRequestsAreRefusedAndWriteNothing) {
