@@ -11,7 +11,9 @@
 # 2. Classification latency on the tiny `demo` model: `collabctl bench` idle, then again while a
 #    second upload+compress job of the same checkpoint runs. p50/p99 and the during/idle ratio.
 # Goals (issue 5): end to end < 60 s; peak RSS < 3x checkpoint; p99 during/idle <= 2x.
-# Prints one table at the end. Everything is bounded by timeouts; the server is killed on exit.
+# Prints one table at the end, then the server's memory by job step for upload 1. Everything is
+# bounded by timeouts; the server is killed on exit. MEMORY_ONLY=1 skips the latency benches and
+# upload 2 (part 1 only).
 set -euo pipefail
 
 if [[ $# -ne 1 || ! -d "$1" ]]; then
@@ -29,17 +31,22 @@ RANK=${RANK:-384}
 BENCH_S=${BENCH_S:-10}            # seconds per latency bench
 CONCURRENCY=${CONCURRENCY:-2}     # closed-loop clients (2 cores)
 INPUT_TOKENS=${INPUT_TOKENS:-32}
+MEMORY_ONLY=${MEMORY_ONLY:-0}
 
 WORK=$(mktemp -d /tmp/admin-bench.XXXXXX)
 SERVER_PID=""
+SRV=""
 BG_PID=""
 cleanup() {
   local rc=$?
   [[ -n $BG_PID ]] && kill "$BG_PID" 2>/dev/null || true
   if [[ -n $SERVER_PID ]]; then
-    kill "$SERVER_PID" 2>/dev/null || true
-    for _ in $(seq 50); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 0.1; done
-    kill -9 "$SERVER_PID" 2>/dev/null || true
+    # Signal the server itself, not only `timeout` (killing `timeout` with -9 would orphan it).
+    local pids=("$SERVER_PID")
+    [[ -n ${SRV:-} && $SRV != "$SERVER_PID" ]] && pids+=("$SRV")
+    kill "${pids[@]}" 2>/dev/null || true
+    for _ in $(seq 100); do kill -0 "${pids[@]}" 2>/dev/null || break; sleep 0.1; done
+    kill -9 "${pids[@]}" 2>/dev/null || true
   fi
   if [[ $rc -ne 0 ]]; then
     echo "FAILED (rc=$rc); server stderr tail:" >&2
@@ -115,9 +122,12 @@ wait_loaded() {
 }
 
 # --- 2a. idle latency ----------------------------------------------------------------------------
-log "idle bench (${BENCH_S}s, concurrency $CONCURRENCY, $INPUT_TOKENS tokens)"
-R=$(bench)
-read -r IDLE_P50 IDLE_P99 IDLE_RPS _ _ <<<"$R"
+IDLE_P50=- IDLE_P99=- IDLE_RPS=-
+if [[ $MEMORY_ONLY != 1 ]]; then
+  log "idle bench (${BENCH_S}s, concurrency $CONCURRENCY, $INPUT_TOKENS tokens)"
+  R=$(bench)
+  read -r IDLE_P50 IDLE_P99 IDLE_RPS _ _ <<<"$R"
+fi
 
 # --- 1. end to end upload ------------------------------------------------------------------------
 log "upload 1: $MODEL as bert, rank $RANK"
@@ -130,45 +140,55 @@ wait_loaded bert
 T_LOADED=$(now)
 HWM_KB=$(rss_kb "$SRV" VmHWM)
 RSS_AFTER_KB=$(rss_kb "$SRV" VmRSS)
+# The job logs its memory by step when it ends (server/service/admin_jobs.cc): keep upload 1's.
+job_steps() {  # the step lines of the N-th job's "memory by step" block in the server's log
+  awk -v want="$1" '/memory by step:/{n++; on=(n==want); next}
+       on && /^[A-Za-z+]+: [0-9.]+ s, rss /{print; next} {on=0}' "$WORK/server.err"
+}
+for _ in $(seq 50); do [[ -n $(job_steps 1) ]] && break; sleep 0.1; done
+STEPS1=$(job_steps 1)
 E2E_JOB=$(secs "$T0" "$T_JOB")
 E2E_LOADED=$(secs "$T0" "$T_LOADED")
 echo "--- upload 1 report ---" >&2
 tr '\r' '\n' <"$WORK/upload1.err" | grep -v '^\[' >&2 || true
 cat "$WORK/upload1.out" >&2
 
-# --- 2b. latency while a second upload+compress job runs -----------------------------------------
-log "upload 2 (bert2) in the background, then bench"
-(
-  s=$(now)
-  timeout 900 "${ADM[@]}" upload --dir="$MODEL" --name=bert2 --rank="$RANK" --wait \
-    >"$WORK/upload2.out" 2>"$WORK/upload2.err"
-  echo $? >"$WORK/upload2.rc"
-  e=$(now); echo "$s $e" >"$WORK/upload2.t"
-) &
-BG_PID=$!
-sleep 1
-TB0=$(now)
-R=$(bench)
-read -r BUSY_P50 BUSY_P99 BUSY_RPS _ _ <<<"$R"
-TB1=$(now)
-JOB_RUNNING_AT_END=yes
-[[ -f $WORK/upload2.t ]] && JOB_RUNNING_AT_END=no
-timeout 900 tail --pid="$BG_PID" -f /dev/null || true
-BG_PID=""
-[[ $(cat "$WORK/upload2.rc") == 0 ]] || {
-  echo "upload 2 failed:" >&2; cat "$WORK/upload2.out" "$WORK/upload2.err" >&2; exit 1; }
-read -r U2S U2E <"$WORK/upload2.t"
-OVERLAP=$(awk -v a="$TB0" -v b="$TB1" -v s="$U2S" -v e="$U2E" \
-  'BEGIN{lo=(a>s?a:s); hi=(b<e?b:e); o=hi-lo; if(o<0)o=0; printf "%.1f/%.1f", o, b-a}')
-HWM2_KB=$(rss_kb "$SRV" VmHWM)
+BUSY_P50=- BUSY_P99=- BUSY_RPS=- OVERLAP=- JOB_RUNNING_AT_END=- U2S=0 U2E=0 HWM2_KB=0
+if [[ $MEMORY_ONLY != 1 ]]; then
+  # --- 2b. latency while a second upload+compress job runs -----------------------------------------
+  log "upload 2 (bert2) in the background, then bench"
+  (
+    s=$(now)
+    timeout 900 "${ADM[@]}" upload --dir="$MODEL" --name=bert2 --rank="$RANK" --wait \
+      >"$WORK/upload2.out" 2>"$WORK/upload2.err"
+    echo $? >"$WORK/upload2.rc"
+    e=$(now); echo "$s $e" >"$WORK/upload2.t"
+  ) &
+  BG_PID=$!
+  sleep 1
+  TB0=$(now)
+  R=$(bench)
+  read -r BUSY_P50 BUSY_P99 BUSY_RPS _ _ <<<"$R"
+  TB1=$(now)
+  JOB_RUNNING_AT_END=yes
+  [[ -f $WORK/upload2.t ]] && JOB_RUNNING_AT_END=no
+  timeout 900 tail --pid="$BG_PID" -f /dev/null || true
+  BG_PID=""
+  [[ $(cat "$WORK/upload2.rc") == 0 ]] || {
+    echo "upload 2 failed:" >&2; cat "$WORK/upload2.out" "$WORK/upload2.err" >&2; exit 1; }
+  read -r U2S U2E <"$WORK/upload2.t"
+  OVERLAP=$(awk -v a="$TB0" -v b="$TB1" -v s="$U2S" -v e="$U2E" \
+    'BEGIN{lo=(a>s?a:s); hi=(b<e?b:e); o=hi-lo; if(o<0)o=0; printf "%.1f/%.1f", o, b-a}')
+  HWM2_KB=$(rss_kb "$SRV" VmHWM)
+fi
 
 # --- table ---------------------------------------------------------------------------------------
-ratio() { awk -v a="$1" -v b="$2" 'BEGIN{printf "%.2f", a/b}'; }
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN{if (a == "-" || b == "-") print "-"; else printf "%.2f", a/b}'; }
 mb() { awk -v b="$1" 'BEGIN{printf "%.0f MB", b/1e6}'; }
 HWM_RATIO=$(ratio $((HWM_KB * 1024)) "$CKPT_BYTES")
 P99_RATIO=$(ratio "$BUSY_P99" "$IDLE_P99")
 P50_RATIO=$(ratio "$BUSY_P50" "$IDLE_P50")
-verdict() { awk -v v="$1" -v g="$2" -v op="$3" 'BEGIN{ok=(op=="<"?v<g:v<=g); print ok?"ok":"MISSED"}'; }
+verdict() { awk -v v="$1" -v g="$2" -v op="$3" 'BEGIN{if (v == "-") {print "-"; exit} ok=(op=="<"?v<g:v<=g); print ok?"ok":"MISSED"}'; }
 
 echo
 echo "## collabserve admin bench ($(date -u +%FT%TZ), $(nproc) cores, load:$(uptime | sed 's/.*load average://'))"
@@ -193,3 +213,20 @@ row "p99 during/idle" "${P99_RATIO}x" "<= 2x" "$(verdict "$P99_RATIO" 2 '<=')"
 row "job overlap with 'during' bench (s)" "$OVERLAP" "" ""
 row "job still running when bench ended" "$JOB_RUNNING_AT_END" "" ""
 row "upload 2 start -> job end (s)" "$(secs "$U2S" "$U2E")" "" ""
+
+# Per step of upload 1's job, sampled every 5 ms in the server (MemoryPhases). "peak" is the
+# largest resident size seen during the step, of which "file" is mapped checkpoint pages (RssFile);
+# "hwm" is the process's VmHWM when the step ended. x ckpt = peak / checkpoint size.
+echo
+echo "Server memory by job step (upload 1; idle RSS $((RSS_IDLE_KB / 1024)) MiB):"
+echo
+printf "| %-12s | %7s | %9s | %9s | %9s | %9s | %6s |\n" step "s" "RSS start" "RSS end" "peak" "of it file" "x ckpt"
+printf "|%s|%s|%s|%s|%s|%s|%s|\n" "--------------" "---------" "-----------" "-----------" "-----------" "-----------" "--------"
+if [[ -z $STEPS1 ]]; then
+  echo "| (the server logged no memory by step: is it built from this tree?) |"
+else
+  awk -v ckpt="$CKPT_BYTES" '{
+      gsub(/[:,()]/, " "); name=$1; secs=$2; start=$5; end=$7; peak=$10; file=$13;
+      printf "| %-12s | %7s | %5d MiB | %5d MiB | %5d MiB | %6d MiB | %5.2fx |\n",
+             name, secs, start, end, peak, file, peak * 1048576 / ckpt }' <<<"$STEPS1"
+fi

@@ -4,7 +4,10 @@
 #include <ATen/Parallel.h>
 #include <glog/logging.h>
 #include <omp.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <random>
@@ -17,6 +20,7 @@
 #include "server/model/config.h"
 #include "server/model/engine.h"
 #include "server/util/files.h"
+#include "server/util/process_memory.h"
 #include "server/util/status_macros.h"
 
 namespace collabserve::service {
@@ -392,6 +396,14 @@ absl::StatusOr<v1::Job> JobManager::Cancel(const std::string& id) {
 
 void JobManager::WorkerLoop() {
   LimitIntraOpThreads(std::max(1, options_.intra_op_threads));
+  if (options_.nice > 0) {
+    // On Linux the nice value is per thread: this lowers the worker only (and the intra-op
+    // threads it starts later), never the inference threads.
+    const pid_t tid = static_cast<pid_t>(::syscall(SYS_gettid));
+    if (::setpriority(PRIO_PROCESS, static_cast<id_t>(tid), std::min(options_.nice, 19)) != 0) {
+      LOG(WARNING) << "admin job worker: cannot set nice " << options_.nice << ": " << strerror(errno);
+    }
+  }
   for (;;) {
     Work w;
     {
@@ -446,8 +458,19 @@ absl::Status JobManager::Process(Work& work, repository::ModelRepository* repo) 
   auto cancelled = [&] {
     return absl::CancelledError(absl::StrCat("job ", job.id(), " was cancelled"));
   };
+  // Resident memory of each step, logged when the job ends (bench/admin/RESULTS.md).
+  util::MemoryPhases memory;
+  struct LogMemory {
+    util::MemoryPhases& m;
+    const std::string& id;
+    ~LogMemory() {
+      LOG(INFO) << "admin job " << id << " memory by step:\n" << util::MemoryPhases::Format(m.Finish());
+    }
+  } log_memory{memory, job.id()};
+  memory.Begin("received");
 
   if (spec.kind() == v1::Job::UPLOAD && work.verify) {
+    memory.Begin("verify");
     job.Record(Event(v1::JobEvent::VALIDATING, "verifying checksums"));
     RETURN_IF_ERROR(work.verify());
     work.verify = nullptr;
@@ -461,17 +484,24 @@ absl::Status JobManager::Process(Work& work, repository::ModelRepository* repo) 
         absl::StrCat("the engine rejects the checkpoint: ", config_or.status().message()));
   }
   const model::BertConfig& config = *config_or;
+  if (spec.kind() == v1::Job::COMPRESS && compress && config.collaborative.present()) {
+    return absl::InvalidArgumentError(absl::StrCat(work.input_dir, ": the model is already collaborative"));
+  }
+  // One load serves both validation and compression: the engine that accepted the checkpoint is
+  // the model CP conversion reads (compression needs it on the CPU in float32).
+  std::unique_ptr<model::Engine> engine;
   if (spec.kind() == v1::Job::UPLOAD) {
+    memory.Begin("validate");
     job.Record(Event(v1::JobEvent::VALIDATING, "loading the checkpoint to validate it"));
     absl::Status valid;
     {
       model::EngineOptions eo;
-      eo.device = options_.device;
-      absl::StatusOr<std::unique_ptr<model::Engine>> engine = model::Engine::Load(work.input_dir, eo);
-      if (!engine.ok()) {
+      eo.device = compress ? "cpu" : options_.device;
+      absl::StatusOr<std::unique_ptr<model::Engine>> loaded = model::Engine::Load(work.input_dir, eo);
+      if (!loaded.ok()) {
         valid = absl::InvalidArgumentError(
-            absl::StrCat("the engine rejects the checkpoint: ", engine.status().message()));
-      } else if (compress && !(*engine)->info().collaborative_ranks.empty()) {
+            absl::StrCat("the engine rejects the checkpoint: ", loaded.status().message()));
+      } else if (compress && !(*loaded)->info().collaborative_ranks.empty()) {
         valid = absl::InvalidArgumentError(
             "the checkpoint is already collaborative; upload it without a compression request");
       } else if (compress) {
@@ -479,10 +509,11 @@ absl::Status JobManager::Process(Work& work, repository::ModelRepository* repo) 
             compress::ResolveRanks(ToRankSpec(spec.compression()), config);
         if (!ranks.ok()) valid = absl::InvalidArgumentError(ranks.status().message());
       }
-    }
-    // The validation engine is gone; hand its pages back to the OS before compression loads the
-    // model again (glibc keeps large freed chunks in the heap otherwise, and the server's peak
-    // memory would hold both copies).
+      if (valid.ok() && compress) engine = std::move(*loaded);
+    }  // an engine that only validated is freed here
+    // Give the heap's free pages back to the OS (glibc keeps freed chunks otherwise): loading
+    // leaves ~350 MiB of freed per-tensor copies behind for BERT-base, and an engine that only
+    // validated is gone.
     ::malloc_trim(0);
     if (!valid.ok()) return valid;
     job.Record(Event(v1::JobEvent::VALIDATED, "checkpoint accepted"));
@@ -496,6 +527,12 @@ absl::Status JobManager::Process(Work& work, repository::ModelRepository* repo) 
   std::string publish_dir = work.input_dir;
   v1::CompressionReport report_proto;
   if (compress) {
+    if (engine == nullptr) {  // COMPRESS: the source version on disk
+      memory.Begin("load");
+      ASSIGN_OR_RETURN(engine, model::Engine::Load(work.input_dir, model::EngineOptions()));
+      ::malloc_trim(0);  // as after validation
+      if (job.cancel_requested()) return cancelled();
+    }
     const std::string out = util::JoinPath(staging, "out");
     compress::CompressOptions o;
     o.spec = ToRankSpec(spec.compression());
@@ -523,11 +560,18 @@ absl::Status JobManager::Process(Work& work, repository::ModelRepository* repo) 
       e.set_rank(lr.rank);
       e.set_relative_error(lr.relative_error);
       job.Record(e, [](v1::Job* j) { j->set_layers_done(j->layers_done() + 1); });
+      // CP-ALS leaves many freed mid-sized buffers in this thread's malloc arena; return them
+      // between layers so they do not add up over the model.
+      ::malloc_trim(0);
     };
     o.cancelled = job.cancel_flag();
+    o.on_step = [&memory](const std::string& step) { memory.Begin(step); };
     absl::StatusOr<compress::CompressReport> report =
-        compress::CompressModelDirectory(work.input_dir, out, o);
-    ::malloc_trim(0);  // likewise for the original and the compressed model, before loading it to serve
+        compress::CompressLoadedModel(engine->classifier(), work.input_dir, out, o);
+    // The original and the compressed model are gone once the engine is: give their pages back
+    // before the repository loads the published version.
+    engine.reset();
+    ::malloc_trim(0);
     if (!report.ok()) {
       if (job.cancel_requested()) return cancelled();
       return report.status();
@@ -571,6 +615,7 @@ absl::Status JobManager::Process(Work& work, repository::ModelRepository* repo) 
     if (job.cancel_.load()) return cancelled();
     job.committing_ = true;
   }
+  memory.Begin("publish+load");
   const absl::Status published = repo->Publish(publish_dir, id, spec.activate());
   if (!IsDir(util::JoinPath(util::JoinPath(repo->root(), id.model), absl::StrCat(id.version)))) {
     return published.ok() ? absl::InternalError("publish reported success but the version is missing")
