@@ -80,9 +80,10 @@ COLLABSERVE_AVX512 void LinearPanels(const float* x, int64_t ldx, int64_t rows,
   const int64_t K = w.k(), N = w.n();
   const int64_t k_blocks = (K + kKc - 1) / kKc;
   const int64_t kc_len = (K + k_blocks - 1) / k_blocks;
+  // Grown, never shrunk: resizing down and up again would zero the buffer on every call.
   thread_local std::vector<float> apack;
-  const int64_t tiles_per_block = kMc / kMr;
-  apack.resize(static_cast<size_t>(tiles_per_block * K * kMr));
+  const int64_t block_rows = (std::min(rows, kMc) + kMr - 1) / kMr * kMr;
+  if (apack.size() < static_cast<size_t>(block_rows * K)) apack.resize(static_cast<size_t>(block_rows * K));
   for (int64_t m0 = 0; m0 < rows; m0 += kMc) {
     const int64_t m_end = std::min(rows, m0 + kMc);
     for (int64_t r = m0, t = 0; r < m_end; r += kMr, ++t) {
