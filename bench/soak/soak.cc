@@ -10,6 +10,7 @@
 //   collabserve-soak [--minutes=10] [--preset=mini] [--clients=8] [--deadline_ms=10000]
 //                    [--swap_interval_s=60] [--report_interval_s=60] [--markdown=FILE]
 #include <signal.h>
+#include <sys/prctl.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -49,6 +50,7 @@ ABSL_FLAG(int64_t, deadline_ms, 10000, "deadline of every Classify");
 ABSL_FLAG(double, swap_interval_s, 60, "a new version is dropped into the repository this often");
 ABSL_FLAG(double, report_interval_s, 60, "one table row per interval");
 ABSL_FLAG(double, compress_every_s, 15, "a compression job starts this long after the last ended");
+ABSL_FLAG(bool, compression_jobs, true, "run compression jobs during the soak (off: to isolate)");
 ABSL_FLAG(double, max_rss_growth, 0.05, "fail when RSS at the end exceeds the start by this much");
 ABSL_FLAG(int, leak_slack, 2, "fds / threads the end may exceed the start by (gRPC's own pools)");
 ABSL_FLAG(std::string, markdown, "", "also write the tables as Markdown to this file");
@@ -244,7 +246,7 @@ int Run() {
   testing::ServerProcess server(
       {"--host=127.0.0.1", "--port=0", "--metrics_port=-1", "--poll_interval_s=1",
        "--versions_to_keep=1", "--model_repository=" + root, "--admin_token_file=" + work + "/token"},
-      work + "/server.log");
+      work + "/server.log", [] { ::prctl(PR_SET_PDEATHSIG, SIGKILL); });  // dies with the driver
   if (!server.serving()) {
     std::fprintf(stderr, "collabserve did not start; see %s/server.log\n", work.c_str());
     return 2;
@@ -413,7 +415,7 @@ int Run() {
   });
   std::atomic<int> jobs_ok{0}, jobs_failed{0};
   std::thread compressor([&] {
-    while (!stop && absl::Now() < end - absl::Seconds(10)) {
+    while (absl::GetFlag(FLAGS_compression_jobs) && !stop && absl::Now() < end - absl::Seconds(10)) {
       if (compress()) {
         ++jobs_ok;
       } else {
@@ -521,5 +523,6 @@ int Run() {
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // progress lines appear as they happen under ctest
   return collabserve::soak::Run();
 }
