@@ -6,6 +6,7 @@
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
+#include "grpcpp/support/server_interceptor.h"
 #include "prometheus/registry.h"
 #include "server/util/files.h"
 
@@ -69,6 +70,13 @@ absl::Status AdminServer::Start(Server* server) {
   builder.SetMaxReceiveMessageSize(options_.max_message_bytes);
   builder.SetMaxSendMessageSize(options_.max_message_bytes);
   builder.RegisterService(service_.get());
+  if (server != nullptr) {
+    // Stalled uploads end after --upload_idle_timeout_s on the admin port too: the same watchdog
+    // as the inference port's (it matches calls by method).
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
+    creators.push_back(server->idle_watchdog().NewInterceptorFactory());
+    builder.experimental().SetInterceptorCreators(std::move(creators));
+  }
   grpc_server_ = builder.BuildAndStart();
   if (grpc_server_ == nullptr || port_ == 0) {
     port_ = -1;

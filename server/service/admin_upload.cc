@@ -23,8 +23,15 @@ constexpr const char* kKnownFiles[] = {"config.json",         "vocab.txt",
                                        "tokenizer_config.json", "special_tokens_map.json",
                                        "model.safetensors",   "pytorch_model.bin"};
 
+// A full disk or quota is RESOURCE_EXHAUSTED (as for a compression job's output), anything else
+// INTERNAL.
 absl::Status Errno(const std::string& what, const std::string& path) {
-  return absl::InternalError(absl::StrCat(what, " ", path, ": ", strerror(errno)));
+  const int err = errno;
+  std::string message = absl::StrCat(what, " ", path, ": ", strerror(err));
+  if (err == ENOSPC || err == EDQUOT || err == EFBIG) {
+    return absl::ResourceExhaustedError(std::move(message));
+  }
+  return absl::InternalError(std::move(message));
 }
 
 }  // namespace

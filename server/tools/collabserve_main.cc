@@ -3,10 +3,12 @@
 // directory.
 #include <signal.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
 #include <string>
+#include <thread>
 
 #include <ATen/Parallel.h>
 #include <glog/logging.h>
@@ -16,14 +18,13 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
-#include <thread>
-
-#include "server/util/process_env.h"
+#include "absl/synchronization/mutex.h"
 #include "server/model/checkpoint_maker.h"
 #include "server/service/admin_server.h"
 #include "server/service/kserve_service.h"
 #include "server/service/server.h"
 #include "server/util/files.h"
+#include "server/util/process_env.h"
 
 ABSL_FLAG(std::string, host, "0.0.0.0", "address to listen on");
 ABSL_FLAG(int, port, 8500, "gRPC port (0 = pick a free one; printed on stdout)");
@@ -36,7 +37,13 @@ ABSL_FLAG(int, num_load_threads, 1, "versions loaded in parallel");
 ABSL_FLAG(std::string, device, "cpu", "cpu, cuda or cuda:N");
 ABSL_FLAG(std::string, dtype, "float32", "float32; float16/bfloat16 on CUDA");
 ABSL_FLAG(int, num_batch_threads, 1, "batch threads per model version (concurrent forward passes)");
-ABSL_FLAG(int, inference_threads, 0, "torch intra-op threads (0 = one per core; Debian's LibTorch would default to 1)");
+ABSL_FLAG(int, inference_threads, 0,
+          "torch intra-op threads of each forward pass (0 = cores / --num_batch_threads, at least 1; "
+          "Debian's LibTorch would default to 1)");
+ABSL_FLAG(bool, release_batch_when_idle, true,
+          "send a batch at once when no forward pass is running (a lone request does not wait "
+          "--max_queue_delay_micros); false = TF Serving's policy, always wait for the delay or a "
+          "full batch");
 ABSL_FLAG(int, max_batch_size, 32, "most inputs in one forward pass (1 = no batching)");
 ABSL_FLAG(int64_t, max_batch_tokens, 16384, "most padded tokens in one forward pass");
 ABSL_FLAG(int64_t, max_queue_delay_micros, 2000, "longest an input waits for its batch to fill");
@@ -82,6 +89,9 @@ absl::StatusOr<std::string> MakeDemoRepository() {
 int Run(int argc, char** argv) {
   absl::SetProgramUsageMessage("collabserve [--port=8500] [--model_repository=DIR] ...");
   absl::ParseCommandLine(argc, argv);
+  // Debian's abseil is built with mutex deadlock detection on: a global lock on every mutex
+  // creation and destruction (several per request). The server's lock order is fixed by design.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   google::InitGoogleLogging(argv[0]);
   FLAGS_logtostderr = true;
 
@@ -92,9 +102,14 @@ int Run(int argc, char** argv) {
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
+  // Every batch thread runs its forward passes with its own team of intra-op threads: by default
+  // the cores are split between them instead of each taking all of them (oversubscription).
   {
     int threads = absl::GetFlag(FLAGS_inference_threads);
-    if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    if (threads <= 0) {
+      const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+      threads = std::max(1, cores / std::max(1, absl::GetFlag(FLAGS_num_batch_threads)));
+    }
     at::set_num_threads(threads);
   }
 
@@ -125,6 +140,7 @@ int Run(int argc, char** argv) {
   b.max_queue_size = absl::GetFlag(FLAGS_max_queue_size);
   b.num_batch_threads = absl::GetFlag(FLAGS_num_batch_threads);
   b.length_aware = absl::GetFlag(FLAGS_length_aware_batching);
+  o.servable.release_batch_when_idle = absl::GetFlag(FLAGS_release_batch_when_idle);
   o.inference.max_inputs_per_request = absl::GetFlag(FLAGS_max_inputs_per_request);
   o.inference.max_text_bytes = absl::GetFlag(FLAGS_max_text_bytes);
   o.inference.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);

@@ -2,7 +2,7 @@
 # COLLABSERVE_WITH_GRPC is ON.
 add_executable(collabserve ${CMAKE_CURRENT_LIST_DIR}/collabserve_main.cc)
 target_link_libraries(collabserve PRIVATE collabserve_service collabserve_model
-  absl::flags absl::flags_parse absl::flags_usage absl::strings glog::glog)
+  absl::flags absl::flags_parse absl::flags_usage absl::strings absl::synchronization glog::glog)
 
 # The serving benchmark's raw-engine ceiling (bench/serving/run_serving_bench.sh). Built here, not
 # in bench/CMakeLists.txt, because bench/serving/ belongs to the server's owner.

@@ -392,6 +392,7 @@ TEST_F(FaultsTest, FullDiskDuringStagingFailsTheJobCleanly) {
   grpc::Status s = Upload(stub.get(), kToken, header, files, &resp);
   ASSERT_FALSE(s.ok());
   RecordProperty("upload_code", s.error_code());
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
   EXPECT_THAT(s.error_message(), HasSubstr(disk_error)) << s.error_message();
   EXPECT_THAT(s.error_message(), HasSubstr("model.safetensors")) << s.error_message();
   EXPECT_FALSE(fs::exists(root_ + "/mini"));

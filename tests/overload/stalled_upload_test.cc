@@ -52,7 +52,8 @@ class StalledUploadTest : public ::testing::Test {
     if (server_) server_->Shutdown();
   }
 
-  void Start(absl::Duration upload_idle_timeout) {
+  // own_admin_port: the Admin service on its own port (--admin_port) instead of the inference one.
+  void Start(absl::Duration upload_idle_timeout, bool own_admin_port = false) {
     ServerOptions o;
     o.host = "127.0.0.1";
     o.port = 0;
@@ -65,6 +66,8 @@ class StalledUploadTest : public ::testing::Test {
     AdminServerOptions ao;
     ao.token = kToken;
     ao.service.max_upload_bytes = 64 << 20;
+    ao.own_port = own_admin_port;
+    ao.host = "127.0.0.1";
     auto admin = AdminServer::Create(ao, &o);
     ASSERT_TRUE(admin.ok()) << admin.status();
     admin_ = std::move(*admin);
@@ -74,7 +77,10 @@ class StalledUploadTest : public ::testing::Test {
     auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", server_->port()),
                                        grpc::InsecureChannelCredentials());
     inference_ = v1::Inference::NewStub(channel);
-    admin_stub_ = v1::Admin::NewStub(channel);
+    admin_stub_ = v1::Admin::NewStub(
+        own_admin_port ? grpc::CreateChannel(absl::StrCat("127.0.0.1:", admin_->port()),
+                                             grpc::InsecureChannelCredentials())
+                       : channel);
   }
 
   std::vector<v1::Job> ListJobs() {
@@ -107,6 +113,49 @@ class StalledUploadTest : public ::testing::Test {
     EXPECT_TRUE(s.ok()) << s.error_message();
   }
 
+  // Starts an upload, sends half of the weights, then nothing: the server must end the call
+  // after the idle limit, end the job and remove its staging directory, and keep serving.
+  void ExpectStalledUploadEnded() {
+    const std::string weights = files_.count("model.safetensors") ? "model.safetensors"
+                                                                  : "pytorch_model.bin";
+    ASSERT_GT(files_[weights].size(), 2u);
+
+    grpc::ClientContext ctx;
+    Authorize(&ctx, kToken);  // a 60 s deadline: the idle limit must end the call well before
+    v1::UploadModelResponse response;
+    auto writer = admin_stub_->UploadModel(&ctx, &response);
+    v1::UploadModelRequest req;
+    *req.mutable_header() = HeaderFor("stalled", files_);
+    ASSERT_TRUE(writer->Write(req));
+    v1::UploadModelRequest chunk;
+    chunk.mutable_chunk()->set_file_name(weights);
+    chunk.mutable_chunk()->set_offset(0);
+    chunk.mutable_chunk()->set_data(files_[weights].substr(0, files_[weights].size() / 2));
+    ASSERT_TRUE(writer->Write(chunk));
+    // The upload is being staged...
+    ASSERT_TRUE(Eventually([&] { return StagingEntries() > 0; }));
+    // ... and then the client sends nothing more (no WritesDone either) and waits for the status.
+    grpc::Status st = writer->Finish();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << st.error_message();
+    EXPECT_THAT(st.error_message(), HasSubstr("--upload_idle_timeout_s"));
+    EXPECT_THAT(st.error_message(), HasSubstr("sent no upload data"));
+    EXPECT_GE(server_->idle_watchdog().calls_ended(), 1);
+
+    // The job ended and its staging directory is gone.
+    ASSERT_TRUE(Eventually([&] {
+      std::vector<v1::Job> jobs = ListJobs();
+      return jobs.size() == 1 &&
+             (jobs[0].state() == v1::Job::FAILED || jobs[0].state() == v1::Job::CANCELLED);
+    }));
+    const v1::Job job = ListJobs()[0];
+    std::printf("stalled upload: client status %d \"%s\"; job %s: %s\n",
+                static_cast<int>(st.error_code()), st.error_message().c_str(),
+                v1::Job::State_Name(job.state()).c_str(), job.error().c_str());
+    EXPECT_TRUE(Eventually([&] { return StagingEntries() == 0; }));
+    EXPECT_FALSE(std::filesystem::exists(repo_.path() + "/stalled"));
+    ExpectServing();
+  }
+
   TempDir repo_, src_;
   std::map<std::string, std::string> files_;
   std::unique_ptr<AdminServer> admin_;
@@ -117,44 +166,12 @@ class StalledUploadTest : public ::testing::Test {
 
 TEST_F(StalledUploadTest, UploadThatStopsSendingIsEndedAndItsStagingRemoved) {
   Start(absl::Seconds(1));
-  const std::string weights = files_.count("model.safetensors") ? "model.safetensors"
-                                                                : "pytorch_model.bin";
-  ASSERT_GT(files_[weights].size(), 2u);
+  ExpectStalledUploadEnded();
+}
 
-  grpc::ClientContext ctx;
-  Authorize(&ctx, kToken);  // a 60 s deadline: the idle limit must end the call well before
-  v1::UploadModelResponse response;
-  auto writer = admin_stub_->UploadModel(&ctx, &response);
-  v1::UploadModelRequest req;
-  *req.mutable_header() = HeaderFor("stalled", files_);
-  ASSERT_TRUE(writer->Write(req));
-  v1::UploadModelRequest chunk;
-  chunk.mutable_chunk()->set_file_name(weights);
-  chunk.mutable_chunk()->set_offset(0);
-  chunk.mutable_chunk()->set_data(files_[weights].substr(0, files_[weights].size() / 2));
-  ASSERT_TRUE(writer->Write(chunk));
-  // The upload is being staged...
-  ASSERT_TRUE(Eventually([&] { return StagingEntries() > 0; }));
-  // ... and then the client sends nothing more (no WritesDone either) and waits for the status.
-  grpc::Status st = writer->Finish();
-  EXPECT_EQ(st.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << st.error_message();
-  EXPECT_THAT(st.error_message(), HasSubstr("--upload_idle_timeout_s"));
-  EXPECT_THAT(st.error_message(), HasSubstr("sent no upload data"));
-  EXPECT_GE(server_->idle_watchdog().calls_ended(), 1);
-
-  // The job ended and its staging directory is gone.
-  ASSERT_TRUE(Eventually([&] {
-    std::vector<v1::Job> jobs = ListJobs();
-    return jobs.size() == 1 &&
-           (jobs[0].state() == v1::Job::FAILED || jobs[0].state() == v1::Job::CANCELLED);
-  }));
-  const v1::Job job = ListJobs()[0];
-  std::printf("stalled upload: client status %d \"%s\"; job %s: %s\n",
-              static_cast<int>(st.error_code()), st.error_message().c_str(),
-              v1::Job::State_Name(job.state()).c_str(), job.error().c_str());
-  EXPECT_TRUE(Eventually([&] { return StagingEntries() == 0; }));
-  EXPECT_FALSE(std::filesystem::exists(repo_.path() + "/stalled"));
-  ExpectServing();
+TEST_F(StalledUploadTest, StalledUploadOnTheOwnAdminPortIsEndedToo) {
+  Start(absl::Seconds(1), /*own_admin_port=*/true);
+  ExpectStalledUploadEnded();
 }
 
 TEST_F(StalledUploadTest, UploadThatKeepsSendingIsNotCut) {
