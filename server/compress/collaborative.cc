@@ -361,7 +361,7 @@ absl::StatusOr<CompressReport> CompressModelDirectory(const std::string& in_dir,
   if (options.on_step) options.on_step("load");
   ASSIGN_OR_RETURN(auto source, model::LoadClassifier(in_dir, config));
   try {
-    source->Prepare(c10::Device(c10::kCPU), c10::kFloat);
+    source->Prepare(c10::Device(c10::kCPU), c10::kFloat, /*pack_weights=*/false);
   } catch (const std::exception& e) {
     return absl::InternalError(absl::StrCat(in_dir, ": preparing the model failed: ", e.what()));
   }
@@ -394,7 +394,7 @@ absl::StatusOr<CompressReport> CompressLoadedModel(const model::BertClassifier& 
   step("convert");
   ASSIGN_OR_RETURN(auto compressed, ConvertToCollaborative(source, o, &report));
   try {
-    compressed->Prepare(c10::Device(c10::kCPU), c10::kFloat);
+    compressed->Prepare(c10::Device(c10::kCPU), c10::kFloat, /*pack_weights=*/false);
   } catch (const std::exception& e) {
     return absl::InternalError(absl::StrCat("preparing the compressed model failed: ", e.what()));
   }

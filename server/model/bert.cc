@@ -217,7 +217,7 @@ BertClassifier::BertClassifier(const BertConfig& c) : config_(c) {
   cls_b_ = cls->Add("bias", {c.num_labels()});
 }
 
-void BertClassifier::Prepare(const c10::Device& device, c10::ScalarType dtype) {
+void BertClassifier::Prepare(const c10::Device& device, c10::ScalarType dtype, bool pack_weights) {
   device_ = device;
   dtype_ = dtype;
   auto mv = [&](at::Tensor& t) {
@@ -248,7 +248,7 @@ void BertClassifier::Prepare(const c10::Device& device, c10::ScalarType dtype) {
       l.fused_b = at::cat({l.query_b * scale, l.key_b, l.value_b}, 0).contiguous();
     }
     l.fused_p = l.attn_out_p = l.inter_p = l.out_p = nullptr;
-    if (UsePacking(device, dtype)) {
+    if (pack_weights && UsePacking(device, dtype)) {
       l.fused_p = std::make_shared<const PackedWeight>(l.fused_w);
       l.attn_out_p = std::make_shared<const PackedWeight>(l.attn_out_w);
       l.inter_p = std::make_shared<const PackedWeight>(l.inter_w);

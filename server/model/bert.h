@@ -64,7 +64,8 @@ class BertClassifier : public ParamNode {
   const BertConfig& config() const { return config_; }
 
   // Moves to `device`/`dtype` and builds the fused weights. Call once after loading, before Forward.
-  void Prepare(const c10::Device& device, c10::ScalarType dtype);
+  // pack_weights: also pack the dense weights for PackedLinear when this CPU and mode use it.
+  void Prepare(const c10::Device& device, c10::ScalarType dtype, bool pack_weights = true);
 
   // input_ids, token_type_ids: int64 [B, S]; attention_mask: int64 [B, S] of 0/1 or an undefined
   // tensor (no padding). Returns float32 logits [B, num_labels] on the CPU. Call under

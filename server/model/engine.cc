@@ -191,7 +191,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Load(const std::string& dir,
   }
   ASSIGN_OR_RETURN(auto model, LoadClassifier(dir, config));
   try {
-    model->Prepare(device, dtype);
+    model->Prepare(device, dtype, options.pack_weights);
   } catch (const std::exception& e) {
     return absl::InternalError(absl::StrCat(dir, ": moving the model to ", options.device, ": ", e.what()));
   }

@@ -497,6 +497,7 @@ absl::Status JobManager::Process(Work& work, repository::ModelRepository* repo) 
     {
       model::EngineOptions eo;
       eo.device = compress ? "cpu" : options_.device;
+      eo.pack_weights = false;  // validated, converted and measured here, never served
       absl::StatusOr<std::unique_ptr<model::Engine>> loaded = model::Engine::Load(work.input_dir, eo);
       if (!loaded.ok()) {
         valid = absl::InvalidArgumentError(
@@ -529,7 +530,9 @@ absl::Status JobManager::Process(Work& work, repository::ModelRepository* repo) 
   if (compress) {
     if (engine == nullptr) {  // COMPRESS: the source version on disk
       memory.Begin("load");
-      ASSIGN_OR_RETURN(engine, model::Engine::Load(work.input_dir, model::EngineOptions()));
+      model::EngineOptions eo;
+      eo.pack_weights = false;  // converted and measured here, never served
+      ASSIGN_OR_RETURN(engine, model::Engine::Load(work.input_dir, eo));
       ::malloc_trim(0);  // as after validation
       if (job.cancel_requested()) return cancelled();
     }

@@ -82,6 +82,32 @@ TEST_F(EngineTest, PredictionsAreDistributions) {
   EXPECT_EQ(p.label, std::max_element(p.logits.begin(), p.logits.end()) - p.logits.begin());
 }
 
+// Whether the dense weights are packed for PackedLinear (where this CPU uses it) is a memory / speed
+// trade only: the logits are the same.
+TEST_F(EngineTest, UnpackedWeightsGiveTheSameLogits) {
+  EngineOptions unpacked;
+  unpacked.pack_weights = false;
+  auto a = Engine::Load(dir_.path());
+  auto b = Engine::Load(dir_.path(), unpacked);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  std::vector<TokenizedInput> inputs;
+  for (const char* text : {"hello world", "a somewhat longer sentence about the weather today"}) {
+    auto e = (*a)->tokenizer().Encode(text, std::nullopt, 0, true);
+    ASSERT_TRUE(e.ok());
+    inputs.push_back({e->input_ids, e->token_type_ids});
+  }
+  auto pa = (*a)->Run(inputs);
+  auto pb = (*b)->Run(inputs);
+  ASSERT_TRUE(pa.ok() && pb.ok());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    ASSERT_EQ((*pa)[i].logits.size(), (*pb)[i].logits.size());
+    for (size_t j = 0; j < (*pa)[i].logits.size(); ++j) {
+      EXPECT_NEAR((*pa)[i].logits[j], (*pb)[i].logits[j], 1e-4) << "input " << i << " logit " << j;
+    }
+  }
+}
+
 TEST_F(EngineTest, RejectsBadInputs) {
   auto engine = Engine::Load(dir_.path());
   ASSERT_TRUE(engine.ok());
