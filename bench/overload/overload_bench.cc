@@ -36,6 +36,7 @@
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "server/model/checkpoint_maker.h"
+#include "server/util/process_memory.h"
 
 ABSL_FLAG(std::string, collabserve, "", "the server binary (default: bin/collabserve next to this)");
 ABSL_FLAG(std::string, preset, "mini", "checkpoint preset: tiny, mini or base");
@@ -93,18 +94,8 @@ class ServerProcess {
   int port() const { return port_; }
   // VmRSS in bytes.
   int64_t Rss() const {
-    std::ifstream in(absl::StrCat("/proc/", pid_, "/status"));
-    std::string line;
-    while (std::getline(in, line)) {
-      if (line.rfind("VmRSS:", 0) != 0) continue;
-      std::string digits;
-      for (char c : line) {
-        if (c >= '0' && c <= '9') digits += c;
-      }
-      int64_t kib = 0;
-      return absl::SimpleAtoi(digits, &kib) ? kib * 1024 : 0;
-    }
-    return 0;
+    absl::StatusOr<collabserve::util::ProcessMemory> m = collabserve::util::ReadProcessMemory(pid_);
+    return m.ok() ? m->rss_bytes : 0;
   }
 
  private:

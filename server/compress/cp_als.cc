@@ -29,6 +29,19 @@ double SecondsSince(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
+// Records sweep `iter`'s relative error ‖T - T̂‖ / ‖T‖ from ‖T‖², <T, T̂> and ‖T̂‖² (never forming
+// T - T̂) and returns whether the stopping rule holds: the error moved by less than `tol`.
+bool RecordSweep(int iter, double norm_sq, double inner, double estimate_sq, double tol,
+                 CpResult* result) {
+  const double norm = std::sqrt(norm_sq);
+  const double residual = std::sqrt(std::max(0.0, norm_sq - 2 * inner + estimate_sq));
+  const double rel = norm > 0 ? residual / norm : residual;
+  result->error_history.push_back(rel);
+  result->iterations = iter;
+  VLOG(2) << "CP-ALS sweep " << iter << ": relative error " << rel;
+  return iter >= 2 && std::abs(rel - result->error_history[iter - 2]) < tol;
+}
+
 std::string ShapeString(const at::Tensor& t) {
   return absl::StrCat("[", absl::StrJoin(t.sizes(), ", "), "]");
 }
@@ -351,7 +364,6 @@ at::Tensor ColumnNorms(const at::Tensor& gram) {
 // <T, T̂> = <MTTKRP_C, C> and ||T̂||² = Σ AᵀA ∗ BᵀB ∗ CᵀC.
 CpResult RunAls(MttkrpSource& source, double norm_sq, const at::Tensor& B0, const at::Tensor& C0,
                 const CpAlsOptions& options, Clock::time_point start) {
-  const double norm = std::sqrt(norm_sq);
   CpResult result;
   at::Tensor gram_b = source.SetQuery(B0);
   at::Tensor gram_c = source.SetKey(C0);
@@ -384,12 +396,7 @@ CpResult RunAls(MttkrpSource& source, double norm_sq, const at::Tensor& B0, cons
         (gram_a.to(at::kDouble) * gram_b.to(at::kDouble) * gram_c.to(at::kDouble))
             .sum()
             .item<double>();
-    const double residual = std::sqrt(std::max(0.0, norm_sq - 2 * inner + estimate_sq));
-    const double rel = norm > 0 ? residual / norm : residual;
-    result.error_history.push_back(rel);
-    result.iterations = iter;
-    VLOG(2) << "CP-ALS sweep " << iter << ": relative error " << rel;
-    if (iter >= 2 && std::abs(rel - result.error_history[iter - 2]) < options.tol) break;
+    if (RecordSweep(iter, norm_sq, inner, estimate_sq, options.tol, &result)) break;
   }
   result.sweep_seconds = SecondsSince(sweeps_start);
   result.relative_error = result.error_history.back();
@@ -421,7 +428,6 @@ CpResult RunAls(MttkrpSource& source, double norm_sq, const at::Tensor& B0, cons
 CpResult RunCoefficientAls(const at::Tensor& P, const at::Tensor& Q, double norm_sq,
                            const at::Tensor& B0, const at::Tensor& C0, const CpAlsOptions& options,
                            Clock::time_point start) {
-  const double norm = std::sqrt(norm_sq);
   const int64_t heads = P.size(0), head_size = P.size(2), rank = B0.size(1);
   const at::Tensor p_flat = StackHeads(P), q_flat = StackHeads(Q);  // [D, n]
   const at::Tensor kernel_p = at::mm(p_flat.t(), p_flat);          // [n, n]
@@ -481,12 +487,7 @@ CpResult RunCoefficientAls(const at::Tensor& P, const at::Tensor& Q, double norm
     gram_c = gram_raw * (scale_c.unsqueeze(1) * scale_c.unsqueeze(0));
     A.mul_(norms);
 
-    const double residual = std::sqrt(std::max(0.0, norm_sq - 2 * inner + estimate_sq));
-    const double rel = norm > 0 ? residual / norm : residual;
-    result.error_history.push_back(rel);
-    result.iterations = iter;
-    VLOG(2) << "CP-ALS sweep " << iter << ": relative error " << rel;
-    if (iter >= 2 && std::abs(rel - result.error_history[iter - 2]) < options.tol) break;
+    if (RecordSweep(iter, norm_sq, inner, estimate_sq, options.tol, &result)) break;
   }
   result.sweep_seconds = SecondsSince(sweeps_start);
   result.relative_error = result.error_history.back();

@@ -42,11 +42,13 @@ absl::StatusOr<ProcessMemory> ParseProcStatus(absl::string_view text) {
   return m;
 }
 
-absl::StatusOr<ProcessMemory> ReadProcessMemory() {
+namespace {
+
+absl::StatusOr<ProcessMemory> ReadStatusFile(const std::string& path) {
   // /proc files report size 0, so read until EOF rather than by size.
-  FILE* f = std::fopen("/proc/self/status", "re");
+  FILE* f = std::fopen(path.c_str(), "re");
   if (f == nullptr) {
-    return absl::UnavailableError(absl::StrCat("cannot read /proc/self/status: ", std::strerror(errno)));
+    return absl::UnavailableError(absl::StrCat("cannot read ", path, ": ", std::strerror(errno)));
   }
   std::string text;
   char buf[4096];
@@ -54,6 +56,14 @@ absl::StatusOr<ProcessMemory> ReadProcessMemory() {
   while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) text.append(buf, n);
   std::fclose(f);
   return ParseProcStatus(text);
+}
+
+}  // namespace
+
+absl::StatusOr<ProcessMemory> ReadProcessMemory() { return ReadStatusFile("/proc/self/status"); }
+
+absl::StatusOr<ProcessMemory> ReadProcessMemory(int pid) {
+  return ReadStatusFile(absl::StrCat("/proc/", pid, "/status"));
 }
 
 MemoryPhases::MemoryPhases(absl::Duration interval) : interval_(interval) {}

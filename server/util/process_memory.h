@@ -31,6 +31,8 @@ absl::StatusOr<ProcessMemory> ParseProcStatus(absl::string_view text);
 
 // ParseProcStatus of /proc/self/status. UNAVAILABLE where /proc cannot be read (not Linux).
 absl::StatusOr<ProcessMemory> ReadProcessMemory();
+// The same for another process (/proc/<pid>/status); UNAVAILABLE if it cannot be read (e.g. gone).
+absl::StatusOr<ProcessMemory> ReadProcessMemory(int pid);
 
 // Figures of one phase. Peaks are sampled (every `interval`): a spike shorter than that can be
 // missed, and hwm_end (exact, but process-wide and monotonic) bounds it from above.

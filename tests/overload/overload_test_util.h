@@ -22,24 +22,15 @@
 #include "grpcpp/support/channel_arguments.h"
 #include "gtest/gtest.h"
 #include "server/service/server.h"
+#include "server/util/process_memory.h"
 #include "tests/service/test_util.h"
 
 namespace collabserve::testing {
 
 // VmRSS of this process in bytes (0 if /proc is unreadable).
 inline int64_t ResidentBytes() {
-  std::ifstream in("/proc/self/status");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("VmRSS:", 0) != 0) continue;
-    std::string digits;
-    for (char c : line) {
-      if (c >= '0' && c <= '9') digits += c;
-    }
-    int64_t kib = 0;
-    return absl::SimpleAtoi(digits, &kib) ? kib * 1024 : 0;
-  }
-  return 0;
+  absl::StatusOr<util::ProcessMemory> m = util::ReadProcessMemory();
+  return m.ok() ? m->rss_bytes : 0;
 }
 
 // The q-quantile (0..1) of `v` in milliseconds; 0 for an empty vector.
