@@ -11,6 +11,21 @@ namespace collabserve::util {
 // is always respected). Call first thing in main().
 void EnsurePassiveOpenMpWaiting(char** argv);
 
+// OpenBLAS (Debian's libopenblas0-pthread, which LibTorch's CPU GEMMs call) keeps ONE process-wide
+// thread pool, separate from ATen's OpenMP threads, and a multi-threaded OpenBLAS call holds a
+// global lock: two threads that each run GEMMs (two batch threads, two CP layers at once) serialise
+// unless OpenBLAS runs single-threaded. Sets its thread count to n (>= 1) through
+// openblas_set_num_threads, found at run time, and returns true; returns false (and does nothing)
+// when the process has no OpenBLAS (another BLAS, a CUDA-only build). Thread-safe; process-wide.
+bool SetBlasThreads(int n);
+
+// The thread count OpenBLAS uses now, or -1 without OpenBLAS.
+int BlasThreads();
+
+// CPUs this process may run on (sched_getaffinity; a container's cpuset counts, a CPU quota does
+// not), at least 1.
+int UsableCpus();
+
 }  // namespace collabserve::util
 
 #endif  // COLLABSERVE_SERVER_UTIL_PROCESS_ENV_H_

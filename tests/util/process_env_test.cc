@@ -1,0 +1,39 @@
+#include "server/util/process_env.h"
+
+#include <dlfcn.h>
+
+#include <thread>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+namespace collabserve::util {
+namespace {
+
+TEST(ProcessEnvTest, UsableCpusIsPositiveAndAtMostTheMachine) {
+  const int n = UsableCpus();
+  EXPECT_GE(n, 1);
+  EXPECT_LE(n, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+}
+
+TEST(ProcessEnvTest, SetBlasThreadsChangesOpenBlasWhenPresent) {
+  // Touch LibTorch so that its BLAS is loaded and initialised.
+  torch::Tensor a = torch::ones({64, 64});
+  EXPECT_NEAR(torch::mm(a, a).sum().item<float>(), 64.0f * 64 * 64, 1.0f);
+  const bool has_openblas = dlsym(RTLD_DEFAULT, "openblas_set_num_threads") != nullptr;
+  ASSERT_EQ(SetBlasThreads(1), has_openblas);
+  if (!has_openblas) {
+    EXPECT_EQ(BlasThreads(), -1);
+    return;  // another BLAS (MKL in the PyTorch wheel): nothing to set, and it said so
+  }
+  EXPECT_EQ(BlasThreads(), 1);
+  ASSERT_TRUE(SetBlasThreads(2));
+  EXPECT_EQ(BlasThreads(), 2);
+  ASSERT_TRUE(SetBlasThreads(0));  // clamped to 1
+  EXPECT_EQ(BlasThreads(), 1);
+  // GEMMs still give the right answer single-threaded.
+  EXPECT_NEAR(torch::mm(a, a).sum().item<float>(), 64.0f * 64 * 64, 1.0f);
+}
+
+}  // namespace
+}  // namespace collabserve::util
