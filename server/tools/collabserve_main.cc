@@ -17,8 +17,10 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "server/batching/thread_plan.h"
 #include "server/model/checkpoint_maker.h"
 #include "server/service/admin_server.h"
 #include "server/service/kserve_service.h"
@@ -36,10 +38,12 @@ ABSL_FLAG(int, versions_to_keep, 1, "newest versions of each model to serve");
 ABSL_FLAG(int, num_load_threads, 1, "versions loaded in parallel");
 ABSL_FLAG(std::string, device, "cpu", "cpu, cuda or cuda:N");
 ABSL_FLAG(std::string, dtype, "float32", "float32; float16/bfloat16 on CUDA");
-ABSL_FLAG(int, num_batch_threads, 1, "batch threads per model version (concurrent forward passes)");
+ABSL_FLAG(int, num_batch_threads, 0,
+          "batch threads per model version (concurrent forward passes); 0 = on CPU one per CPU up to 4 "
+          "(or CPUs / --inference_threads), on CUDA 1");
 ABSL_FLAG(int, inference_threads, 0,
-          "torch intra-op threads of each forward pass (0 = cores / --num_batch_threads, at least 1; "
-          "Debian's LibTorch would default to 1)");
+          "intra-op threads of each forward pass (torch and OpenBLAS); 0 = CPUs / batch threads, at "
+          "least 1");
 ABSL_FLAG(bool, release_batch_when_idle, true,
           "send a batch at once when no forward pass is running (a lone request does not wait "
           "--max_queue_delay_micros); false = TF Serving's policy, always wait for the delay or a "
@@ -70,6 +74,8 @@ ABSL_FLAG(double, drain_timeout_s, 30, "on SIGTERM/SIGINT, how long in-flight ca
 
 namespace {
 
+namespace batching = collabserve::batching;
+namespace util = collabserve::util;
 using collabserve::service::Server;
 using collabserve::service::ServerOptions;
 
@@ -102,16 +108,19 @@ int Run(int argc, char** argv) {
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
-  // Every batch thread runs its forward passes with its own team of intra-op threads: by default
-  // the cores are split between them instead of each taking all of them (oversubscription).
-  {
-    int threads = absl::GetFlag(FLAGS_inference_threads);
-    if (threads <= 0) {
-      const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-      threads = std::max(1, cores / std::max(1, absl::GetFlag(FLAGS_num_batch_threads)));
-    }
-    at::set_num_threads(threads);
-  }
+  // Batch threads x intra-op threads (batching::PlanInferenceThreads says why): on CPU, by default,
+  // one single-threaded forward pass per CPU (up to 4) rather than one pass over all of them.
+  // OpenBLAS's pool is process-wide and serialises concurrent multi-threaded calls, so it gets the
+  // per-pass count too.
+  const std::string device_flag = absl::GetFlag(FLAGS_device);
+  const batching::ThreadPlan threads = batching::PlanInferenceThreads(
+      /*accelerator=*/!absl::StartsWith(device_flag, "cpu"), util::UsableCpus(),
+      absl::GetFlag(FLAGS_num_batch_threads), absl::GetFlag(FLAGS_inference_threads));
+  at::set_num_threads(threads.intra_op_threads);
+  const bool blas_pinned = util::SetBlasThreads(threads.intra_op_threads);
+  LOG(INFO) << "inference threads: " << threads.batch_threads << " batch thread(s) per model version x "
+            << threads.intra_op_threads << " intra-op thread(s) (" << threads.reason << ")"
+            << (blas_pinned ? "; OpenBLAS pinned to the same" : "");
 
   ServerOptions o;
   o.host = absl::GetFlag(FLAGS_host);
@@ -138,7 +147,7 @@ int Run(int argc, char** argv) {
   b.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   b.max_queue_delay_micros = absl::GetFlag(FLAGS_max_queue_delay_micros);
   b.max_queue_size = absl::GetFlag(FLAGS_max_queue_size);
-  b.num_batch_threads = absl::GetFlag(FLAGS_num_batch_threads);
+  b.num_batch_threads = threads.batch_threads;
   b.length_aware = absl::GetFlag(FLAGS_length_aware_batching);
   o.servable.release_batch_when_idle = absl::GetFlag(FLAGS_release_batch_when_idle);
   o.inference.max_inputs_per_request = absl::GetFlag(FLAGS_max_inputs_per_request);

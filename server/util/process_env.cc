@@ -5,7 +5,16 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <fstream>
+#include <sstream>
+#include <string>
 #include <thread>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 
 #include <cstdio>
 #include <cstdlib>
@@ -34,14 +43,52 @@ int BlasThreads() {
   return get == nullptr ? -1 : get();
 }
 
+namespace {
+
+std::string ReadSmallFile(const char* path) {
+  std::ifstream in(path);
+  if (!in) return "";
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+int CeilDiv(int64_t quota, int64_t period) {
+  if (quota <= 0 || period <= 0) return 0;
+  return static_cast<int>((quota + period - 1) / period);
+}
+
+}  // namespace
+
+int CpusFromCgroupCpuMax(absl::string_view text) {
+  std::vector<absl::string_view> parts =
+      absl::StrSplit(absl::StripAsciiWhitespace(text), ' ', absl::SkipEmpty());
+  int64_t quota = 0, period = 0;
+  if (parts.size() != 2 || parts[0] == "max" || !absl::SimpleAtoi(parts[0], &quota) ||
+      !absl::SimpleAtoi(parts[1], &period)) {
+    return 0;
+  }
+  return CeilDiv(quota, period);
+}
+
 int UsableCpus() {
+  int n = 0;
   cpu_set_t set;
   CPU_ZERO(&set);
-  if (::sched_getaffinity(0, sizeof(set), &set) == 0) {
-    const int n = CPU_COUNT(&set);
-    if (n > 0) return n;
+  if (::sched_getaffinity(0, sizeof(set), &set) == 0) n = CPU_COUNT(&set);
+  if (n <= 0) n = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  int limit = CpusFromCgroupCpuMax(ReadSmallFile("/sys/fs/cgroup/cpu.max"));
+  if (limit == 0) {  // cgroup v1
+    int64_t quota = 0, period = 0;
+    const std::string q = ReadSmallFile("/sys/fs/cgroup/cpu/cpu.cfs_quota_us");
+    const std::string p = ReadSmallFile("/sys/fs/cgroup/cpu/cpu.cfs_period_us");
+    if (absl::SimpleAtoi(absl::StripAsciiWhitespace(q), &quota) &&
+        absl::SimpleAtoi(absl::StripAsciiWhitespace(p), &period)) {
+      limit = CeilDiv(quota, period);
+    }
   }
-  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (limit > 0) n = std::min(n, limit);
+  return std::max(1, n);
 }
 
 }  // namespace collabserve::util

@@ -2,6 +2,8 @@
 #ifndef COLLABSERVE_SERVER_UTIL_PROCESS_ENV_H_
 #define COLLABSERVE_SERVER_UTIL_PROCESS_ENV_H_
 
+#include "absl/strings/string_view.h"
+
 namespace collabserve::util {
 
 // libgomp (LibTorch's OpenMP) spins idle worker threads by default; on a shared or small machine
@@ -22,9 +24,14 @@ bool SetBlasThreads(int n);
 // The thread count OpenBLAS uses now, or -1 without OpenBLAS.
 int BlasThreads();
 
-// CPUs this process may run on (sched_getaffinity; a container's cpuset counts, a CPU quota does
-// not), at least 1.
+// CPUs this process may use, at least 1: the CPUs it may run on (sched_getaffinity: a cpuset), capped
+// by a cgroup CPU quota rounded up (a Kubernetes `resources.limits.cpu: 2` on a 64-core node reads
+// 2; cgroup v2 cpu.max, else v1 cpu.cfs_quota_us / cpu.cfs_period_us).
 int UsableCpus();
+
+// The CPU limit a cgroup v2 `cpu.max` text ("QUOTA PERIOD" or "max PERIOD") sets, rounded up;
+// 0 when there is none or the text is not of that form.
+int CpusFromCgroupCpuMax(absl::string_view text);
 
 }  // namespace collabserve::util
 

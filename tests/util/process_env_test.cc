@@ -16,6 +16,17 @@ TEST(ProcessEnvTest, UsableCpusIsPositiveAndAtMostTheMachine) {
   EXPECT_LE(n, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
 }
 
+TEST(ProcessEnvTest, ReadsTheCgroupV2CpuLimit) {
+  EXPECT_EQ(CpusFromCgroupCpuMax("200000 100000\n"), 2);
+  EXPECT_EQ(CpusFromCgroupCpuMax("150000 100000"), 2);  // 1.5 CPUs: round up
+  EXPECT_EQ(CpusFromCgroupCpuMax("50000 100000"), 1);
+  EXPECT_EQ(CpusFromCgroupCpuMax("max 100000"), 0);  // no limit
+  EXPECT_EQ(CpusFromCgroupCpuMax(""), 0);
+  EXPECT_EQ(CpusFromCgroupCpuMax("garbage"), 0);
+  EXPECT_EQ(CpusFromCgroupCpuMax("-1 100000"), 0);
+  EXPECT_EQ(CpusFromCgroupCpuMax("100000 0"), 0);
+}
+
 TEST(ProcessEnvTest, SetBlasThreadsChangesOpenBlasWhenPresent) {
   // Touch LibTorch so that its BLAS is loaded and initialised.
   torch::Tensor a = torch::ones({64, 64});
