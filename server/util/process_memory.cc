@@ -1,5 +1,7 @@
 #include "server/util/process_memory.h"
 
+#include <malloc.h>
+
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -142,6 +144,12 @@ std::string MemoryPhases::Format(const std::vector<MemoryPhase>& phases) {
                           mib(p.rss_peak_bytes), mib(p.rss_file_peak_bytes), mib(p.hwm_end_bytes));
   }
   return out;
+}
+
+void ReleaseFreedMemory() {
+#if defined(__GLIBC__)
+  ::malloc_trim(0);
+#endif
 }
 
 }  // namespace collabserve::util

@@ -34,6 +34,13 @@ absl::StatusOr<ProcessMemory> ReadProcessMemory();
 // The same for another process (/proc/<pid>/status); UNAVAILABLE if it cannot be read (e.g. gone).
 absl::StatusOr<ProcessMemory> ReadProcessMemory(int pid);
 
+// Gives the allocator's freed-but-kept memory back to the system (glibc: malloc_trim(0), which also
+// drops whole free pages inside every arena, not only the top of the heap). Call after freeing
+// something big (a model version, a job's models): glibc otherwise keeps those pages for reuse, and
+// with a version swap a minute a server's RSS creeps. No-op on another C library. Costs a walk
+// over the arenas (milliseconds); not for hot paths.
+void ReleaseFreedMemory();
+
 // Figures of one phase. Peaks are sampled (every `interval`): a spike shorter than that can be
 // missed, and hwm_end (exact, but process-wide and monotonic) bounds it from above.
 struct MemoryPhase {

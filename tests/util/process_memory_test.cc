@@ -1,6 +1,8 @@
 #include "server/util/process_memory.h"
 
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -64,6 +66,32 @@ TEST(MemoryPhases, AttributesAnAllocationToItsPhase) {
   EXPECT_TRUE(phases.Finish().size() == 3u);  // idempotent
   EXPECT_NE(MemoryPhases::Format(out).find("big: "), std::string::npos);
 }
+
+#if defined(__GLIBC__)
+TEST(ReleaseFreedMemoryTest, GivesFreedHeapPagesBack) {
+  // 96 MiB in 32 KiB blocks (below glibc's mmap threshold: they come from the heap), then every
+  // block but the last is freed: the last one pins the top of the heap, so glibc keeps the freed
+  // pages resident until ReleaseFreedMemory trims inside the arena.
+  constexpr size_t kBlock = 32 << 10, kCount = 3072;
+  std::vector<char*> blocks;
+  blocks.reserve(kCount);
+  for (size_t i = 0; i < kCount; ++i) {
+    char* b = static_cast<char*>(std::malloc(kBlock));
+    ASSERT_NE(b, nullptr);
+    std::memset(b, 1, kBlock);
+    blocks.push_back(b);
+  }
+  for (size_t i = 0; i + 1 < kCount; ++i) std::free(blocks[i]);
+  auto before = ReadProcessMemory();
+  ASSERT_TRUE(before.ok()) << before.status();
+  ReleaseFreedMemory();
+  auto after = ReadProcessMemory();
+  ASSERT_TRUE(after.ok()) << after.status();
+  std::free(blocks.back());
+  EXPECT_GE(before->rss_bytes - after->rss_bytes, static_cast<int64_t>(kBlock * kCount) / 2)
+      << "RSS " << before->rss_bytes << " -> " << after->rss_bytes;
+}
+#endif
 
 }  // namespace
 }  // namespace collabserve::util
