@@ -6,13 +6,15 @@
 # Environment:
 #   PRESET (tiny|mini|base; mini)  TOKENS (32 per input)  DURATION_S (5 per point)
 #   CONCURRENCY ("1 4 16 32 64 128")  REPEATS (3: every point is run that often, medians shown)
-#   THREADS (2: the cores inference may use)  BATCH_THREADS (1: batch threads; each gets
-#   THREADS / BATCH_THREADS intra-op threads)  DELAY_US (max_queue_delay_micros, 2000)
+#   THREADS (2: the cores inference may use)  BATCH_THREADS (empty: the server's own plan, one
+#   single-threaded batch thread per core on CPU; N: N batch threads, each with THREADS / N
+#   intra-op threads)  DELAY_US (max_queue_delay_micros, 2000)
 #   MAX_BATCH (32)  MODES ("batching no-batching")  SERVER_FLAGS (extra collabserve flags)
 #   BENCH_API (callback|threads: collabctl bench's workers)  OUT (also write the table there, as
 #   Markdown)  RECORDS (keep every run's raw figures there, TSV)
-# The raw ceiling is the best of one stream with THREADS intra-op threads and BATCH_THREADS
-# concurrent streams with THREADS / BATCH_THREADS each, at batch sizes up to MAX_BATCH.
+# The raw ceiling does not depend on the server's settings: it is the best of one stream with THREADS
+# intra-op threads and THREADS concurrent single-threaded streams (and BATCH_THREADS streams with
+# THREADS / BATCH_THREADS each when that is another split), at batch sizes up to MAX_BATCH.
 # The load generator runs on the same machine and takes CPU from the server: its CPU share
 # (client CPU / (client + server CPU) during each point) is part of the table.
 set -euo pipefail
@@ -24,19 +26,26 @@ DURATION_S=${DURATION_S:-5}
 CONCURRENCY=${CONCURRENCY:-"1 4 16 32 64 128"}
 REPEATS=${REPEATS:-3}
 THREADS=${THREADS:-2}
-BATCH_THREADS=${BATCH_THREADS:-1}
+BATCH_THREADS=${BATCH_THREADS:-}
 DELAY_US=${DELAY_US:-2000}
 MAX_BATCH=${MAX_BATCH:-32}
 SERVER_FLAGS=${SERVER_FLAGS:-}
 MODES=${MODES:-"batching no-batching"}
 BENCH_API=${BENCH_API:-callback}
 OUT=${OUT:-}
-INTRA=$((THREADS / BATCH_THREADS))
-((INTRA >= 1)) || { echo "run_serving_bench: BATCH_THREADS ($BATCH_THREADS) > THREADS ($THREADS)" >&2; exit 2; }
-# Idle OpenMP workers sleep instead of spinning; OpenBLAS (Debian's pthread build) gets the same
-# per-stream count as ATen: its threads are process-wide and a multi-threaded GEMM holds a global
-# lock, so with several batch threads each must run its GEMMs in its own thread.
-export OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=$INTRA OPENBLAS_NUM_THREADS=$INTRA
+if [[ -n $BATCH_THREADS ]]; then
+  INTRA=$((THREADS / BATCH_THREADS))
+  ((INTRA >= 1)) || { echo "run_serving_bench: BATCH_THREADS ($BATCH_THREADS) > THREADS ($THREADS)" >&2; exit 2; }
+  THREAD_FLAGS="--num_batch_threads=$BATCH_THREADS --inference_threads=$INTRA"
+  PLAN="$BATCH_THREADS batch thread(s) x $INTRA intra-op thread(s)"
+else
+  # The server's own plan (it pins ATen's and OpenBLAS's threads itself and logs the plan).
+  THREAD_FLAGS=""
+  PLAN="the server's default thread plan"
+fi
+# Idle OpenMP workers sleep instead of spinning. The raw runs set ATen's and OpenBLAS's thread
+# counts per stream (OpenBLAS's pool is process-wide and a multi-threaded GEMM holds a global lock).
+export OMP_WAIT_POLICY=PASSIVE
 
 for b in collabserve collabctl collabserve-model serving_engine_peak; do
   [[ -x "$BUILD_DIR/bin/$b" ]] || { echo "run_serving_bench: $BUILD_DIR/bin/$b missing; build it" >&2; exit 1; }
@@ -67,10 +76,10 @@ raw() {  # $1 streams, $2 threads per stream; appends "raw" records
 }
 
 start_server() {  # $@: extra flags
-  # shellcheck disable=SC2086  # SERVER_FLAGS is a list of flags
+  # shellcheck disable=SC2086  # THREAD_FLAGS and SERVER_FLAGS are lists of flags
   "$BUILD_DIR/bin/collabserve" --host=127.0.0.1 --port=0 --metrics_port=0 \
-    --model_repository="$work/repo" --poll_interval_s=0 --inference_threads="$INTRA" \
-    --num_batch_threads="$BATCH_THREADS" --max_queue_delay_micros="$DELAY_US" \
+    --model_repository="$work/repo" --poll_interval_s=0 $THREAD_FLAGS \
+    --max_queue_delay_micros="$DELAY_US" \
     --max_queue_size=4096 $SERVER_FLAGS "$@" >"$work/server.out" 2>"$work/server.err" &
   server_pid=$!
   for _ in $(seq 1 600); do
@@ -100,7 +109,11 @@ for rep in $(seq 1 "$REPEATS"); do
   echo "== repeat $rep/$REPEATS (load average: $(cut -d' ' -f1-3 /proc/loadavg)) =="
   echo "  raw engine, 1 stream x $THREADS threads:"
   raw 1 "$THREADS"
-  if ((BATCH_THREADS > 1)); then
+  if ((THREADS > 1)); then
+    echo "  raw engine, $THREADS streams x 1 thread:"
+    raw "$THREADS" 1
+  fi
+  if [[ -n $BATCH_THREADS ]] && ((BATCH_THREADS > 1 && BATCH_THREADS != THREADS)); then
     echo "  raw engine, $BATCH_THREADS streams x $INTRA threads:"
     raw "$BATCH_THREADS" "$INTRA"
   fi
@@ -132,5 +145,5 @@ done
 
 echo
 /usr/bin/python3 "$HERE/summarize.py" --records="$records" --delay_us="$DELAY_US" \
-  --title="preset $PRESET, $TOKENS tokens/input, max_batch_size $MAX_BATCH, max_queue_delay ${DELAY_US} us, $BATCH_THREADS batch thread(s) x $INTRA intra-op thread(s), collabctl bench --bench_api=$BENCH_API, $DURATION_S s per point, median of $REPEATS" \
+  --title="preset $PRESET, $TOKENS tokens/input, max_batch_size $MAX_BATCH, max_queue_delay ${DELAY_US} us, $PLAN ($(grep -o 'inference threads: [^(]*' "$work/server.err" | tail -1)), collabctl bench --bench_api=$BENCH_API, $DURATION_S s per point, median of $REPEATS" \
   ${OUT:+--out="$OUT"}
