@@ -69,8 +69,11 @@ raw() {  # $1 streams, $2 threads per stream; appends "raw" records
   OMP_NUM_THREADS=$2 OPENBLAS_NUM_THREADS=$2 "$BUILD_DIR/bin/serving_engine_peak" \
     --model="$work/repo/bench/1" --tokens="$TOKENS" --threads="$2" --streams="$1" \
     --seconds=$((DURATION_S * 2)) --batches="$batches" >"$work/peak.txt"
-  awk -v rep="$rep" -v st="$1" -v th="$2" '/^best/ {split($3,a,"="); split($4,b,"=");
-    split($6,c,"="); printf "raw\t%s\t%dx%d\tinputs_per_s=%s batch_ms=%s cpu_us=%s\n", rep, st, th, a[2], b[2], c[2]}' \
+  # The best batch size, and the time of one MAX_BATCH batch (what the server's full batches cost).
+  awk -v rep="$rep" -v st="$1" -v th="$2" -v mb="$MAX_BATCH" '
+    $1 == st && $2 == mb {maxb = $3}
+    /^best/ {split($3,a,"="); split($4,b,"="); split($6,c,"=");
+      printf "raw\t%s\t%dx%d\tinputs_per_s=%s batch_ms=%s cpu_us=%s maxb_ms=%s\n", rep, st, th, a[2], b[2], c[2], maxb}' \
     "$work/peak.txt" >>"$records"
   sed 's/^/    /' "$work/peak.txt"
 }
@@ -144,6 +147,11 @@ for rep in $(seq 1 "$REPEATS"); do
 done
 
 echo
+# The server's batch threads x intra-op threads, as it logged them: the raw configuration whose
+# full batch is "one batch's compute" in the p99 bound.
+server_config=$(sed -n 's/.*inference threads: \([0-9]*\) batch thread(s) per model version x \([0-9]*\) intra-op.*/\1x\2/p' \
+  "$work/server.err" | tail -1)
 /usr/bin/python3 "$HERE/summarize.py" --records="$records" --delay_us="$DELAY_US" \
+  --server_config="$server_config" --max_batch="$MAX_BATCH" \
   --title="preset $PRESET, $TOKENS tokens/input, max_batch_size $MAX_BATCH, max_queue_delay ${DELAY_US} us, $PLAN ($(grep -o 'inference threads: [^(]*' "$work/server.err" | tail -1)), collabctl bench --bench_api=$BENCH_API, $DURATION_S s per point, median of $REPEATS" \
   ${OUT:+--out="$OUT"}

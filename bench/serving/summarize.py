@@ -39,6 +39,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--records", required=True)
     ap.add_argument("--delay_us", type=float, required=True)
+    ap.add_argument("--server_config", default="",
+                    help="the server's batch threads x intra-op threads, e.g. 2x1")
+    ap.add_argument("--max_batch", type=int, default=0)
     ap.add_argument("--title", default="")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
@@ -66,12 +69,22 @@ def main():
     raw_cpu = {rep: min(v.get("cpu_us", float("inf")) for v in configs_.values())
                for rep, configs_ in raw.items()}
     raw_best = median([v[1] for v in ceiling.values()])
-    batch_ms = median([v[2] for v in ceiling.values()])
+    # "One batch's compute": a full batch (max_batch_size) as the server runs it, i.e. in the raw
+    # configuration that matches the server's thread plan; the best raw batch when unknown.
+    server_maxb = [raw[r][a.server_config].get("maxb_ms", float("nan")) for r in raw
+                   if a.server_config in raw[r]]
+    server_maxb = [x for x in server_maxb if x == x]
+    if server_maxb:
+        batch_ms = median(server_maxb)
+        batch_what = f"one full batch of {a.max_batch} in the server's {a.server_config} configuration"
+    else:
+        batch_ms = median([v[2] for v in ceiling.values()])
+        batch_what = "one batch at the best raw batch size"
     bound = 2 * (a.delay_us / 1000 + batch_ms)
     lines.append("")
     lines.append(f"Ceiling: {raw_best:.0f} inputs/s (median of each repeat's best); "
                  f"p99 bound = 2 x ({a.delay_us / 1000:g} ms queue delay + {batch_ms:.1f} ms "
-                 f"one batch) = {bound:.1f} ms.")
+                 f"{batch_what}) = {bound:.1f} ms.")
     lines.append("")
     lines.append("| mode | conc | inputs/s | vs raw | p50 ms | p99 ms | p99 / bound | mean batch "
                  "| mean queue ms | model busy | client CPU share | client us/req | server us/input "
@@ -98,6 +111,24 @@ def main():
             f"{median([p.get('queue_mean_ms', float('nan')) for p in ps]):.2f} | {busy:.2f} | {share:.2f} | "
             f"{client_us:.0f} | {server_us:.0f} | {cpu_ratio:.2f} | "
             f"{int(sum(p['errors'] for p in ps))} |")
+    # The goals (issue 4): at saturation >= 0.9 of the raw ceiling; p99 under the bound.
+    rows = []
+    for (mode, conc), ps in points.items():
+        if mode != "batching":
+            continue
+        ratio = median([p["inputs_per_s"] / ceiling[p["rep"]][1] for p in ps if p["rep"] in ceiling])
+        rows.append((conc, median([p["inputs_per_s"] for p in ps]), ratio,
+                     median([p["p99_ms"] for p in ps])))
+    if rows:
+        rows.sort()
+        sat = max(rows, key=lambda r: r[1])
+        lines.append("")
+        lines.append(f"Goals, batching: saturation (the most inputs/s) at concurrency {sat[0]}: "
+                     f"{sat[2]:.2f} of raw (goal >= 0.90), p99 {sat[3]:.1f} ms = {sat[3] / bound:.2f} "
+                     f"of the bound. Both goals at one concurrency: " +
+                     (", ".join(str(r[0]) for r in rows if r[2] >= 0.9 and r[3] <= bound) or "none") +
+                     "; within the p99 bound up to concurrency " +
+                     (str(max((r[0] for r in rows if r[3] <= bound), default=0)) or "none") + ".")
     loads = [p["load"] for ps in points.values() for p in ps if "load" in p]
     if loads:
         lines.append("")
