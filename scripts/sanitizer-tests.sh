@@ -50,7 +50,9 @@ for mode in "${modes[@]}"; do
     tsan)
       dir=${TSAN_BUILD_DIR:-build-tsan}
       configure "$dir" thread
-      # Only what the TSan set needs: its test executables (and what they depend on).
+      # Only what the TSan set needs: its test executables (and what they depend on). Regenerate
+      # first (a no-op when nothing changed), so that the test list includes tests added since.
+      cmake --build "$dir" --target build.ninja
       targets=$(cd "$dir" && ctest -N -L "$tsan_labels" | sed -n 's/^ *Test *#[0-9]*: //p')
       [ -n "$targets" ] || { echo "sanitizer-tests: no tests labelled $tsan_labels" >&2; exit 1; }
       # shellcheck disable=SC2086

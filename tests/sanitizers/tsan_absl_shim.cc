@@ -10,6 +10,8 @@
 // looked up on first use, so an executable that never locks an absl::Mutex does not need abseil.
 #include <dlfcn.h>
 
+#include <atomic>
+#include <cstddef>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -48,6 +50,18 @@ F Real(const char* prefix, const char* rest) {
 }
 
 void* Addr(const void* p) { return const_cast<void*>(p); }
+
+// absl::Notification is { Mutex mutex_; std::atomic<bool> notified_yet_; } (notification.h, both
+// private); the mirror gives the flag's offset, and the static_assert catches another layout.
+struct NotificationLayout {
+  absl::Mutex mutex;
+  std::atomic<bool> notified_yet;
+};
+static_assert(sizeof(NotificationLayout) == sizeof(absl::Notification),
+              "absl::Notification's layout changed: update NotificationLayout");
+void* NotifiedYet(const absl::Notification* n) {
+  return static_cast<char*>(Addr(n)) + offsetof(NotificationLayout, notified_yet);
+}
 
 // Inside abseil, a thread that releases or waits for a lock evaluates the waiters' Conditions on
 // their behalf, at points TSan cannot see: the accesses made inside the real calls are not
@@ -146,6 +160,9 @@ bool CondVar::WaitWithDeadline(Mutex* mu, Time deadline) {
 void Notification::Notify() {
   static auto real = Real<void (*)(Notification*)>("_ZN", "12Notification6NotifyEv");
   __tsan_release(this);
+  // HasBeenNotified() is inline (instrumented in the caller): an acquire load of notified_yet_,
+  // which TSan pairs with a release on that address, not on `this`.
+  __tsan_release(NotifiedYet(this));
   real(this);
 }
 void Notification::WaitForNotification() const {
