@@ -12,6 +12,9 @@ ABSL_FLAG(std::string, admin_token_file, "",
 ABSL_FLAG(int64_t, max_upload_bytes, int64_t{2} << 30, "largest checkpoint upload, in bytes");
 ABSL_FLAG(int, max_concurrent_jobs, 1,
           "admin jobs (validation, compression) running at once; keep it below the inference threads");
+ABSL_FLAG(bool, admin_job_idle_priority, true,
+          "run admin jobs at Linux SCHED_IDLE priority (any inference thread preempts them, so a job "
+          "may use every core); false = nice 10");
 ABSL_FLAG(int, max_queued_jobs, 4,
           "admin jobs receiving or waiting for a worker; one more is RESOURCE_EXHAUSTED");
 
@@ -28,6 +31,7 @@ absl::StatusOr<std::unique_ptr<AdminServer>> CreateAdminFromFlags(ServerOptions*
   o.service.jobs.max_concurrent_jobs = absl::GetFlag(FLAGS_max_concurrent_jobs);
   o.service.jobs.max_queued_jobs = absl::GetFlag(FLAGS_max_queued_jobs);
   o.service.jobs.intra_op_threads = 1;
+  o.service.jobs.idle_priority = absl::GetFlag(FLAGS_admin_job_idle_priority);
   o.service.jobs.device = server_options->servable.engine.device;
   const int port = absl::GetFlag(FLAGS_admin_port);
   if (port < 0) return absl::InvalidArgumentError(absl::StrCat("--admin_port=", port, " is negative"));

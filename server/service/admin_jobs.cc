@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 #include <glog/logging.h>
 #include <omp.h>
+#include <sched.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -13,6 +14,7 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -46,6 +48,26 @@ void RemoveTree(const std::string& path) {
 void LimitIntraOpThreads(int n) {
   at::internal::lazy_init_num_threads();
   omp_set_num_threads(n);
+}
+
+// Lowers the calling worker thread's CPU priority (JobManagerOptions::idle_priority, nice). On
+// Linux both are per thread: only the worker and the threads it starts later are lowered, never
+// the inference threads.
+void LowerWorkerPriority(const JobManagerOptions& o) {
+  const pid_t tid = static_cast<pid_t>(::syscall(SYS_gettid));
+#ifdef SCHED_IDLE
+  if (o.idle_priority) {
+    sched_param param{};
+    param.sched_priority = 0;
+    if (::sched_setscheduler(tid, SCHED_IDLE, &param) == 0) return;
+    LOG(WARNING) << "admin job worker: cannot switch to SCHED_IDLE (" << strerror(errno)
+                 << "); using nice " << o.nice;
+  }
+#endif
+  if (o.nice > 0 &&
+      ::setpriority(PRIO_PROCESS, static_cast<id_t>(tid), std::min(o.nice, 19)) != 0) {
+    LOG(WARNING) << "admin job worker: cannot set nice " << o.nice << ": " << strerror(errno);
+  }
 }
 
 compress::RankSpec ToRankSpec(const v1::CompressionSpec& spec) {
@@ -180,6 +202,7 @@ void Job::Unsubscribe(int handle) {
 
 JobManager::JobManager(JobManagerOptions options, RepositoryFn repository, AdminMetrics* metrics)
     : options_(std::move(options)), repository_(std::move(repository)), metrics_(metrics) {
+  publisher_ = std::thread([this] { PublisherLoop(); });
   const int n = std::max(1, options_.max_concurrent_jobs);
   for (int i = 0; i < n; ++i) workers_.emplace_back([this] { WorkerLoop(); });
 }
@@ -199,6 +222,11 @@ void JobManager::Shutdown() {
   for (auto& job : all) job->cancel_.store(true);
   for (auto& t : workers_) t.join();
   workers_.clear();
+  {  // after the workers: a worker may be waiting for a publish
+    absl::MutexLock l(&publish_mu_);
+    publisher_stopping_ = true;
+  }
+  if (publisher_.joinable()) publisher_.join();
   for (Work& w : left) {
     const absl::Status s = absl::UnavailableError("the server is shutting down");
     Finish(w.job, s);
@@ -396,14 +424,7 @@ absl::StatusOr<v1::Job> JobManager::Cancel(const std::string& id) {
 
 void JobManager::WorkerLoop() {
   LimitIntraOpThreads(std::max(1, options_.intra_op_threads));
-  if (options_.nice > 0) {
-    // On Linux the nice value is per thread: this lowers the worker only (and the intra-op
-    // threads it starts later), never the inference threads.
-    const pid_t tid = static_cast<pid_t>(::syscall(SYS_gettid));
-    if (::setpriority(PRIO_PROCESS, static_cast<id_t>(tid), std::min(options_.nice, 19)) != 0) {
-      LOG(WARNING) << "admin job worker: cannot set nice " << options_.nice << ": " << strerror(errno);
-    }
-  }
+  LowerWorkerPriority(options_);
   for (;;) {
     Work w;
     {
@@ -420,6 +441,46 @@ void JobManager::WorkerLoop() {
     }
     Run(std::move(w));
   }
+}
+
+void JobManager::PublisherLoop() {
+  for (;;) {
+    std::function<void()> fn;
+    {
+      absl::MutexLock l(&publish_mu_);
+      publish_mu_.Await(absl::Condition(
+          +[](JobManager* m) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+            return m->publisher_stopping_ || !m->publish_queue_.empty();
+          },
+          this));
+      if (publish_queue_.empty()) return;  // stopping, nothing left
+      fn = std::move(publish_queue_.front());
+      publish_queue_.pop_front();
+    }
+    fn();
+  }
+}
+
+void JobManager::RunAtServerPriority(const std::function<void()>& fn) {
+  absl::Notification done;
+  bool queued = false;
+  {
+    absl::MutexLock l(&publish_mu_);
+    // Shutdown() stops the publisher only after joining the workers (our callers), so it is
+    // running; the inline call is a safeguard.
+    if (!publisher_stopping_) {
+      publish_queue_.push_back([&] {
+        fn();
+        done.Notify();
+      });
+      queued = true;
+    }
+  }
+  if (!queued) {
+    fn();
+    return;
+  }
+  done.WaitForNotification();
 }
 
 void JobManager::Run(Work work) {
@@ -543,7 +604,9 @@ absl::Status JobManager::Process(Work& work, repository::ModelRepository* repo) 
     if (spec.compression().tol() > 0) o.tol = spec.compression().tol();
     o.seed = spec.compression().seed();
     o.device = options_.device;
-    o.parallel_layers = 1;
+    // Automatic: one layer per CPU, since this worker runs ATen single-threaded. The workers are
+    // this thread's children, so they run at its idle priority and classification preempts them.
+    o.parallel_layers = 0;
     {
       absl::MutexLock l(&mu_);
       auto it = probes_.find(job.id());
@@ -619,7 +682,8 @@ absl::Status JobManager::Process(Work& work, repository::ModelRepository* repo) 
     job.committing_ = true;
   }
   memory.Begin("publish+load");
-  const absl::Status published = repo->Publish(publish_dir, id, spec.activate());
+  absl::Status published;
+  RunAtServerPriority([&] { published = repo->Publish(publish_dir, id, spec.activate()); });
   if (!IsDir(util::JoinPath(util::JoinPath(repo->root(), id.model), absl::StrCat(id.version)))) {
     return published.ok() ? absl::InternalError("publish reported success but the version is missing")
                           : published;

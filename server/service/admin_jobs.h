@@ -80,9 +80,14 @@ struct JobManagerOptions {
   // Torch intra-op threads each worker uses (compression), so that a job takes at most this many
   // cores from classification.
   int intra_op_threads = 1;
-  // Nice value (CPU priority, 0..19) of the worker threads: above the inference threads' 0 so that
-  // when both want a core, classification gets it (a job then takes longer, but the p99 of
-  // requests served meanwhile stays near idle). 0 keeps the server's priority.
+  // CPU priority of the worker threads and of every thread they start (CP-ALS's layer workers,
+  // their OpenMP teams inherit it). idle_priority (the default): Linux SCHED_IDLE, so a job runs on
+  // the cores classification leaves free and any inference thread that wakes up preempts it at
+  // once; a job can then use every core (CompressOptions::parallel_layers) without costing
+  // classification its latency. Where SCHED_IDLE is refused (not Linux, a seccomp policy), or with
+  // idle_priority false: nice value `nice` (0..19; 0 keeps the server's priority), which only
+  // weighs the share (a nice-10 thread still gets ~1/10 of a core an inference thread wants).
+  bool idle_priority = true;
   int nice = 10;
   // CP-ALS device.
   std::string device = "cpu";
@@ -166,6 +171,11 @@ class JobManager {
   };
 
   void WorkerLoop();
+  // Runs `fn` on publisher_, a thread at the server's own priority, and waits for it. The workers
+  // run at idle priority (or nice), which every thread they start inherits: the repository load of
+  // a published version starts the version's batch threads, which must not.
+  void RunAtServerPriority(const std::function<void()>& fn);
+  void PublisherLoop();
   void Run(Work work);
   // The pipeline after validation; returns how the job ended (OK: published).
   absl::Status Process(Work& work, repository::ModelRepository* repo);
@@ -188,6 +198,10 @@ class JobManager {
   std::deque<Work> queue_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::vector<std::string>> probes_ ABSL_GUARDED_BY(mu_);  // job -> probes
   std::vector<std::thread> workers_;
+  absl::Mutex publish_mu_;
+  bool publisher_stopping_ ABSL_GUARDED_BY(publish_mu_) = false;
+  std::deque<std::function<void()>> publish_queue_ ABSL_GUARDED_BY(publish_mu_);
+  std::thread publisher_;  // started before the workers, stopped after them
   absl::Mutex shutdown_mu_ ABSL_ACQUIRED_BEFORE(mu_);  // serializes Shutdown()
 };
 

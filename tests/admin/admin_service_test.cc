@@ -2,7 +2,11 @@
 // port (or its own), tiny checkpoints uploaded through the generated stubs.
 #include "server/service/admin_service.h"
 
+#include <sched.h>
+#include <sys/resource.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <atomic>
 #include <filesystem>
 #include <memory>
@@ -648,6 +652,58 @@ TEST_F(AdminServiceTest, CompressLoadUnloadDeleteOnOwnPort) {
     v1::GetJobResponse gr;
     EXPECT_EQ(admin_stub_->GetJob(&c3, g, &gr).error_code(), grpc::StatusCode::NOT_FOUND);
   }
+}
+
+// Threads of this process by Linux scheduling policy and nice value: (policy, nice) per thread.
+std::vector<std::pair<int, int>> ThreadPriorities() {
+  std::vector<std::pair<int, int>> out;
+  for (const auto& e : std::filesystem::directory_iterator("/proc/self/task")) {
+    const pid_t tid = static_cast<pid_t>(std::stoi(e.path().filename().string()));
+    const int policy = ::sched_getscheduler(tid);
+    errno = 0;
+    const int nice = ::getpriority(PRIO_PROCESS, static_cast<id_t>(tid));
+    if (policy >= 0 && errno == 0) out.emplace_back(policy, nice);
+  }
+  return out;
+}
+
+int CountThreads(int policy, int nice) {
+  const auto all = ThreadPriorities();
+  return static_cast<int>(std::count(all.begin(), all.end(), std::make_pair(policy, nice)));
+}
+
+TEST_F(AdminServiceTest, JobWorkersRunAtIdlePriorityAndInferenceDoesNot) {
+  ASSERT_EQ(CountThreads(SCHED_IDLE, 0), 0);
+  AdminServerOptions ao;
+  ao.service.jobs.max_concurrent_jobs = 2;
+  Start(ao);
+  // Both job workers switch to SCHED_IDLE when they start; nothing else does.
+  EXPECT_TRUE(Eventually([] { return CountThreads(SCHED_IDLE, 0) == 2; }))
+      << CountThreads(SCHED_IDLE, 0);
+  EXPECT_EQ(::sched_getscheduler(0), SCHED_OTHER);
+  // A job on those workers (validate, compress with CP-ALS, fidelity, publish, load) ends as usual
+  // and classification still answers at normal priority.
+  v1::UploadHeader h = Header("idle");
+  h.mutable_compression()->set_rank(4);
+  h.set_activate(true);
+  v1::UploadModelResponse r;
+  ASSERT_TRUE(Upload(h, &r).ok());
+  v1::Job j = WaitJob(r.job_id());
+  EXPECT_EQ(j.state(), v1::Job::SUCCEEDED) << j.error();
+  v1::ClassifyResponse cr;
+  grpc::Status s = Classify("idle", std::nullopt, &cr);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(CountThreads(SCHED_IDLE, 0), 2);
+}
+
+TEST_F(AdminServiceTest, JobWorkersUseNiceWithoutIdlePriority) {
+  const int nice10_before = CountThreads(SCHED_OTHER, 10);
+  AdminServerOptions ao;
+  ao.service.jobs.idle_priority = false;
+  ao.service.jobs.nice = 10;
+  Start(ao);
+  EXPECT_TRUE(Eventually([&] { return CountThreads(SCHED_OTHER, 10) == nice10_before + 1; }));
+  EXPECT_EQ(CountThreads(SCHED_IDLE, 0), 0);
 }
 
 }  // namespace
