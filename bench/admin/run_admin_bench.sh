@@ -13,7 +13,9 @@
 # Goals (issue 5): end to end < 60 s; peak RSS < 3x checkpoint; p99 during/idle <= 2x.
 # Prints one table at the end, then the server's memory by job step for upload 1. Everything is
 # bounded by timeouts; the server is killed on exit. MEMORY_ONLY=1 skips the latency benches and
-# upload 2 (part 1 only).
+# upload 2 (part 1 only). SERVER_LOG=FILE keeps the server's log (stderr) there for a closer look
+# (the job's steps, "loaded <id> ... in X s"). SERVER_ARGS="--flag=value ..." are added to the
+# server's command line (e.g. --noadmin_job_idle_priority for the nice-10 job workers).
 set -euo pipefail
 
 if [[ $# -ne 1 || ! -d "$1" ]]; then
@@ -48,6 +50,7 @@ cleanup() {
     for _ in $(seq 100); do kill -0 "${pids[@]}" 2>/dev/null || break; sleep 0.1; done
     kill -9 "${pids[@]}" 2>/dev/null || true
   fi
+  [[ -n ${SERVER_LOG:-} && -f $WORK/server.err ]] && cp "$WORK/server.err" "$SERVER_LOG"
   if [[ $rc -ne 0 ]]; then
     echo "FAILED (rc=$rc); server stderr tail:" >&2
     tail -n 30 "$WORK/server.err" 2>/dev/null >&2 || true
@@ -81,7 +84,7 @@ TOKEN=$WORK/token
 (umask 077; head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$TOKEN")
 
 timeout 1800 "$BIN/collabserve" --port=0 --metrics_port=0 --admin_token_file="$TOKEN" \
-  --model_repository="$REPO" >"$WORK/server.out" 2>"$WORK/server.err" &
+  --model_repository="$REPO" ${SERVER_ARGS:-} >"$WORK/server.out" 2>"$WORK/server.err" &
 SERVER_PID=$!
 PORT=""
 for _ in $(seq 600); do

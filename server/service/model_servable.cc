@@ -43,6 +43,7 @@ absl::StatusOr<std::unique_ptr<ModelServable>> ModelServable::Load(
                         absl::StrCat("model ", id.DebugString(), ": ", engine.status().message()));
   }
   s->engine_ = std::move(engine).value();
+  const absl::Time engine_loaded = absl::Now();
   const model::ModelInfo& info = s->engine_->info();
   if (info.labels.empty()) {
     return absl::FailedPreconditionError(
@@ -66,7 +67,9 @@ absl::StatusOr<std::unique_ptr<ModelServable>> ModelServable::Load(
     return absl::Status(created.code(),
                         absl::StrCat("model ", id.DebugString(), ": ", created.message()));
   }
+  const absl::Time warm_up_start = absl::Now();
   RETURN_IF_ERROR(s->WarmUp());
+  const absl::Duration warm_up = absl::Now() - warm_up_start;
 
   // Q/K parameters of a standard layer: W_Q and W_K (hidden x hidden) with their biases.
   const int64_t standard_qk =
@@ -95,7 +98,8 @@ absl::StatusOr<std::unique_ptr<ModelServable>> ModelServable::Load(
   s->model_metrics_ = metrics->ForModel(id.model);
   s->queue_depth_ = metrics->QueueDepth(id.model, id.version);
   LOG(INFO) << "loaded " << id.DebugString() << " from " << path << " in " << s->load_seconds_
-            << " s (" << info.num_layers << " layers, " << p.total << " parameters, "
+            << " s (engine " << absl::ToDoubleSeconds(engine_loaded - start) << " s, warm-up "
+            << absl::ToDoubleSeconds(warm_up) << " s; " << info.num_layers << " layers, " << p.total << " parameters, "
             << (info.collaborative_ranks.empty() ? "standard" : "collaborative") << ")";
   return s;
 }
