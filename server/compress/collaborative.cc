@@ -1,7 +1,9 @@
 #include "server/compress/collaborative.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
+#include <dlfcn.h>
 #include <glog/logging.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -11,6 +13,7 @@
 #include <filesystem>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <numeric>
 #include <random>
 #include <thread>
 
@@ -24,6 +27,7 @@
 #include "server/model/state_dict.h"
 #include "server/text/bert_tokenizer.h"
 #include "server/util/files.h"
+#include "server/util/process_env.h"
 #include "server/util/status_macros.h"
 
 namespace collabserve::compress {
@@ -35,6 +39,37 @@ double SecondsSince(Clock::time_point t0) {
 }
 
 bool IsCancelled(const CompressOptions& o) { return o.cancelled && o.cancelled->load(); }
+
+// Sets the calling thread's ATen intra-op thread count to n without changing the default of the
+// threads started later (at::set_num_threads would: with OpenMP it also stores the process-wide
+// default). OpenMP's count is per thread and ATen initialises it lazily on a thread's first
+// parallel op, so that happens first. omp_set_num_threads is looked up at run time: a LibTorch
+// without OpenMP has one shared pool, which is left as it is.
+void SetThisThreadsIntraOpThreads(int n) {
+  using SetFn = void (*)(int);
+  static const auto omp_set = reinterpret_cast<SetFn>(::dlsym(RTLD_DEFAULT, "omp_set_num_threads"));
+  at::internal::lazy_init_num_threads();
+  if (omp_set != nullptr && at::get_num_threads() != n) omp_set(n);
+}
+
+// Pins OpenBLAS's process-wide pool to one thread for its lifetime when `active` and OpenBLAS
+// runs more than one; restores the previous count.
+class ScopedSingleThreadedBlas {
+ public:
+  explicit ScopedSingleThreadedBlas(bool active) {
+    if (!active) return;
+    previous_ = util::BlasThreads();
+    if (previous_ > 1) util::SetBlasThreads(1);
+  }
+  ~ScopedSingleThreadedBlas() {
+    if (previous_ > 1) util::SetBlasThreads(previous_);
+  }
+  ScopedSingleThreadedBlas(const ScopedSingleThreadedBlas&) = delete;
+  ScopedSingleThreadedBlas& operator=(const ScopedSingleThreadedBlas&) = delete;
+
+ private:
+  int previous_ = -1;
+};
 
 // Per-head factors of one layer: T_i = P_i Q_iᵀ with P_i = W_Q^(i) (the paper's D × d_k layout;
 // Hugging Face stores query.weight as [out, in], so head i's rows transposed).
@@ -57,6 +92,7 @@ absl::StatusOr<CpResult> Decompose(const HeadFactors& f, int rank, int full, con
   co.seed = seed;
   co.init = CpAlsOptions::Init::kSvd;
   co.precision = o.float64 ? CpAlsOptions::Precision::kFloat64 : CpAlsOptions::Precision::kFloat32;
+  co.line_search = o.line_search;
   return FactorizedCpAls(f.P, f.Q, co);
 }
 
@@ -89,6 +125,16 @@ absl::StatusOr<std::pair<int, CpResult>> SearchRank(const HeadFactors& f, int fu
 }
 
 }  // namespace
+
+absl::StatusOr<int> ResolveParallelLayers(int requested, int num_layers, bool on_cpu) {
+  if (requested < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("parallel_layers must be 0 (automatic) or positive, got ", requested));
+  }
+  int n = requested;
+  if (n == 0) n = on_cpu ? util::UsableCpus() / std::max(1, at::get_num_threads()) : 1;
+  return std::max(1, std::min(n, num_layers));
+}
 
 absl::StatusOr<std::vector<int>> ResolveRanks(const RankSpec& spec, const model::BertConfig& c) {
   const int L = c.num_hidden_layers, full = c.hidden_size;  // N_h · d_k
@@ -143,6 +189,16 @@ absl::StatusOr<std::unique_ptr<model::BertClassifier>> ConvertToCollaborative(
   const int L = sc.num_hidden_layers, H = sc.num_attention_heads, dk = sc.head_size();
   const int full = H * dk;
 
+  ASSIGN_OR_RETURN(const int n_workers, ResolveParallelLayers(o.parallel_layers, L, device.is_cpu()));
+  report->parallel_layers = n_workers;
+  // The work queue: costliest layers first (a rank search, then by rank; ties in layer order), so
+  // that the last layers handed out are the short ones and the workers finish together.
+  auto cost = [&](int i) { return ranks[i] < 0 ? 2 * full : ranks[i]; };
+  std::vector<int> order(L);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return cost(a) > cost(b); });
+  const int worker_threads = at::get_num_threads();  // the calling thread's
+
   std::vector<std::optional<CpResult>> results(L);
   std::vector<LayerReport> layer_reports(L);
   std::atomic<int> next{0};
@@ -152,7 +208,9 @@ absl::StatusOr<std::unique_ptr<model::BertClassifier>> ConvertToCollaborative(
   auto worker = [&]() {
     try {
       c10::InferenceMode guard;
-      for (int i = next++; i < L; i = next++) {
+      SetThisThreadsIntraOpThreads(worker_threads);
+      for (int k = next++; k < L; k = next++) {
+        const int i = order[k];
         if (IsCancelled(o)) {
           std::lock_guard<std::mutex> lock(mu);
           if (first_error.ok()) first_error = absl::CancelledError("compression cancelled");
@@ -195,6 +253,10 @@ absl::StatusOr<std::unique_ptr<model::BertClassifier>> ConvertToCollaborative(
         lr.relative_error = r->relative_error;
         lr.iterations = r->iterations;
         lr.exact = r->exact;
+        lr.setup_seconds = r->setup_seconds;
+        lr.sweep_seconds = r->sweep_seconds;
+        lr.finish_seconds = r->finish_seconds;
+        lr.extrapolations = r->extrapolations;
         lr.seconds = SecondsSince(lt);
         results[i] = std::move(*r);
         layer_reports[i] = lr;
@@ -205,11 +267,13 @@ absl::StatusOr<std::unique_ptr<model::BertClassifier>> ConvertToCollaborative(
       if (first_error.ok()) first_error = absl::InternalError(absl::StrCat("compression failed: ", e.what()));
     }
   };
-  const int n_workers = std::max(1, std::min(o.parallel_layers, L));
-  std::vector<std::thread> threads;
-  for (int t = 1; t < n_workers; ++t) threads.emplace_back(worker);
-  worker();
-  for (auto& t : threads) t.join();
+  {
+    ScopedSingleThreadedBlas blas(n_workers > 1 && device.is_cpu());
+    std::vector<std::thread> threads;
+    for (int t = 1; t < n_workers; ++t) threads.emplace_back(worker);
+    worker();
+    for (auto& t : threads) t.join();
+  }
   RETURN_IF_ERROR(first_error);
   report->decompose_seconds = SecondsSince(t0);
 
@@ -325,6 +389,9 @@ std::string CompressReport::ToJson() const {
                         {"relative_error", l.relative_error},
                         {"iterations", l.iterations},
                         {"seconds", l.seconds},
+                        {"cp_seconds",
+                         {{"setup", l.setup_seconds}, {"sweeps", l.sweep_seconds}, {"finish", l.finish_seconds}}},
+                        {"extrapolations", l.extrapolations},
                         {"exact", l.exact},
                         {"ranks_tried", l.ranks_tried}});
   }
@@ -343,6 +410,12 @@ std::string CompressReport::ToJson() const {
         {"max_abs_logit_diff", fidelity.max_abs_logit_diff},
         {"mean_kl", fidelity.mean_kl}}},
       {"decompose_seconds", decompose_seconds},
+      {"steps",
+       {{"load_seconds", load_seconds},
+        {"convert_seconds", convert_seconds},
+        {"fidelity_seconds", fidelity_seconds},
+        {"write_seconds", write_seconds}}},
+      {"parallel_layers", parallel_layers},
       {"seconds", seconds}};
   return j.dump();
 }
@@ -365,7 +438,9 @@ absl::StatusOr<CompressReport> CompressModelDirectory(const std::string& in_dir,
   } catch (const std::exception& e) {
     return absl::InternalError(absl::StrCat(in_dir, ": preparing the model failed: ", e.what()));
   }
+  const double load_seconds = SecondsSince(t0);
   ASSIGN_OR_RETURN(CompressReport report, CompressLoadedModel(*source, in_dir, out_dir, options));
+  report.load_seconds = load_seconds;
   report.seconds = SecondsSince(t0);
   return report;
 }
@@ -392,17 +467,22 @@ absl::StatusOr<CompressReport> CompressLoadedModel(const model::BertClassifier& 
   if (o.source.empty()) o.source = in_dir;
   CompressReport report;
   step("convert");
+  auto step_start = Clock::now();
   ASSIGN_OR_RETURN(auto compressed, ConvertToCollaborative(source, o, &report));
   try {
     compressed->Prepare(c10::Device(c10::kCPU), c10::kFloat, /*pack_weights=*/false);
   } catch (const std::exception& e) {
     return absl::InternalError(absl::StrCat("preparing the compressed model failed: ", e.what()));
   }
+  report.convert_seconds = SecondsSince(step_start);
   step("fidelity");
+  step_start = Clock::now();
   ASSIGN_OR_RETURN(report.fidelity, MeasureFidelity(source, *compressed, in_dir, o.probes));
+  report.fidelity_seconds = SecondsSince(step_start);
   if (IsCancelled(o)) return absl::CancelledError("compression cancelled");
 
   step("write");
+  step_start = Clock::now();
   // Write everything into a temporary sibling, then one rename publishes it. The weights stream
   // from the model's tensors into the file (no in-memory copy of the file).
   std::string tmp = absl::StrCat(out_dir, ".tmp-", ::getpid(), "-", std::random_device()());
@@ -429,6 +509,7 @@ absl::StatusOr<CompressReport> CompressLoadedModel(const model::BertClassifier& 
   if (::rename(tmp.c_str(), out_dir.c_str()) != 0) {
     return fail(absl::FailedPreconditionError(absl::StrCat(out_dir, ": cannot publish: ", std::strerror(errno))));
   }
+  report.write_seconds = SecondsSince(step_start);
   report.seconds = SecondsSince(t0);
   return report;
 }

@@ -36,6 +36,9 @@ struct LayerReport {
   double relative_error = 0;    // ||T − T̂||_F / ||T||_F
   int iterations = 0;
   double seconds = 0;
+  // Where the CP-ALS time went (CpResult): initialisation, sweeps, the returned factors' error.
+  double setup_seconds = 0, sweep_seconds = 0, finish_seconds = 0;
+  int extrapolations = 0;       // line-search moves kept
   bool exact = false;
   int ranks_tried = 1;          // kMaxError searches several
 };
@@ -58,7 +61,20 @@ struct CompressOptions {
   // Arithmetic of the ALS sweeps. float32 is about 2x faster on CPU; its final errors are within
   // ~3e-4 of float64's (bench/compress/RESULTS.md). The reported error is always float64.
   bool float64 = false;
-  int parallel_layers = 1;             // layers decomposed at once (each uses the intra-op pool)
+  // CpAlsOptions::line_search: extrapolate after each sweep, keep the move when it lowers the
+  // error. Fewer sweeps to a given error, and a lower one at the same --tol.
+  bool line_search = true;
+  // Layers decomposed at once, from a work queue that hands out the costliest layers first.
+  // 0 (the default): automatic, util::UsableCpus() / at::get_num_threads() of the calling thread,
+  // at least 1 (on CUDA: 1). So a caller that runs ATen with one thread gets one layer per CPU,
+  // and one with a thread per CPU gets one layer at a time. Every worker runs ATen with the calling
+  // thread's count (set per thread; the default of threads started later is not changed). While
+  // more than one layer runs at once on the CPU, OpenBLAS is pinned to one thread and restored
+  // afterwards (util::SetBlasThreads; its pool is process-wide and a multi-threaded call holds a
+  // global lock, so two layers' GEMMs would otherwise take turns). The factors do not depend on
+  // this value: layer i is always decomposed from seed + i, and with the same per-layer thread
+  // counts the result is bitwise the same for any parallel_layers. Negative: INVALID_ARGUMENT.
+  int parallel_layers = 0;
   std::vector<std::string> probes;     // empty: the built-in probe sentences
   std::string source;                  // recorded in config.json's collaborative.source
   // Progress (e.g. for an admin job): called after each layer, from the worker that did it.
@@ -77,6 +93,11 @@ struct CompressReport {
   FidelityReport fidelity;
   double seconds = 0;           // whole call
   double decompose_seconds = 0; // CP only
+  // Wall seconds of each step of CompressModelDirectory / CompressLoadedModel: reading and
+  // preparing the checkpoint (0 for CompressLoadedModel), the conversion (the CP decompositions
+  // and building the new model), the fidelity probes, writing the output directory.
+  double load_seconds = 0, convert_seconds = 0, fidelity_seconds = 0, write_seconds = 0;
+  int parallel_layers = 0;      // layers that were decomposed at once (the resolved option)
   std::string ToJson() const;   // the report `collabserve-model compress` prints
 };
 
@@ -84,6 +105,12 @@ struct CompressReport {
 // capped there). INVALID_ARGUMENT naming the problem: rank < 1, ratio <= 0 or < 1 implying a rank
 // above full, a ranks list whose length is not the layer count, max_error outside (0, 1).
 absl::StatusOr<std::vector<int>> ResolveRanks(const RankSpec& spec, const model::BertConfig& config);
+
+// The number of layers ConvertToCollaborative decomposes at once for `requested`
+// (CompressOptions::parallel_layers), a model of `num_layers` layers and the device CP-ALS runs on:
+// `requested` when positive, else UsableCpus() / at::get_num_threads() of the calling thread on the
+// CPU and 1 elsewhere; never more than num_layers, at least 1. INVALID_ARGUMENT for requested < 0.
+absl::StatusOr<int> ResolveParallelLayers(int requested, int num_layers, bool on_cpu);
 
 // Converts `source` (standard layers; already-collaborative layers are refused) into a new
 // collaborative classifier. Fills `report->layers` and the parameter counts. Every parameter the

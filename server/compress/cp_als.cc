@@ -29,13 +29,16 @@ double SecondsSince(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-// Records sweep `iter`'s relative error ‖T - T̂‖ / ‖T‖ from ‖T‖², <T, T̂> and ‖T̂‖² (never forming
-// T - T̂) and returns whether the stopping rule holds: the error moved by less than `tol`.
-bool RecordSweep(int iter, double norm_sq, double inner, double estimate_sq, double tol,
-                 CpResult* result) {
+// The relative error ‖T - T̂‖ / ‖T‖ from ‖T‖², <T, T̂> and ‖T̂‖² (never forming T - T̂).
+double RelativeFromInner(double norm_sq, double inner, double estimate_sq) {
   const double norm = std::sqrt(norm_sq);
   const double residual = std::sqrt(std::max(0.0, norm_sq - 2 * inner + estimate_sq));
-  const double rel = norm > 0 ? residual / norm : residual;
+  return norm > 0 ? residual / norm : residual;
+}
+
+// Records sweep `iter`'s relative error and returns whether the stopping rule holds: the error
+// moved by less than `tol`.
+bool RecordSweep(int iter, double rel, double tol, CpResult* result) {
   result->error_history.push_back(rel);
   result->iterations = iter;
   VLOG(2) << "CP-ALS sweep " << iter << ": relative error " << rel;
@@ -396,7 +399,9 @@ CpResult RunAls(MttkrpSource& source, double norm_sq, const at::Tensor& B0, cons
         (gram_a.to(at::kDouble) * gram_b.to(at::kDouble) * gram_c.to(at::kDouble))
             .sum()
             .item<double>();
-    if (RecordSweep(iter, norm_sq, inner, estimate_sq, options.tol, &result)) break;
+    if (RecordSweep(iter, RelativeFromInner(norm_sq, inner, estimate_sq), options.tol, &result)) {
+      break;
+    }
   }
   result.sweep_seconds = SecondsSince(sweeps_start);
   result.relative_error = result.error_history.back();
@@ -451,6 +456,15 @@ CpResult RunCoefficientAls(const at::Tensor& P, const at::Tensor& Q, double norm
   };
   at::Tensor uv = head_sums();
 
+  // Line search (options.line_search): the last sweep's end point in effective form (the scales
+  // folded in: B = P_flat prev_zb, prev_u = K_p prev_zb; the same for C), and the extrapolated one.
+  at::Tensor prev_a, prev_zb, prev_u, prev_zc, prev_v, next_zb, next_u, next_zc, next_v;
+  if (options.line_search) {
+    for (at::Tensor* t : {&prev_zb, &prev_u, &prev_zc, &prev_v, &next_zb, &next_u, &next_zc, &next_v}) {
+      *t = at::empty_like(u);
+    }
+  }
+
   CpResult result;
   at::Tensor A;
   const auto sweeps_start = Clock::now();
@@ -486,8 +500,57 @@ CpResult RunCoefficientAls(const at::Tensor& P, const at::Tensor& Q, double norm
     scale_c = norms.reciprocal();
     gram_c = gram_raw * (scale_c.unsqueeze(1) * scale_c.unsqueeze(0));
     A.mul_(norms);
+    double rel = RelativeFromInner(norm_sq, inner, estimate_sq);
 
-    if (RecordSweep(iter, norm_sq, inner, estimate_sq, options.tol, &result)) break;
+    if (options.line_search) {
+      // Bro's extrapolation: X + s·(X − X_prev) for A and the effective coefficients of B and C,
+      // s = iter^(1/3); U = K_p Z and V = K_q Z are linear in the coefficients, so the
+      // extrapolated U, V cost element-wise passes, and the error of the extrapolated point two
+      // [R, n] × [n, R] Grams. Kept only when it lowers the error.
+      const bool have_prev = prev_a.defined();
+      const double step = std::cbrt(static_cast<double>(iter));
+      at::Tensor next_a;
+      if (have_prev) {
+        next_a = A * (1 + step) - prev_a * step;
+        at::mul_out(next_zb, z_b, scale_b * (1 + step)).sub_(prev_zb, step);
+        at::mul_out(next_u, u, scale_b * (1 + step)).sub_(prev_u, step);
+        at::mul_out(next_zc, z_c, scale_c * (1 + step)).sub_(prev_zc, step);
+        at::mul_out(next_v, v, scale_c * (1 + step)).sub_(prev_v, step);
+      }
+      prev_a = A.clone();
+      at::mul_out(prev_zb, z_b, scale_b);
+      at::mul_out(prev_u, u, scale_b);
+      at::mul_out(prev_zc, z_c, scale_c);
+      at::mul_out(prev_v, v, scale_c);
+      if (have_prev) {
+        const at::Tensor next_gram_b = at::mm(next_zb.t(), next_u);
+        const at::Tensor next_gram_c = at::mm(next_zc.t(), next_v);
+        at::mul_out(products, next_u, next_v);
+        const at::Tensor next_uv = products_heads.sum(1);
+        const double next_inner = (next_a * next_uv).sum(at::kDouble).item<double>();
+        const double next_estimate_sq =
+            (at::mm(next_a.t(), next_a) * next_gram_b * next_gram_c).sum(at::kDouble).item<double>();
+        const double next_rel = RelativeFromInner(norm_sq, next_inner, next_estimate_sq);
+        if (next_rel < rel) {
+          rel = next_rel;
+          ++result.extrapolations;
+          z_b.copy_(next_zb);
+          u.copy_(next_u);
+          z_c.copy_(next_zc);
+          v.copy_(next_v);
+          uv = next_uv;
+          const at::Tensor norms_b = ColumnNorms(next_gram_b);
+          const at::Tensor norms_c = ColumnNorms(next_gram_c);
+          scale_b = norms_b.reciprocal();
+          scale_c = norms_c.reciprocal();
+          gram_b = next_gram_b * (scale_b.unsqueeze(1) * scale_b.unsqueeze(0));
+          gram_c = next_gram_c * (scale_c.unsqueeze(1) * scale_c.unsqueeze(0));
+          A = next_a * (norms_b * norms_c);
+        }
+      }
+    }
+
+    if (RecordSweep(iter, rel, options.tol, &result)) break;
   }
   result.sweep_seconds = SecondsSince(sweeps_start);
   result.relative_error = result.error_history.back();

@@ -47,6 +47,14 @@ struct CpAlsOptions {
   // cannot resolve errors below ~1e-3. relative_error is computed in float64 either way.
   enum class Precision { kFloat64, kFloat32 };
   Precision precision = Precision::kFloat64;
+  // Line search after each sweep (Bro 1998, as tensorly's parafac(linesearch=True) but every
+  // sweep, with the step iter^(1/3)): A and the coefficients of B and C move on along the last
+  // sweep's change, X + s·(X − X_prev), and the move is kept only when it lowers the error, so the
+  // error still never rises. On BERT-base layers it reaches a given error in about half the
+  // sweeps, each ~15% dearer (bench/compress/RESULTS.md). Used by FactorizedCpAls when
+  // N_h·d_k <= 2·min(D_q, D_k) (every BERT); ignored by the other paths and by DenseCpAls, which
+  // keep the textbook iterates.
+  bool line_search = false;
 };
 
 struct CpResult {
@@ -68,6 +76,7 @@ struct CpResult {
   double sweep_seconds = 0;
   double finish_seconds = 0;
   bool exact = false;                // true for the block form, which reproduces T exactly.
+  int extrapolations = 0;            // line-search moves kept (options.line_search)
 };
 
 // Rank-`options.rank` CP-ALS of T = stack_i(P_i Q_iᵀ) for P: [N_h, D_q, d_k], Q: [N_h, D_k, d_k]

@@ -1,10 +1,21 @@
 // collabserve-model compress: converts a checkpoint directory to collaborative attention and
 // prints the report (one JSON object).
+//
+// Threads on the CPU. By default the CP step decomposes one layer per CPU at once, each with one
+// ATen and one OpenBLAS thread: OpenBLAS's LAPACK calls, the eigensolver and the element-wise
+// passes of a sweep scale poorly over two threads, so two single-threaded layers beat one
+// two-threaded layer (bench/compress/RESULTS.md). --parallel_layers P runs P layers at once with
+// UsableCpus / P threads each (P = 1: one layer on every CPU). Loading, the fidelity probes and
+// writing run with one thread per CPU.
+#include <ATen/Parallel.h>
+
+#include <algorithm>
 #include <iostream>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -12,6 +23,7 @@
 #include "server/tools/commands.h"
 #include "server/tools/flags.h"
 #include "server/util/files.h"
+#include "server/util/process_env.h"
 #include "server/util/status_macros.h"
 
 namespace collabserve::tools {
@@ -19,7 +31,8 @@ namespace collabserve::tools {
 absl::Status Compress(int argc, char** argv) {
   ASSIGN_OR_RETURN(Flags f, Flags::Parse(argc, argv, 2,
                                          {"model", "out", "rank", "ratio", "ranks", "max_error", "max_iters",
-                                          "tol", "seed", "device", "probe", "parallel_layers", "precision"}));
+                                          "tol", "seed", "device", "probe", "parallel_layers", "precision",
+                                          "line_search"}));
   if (!f.Has("model") || !f.Has("out")) {
     return absl::InvalidArgumentError("compress: --model IN and --out OUT are required");
   }
@@ -51,7 +64,11 @@ absl::Status Compress(int argc, char** argv) {
   ASSIGN_OR_RETURN(int64_t iters, f.GetInt("max_iters", 100));
   ASSIGN_OR_RETURN(o.tol, f.GetDouble("tol", 1e-5));
   ASSIGN_OR_RETURN(int64_t seed, f.GetInt("seed", 0));
-  ASSIGN_OR_RETURN(int64_t par, f.GetInt("parallel_layers", 1));
+  ASSIGN_OR_RETURN(int64_t par, f.GetInt("parallel_layers", 0));
+  if (par < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--parallel_layers must be 0 (one layer per CPU) or positive, got ", par));
+  }
   o.max_iters = static_cast<int>(iters);
   o.seed = static_cast<uint64_t>(seed);
   o.parallel_layers = static_cast<int>(par);
@@ -61,12 +78,31 @@ absl::Status Compress(int argc, char** argv) {
     return absl::InvalidArgumentError(absl::StrCat("--precision '", precision, "' is not f32 or f64"));
   }
   o.float64 = precision == "f64";
+  const std::string line_search = f.Get("line_search", "1");
+  if (line_search != "0" && line_search != "1") {
+    return absl::InvalidArgumentError(absl::StrCat("--line_search '", line_search, "' is not 0 or 1"));
+  }
+  o.line_search = line_search == "1";
   if (f.Has("probe")) {
     ASSIGN_OR_RETURN(std::string text, util::ReadFile(f.Get("probe"), 64 << 20));
     for (absl::string_view line : absl::StrSplit(text, '\n', absl::SkipWhitespace())) {
       o.probes.emplace_back(line);
     }
     if (o.probes.empty()) return absl::InvalidArgumentError(absl::StrCat(f.Get("probe"), ": no probe lines"));
+  }
+  if (absl::StartsWith(o.device, "cpu")) {
+    const int cpus = util::UsableCpus();
+    const int per_layer = par > 0 ? std::max<int>(1, cpus / par) : 1;
+    auto use_threads = [](int n) {
+      at::set_num_threads(n);
+      util::SetBlasThreads(n);
+    };
+    use_threads(cpus);
+    // CompressModelDirectory announces each step from this thread; parallel_layers 0 resolves to
+    // cpus / at::get_num_threads() = one layer per CPU.
+    o.on_step = [use_threads, cpus, per_layer](const std::string& step) {
+      use_threads(step == "convert" ? per_layer : cpus);
+    };
   }
   ASSIGN_OR_RETURN(compress::CompressReport report,
                    compress::CompressModelDirectory(f.Get("model"), f.Get("out"), o));

@@ -4,6 +4,7 @@
 #include "server/compress/collaborative.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -22,6 +23,7 @@
 #include "server/model/param_counts.h"
 #include "server/model/state_dict.h"
 #include "server/text/bert_tokenizer.h"
+#include "server/util/process_env.h"
 #include "tests/testing/test_util.h"
 
 namespace collabserve::compress {
@@ -266,6 +268,96 @@ TEST_F(CollaborativeTest, UnchangedParametersShareTheOriginalsStorage) {
   EXPECT_EQ((*out)->layers()[1].inter_w.data_ptr(), (*source)->layers()[1].inter_w.data_ptr());
 }
 
+// Restores this thread's ATen thread count and OpenBLAS's at the end of a test that changes them.
+class ThreadCountsRestorer {
+ public:
+  ThreadCountsRestorer() : aten_(at::get_num_threads()), blas_(util::BlasThreads()) {}
+  ~ThreadCountsRestorer() {
+    at::set_num_threads(aten_);
+    if (blas_ > 0) util::SetBlasThreads(blas_);
+  }
+
+ private:
+  const int aten_, blas_;
+};
+
+TEST(ResolveParallelLayersTest, AutomaticIsOneLayerPerCpuAtTheCallersThreadCount) {
+  ThreadCountsRestorer restore;
+  const int cpus = util::UsableCpus();
+  at::set_num_threads(1);
+  EXPECT_EQ(*ResolveParallelLayers(0, 1000, /*on_cpu=*/true), cpus);
+  EXPECT_EQ(*ResolveParallelLayers(0, 1, true), 1);  // never more workers than layers
+  at::set_num_threads(cpus);
+  EXPECT_EQ(*ResolveParallelLayers(0, 1000, true), 1);
+  EXPECT_EQ(*ResolveParallelLayers(0, 1000, /*on_cpu=*/false), 1);
+  EXPECT_EQ(*ResolveParallelLayers(3, 1000, true), 3);  // an explicit count is taken as given
+  EXPECT_EQ(*ResolveParallelLayers(3, 2, true), 2);
+  EXPECT_THAT(std::string(ResolveParallelLayers(-1, 12, true).status().message()),
+              HasSubstr("parallel_layers must be 0 (automatic) or positive, got -1"));
+}
+
+// Decomposing layers at once, in a work queue that starts with the costliest, gives the same
+// factors as decomposing them one by one: each layer has its own seed and thread count, and only
+// the order changes. OpenBLAS's pool, pinned to one thread while layers run at once, is restored.
+TEST_F(CollaborativeTest, FactorsDoNotDependOnParallelLayers) {
+  model::MakeOptions m;
+  m.seed = 5;
+  m.layers = 5;
+  ASSERT_TRUE(model::MakeCheckpoint(work_ / "five", m).ok());
+  auto config = model::BertConfig::FromFile(work_ / "five/config.json");
+  ASSERT_TRUE(config.ok()) << config.status();
+  auto source = model::LoadClassifier(work_ / "five", *config);
+  ASSERT_TRUE(source.ok()) << source.status();
+  (*source)->Prepare(c10::Device(c10::kCPU), c10::kFloat, /*pack_weights=*/false);
+
+  ThreadCountsRestorer restore;
+  at::set_num_threads(1);  // every layer runs single-threaded, whatever parallel_layers is
+  const bool has_openblas = util::SetBlasThreads(2);
+  CompressOptions o;
+  o.spec.kind = RankSpec::Kind::kPerLayer;
+  o.spec.ranks = {8, 24, 0, 40, 16};
+  o.tol = 0;
+  o.max_iters = 30;
+  o.seed = 3;
+  std::vector<at::Tensor> expected;
+  for (int p : {1, 2, 3, 0}) {
+    // The serial run pins OpenBLAS as the parallel ones do, so that all run the same arithmetic.
+    if (p == 1 && has_openblas) util::SetBlasThreads(1);
+    o.parallel_layers = p;
+    std::vector<int> done;
+    std::mutex mu;
+    o.on_layer = [&](const LayerReport& lr) {
+      std::lock_guard<std::mutex> lock(mu);
+      done.push_back(lr.layer);
+    };
+    CompressReport report;
+    auto out = ConvertToCollaborative(**source, o, &report);
+    ASSERT_TRUE(out.ok()) << out.status();
+    if (p == 1 && has_openblas) util::SetBlasThreads(2);
+    EXPECT_EQ(report.parallel_layers, p == 0 ? std::min(util::UsableCpus(), 5) : p);
+    if (has_openblas) EXPECT_EQ(util::BlasThreads(), 2) << "parallel_layers " << p;
+    if (p == 1) {
+      // One worker takes the queue in order: highest rank first, the standard layer last.
+      EXPECT_EQ(done, (std::vector<int>{3, 1, 4, 0, 2}));
+    } else {
+      EXPECT_EQ(done.size(), 5u);
+    }
+    std::vector<at::Tensor> got;
+    for (int i : {0, 1, 3, 4}) {
+      const model::EncoderLayer& l = (*out)->layers()[i];
+      EXPECT_EQ(l.rank, o.spec.ranks[i]);
+      got.insert(got.end(), {l.collab_query_w, l.collab_key_w, l.mixing, l.content_bias});
+    }
+    if (expected.empty()) {
+      expected = got;
+      continue;
+    }
+    for (size_t t = 0; t < got.size(); ++t) {
+      EXPECT_TRUE(at::equal(got[t], expected[t])) << "parallel_layers " << p << ", tensor " << t;
+    }
+  }
+}
+
 TEST_F(CollaborativeTest, BadRequestsAreRefusedAndWriteNothing) {
   auto msg = [&](const CompressOptions& o) {
     return std::string(CompressModelDirectory(src_.path(), work_ / "out", o).status().message());
@@ -281,6 +373,9 @@ TEST_F(CollaborativeTest, BadRequestsAreRefusedAndWriteNothing) {
   o.spec.kind = RankSpec::Kind::kMaxError;
   o.spec.max_error = 2;
   EXPECT_THAT(msg(o), HasSubstr("max_error must be in (0, 1)"));
+  CompressOptions negative = Rank(8);
+  negative.parallel_layers = -2;
+  EXPECT_THAT(msg(negative), HasSubstr("parallel_layers must be 0 (automatic) or positive"));
   EXPECT_FALSE(std::filesystem::exists(work_ / "out"));
 
   std::atomic<bool> cancelled{true};

@@ -174,6 +174,39 @@ TEST(FactorizedCpAlsTest, ErrorNeverRises) {
   }
 }
 
+// The line search keeps an extrapolation only when it lowers the error: the error still never
+// rises, the reported error is still that of the returned factors, and in the same sweeps it gets
+// lower than plain ALS, which it overtakes well before the end.
+TEST(FactorizedCpAlsTest, LineSearchNeverRaisesTheErrorAndNeedsFewerSweeps) {
+  const Factors f = RandomFactors(33);
+  for (auto init : {CpAlsOptions::Init::kSvd, CpAlsOptions::Init::kRandom}) {
+    constexpr int kSweeps = 60;
+    CpAlsOptions plain = Options(12, kSweeps, init), searched = plain;
+    searched.line_search = true;
+    auto p = FactorizedCpAls(f.P, f.Q, plain);
+    auto s = FactorizedCpAls(f.P, f.Q, searched);
+    ASSERT_TRUE(p.ok() && s.ok());
+    EXPECT_EQ(p->extrapolations, 0);
+    EXPECT_GT(s->extrapolations, 0);
+    ASSERT_EQ(s->error_history.size(), static_cast<size_t>(kSweeps));
+    for (size_t i = 1; i < s->error_history.size(); ++i) {
+      EXPECT_LE(s->error_history[i], s->error_history[i - 1] + 1e-10) << "sweep " << i + 1;
+    }
+    EXPECT_NEAR(s->relative_error,
+                DenseRelativeError(Materialize(f), Reconstruct(s->mixing, s->query, s->key)), 1e-8);
+    EXPECT_NEAR(s->error_history.back(), s->relative_error, 1e-6);
+    EXPECT_LT(s->relative_error, p->relative_error);
+    int overtaken = kSweeps;
+    for (int i = 0; i < kSweeps; ++i) {
+      if (s->error_history[i] <= p->error_history.back()) {
+        overtaken = i + 1;
+        break;
+      }
+    }
+    EXPECT_LT(overtaken, kSweeps * 3 / 4) << "plain ALS error after " << kSweeps << " sweeps: " << p->error_history.back();
+  }
+}
+
 TEST(FactorizedCpAlsTest, ErrorFallsAsRankGrows) {
   const Factors f = RandomFactors(41);
   double previous = 1.0;
