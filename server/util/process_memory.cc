@@ -4,6 +4,7 @@
 
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include "absl/strings/numbers.h"
@@ -144,6 +145,16 @@ std::string MemoryPhases::Format(const std::vector<MemoryPhase>& phases) {
                           mib(p.rss_peak_bytes), mib(p.rss_file_peak_bytes), mib(p.hwm_end_bytes));
   }
   return out;
+}
+
+bool LimitMallocArenas(int n) {
+#if defined(__GLIBC__)
+  if (n < 1 || std::getenv("MALLOC_ARENA_MAX") != nullptr) return false;
+  return ::mallopt(M_ARENA_MAX, n) == 1;
+#else
+  (void)n;
+  return false;
+#endif
 }
 
 void ReleaseFreedMemory() {

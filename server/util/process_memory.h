@@ -41,6 +41,14 @@ absl::StatusOr<ProcessMemory> ReadProcessMemory(int pid);
 // over the arenas (milliseconds); not for hot paths.
 void ReleaseFreedMemory();
 
+// Caps the allocator's arenas at n (glibc: mallopt(M_ARENA_MAX); default 8 per core) unless the
+// MALLOC_ARENA_MAX environment variable already sets it. Each arena keeps its own freed memory, and
+// a server whose threads take turns allocating and freeing models (loads, swaps, jobs) fragments
+// every one of them: the 10-minute soak's RSS grew 31% with the default and stayed within 5% with
+// 2 arenas on 2 cores. Call at the start of main(), before threads exist. Returns whether it
+// applied the cap (false: env set, n < 1, or not glibc).
+bool LimitMallocArenas(int n);
+
 // Figures of one phase. Peaks are sampled (every `interval`): a spike shorter than that can be
 // missed, and hwm_end (exact, but process-wide and monotonic) bounds it from above.
 struct MemoryPhase {

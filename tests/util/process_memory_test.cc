@@ -68,6 +68,15 @@ TEST(MemoryPhases, AttributesAnAllocationToItsPhase) {
 }
 
 #if defined(__GLIBC__)
+TEST(LimitMallocArenasTest, AppliesUnlessTheEnvironmentDecides) {
+  ::unsetenv("MALLOC_ARENA_MAX");
+  EXPECT_FALSE(LimitMallocArenas(0));
+  EXPECT_TRUE(LimitMallocArenas(4));
+  ::setenv("MALLOC_ARENA_MAX", "8", 1);
+  EXPECT_FALSE(LimitMallocArenas(2));  // an explicit setting is respected
+  ::unsetenv("MALLOC_ARENA_MAX");
+}
+
 TEST(ReleaseFreedMemoryTest, GivesFreedHeapPagesBack) {
   // 96 MiB in 32 KiB blocks (below glibc's mmap threshold: they come from the heap), then every
   // block but the last is freed: the last one pins the top of the heap, so glibc keeps the freed
