@@ -45,7 +45,7 @@ ENV DEBIAN_FRONTEND=noninteractive
 RUN apt-get update \
  && apt-get install -y --no-install-recommends \
       build-essential cmake ninja-build ccache pkg-config make curl ca-certificates unzip \
-      libgoogle-glog-dev libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler \
+      libgoogle-glog-dev libjemalloc-dev libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler \
       prometheus-cpp-dev libabsl-dev nlohmann-json3-dev libssl-dev zlib1g-dev \
  && rm -rf /var/lib/apt/lists/*
 RUN curl -fsSL --retry 3 -o /tmp/libtorch.zip "${LIBTORCH_URL}" \

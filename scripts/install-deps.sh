@@ -7,14 +7,14 @@ set -euo pipefail
 
 BUILD_PKGS=(
   build-essential cmake ninja-build ccache pkg-config
-  libtorch-dev libopenblas0-pthread libgoogle-glog-dev
+  libtorch-dev libopenblas0-pthread libgoogle-glog-dev libjemalloc-dev
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   prometheus-cpp-dev libabsl-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev libssl-dev zlib1g-dev
   clang-14 libclang-rt-14-dev
 )
 TEST_PKGS=(python3-torch python3-numpy python3-grpcio curl prometheus)
-RUNTIME_PKGS=(libtorch1.13 libopenblas0-pthread libgoogle-glog0v6 libgrpc++1.51 libprotobuf32 libprometheus-cpp-core1.0 libprometheus-cpp-pull1.0)
+RUNTIME_PKGS=(libtorch1.13 libopenblas0-pthread libjemalloc2 libgoogle-glog0v6 libgrpc++1.51 libprotobuf32 libprometheus-cpp-core1.0 libprometheus-cpp-pull1.0)
 
 mode=${1:-all}
 if [ "$mode" = "--runtime" ]; then want=("${RUNTIME_PKGS[@]}"); else want=("${BUILD_PKGS[@]}" "${TEST_PKGS[@]}"); fi

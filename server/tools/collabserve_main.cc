@@ -119,6 +119,7 @@ int Run(int argc, char** argv) {
       absl::GetFlag(FLAGS_num_batch_threads), absl::GetFlag(FLAGS_inference_threads));
   at::set_num_threads(threads.intra_op_threads);
   const bool blas_pinned = util::SetBlasThreads(threads.intra_op_threads);
+  LOG(INFO) << "allocator: " << util::AllocatorName();
   LOG(INFO) << "inference threads: " << threads.batch_threads << " batch thread(s) per model version x "
             << threads.intra_op_threads << " intra-op thread(s) (" << threads.reason << ")"
             << (blas_pinned ? "; OpenBLAS pinned to the same" : "");

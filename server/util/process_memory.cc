@@ -1,5 +1,6 @@
 #include "server/util/process_memory.h"
 
+#include <dlfcn.h>
 #include <malloc.h>
 
 #include <cerrno>
@@ -157,7 +158,40 @@ bool LimitMallocArenas(int n) {
 #endif
 }
 
+namespace {
+
+// jemalloc's control interface when jemalloc is the process's allocator (collabserve links it),
+// found at run time so that nothing here depends on it.
+using MallctlFn = int (*)(const char*, void*, size_t*, void*, size_t);
+MallctlFn Mallctl() {
+  static const auto fn = reinterpret_cast<MallctlFn>(::dlsym(RTLD_DEFAULT, "mallctl"));
+  return fn;
+}
+
+}  // namespace
+
+std::string AllocatorName() {
+  if (MallctlFn mallctl = Mallctl()) {
+    const char* version = nullptr;
+    size_t len = sizeof(version);
+    if (mallctl("version", &version, &len, nullptr, 0) == 0 && version != nullptr) {
+      return absl::StrCat("jemalloc ", version);
+    }
+    return "jemalloc";
+  }
+#if defined(__GLIBC__)
+  return absl::StrCat("glibc malloc ", __GLIBC__, ".", __GLIBC_MINOR__);
+#else
+  return "the C library's malloc";
+#endif
+}
+
 void ReleaseFreedMemory() {
+  if (MallctlFn mallctl = Mallctl()) {
+    // MALLCTL_ARENAS_ALL (4096): purge the unused dirty pages of every arena now.
+    mallctl("arena.4096.purge", nullptr, nullptr, nullptr, 0);
+    return;
+  }
 #if defined(__GLIBC__)
   ::malloc_trim(0);
 #endif

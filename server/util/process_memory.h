@@ -34,19 +34,23 @@ absl::StatusOr<ProcessMemory> ReadProcessMemory();
 // The same for another process (/proc/<pid>/status); UNAVAILABLE if it cannot be read (e.g. gone).
 absl::StatusOr<ProcessMemory> ReadProcessMemory(int pid);
 
-// Gives the allocator's freed-but-kept memory back to the system (glibc: malloc_trim(0), which also
-// drops whole free pages inside every arena, not only the top of the heap). Call after freeing
-// something big (a model version, a job's models): glibc otherwise keeps those pages for reuse, and
-// with a version swap a minute a server's RSS creeps. No-op on another C library. Costs a walk
-// over the arenas (milliseconds); not for hot paths.
+// Gives the allocator's freed-but-kept memory back to the system: jemalloc (when it is the process's
+// allocator, as in collabserve) purges every arena's unused pages; glibc runs malloc_trim(0), which
+// also drops whole free pages inside every arena, not only the top of the heap. Call after freeing
+// something big (a model version, a job's models). Costs a walk over the arenas (milliseconds);
+// not for hot paths.
 void ReleaseFreedMemory();
 
-// Caps the allocator's arenas at n (glibc: mallopt(M_ARENA_MAX); default 8 per core) unless the
+// The allocator in use, for the start-up log: "jemalloc 5.3.0-0-g..." or "glibc malloc 2.36".
+std::string AllocatorName();
+
+// Caps glibc's malloc arenas at n (mallopt(M_ARENA_MAX); default 8 per core) unless the
 // MALLOC_ARENA_MAX environment variable already sets it. Each arena keeps its own freed memory, and
 // a server whose threads take turns allocating and freeing models (loads, swaps, jobs) fragments
 // every one of them: the 10-minute soak's RSS grew 31% with the default and stayed within 5% with
-// 2 arenas on 2 cores. Call at the start of main(), before threads exist. Returns whether it
-// applied the cap (false: env set, n < 1, or not glibc).
+// 2 arenas on 2 cores (collabserve now links jemalloc, which fragments less still; this is the
+// fallback where it is absent). Call at the start of main(), before threads exist. Returns whether
+// it applied the cap (false: env set, n < 1, or not glibc).
 bool LimitMallocArenas(int n);
 
 // Figures of one phase. Peaks are sampled (every `interval`): a spike shorter than that can be

@@ -68,6 +68,11 @@ TEST(MemoryPhases, AttributesAnAllocationToItsPhase) {
 }
 
 #if defined(__GLIBC__)
+TEST(AllocatorNameTest, NamesTheAllocatorOfThisProcess) {
+  // The test binaries are not linked with jemalloc (collabserve is): glibc's malloc here.
+  EXPECT_EQ(AllocatorName().rfind("glibc malloc 2.", 0), 0u) << AllocatorName();
+}
+
 TEST(LimitMallocArenasTest, AppliesUnlessTheEnvironmentDecides) {
   ::unsetenv("MALLOC_ARENA_MAX");
   EXPECT_FALSE(LimitMallocArenas(0));
