@@ -121,9 +121,11 @@ def main():
                      median([p["p99_ms"] for p in ps])))
     if rows:
         rows.sort()
-        sat = max(rows, key=lambda r: r[1])
+        # Saturation: where served/raw peaks (each repeat against its own ceiling, so a repeat on a
+        # busier machine does not decide it; the absolute inputs/s of the plateau are within noise).
+        sat = max(rows, key=lambda r: r[2])
         lines.append("")
-        lines.append(f"Goals, batching: saturation (the most inputs/s) at concurrency {sat[0]}: "
+        lines.append(f"Goals, batching: saturation (the highest served/raw) at concurrency {sat[0]}: "
                      f"{sat[2]:.2f} of raw (goal >= 0.90), p99 {sat[3]:.1f} ms = {sat[3] / bound:.2f} "
                      f"of the bound. Both goals at one concurrency: " +
                      (", ".join(str(r[0]) for r in rows if r[2] >= 0.9 and r[3] <= bound) or "none") +
