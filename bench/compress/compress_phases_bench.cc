@@ -8,8 +8,9 @@
 //   serial    one layer at a time; ATen and OpenBLAS pools as the command leaves them (ATen: the
 //             library default, OpenBLAS: its own default, one thread per core);
 //   parallel  `parallel_layers` = number of threads, with ATen and OpenBLAS pinned to one thread
-//             each during the whole call (what the command would do with --parallel_layers 2 if
-//             it set the pools).
+//             each during the whole call (the command, since commit 349dfe3, does this for the CP
+//             step only and gives load, fidelity and write every CPU; its report JSON has the
+//             per-step seconds itself).
 //
 // Usage: compress_phases_bench --model DIR --scratch DIR [--rank=384] [--repeats=3]
 //                              [--configs=serial,parallel] [--threads=2]

@@ -1,0 +1,96 @@
+// `collabserve-model compress` as a user runs it: by default one layer per CPU at once, each with one
+// thread; --parallel_layers overrides it without changing the decomposition; bad thread and
+// line-search flags are refused with a message naming them.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "server/model/checkpoint_maker.h"
+#include "server/util/process_env.h"
+#include "tests/testing/test_util.h"
+
+namespace collabserve::compress {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::RunCommand;
+using testing::ShellQuote;
+using testing::TempDir;
+using testing::Tool;
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+class CompressCommandTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    model::MakeOptions m;
+    m.seed = 9;
+    m.layers = 4;
+    ASSERT_TRUE(model::MakeCheckpoint(dir_ / "in", m).ok());
+  }
+  testing::CommandResult Compress(const std::string& out, const std::string& flags) {
+    return RunCommand(Tool("collabserve-model") + " compress --model " + ShellQuote(dir_ / "in") +
+                      " --out " + ShellQuote(dir_ / out) + " --rank 24 --max_iters 30 --tol 0 " +
+                      flags + " 2>&1");
+  }
+  nlohmann::json Report(const std::string& out, const std::string& flags) {
+    testing::CommandResult r = Compress(out, flags);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    // The report is the last line that is a JSON object (glog may write to stderr before it).
+    std::string report;
+    size_t begin = 0;
+    while (begin < r.output.size()) {
+      size_t end = r.output.find('\n', begin);
+      if (end == std::string::npos) end = r.output.size();
+      if (r.output[begin] == '{') report = r.output.substr(begin, end - begin);
+      begin = end + 1;
+    }
+    return nlohmann::json::parse(report);
+  }
+  TempDir dir_;
+};
+
+TEST_F(CompressCommandTest, LayersRunInParallelByDefaultAndTheFactorsDoNotDependOnIt) {
+  const int cpus = util::UsableCpus();
+  nlohmann::json by_default = Report("default", "");
+  nlohmann::json one = Report("one", "--parallel_layers 1");
+  nlohmann::json per_cpu = Report("per_cpu", "--parallel_layers " + std::to_string(cpus));
+  EXPECT_EQ(by_default["parallel_layers"], std::min(cpus, 4));
+  EXPECT_EQ(one["parallel_layers"], 1);
+  ASSERT_EQ(by_default["layers"].size(), 4u);
+  for (int l = 0; l < 4; ++l) {
+    EXPECT_EQ(by_default["layers"][l]["iterations"], 30);
+    // One layer on every CPU rounds differently from one thread per layer; the result is the same.
+    EXPECT_NEAR(one["layers"][l]["relative_error"].get<double>(),
+                by_default["layers"][l]["relative_error"].get<double>(), 1e-5)
+        << "layer " << l;
+  }
+  for (const char* step : {"load_seconds", "convert_seconds", "fidelity_seconds", "write_seconds"}) {
+    EXPECT_GT(by_default["steps"][step].get<double>(), 0) << step;
+  }
+  // One thread per layer either way: the same model, bit for bit.
+  EXPECT_TRUE(ReadAll(dir_ / "default/model.safetensors") == ReadAll(dir_ / "per_cpu/model.safetensors"));
+}
+
+TEST_F(CompressCommandTest, BadThreadAndLineSearchFlagsAreRefused) {
+  testing::CommandResult r = Compress("a", "--parallel_layers -1");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_THAT(r.output, HasSubstr("--parallel_layers must be 0 (one layer per CPU) or positive, got -1"));
+  r = Compress("b", "--line_search yes");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_THAT(r.output, HasSubstr("--line_search 'yes' is not 0 or 1"));
+  EXPECT_FALSE(std::filesystem::exists(dir_ / "a"));
+  EXPECT_FALSE(std::filesystem::exists(dir_ / "b"));
+}
+
+}  // namespace
+}  // namespace collabserve::compress
