@@ -5,8 +5,8 @@
 // ATen and one OpenBLAS thread: OpenBLAS's LAPACK calls, the eigensolver and the element-wise
 // passes of a sweep scale poorly over two threads, so two single-threaded layers beat one
 // two-threaded layer (bench/compress/RESULTS.md). --parallel_layers P runs P layers at once with
-// UsableCpus / P threads each (P = 1: one layer on every CPU). Loading, the fidelity probes and
-// writing run with one thread per CPU.
+// UsableCpus / P threads each (P = 1: one layer on every CPU). The fidelity probes run with the
+// same threads (MeasureFidelity then runs both models at once); loading and writing with all CPUs.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -99,9 +99,10 @@ absl::Status Compress(int argc, char** argv) {
     };
     use_threads(cpus);
     // CompressModelDirectory announces each step from this thread; parallel_layers 0 resolves to
-    // cpus / at::get_num_threads() = one layer per CPU.
+    // cpus / at::get_num_threads() = one layer per CPU. The fidelity step gets the same threads:
+    // with one per CPU left idle, MeasureFidelity runs the two models at once, one thread each.
     o.on_step = [use_threads, cpus, per_layer](const std::string& step) {
-      use_threads(step == "convert" ? per_layer : cpus);
+      use_threads(step == "convert" || step == "fidelity" ? per_layer : cpus);
     };
   }
   ASSIGN_OR_RETURN(compress::CompressReport report,
