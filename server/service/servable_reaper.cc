@@ -6,6 +6,17 @@
 
 #include "server/util/process_memory.h"
 
+#if defined(__SANITIZE_ADDRESS__)
+#define COLLABSERVE_LSAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define COLLABSERVE_LSAN 1
+#endif
+#endif
+#ifdef COLLABSERVE_LSAN
+#include <sanitizer/lsan_interface.h>
+#endif
+
 namespace collabserve::service {
 
 ServableReaper::ServableReaper() : thread_([this] { Loop(); }) {}
@@ -27,6 +38,9 @@ void ServableReaper::Release(repository::Servable* servable) {
   absl::MutexLock lock(&mu_);
   if (stopped_) {
     LOG(WARNING) << "a servable was released after the server stopped; leaking it";
+#ifdef COLLABSERVE_LSAN
+    __lsan_ignore_object(servable);  // leaked on purpose: not a finding for LeakSanitizer
+#endif
     return;
   }
   queue_.push_back(servable);
