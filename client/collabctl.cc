@@ -16,13 +16,17 @@
 #include "absl/strings/str_split.h"
 #include "client/bench.h"
 #include "client/client.h"
+#include "server/util/files.h"
 #include "google/protobuf/util/json_util.h"
 
 ABSL_FLAG(std::string, address, "127.0.0.1:8500", "server address host:port");
 ABSL_FLAG(std::string, model, "demo", "model name");
 ABSL_FLAG(int64_t, version, 0, "model version (0 = newest)");
 ABSL_FLAG(int, deadline_ms, 10000, "per-call deadline in milliseconds");
-ABSL_FLAG(bool, tls, false, "use TLS");
+ABSL_FLAG(bool, tls, false, "use TLS (inference and admin commands)");
+ABSL_FLAG(std::string, tls_ca_file, "",
+          "with --tls: PEM file of the root certificates that verify the server (default: the "
+          "system's roots)");
 ABSL_FLAG(std::string, service, "", "health: service name to check (\"\" = server)");
 ABSL_FLAG(int, top_k, 0, "classify: labels to return per input");
 ABSL_FLAG(bool, raw_scores, false, "classify: logits instead of probabilities");
@@ -172,16 +176,34 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string command = rest[1];
+  std::string root_certs_pem;
+  if (const std::string ca = absl::GetFlag(FLAGS_tls_ca_file); !ca.empty()) {
+    if (!absl::GetFlag(FLAGS_tls)) {
+      std::cerr << "collabctl: --tls_ca_file needs --tls\n";
+      return 2;
+    }
+    absl::StatusOr<std::string> pem = collabserve::util::ReadFile(ca);
+    if (!pem.ok()) {
+      std::cerr << "collabctl: --tls_ca_file: " << pem.status().message() << "\n";
+      return 2;
+    }
+    root_certs_pem = *std::move(pem);
+  }
   if (collabserve::client::IsAdminCommand(command)) {
     std::vector<char*> a(rest.begin() + 2, rest.end());
+    collabserve::client::AdminTarget target;
+    target.address = absl::GetFlag(FLAGS_address);
+    target.use_tls = absl::GetFlag(FLAGS_tls);
+    target.root_certs_pem = root_certs_pem;
     return collabserve::client::RunAdminCommand(command, static_cast<int>(a.size()), a.data(),
-                                                absl::GetFlag(FLAGS_address));
+                                                target);
   }
   std::vector<std::string> args(rest.begin() + 2, rest.end());
   collabserve::client::ClientOptions options;
   options.address = absl::GetFlag(FLAGS_address);
   options.default_deadline = std::chrono::milliseconds(absl::GetFlag(FLAGS_deadline_ms));
   options.use_tls = absl::GetFlag(FLAGS_tls);
+  options.root_certs_pem = root_certs_pem;
   // A load generator measures what the server does: an overloaded server's RESOURCE_EXHAUSTED
   // is a result to count, not something to retry.
   if (command == "bench") options.retry.max_attempts = 1;

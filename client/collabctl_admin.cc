@@ -83,9 +83,16 @@ bool ReadToken(std::string* token) {
 
 class Admin {
  public:
-  Admin(const std::string& address, std::string token)
-      : stub_(v1::Admin::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()))),
+  Admin(const AdminTarget& target, std::string token)
+      : stub_(v1::Admin::NewStub(grpc::CreateChannel(target.address, Credentials(target)))),
         token_(std::move(token)) {}
+
+  static std::shared_ptr<grpc::ChannelCredentials> Credentials(const AdminTarget& target) {
+    if (!target.use_tls) return grpc::InsecureChannelCredentials();
+    grpc::SslCredentialsOptions ssl;
+    ssl.pem_root_certs = target.root_certs_pem;
+    return grpc::SslCredentials(ssl);
+  }
 
   std::unique_ptr<grpc::ClientContext> Context(absl::Duration deadline = absl::Minutes(10)) {
     auto ctx = std::make_unique<grpc::ClientContext>();
@@ -353,10 +360,16 @@ bool IsAdminCommand(const std::string& cmd) {
 }
 
 int RunAdminCommand(const std::string& cmd, int argc, char** argv, const std::string& address) {
+  AdminTarget target;
+  target.address = address;
+  return RunAdminCommand(cmd, argc, argv, target);
+}
+
+int RunAdminCommand(const std::string& cmd, int argc, char** argv, const AdminTarget& target) {
   std::vector<std::string> args(argv, argv + argc);
   std::string token;
   if (!ReadToken(&token)) return 2;
-  Admin admin(address, token);
+  Admin admin(target, token);
   if (cmd == "upload") return Upload(admin);
   if (cmd == "compress") return Compress(admin, args);
   if (cmd == "jobs") return Jobs(admin, args);

@@ -14,10 +14,20 @@ namespace collabserve::client {
 // True for the commands above.
 bool IsAdminCommand(const std::string& cmd);
 
-// Runs admin command `cmd` against `address`. `argc`/`argv` are the positional arguments after
+// Where the Admin service listens and how to reach it.
+struct AdminTarget {
+  std::string address;         // HOST:PORT
+  bool use_tls = false;        // TLS, as the server's --tls_cert / --tls_key offer it
+  std::string root_certs_pem;  // with use_tls: roots that verify the server; empty = system roots
+};
+
+// Runs admin command `cmd` against `target`. `argc`/`argv` are the positional arguments after
 // the command (flags were parsed by the caller's absl::ParseCommandLine; the admin flags are
 // defined in collabctl_admin.cc). Prints to stdout (results) and stderr (progress, errors).
 // Returns the process exit code: 0 on success, 1 on a failed call or job, 2 on bad usage.
+int RunAdminCommand(const std::string& cmd, int argc, char** argv, const AdminTarget& target);
+
+// The same over a plaintext channel to `address`.
 int RunAdminCommand(const std::string& cmd, int argc, char** argv, const std::string& address);
 
 }  // namespace collabserve::client

@@ -1,6 +1,5 @@
 #include "server/service/admin_jobs.h"
 
-#include <malloc.h>
 #include <ATen/Parallel.h>
 #include <glog/logging.h>
 #include <omp.h>
@@ -576,7 +575,7 @@ absl::Status JobManager::Process(Work& work, repository::ModelRepository* repo) 
     // Give the heap's free pages back to the OS (glibc keeps freed chunks otherwise): loading
     // leaves ~350 MiB of freed per-tensor copies behind for BERT-base, and an engine that only
     // validated is gone.
-    ::malloc_trim(0);
+    util::ReleaseFreedMemory();
     if (!valid.ok()) return valid;
     job.Record(Event(v1::JobEvent::VALIDATED, "checkpoint accepted"));
     if (work.on_validated) {
@@ -594,7 +593,7 @@ absl::Status JobManager::Process(Work& work, repository::ModelRepository* repo) 
       model::EngineOptions eo;
       eo.pack_weights = false;  // converted and measured here, never served
       ASSIGN_OR_RETURN(engine, model::Engine::Load(work.input_dir, eo));
-      ::malloc_trim(0);  // as after validation
+      util::ReleaseFreedMemory();  // as after validation
       if (job.cancel_requested()) return cancelled();
     }
     const std::string out = util::JoinPath(staging, "out");
@@ -628,7 +627,7 @@ absl::Status JobManager::Process(Work& work, repository::ModelRepository* repo) 
       job.Record(e, [](v1::Job* j) { j->set_layers_done(j->layers_done() + 1); });
       // CP-ALS leaves many freed mid-sized buffers in this thread's malloc arena; return them
       // between layers so they do not add up over the model.
-      ::malloc_trim(0);
+      util::ReleaseFreedMemory();
     };
     o.cancelled = job.cancel_flag();
     o.on_step = [&memory](const std::string& step) { memory.Begin(step); };
@@ -637,7 +636,7 @@ absl::Status JobManager::Process(Work& work, repository::ModelRepository* repo) 
     // The original and the compressed model are gone once the engine is: give their pages back
     // before the repository loads the published version.
     engine.reset();
-    ::malloc_trim(0);
+    util::ReleaseFreedMemory();
     if (!report.ok()) {
       if (job.cancel_requested()) return cancelled();
       return report.status();

@@ -86,5 +86,49 @@ TEST(CollabctlAdminTest, UploadWaitJobsLoadUnload) {
   server.Shutdown();
 }
 
+TEST(CollabctlAdminTest, TalksTlsToAnAdminServiceBehindTls) {
+  TempDir repo, certs;
+  MakeTinyModel(repo.path() + "/tiny/1", 1);
+  const std::string cert = certs.path() + "/cert.pem", key = certs.path() + "/key.pem";
+  const std::string cmd = "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost "
+                          "-addext subjectAltName=DNS:localhost -keyout " + key + " -out " + cert +
+                          " >/dev/null 2>&1";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << "openssl could not make a test certificate";
+  service::ServerOptions o;
+  o.host = "127.0.0.1";
+  o.port = 0;
+  o.metrics_port = -1;
+  o.model_repository = repo.path();
+  o.poll_interval = absl::ZeroDuration();
+  o.drain_timeout = absl::Seconds(5);
+  o.tls_cert_file = cert;
+  o.tls_key_file = key;
+  service::AdminServerOptions ao;
+  ao.token = "tls-token";
+  auto admin = service::AdminServer::Create(ao, &o);
+  ASSERT_TRUE(admin.ok());
+  service::Server server(o);
+  ASSERT_TRUE(server.Start().ok());
+  ASSERT_TRUE((*admin)->Start(&server).ok());
+  absl::SetFlag(&FLAGS_token_file, "");
+  setenv("COLLABSERVE_TOKEN", "tls-token", 1);
+  char* none[] = {nullptr};
+
+  AdminTarget target;
+  target.address = absl::StrCat("localhost:", server.port());  // the certificate's name
+  EXPECT_EQ(RunAdminCommand("jobs", 0, none, target), 1);  // plaintext to a TLS port fails
+  target.use_tls = true;
+  target.root_certs_pem = *util::ReadFile(cert);
+  EXPECT_EQ(RunAdminCommand("jobs", 0, none, target), 0);
+  char tiny[] = "tiny", one[] = "1";
+  char* v1[] = {tiny, one};
+  EXPECT_EQ(RunAdminCommand("unload", 2, v1, target), 0);
+  EXPECT_EQ(RunAdminCommand("load", 2, v1, target), 0);
+
+  unsetenv("COLLABSERVE_TOKEN");
+  (*admin)->Shutdown();
+  server.Shutdown();
+}
+
 }  // namespace
 }  // namespace collabserve::client
