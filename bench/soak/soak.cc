@@ -503,7 +503,8 @@ int Run() {
       "| compression jobs during the soak (tiny, rank 16) | %d succeeded, %d failed |\n"
       "| resident memory before warm-up | %.1f MiB |\n"
       "| resident memory after warm-up, before load | %.1f MiB |\n"
-      "| resident memory after the first interval under load -> end | %.1f -> %.1f MiB (%+.2f%%) |\n"
+      "| resident memory after the first interval under load -> end | %.1f -> %.1f MiB (%+.2f%%; "
+      "limit %+.0f%%) |\n"
       "| file descriptors start -> end | %d -> %d |\n"
       "| threads start -> end | %d -> %d |\n"
       "| verdict | %s |\n",
@@ -513,7 +514,7 @@ int Run() {
                                              : absl::StrJoin(codes, ", ", absl::PairFormatter(": ")),
       swaps.load(), swap_failures.load(), jobs_ok.load(), jobs_failed.load(),
       before_warmup.rss_kib / 1024.0, at_start.rss_kib / 1024.0, baseline_mib, end_mib,
-      100 * rss_growth, at_start.fds,
+      100 * rss_growth, 100 * absl::GetFlag(FLAGS_max_rss_growth), at_start.fds,
       at_end.fds, at_start.threads, at_end.threads,
       failures.empty() ? "PASS" : absl::StrCat("FAIL: ", absl::StrJoin(failures, "; ")));
   std::printf("\n%s\n%s", summary.c_str(), table.c_str());
