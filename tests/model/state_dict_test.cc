@@ -119,12 +119,12 @@ TEST_F(StateDictTest, NonFiniteValueIsRefusedByName) {
   // Overwrite the first float of one tensor with NaN in a private copy of the bytes.
   const auto& [key, raw] = *ckpt0->tensors.begin();
   ASSERT_EQ(raw.dtype, io::DType::kF32) << key;
-  std::string copy = *original;
   const size_t offset = static_cast<size_t>(raw.data - reinterpret_cast<const uint8_t*>(original->data()));
-  ASSERT_LT(offset + sizeof(float), copy.size());
+  ASSERT_LT(offset + sizeof(float), original->size());
+  auto copy = std::make_shared<std::string>(*original);
   const float nan = std::numeric_limits<float>::quiet_NaN();
-  std::memcpy(&copy[offset], &nan, sizeof(nan));
-  auto ckpt = io::ParseSafetensorsBytes(io::BytesOfString(std::make_shared<const std::string>(copy)), file_);
+  std::memcpy(copy->data() + offset, &nan, sizeof(nan));
+  auto ckpt = io::ParseSafetensorsBytes(io::BytesOfString(std::move(copy)), file_);
   ASSERT_TRUE(ckpt.ok());
   BertClassifier model(config_);
   absl::Status s = LoadStateDict(model, *ckpt, file_);
