@@ -11,6 +11,10 @@ export CCACHE_DIR ?= $(HOME)/.cache/collabserve-ccache
 export CCACHE_BASEDIR := $(CURDIR)
 export CCACHE_MAXSIZE ?= 5G
 export CCACHE_SLOPPINESS := pch_defines,time_macros,include_file_mtime,include_file_ctime
+# The sanitizer trees compile with -g1, and with -g ccache also hashes the working directory, so a
+# fresh clone elsewhere missed the cache and rebuilt build-asan from nothing (the Release tree, no -g,
+# always hit). Debug info then names the directory the object was first compiled in.
+export CCACHE_NOHASHDIR := 1
 
 .PHONY: all deps configure build test test-asan test-tsan run bench soak clean fuzz
 
