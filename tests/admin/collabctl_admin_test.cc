@@ -29,17 +29,23 @@ namespace {
 using ::collabserve::testing::MakeTinyModel;
 using ::collabserve::testing::TempDir;
 
-TEST(CollabctlAdminTest, UploadWaitJobsLoadUnload) {
-  TempDir repo, src;
-  MakeTinyModel(repo.path() + "/tiny/1", 1);
-  MakeTinyModel(src.path() + "/m", 3);
+// An in-process server on 127.0.0.1:<any port> for `repo`, without metrics or polling.
+service::ServerOptions ServerOptionsFor(const std::string& repo) {
   service::ServerOptions o;
   o.host = "127.0.0.1";
   o.port = 0;
   o.metrics_port = -1;
-  o.model_repository = repo.path();
+  o.model_repository = repo;
   o.poll_interval = absl::ZeroDuration();
   o.drain_timeout = absl::Seconds(5);
+  return o;
+}
+
+TEST(CollabctlAdminTest, UploadWaitJobsLoadUnload) {
+  TempDir repo, src;
+  MakeTinyModel(repo.path() + "/tiny/1", 1);
+  MakeTinyModel(src.path() + "/m", 3);
+  service::ServerOptions o = ServerOptionsFor(repo.path());
   service::AdminServerOptions ao;
   ao.token = "cli-token";
   auto admin = service::AdminServer::Create(ao, &o);
@@ -94,13 +100,7 @@ TEST(CollabctlAdminTest, TalksTlsToAnAdminServiceBehindTls) {
                           "-addext subjectAltName=DNS:localhost -keyout " + key + " -out " + cert +
                           " >/dev/null 2>&1";
   ASSERT_EQ(std::system(cmd.c_str()), 0) << "openssl could not make a test certificate";
-  service::ServerOptions o;
-  o.host = "127.0.0.1";
-  o.port = 0;
-  o.metrics_port = -1;
-  o.model_repository = repo.path();
-  o.poll_interval = absl::ZeroDuration();
-  o.drain_timeout = absl::Seconds(5);
+  service::ServerOptions o = ServerOptionsFor(repo.path());
   o.tls_cert_file = cert;
   o.tls_key_file = key;
   service::AdminServerOptions ao;
