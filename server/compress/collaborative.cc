@@ -3,7 +3,6 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
-#include <dlfcn.h>
 #include <glog/logging.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -25,6 +24,7 @@
 #include "server/model/param_counts.h"
 #include "server/model/probe_sentences.h"
 #include "server/model/state_dict.h"
+#include "server/model/threads.h"
 #include "server/text/bert_tokenizer.h"
 #include "server/util/files.h"
 #include "server/util/process_env.h"
@@ -39,18 +39,6 @@ double SecondsSince(Clock::time_point t0) {
 }
 
 bool IsCancelled(const CompressOptions& o) { return o.cancelled && o.cancelled->load(); }
-
-// Sets the calling thread's ATen intra-op thread count to n without changing the default of the
-// threads started later (at::set_num_threads would: with OpenMP it also stores the process-wide
-// default). OpenMP's count is per thread and ATen initialises it lazily on a thread's first
-// parallel op, so that happens first. omp_set_num_threads is looked up at run time: a LibTorch
-// without OpenMP has one shared pool, which is left as it is.
-void SetThisThreadsIntraOpThreads(int n) {
-  using SetFn = void (*)(int);
-  static const auto omp_set = reinterpret_cast<SetFn>(::dlsym(RTLD_DEFAULT, "omp_set_num_threads"));
-  at::internal::lazy_init_num_threads();
-  if (omp_set != nullptr && at::get_num_threads() != n) omp_set(n);
-}
 
 // Pins OpenBLAS's process-wide pool to one thread for its lifetime when `active` and OpenBLAS
 // runs more than one; restores the previous count.
@@ -208,7 +196,7 @@ absl::StatusOr<std::unique_ptr<model::BertClassifier>> ConvertToCollaborative(
   auto worker = [&]() {
     try {
       c10::InferenceMode guard;
-      SetThisThreadsIntraOpThreads(worker_threads);
+      model::SetThisThreadIntraOpThreads(worker_threads);
       for (int k = next++; k < L; k = next++) {
         const int i = order[k];
         if (IsCancelled(o)) {
@@ -393,7 +381,7 @@ absl::StatusOr<FidelityReport> MeasureFidelity(const model::BertClassifier& orig
   auto run = [&](const model::BertClassifier& m, std::vector<at::Tensor>* out) -> absl::Status {
     try {
       c10::InferenceMode guard;
-      SetThisThreadsIntraOpThreads(intra_op);
+      model::SetThisThreadIntraOpThreads(intra_op);
       for (const Batch& b : batches) out->push_back(m.Forward(b.ids, b.types, b.mask).to(at::kDouble));
     } catch (const std::exception& e) {
       return absl::InternalError(absl::StrCat("fidelity measurement failed: ", e.what()));

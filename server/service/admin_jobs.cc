@@ -2,7 +2,6 @@
 
 #include <ATen/Parallel.h>
 #include <glog/logging.h>
-#include <omp.h>
 #include <sched.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -20,6 +19,7 @@
 #include "server/compress/collaborative.h"
 #include "server/model/config.h"
 #include "server/model/engine.h"
+#include "server/model/threads.h"
 #include "server/util/files.h"
 #include "server/util/process_memory.h"
 #include "server/util/status_macros.h"
@@ -38,15 +38,6 @@ void RemoveTree(const std::string& path) {
   std::error_code ec;
   std::filesystem::remove_all(path, ec);
   if (ec) LOG(WARNING) << "cannot remove " << path << ": " << ec.message();
-}
-
-// Limits this thread's torch intra-op parallelism (OpenMP's thread count is per calling thread;
-// at::set_num_threads would change the default of every thread started later, the inference
-// threads included). Torch initialises a thread's count lazily on its first parallel op, so that
-// happens first and is then overridden.
-void LimitIntraOpThreads(int n) {
-  at::internal::lazy_init_num_threads();
-  omp_set_num_threads(n);
 }
 
 // Lowers the calling worker thread's CPU priority (JobManagerOptions::idle_priority, nice). On
@@ -422,7 +413,7 @@ absl::StatusOr<v1::Job> JobManager::Cancel(const std::string& id) {
 }
 
 void JobManager::WorkerLoop() {
-  LimitIntraOpThreads(std::max(1, options_.intra_op_threads));
+  model::SetThisThreadIntraOpThreads(std::max(1, options_.intra_op_threads));
   LowerWorkerPriority(options_);
   for (;;) {
     Work w;

@@ -3,12 +3,10 @@
 // directory.
 #include <signal.h>
 
-#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
 #include <string>
-#include <thread>
 
 #include <ATen/Parallel.h>
 #include <glog/logging.h>
@@ -93,7 +91,7 @@ absl::StatusOr<std::string> MakeDemoRepository() {
   return templ;
 }
 
-int Run(int argc, char** argv) {
+int Run(int argc, char** argv, int cpus) {
   absl::SetProgramUsageMessage("collabserve [--port=8500] [--model_repository=DIR] ...");
   absl::ParseCommandLine(argc, argv);
   // Debian's abseil is built with mutex deadlock detection on: a global lock on every mutex
@@ -115,7 +113,7 @@ int Run(int argc, char** argv) {
   // per-pass count too.
   const std::string device_flag = absl::GetFlag(FLAGS_device);
   const batching::ThreadPlan threads = batching::PlanInferenceThreads(
-      /*accelerator=*/!absl::StartsWith(device_flag, "cpu"), util::UsableCpus(),
+      /*accelerator=*/!absl::StartsWith(device_flag, "cpu"), cpus,
       absl::GetFlag(FLAGS_num_batch_threads), absl::GetFlag(FLAGS_inference_threads));
   at::set_num_threads(threads.intra_op_threads);
   const bool blas_pinned = util::SetBlasThreads(threads.intra_op_threads);
@@ -216,6 +214,7 @@ int main(int argc, char** argv) {
   collabserve::util::EnsurePassiveOpenMpWaiting(argv);
   // One malloc arena per usable CPU instead of glibc's 8 per core: fewer arenas to fragment as
   // versions and jobs come and go (util::LimitMallocArenas says what the soak measured).
-  collabserve::util::LimitMallocArenas(collabserve::util::UsableCpus());
-  return Run(argc, argv);
+  const int cpus = collabserve::util::UsableCpus();
+  collabserve::util::LimitMallocArenas(cpus);
+  return Run(argc, argv, cpus);
 }

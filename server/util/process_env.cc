@@ -6,8 +6,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <fstream>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -15,6 +13,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "server/util/files.h"
 
 #include <cstdio>
 #include <cstdlib>
@@ -45,12 +44,10 @@ int BlasThreads() {
 
 namespace {
 
-std::string ReadSmallFile(const char* path) {
-  std::ifstream in(path);
-  if (!in) return "";
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+// The text of a small /sys file, or "" when it cannot be read.
+std::string ReadSysFile(const std::string& path) {
+  absl::StatusOr<std::string> text = ReadFile(path, 4096);
+  return text.ok() ? *std::move(text) : std::string();
 }
 
 int CeilDiv(int64_t quota, int64_t period) {
@@ -77,11 +74,11 @@ int UsableCpus() {
   CPU_ZERO(&set);
   if (::sched_getaffinity(0, sizeof(set), &set) == 0) n = CPU_COUNT(&set);
   if (n <= 0) n = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  int limit = CpusFromCgroupCpuMax(ReadSmallFile("/sys/fs/cgroup/cpu.max"));
+  int limit = CpusFromCgroupCpuMax(ReadSysFile("/sys/fs/cgroup/cpu.max"));
   if (limit == 0) {  // cgroup v1
     int64_t quota = 0, period = 0;
-    const std::string q = ReadSmallFile("/sys/fs/cgroup/cpu/cpu.cfs_quota_us");
-    const std::string p = ReadSmallFile("/sys/fs/cgroup/cpu/cpu.cfs_period_us");
+    const std::string q = ReadSysFile("/sys/fs/cgroup/cpu/cpu.cfs_quota_us");
+    const std::string p = ReadSysFile("/sys/fs/cgroup/cpu/cpu.cfs_period_us");
     if (absl::SimpleAtoi(absl::StripAsciiWhitespace(q), &quota) &&
         absl::SimpleAtoi(absl::StripAsciiWhitespace(p), &period)) {
       limit = CeilDiv(quota, period);

@@ -41,19 +41,35 @@ service::ServerOptions ServerOptionsFor(const std::string& repo) {
   return o;
 }
 
+// A server for `o` with the Admin service (bearer `token`) on its port, started by Start() and
+// shut down when it goes out of scope.
+struct ServerWithAdmin {
+  std::unique_ptr<service::AdminServer> admin;
+  std::unique_ptr<service::Server> server;
+
+  absl::Status Start(service::ServerOptions o, const std::string& token) {
+    service::AdminServerOptions ao;
+    ao.token = token;
+    absl::StatusOr<std::unique_ptr<service::AdminServer>> created = service::AdminServer::Create(ao, &o);
+    if (!created.ok()) return created.status();
+    admin = *std::move(created);
+    server = std::make_unique<service::Server>(o);
+    if (absl::Status s = server->Start(); !s.ok()) return s;
+    return admin->Start(server.get());
+  }
+  ~ServerWithAdmin() {
+    if (admin != nullptr) admin->Shutdown();
+    if (server != nullptr) server->Shutdown();
+  }
+};
+
 TEST(CollabctlAdminTest, UploadWaitJobsLoadUnload) {
   TempDir repo, src;
   MakeTinyModel(repo.path() + "/tiny/1", 1);
   MakeTinyModel(src.path() + "/m", 3);
-  service::ServerOptions o = ServerOptionsFor(repo.path());
-  service::AdminServerOptions ao;
-  ao.token = "cli-token";
-  auto admin = service::AdminServer::Create(ao, &o);
-  ASSERT_TRUE(admin.ok());
-  service::Server server(o);
-  ASSERT_TRUE(server.Start().ok());
-  ASSERT_TRUE((*admin)->Start(&server).ok());
-  const std::string address = absl::StrCat("127.0.0.1:", server.port());
+  ServerWithAdmin running;
+  ASSERT_TRUE(running.Start(ServerOptionsFor(repo.path()), "cli-token").ok());
+  const std::string address = absl::StrCat("127.0.0.1:", running.server->port());
   char* none[] = {nullptr};
 
   unsetenv("COLLABSERVE_TOKEN");
@@ -88,8 +104,6 @@ TEST(CollabctlAdminTest, UploadWaitJobsLoadUnload) {
   EXPECT_EQ(RunAdminCommand("delete", 2, v1, address), 0);
   EXPECT_FALSE(std::filesystem::exists(repo.path() + "/cli/1"));
 
-  (*admin)->Shutdown();
-  server.Shutdown();
 }
 
 TEST(CollabctlAdminTest, TalksTlsToAnAdminServiceBehindTls) {
@@ -103,19 +117,14 @@ TEST(CollabctlAdminTest, TalksTlsToAnAdminServiceBehindTls) {
   service::ServerOptions o = ServerOptionsFor(repo.path());
   o.tls_cert_file = cert;
   o.tls_key_file = key;
-  service::AdminServerOptions ao;
-  ao.token = "tls-token";
-  auto admin = service::AdminServer::Create(ao, &o);
-  ASSERT_TRUE(admin.ok());
-  service::Server server(o);
-  ASSERT_TRUE(server.Start().ok());
-  ASSERT_TRUE((*admin)->Start(&server).ok());
+  ServerWithAdmin running;
+  ASSERT_TRUE(running.Start(o, "tls-token").ok());
   absl::SetFlag(&FLAGS_token_file, "");
   setenv("COLLABSERVE_TOKEN", "tls-token", 1);
   char* none[] = {nullptr};
 
   AdminTarget target;
-  target.address = absl::StrCat("localhost:", server.port());  // the certificate's name
+  target.address = absl::StrCat("localhost:", running.server->port());  // the certificate's name
   EXPECT_EQ(RunAdminCommand("jobs", 0, none, target), 1);  // plaintext to a TLS port fails
   target.use_tls = true;
   target.root_certs_pem = *util::ReadFile(cert);
@@ -126,8 +135,6 @@ TEST(CollabctlAdminTest, TalksTlsToAnAdminServiceBehindTls) {
   EXPECT_EQ(RunAdminCommand("load", 2, v1, target), 0);
 
   unsetenv("COLLABSERVE_TOKEN");
-  (*admin)->Shutdown();
-  server.Shutdown();
 }
 
 }  // namespace

@@ -6,12 +6,12 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
 #include <iterator>
 #include <nlohmann/json.hpp>
 #include <string>
 
 #include "server/model/checkpoint_maker.h"
+#include "server/util/files.h"
 #include "server/util/process_env.h"
 #include "tests/testing/test_util.h"
 
@@ -23,11 +23,6 @@ using testing::RunCommand;
 using testing::ShellQuote;
 using testing::TempDir;
 using testing::Tool;
-
-std::string ReadAll(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-}
 
 class CompressCommandTest : public ::testing::Test {
  protected:
@@ -78,7 +73,7 @@ TEST_F(CompressCommandTest, LayersRunInParallelByDefaultAndTheFactorsDoNotDepend
     EXPECT_GT(by_default["steps"][step].get<double>(), 0) << step;
   }
   // One thread per layer either way: the same model, bit for bit.
-  EXPECT_TRUE(ReadAll(dir_ / "default/model.safetensors") == ReadAll(dir_ / "per_cpu/model.safetensors"));
+  EXPECT_TRUE(*util::ReadFile(dir_ / "default/model.safetensors") == *util::ReadFile(dir_ / "per_cpu/model.safetensors"));
 }
 
 TEST_F(CompressCommandTest, BadThreadAndLineSearchFlagsAreRefused) {
