@@ -541,7 +541,17 @@ absl::StatusOr<CompressReport> CompressLoadedModel(const model::BertClassifier& 
                                       model::WeightDType::kF32,
                                       {{"format", "pt"}, {"collabserve", "collaborative-v1"}});
   if (!s.ok()) return fail(s);
-  s = util::WriteFileAtomic(util::JoinPath(tmp, "config.json"), compressed->config().ToJson());
+  // The fidelity goes with the model, so that whoever loads it later (a restarted server's
+  // metrics) knows how it agreed with its original.
+  // (Figures that are not finite - a model whose logits overflow - are left out: config.json
+  // admits only finite ones.)
+  model::BertConfig config = compressed->config();
+  const FidelityReport& f = report.fidelity;
+  if (std::isfinite(f.top1_agreement) && std::isfinite(f.max_abs_logit_diff) && std::isfinite(f.mean_kl)) {
+    config.collaborative.fidelity = model::CollaborativeConfig::Fidelity{
+        f.probes, f.top1_agreement, f.max_abs_logit_diff, f.mean_kl};
+  }
+  s = util::WriteFileAtomic(util::JoinPath(tmp, "config.json"), config.ToJson());
   if (!s.ok()) return fail(s);
   if (::rename(tmp.c_str(), out_dir.c_str()) != 0) {
     return fail(absl::FailedPreconditionError(absl::StrCat(out_dir, ": cannot publish: ", std::strerror(errno))));

@@ -89,6 +89,16 @@ Metrics::Metrics(const std::string& build_version, const std::string& torch_vers
                             .Name("collabserve_model_compression_ratio")
                             .Help("Query/key parameters of a standard layer over the actual ones.")
                             .Register(r);
+  layer_error_ = &prometheus::BuildGauge()
+                      .Name("collabserve_layer_reconstruction_error")
+                      .Help("Relative Frobenius error of each compressed layer's CP decomposition "
+                            "(collaborative versions)")
+                      .Register(r);
+  fidelity_agreement_ = &prometheus::BuildGauge()
+                             .Name("collabserve_model_fidelity_agreement")
+                             .Help("Top-1 agreement of a compressed version with its original on the "
+                                   "fidelity probes, as measured when it was compressed")
+                             .Register(r);
   load_seconds_ = &prometheus::BuildGauge()
                        .Name("collabserve_model_load_seconds")
                        .Help("Time to load and warm up a model version.")
@@ -191,6 +201,16 @@ void Metrics::SetVersionFacts(const std::string& model, int64_t version,
   auto& ls = load_seconds_->Add({{"model", model}, {"version", ver}});
   ls.Set(facts.load_seconds);
   added.emplace_back(load_seconds_, &ls);
+  for (const auto& [layer, error] : facts.layer_errors) {
+    auto& g = layer_error_->Add({{"model", model}, {"version", ver}, {"layer", std::to_string(layer)}});
+    g.Set(error);
+    added.emplace_back(layer_error_, &g);
+  }
+  if (facts.fidelity_agreement.has_value()) {
+    auto& g = fidelity_agreement_->Add({{"model", model}, {"version", ver}});
+    g.Set(*facts.fidelity_agreement);
+    added.emplace_back(fidelity_agreement_, &g);
+  }
 
   absl::MutexLock lock(&mu_);
   ++version_refs_[{model, version}];

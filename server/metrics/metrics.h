@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -36,6 +37,11 @@ struct ModelVersionFacts {
   std::vector<int> layer_ranks;
   double compression_ratio = 1.0;
   double load_seconds = 0.0;
+  // Collaborative versions, from what their compression recorded in config.json: the relative
+  // reconstruction error of each compressed layer (layer index, error), and the top-1 agreement
+  // with the original on the fidelity probes (absent for models written before it was recorded).
+  std::vector<std::pair<int, double>> layer_errors;
+  std::optional<double> fidelity_agreement;
 };
 
 // Histograms for one model (all versions share them). Pointers stay valid for the life of Metrics.
@@ -80,7 +86,8 @@ class Metrics {
   prometheus::Gauge* QueueDepth(const std::string& model, int64_t version);
   prometheus::Gauge* inflight_requests() { return inflight_; }
 
-  // Sets the per-version static gauges (parameters, ranks, compression ratio, load time) and takes
+  // Sets the per-version static gauges (parameters, ranks, compression ratio, load time, and for a
+  // collaborative version its layers' reconstruction errors and its fidelity agreement) and takes
   // one reference on the version's series.
   void SetVersionFacts(const std::string& model, int64_t version, const ModelVersionFacts& facts);
 
@@ -106,6 +113,8 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>* model_parameters_;
   prometheus::Family<prometheus::Gauge>* model_layer_rank_;
   prometheus::Family<prometheus::Gauge>* compression_ratio_;
+  prometheus::Family<prometheus::Gauge>* layer_error_;
+  prometheus::Family<prometheus::Gauge>* fidelity_agreement_;
   prometheus::Family<prometheus::Gauge>* load_seconds_;
   prometheus::Gauge* inflight_;
 

@@ -1,5 +1,8 @@
 #include "server/model/config.h"
 
+#include <cmath>
+#include <limits>
+
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
@@ -201,6 +204,34 @@ absl::StatusOr<BertConfig> BertConfig::Parse(absl::string_view text, absl::strin
     if (auto e = cj.find("errors"); e != cj.end() && e->is_array()) {
       for (const auto& x : *e) c.collaborative.errors.push_back(x.is_number() ? x.get<double>() : -1.0);
     }
+    if (auto f = cj.find("fidelity"); f != cj.end() && !f->is_null()) {
+      if (!f->is_object()) return Invalid(name, "'collaborative.fidelity' must be an object");
+      CollaborativeConfig::Fidelity fid;
+      // Each figure: a finite number in [lo, hi] (`range` says so in the error).
+      auto number = [&](const char* key, double lo, double hi, const char* range,
+                        double* out) -> absl::Status {
+        auto it = f->find(key);
+        if (it == f->end() || !it->is_number() || !std::isfinite(it->get<double>()) ||
+            it->get<double>() < lo || it->get<double>() > hi) {
+          return Invalid(name, absl::StrCat("'collaborative.fidelity.", key, "' must be ", range, ", not ",
+                                            it == f->end() ? std::string("nothing") : Describe(*it)));
+        }
+        *out = it->get<double>();
+        return absl::OkStatus();
+      };
+      auto probes = f->find("probes");
+      if (probes == f->end() || !probes->is_number_integer() || probes->get<int64_t>() < 0 ||
+          probes->get<int64_t>() > std::numeric_limits<int>::max()) {
+        return Invalid(name, absl::StrCat("'collaborative.fidelity.probes' must be a non-negative integer, not ",
+                                          probes == f->end() ? std::string("nothing") : Describe(*probes)));
+      }
+      fid.probes = probes->get<int>();
+      const double inf = std::numeric_limits<double>::infinity();
+      RETURN_IF_ERROR(number("top1_agreement", 0, 1, "a number in [0, 1]", &fid.top1_agreement));
+      RETURN_IF_ERROR(number("max_abs_logit_diff", 0, inf, "a finite number >= 0", &fid.max_abs_logit_diff));
+      RETURN_IF_ERROR(number("mean_kl", 0, inf, "a finite number >= 0", &fid.mean_kl));
+      c.collaborative.fidelity = fid;
+    }
   }
   if (const int64_t n = ParameterCount(c); n > kMaxParameters) {
     return Invalid(name, absl::StrCat("the model would have ", n, " parameters (",
@@ -250,6 +281,12 @@ std::string BertConfig::ToJson() const {
     cj["source"] = collaborative.source;
     cj["algorithm"] = collaborative.algorithm;
     cj["errors"] = collaborative.errors;
+    if (const auto& f = collaborative.fidelity) {
+      cj["fidelity"] = {{"probes", f->probes},
+                        {"top1_agreement", f->top1_agreement},
+                        {"max_abs_logit_diff", f->max_abs_logit_diff},
+                        {"mean_kl", f->mean_kl}};
+    }
     j["collaborative"] = cj;
   }
   return j.dump(2) + "\n";

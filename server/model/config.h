@@ -4,11 +4,12 @@
 #ifndef COLLABSERVE_SERVER_MODEL_CONFIG_H_
 #define COLLABSERVE_SERVER_MODEL_CONFIG_H_
 
+#include <optional>
 #include <string>
-#include "absl/strings/string_view.h"
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace collabserve::model {
 
@@ -23,6 +24,15 @@ struct CollaborativeConfig {
   std::string source;                // where the model came from (free text)
   std::string algorithm;             // "cp-als" | "exact-block"
   std::vector<double> errors;        // relative reconstruction error per layer
+  // How the compressed model agreed with its original on the fidelity probes when it was made
+  // (`collabserve-model compress`, an admin job); absent in files written before it was recorded.
+  struct Fidelity {
+    int probes = 0;
+    double top1_agreement = 0;      // in [0, 1]
+    double max_abs_logit_diff = 0;  // >= 0
+    double mean_kl = 0;             // >= 0
+  };
+  std::optional<Fidelity> fidelity;
   bool present() const { return !ranks.empty(); }
 };
 

@@ -206,6 +206,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Load(const std::string& dir,
   info.hidden_size = config.hidden_size;
   info.intermediate_size = config.intermediate_size;
   info.collaborative_ranks = config.collaborative.ranks;
+  info.collaborative_errors = config.collaborative.errors;
+  if (config.collaborative.fidelity) info.fidelity_top1_agreement = config.collaborative.fidelity->top1_agreement;
   info.params = CountParams(*model);
   info.device = device.str();
   info.dtype = options.dtype;

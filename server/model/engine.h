@@ -54,6 +54,10 @@ struct ModelInfo {
   int intermediate_size = 0;
   // Shared key/query rank per layer for a collaborative model; empty for a standard one.
   std::vector<int> collaborative_ranks;
+  // Also from the collaborative section: each layer's relative reconstruction error (-1 where not
+  // recorded) and the fidelity probes' top-1 agreement when the compression recorded it.
+  std::vector<double> collaborative_errors;
+  std::optional<double> fidelity_top1_agreement;
   ParamCounts params;
   std::string device;
   std::string dtype;

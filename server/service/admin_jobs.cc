@@ -681,14 +681,6 @@ absl::Status JobManager::Process(Work& work, repository::ModelRepository* repo) 
   v1::JobEvent pe = Event(v1::JobEvent::PUBLISHED, absl::StrCat("published as ", id.DebugString()));
   pe.set_version(id.version);
   job.Record(pe, [](v1::Job* j) { j->set_published(true); });
-  if (metrics_ != nullptr && compress) {
-    std::vector<std::pair<int, double>> errors;
-    for (const v1::LayerResult& l : report_proto.layers()) {
-      if (l.rank() > 0) errors.emplace_back(l.layer(), l.relative_error());
-    }
-    metrics_->SetVersionReport(id.model, id.version, errors,
-                               report_proto.fidelity().top1_agreement());
-  }
   if (!published.ok()) {
     return absl::Status(published.code(), absl::StrCat("published as ", id.DebugString(),
                                                        " but loading it failed: ",

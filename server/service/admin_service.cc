@@ -409,11 +409,8 @@ grpc::ServerUnaryReactor* AdminService::DeleteVersion(grpc::CallbackServerContex
   repository::ModelRepository* repo = repository_();
   if (repo == nullptr) return Done(context, absl::UnavailableError("the repository is not loaded yet"));
   repository::ServableId id{request->model_name(), request->version()};
-  return RunBlocking(context, [this, repo, id] {
-    absl::Status s = repo->DeleteVersion(id);
-    if (s.ok() && metrics_ != nullptr) metrics_->RemoveVersion(id.model, id.version);
-    return s;
-  });
+  // (The version's gauges go with its servable, when the repository unloads it.)
+  return RunBlocking(context, [repo, id] { return repo->DeleteVersion(id); });
 }
 
 }  // namespace collabserve::service

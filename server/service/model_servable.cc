@@ -93,6 +93,12 @@ absl::StatusOr<std::unique_ptr<ModelServable>> ModelServable::Load(
   }
   facts.compression_ratio = s->compression_ratio_;
   facts.load_seconds = s->load_seconds_;
+  for (size_t i = 0; i < info.collaborative_ranks.size() && i < info.collaborative_errors.size(); ++i) {
+    if (info.collaborative_ranks[i] > 0 && info.collaborative_errors[i] >= 0) {
+      facts.layer_errors.emplace_back(static_cast<int>(i), info.collaborative_errors[i]);
+    }
+  }
+  facts.fidelity_agreement = info.fidelity_top1_agreement;
   metrics->SetVersionFacts(id.model, id.version, facts);
   s->facts_published_ = true;
   s->model_metrics_ = metrics->ForModel(id.model);

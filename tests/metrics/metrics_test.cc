@@ -50,7 +50,9 @@ TEST(MetricsTest, RemoveVersionDropsOnlyThatVersionsSeries) {
   Metrics m("0.1.0", "1.13.1");
   ModelVersionFacts facts;
   facts.parameters = {{"total", 100}};
-  facts.layer_ranks = {8};
+  facts.layer_ranks = {8, 0};
+  facts.layer_errors = {{0, 0.25}};
+  facts.fidelity_agreement = 0.75;
   m.SetVersionFacts("a", 1, facts);
   m.SetVersionFacts("a", 2, facts);
   m.QueueDepth("a", 1)->Set(1);
@@ -60,6 +62,9 @@ TEST(MetricsTest, RemoveVersionDropsOnlyThatVersionsSeries) {
   const std::string text = m.TextFormat();
   EXPECT_THAT(text, Not(HasSubstr("version=\"1\"")));
   EXPECT_THAT(text, HasSubstr("collabserve_model_parameters{model=\"a\",part=\"total\",version=\"2\"} 100"));
+  EXPECT_THAT(text, HasSubstr("collabserve_layer_reconstruction_error{layer=\"0\",model=\"a\",version=\"2\"} 0.25"));
+  EXPECT_THAT(text, Not(HasSubstr("collabserve_layer_reconstruction_error{layer=\"1\"")));
+  EXPECT_THAT(text, HasSubstr("collabserve_model_fidelity_agreement{model=\"a\",version=\"2\"} 0.75"));
   EXPECT_THAT(text, HasSubstr("collabserve_requests_total{code=\"OK\",model=\"a\",version=\"2\"} 1"));
 }
 

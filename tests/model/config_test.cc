@@ -49,6 +49,24 @@ TEST(BertConfigTest, RoundTripsThroughJson) {
   EXPECT_EQ(again->collaborative.ranks, (std::vector<int>{16, 0}));
   EXPECT_EQ(again->id2label, c->id2label);
   EXPECT_EQ(again->hidden_size, 64);
+  EXPECT_FALSE(again->collaborative.fidelity.has_value());  // absent stays absent
+}
+
+// The fidelity a compression measured travels in config.json, so that a restarted server still
+// exports it (collabserve_model_fidelity_agreement).
+TEST(BertConfigTest, FidelityRoundTrips) {
+  auto c = BertConfig::Parse(R"({"num_hidden_layers": 1, "collaborative": {"ranks": [8],
+      "fidelity": {"probes": 32, "top1_agreement": 0.96875, "max_abs_logit_diff": 0.25,
+      "mean_kl": 0.001}}})", "c");
+  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_TRUE(c->collaborative.fidelity.has_value());
+  auto again = BertConfig::Parse(c->ToJson(), "again");
+  ASSERT_TRUE(again.ok()) << again.status();
+  ASSERT_TRUE(again->collaborative.fidelity.has_value());
+  EXPECT_EQ(again->collaborative.fidelity->probes, 32);
+  EXPECT_DOUBLE_EQ(again->collaborative.fidelity->top1_agreement, 0.96875);
+  EXPECT_DOUBLE_EQ(again->collaborative.fidelity->max_abs_logit_diff, 0.25);
+  EXPECT_DOUBLE_EQ(again->collaborative.fidelity->mean_kl, 0.001);
 }
 
 struct BadCase {
@@ -81,7 +99,15 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{R"({"id2label": {"0": "a", "5": "b"}})", "'id2label' key '5'"},
         BadCase{R"({"problem_type": "ranking"})", "unknown problem_type"},
         BadCase{R"({"num_hidden_layers": 2, "collaborative": {"ranks": [4]}})", "has 1 entries"},
-        BadCase{R"({"num_hidden_layers": 1, "collaborative": {"ranks": [-4]}})", "not a valid rank"}));
+        BadCase{R"({"num_hidden_layers": 1, "collaborative": {"ranks": [-4]}})", "not a valid rank"},
+        BadCase{R"({"num_hidden_layers": 1, "collaborative": {"ranks": [4], "fidelity": 1}})",
+                "'collaborative.fidelity' must be an object"},
+        BadCase{R"({"num_hidden_layers": 1, "collaborative": {"ranks": [4], "fidelity":
+                {"probes": 8, "top1_agreement": 1.5, "max_abs_logit_diff": 0, "mean_kl": 0}}})",
+                "'collaborative.fidelity.top1_agreement' must be a number in [0, 1]"},
+        BadCase{R"({"num_hidden_layers": 1, "collaborative": {"ranks": [4], "fidelity":
+                {"top1_agreement": 1, "max_abs_logit_diff": 0, "mean_kl": 0}}})",
+                "'collaborative.fidelity.probes' must be a non-negative integer, not nothing"}));
 
 }  // namespace
 }  // namespace collabserve::model
