@@ -19,7 +19,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -39,6 +38,7 @@
 #include "grpcpp/create_channel.h"
 #include "server/model/checkpoint_maker.h"
 #include "server/util/files.h"
+#include "server/util/process_memory.h"
 #include "tests/testing/server_process.h"
 
 ABSL_FLAG(double, minutes, 10, "length of the soak (after the saturation measurement)");
@@ -81,20 +81,19 @@ struct ProcStats {
   int fds = -1;
 };
 
+// Entries of a /proc directory (a process's fds or threads); -1 if it cannot be read.
+int CountEntries(const std::string& dir) {
+  std::error_code ec;
+  int n = 0;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) ++n;
+  return ec ? -1 : n;
+}
+
 ProcStats Sample(pid_t pid) {
   ProcStats s;
-  std::ifstream status(absl::StrCat("/proc/", pid, "/status"));
-  std::string line;
-  while (std::getline(status, line)) {
-    if (line.rfind("VmRSS:", 0) == 0) s.rss_kib = std::atoll(line.c_str() + 6);
-    if (line.rfind("Threads:", 0) == 0) s.threads = std::atoi(line.c_str() + 8);
-  }
-  std::error_code ec;
-  s.fds = 0;
-  for (fs::directory_iterator it(absl::StrCat("/proc/", pid, "/fd"), ec), end; !ec && it != end;
-       it.increment(ec)) {
-    ++s.fds;
-  }
+  if (auto m = util::ReadProcessMemory(pid); m.ok()) s.rss_kib = m->rss_bytes / 1024;
+  s.threads = CountEntries(absl::StrCat("/proc/", pid, "/task"));
+  s.fds = CountEntries(absl::StrCat("/proc/", pid, "/fd"));
   return s;
 }
 
