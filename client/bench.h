@@ -1,10 +1,13 @@
 // Closed-loop load generator: `concurrency` workers, each sending one Classify at a time and the
 // next as soon as the previous answers, for a bounded time and count. By default the workers are
 // gRPC callback-API loops (no thread per worker), so that the generator costs the machine it
-// shares with the server little CPU; BenchApi::kThreads keeps one blocking thread per worker.
+// shares with the server little CPU; BenchApi::kThreads keeps one blocking thread per worker;
+// BenchApi::kStream sends the same requests as messages of ClassifyStream calls (the workers
+// spread over a few long-lived streams), which spares the per-call gRPC work of a unary call.
 #ifndef COLLABSERVE_CLIENT_BENCH_H_
 #define COLLABSERVE_CLIENT_BENCH_H_
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -17,6 +20,7 @@ namespace collabserve::client {
 enum class BenchApi {
   kCallback,  // each worker starts its next call from the previous call's completion callback
   kThreads,   // a thread per worker, blocking in Client::Classify
+  kStream,    // workers share `streams` ClassifyStream calls; each keeps one request in flight
 };
 
 struct BenchOptions {
@@ -30,6 +34,10 @@ struct BenchOptions {
   int inputs_per_request = 1;
   std::chrono::milliseconds deadline{30000};
   BenchApi api = BenchApi::kCallback;
+  // kStream only: how many ClassifyStream calls carry the workers (spread evenly); 0 = one per 16
+  // workers (the server reads at most --stream_max_pending_responses, 32 by default, ahead on a
+  // stream). Each stream's deadline is the run's duration plus `deadline`.
+  int streams = 0;
 };
 
 struct BenchResult {

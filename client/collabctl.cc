@@ -38,8 +38,11 @@ ABSL_FLAG(int, input_tokens, 32, "bench: tokens per input (with [CLS]/[SEP])");
 ABSL_FLAG(std::string, lengths, "", "bench: comma-separated token counts used round-robin (overrides --input_tokens)");
 ABSL_FLAG(int, inputs_per_request, 1, "bench: inputs per Classify call");
 ABSL_FLAG(std::string, bench_api, "callback",
-          "bench: callback (gRPC callback API, no thread per worker: cheap on a shared machine) or "
-          "threads (one blocking thread per worker)");
+          "bench: callback (gRPC callback API, no thread per worker: cheap on a shared machine), "
+          "threads (one blocking thread per worker) or stream (the requests as messages of a few "
+          "long-lived ClassifyStream calls: no per-call gRPC work)");
+ABSL_FLAG(int, bench_streams, 0,
+          "bench --bench_api=stream: ClassifyStream calls the workers share (0 = one per 16 workers)");
 
 namespace {
 
@@ -139,9 +142,13 @@ int Bench(const Client& client) {
   const std::string api = absl::GetFlag(FLAGS_bench_api);
   if (api == "threads") {
     o.api = collabserve::client::BenchApi::kThreads;
+  } else if (api == "stream") {
+    o.api = collabserve::client::BenchApi::kStream;
   } else if (api != "callback") {
-    return Fail(absl::InvalidArgumentError("--bench_api must be callback or threads, not '" + api + "'"));
+    return Fail(absl::InvalidArgumentError("--bench_api must be callback, threads or stream, not '" + api + "'"));
   }
+  o.streams = absl::GetFlag(FLAGS_bench_streams);
+  if (o.streams < 0) return Fail(absl::InvalidArgumentError("--bench_streams must be >= 0"));
   if (!absl::GetFlag(FLAGS_lengths).empty()) {
     o.lengths.clear();
     for (auto p : absl::StrSplit(absl::GetFlag(FLAGS_lengths), ',')) {

@@ -10,7 +10,8 @@
 #   single-threaded batch thread per core on CPU; N: N batch threads, each with THREADS / N
 #   intra-op threads)  DELAY_US (max_queue_delay_micros, 2000)
 #   MAX_BATCH (32)  MODES ("batching no-batching")  SERVER_FLAGS (extra collabserve flags)
-#   BENCH_API (callback|threads: collabctl bench's workers)  OUT (also write the table there, as
+#   BENCH_API (callback|threads: collabctl bench's workers)  INPUTS_PER_REQUEST (1: inputs per
+#   Classify call; with N, "conc" counts calls and N x conc inputs are in flight)  OUT (also write the table there, as
 #   Markdown)  RECORDS (keep every run's raw figures there, TSV)
 # The raw ceiling does not depend on the server's settings: it is the best of one stream with THREADS
 # intra-op threads and THREADS concurrent single-threaded streams (and BATCH_THREADS streams with
@@ -32,6 +33,7 @@ MAX_BATCH=${MAX_BATCH:-32}
 SERVER_FLAGS=${SERVER_FLAGS:-}
 MODES=${MODES:-"batching no-batching"}
 BENCH_API=${BENCH_API:-callback}
+INPUTS_PER_REQUEST=${INPUTS_PER_REQUEST:-1}
 OUT=${OUT:-}
 if [[ -n $BATCH_THREADS ]]; then
   INTRA=$((THREADS / BATCH_THREADS))
@@ -130,7 +132,7 @@ for rep in $(seq 1 "$REPEATS"); do
       read -r bs0 bc0 is0 qs0 qc0 <<<"$(scrape)"
       line=$("$BUILD_DIR/bin/collabctl" --address=127.0.0.1:"$port" bench --model=bench \
         --concurrency="$c" --duration_s="$DURATION_S" --input_tokens="$TOKENS" --deadline_ms=60000 \
-        --bench_api="$BENCH_API")
+        --bench_api="$BENCH_API" --inputs_per_request="$INPUTS_PER_REQUEST")
       cpu1=$(server_cpu_s)
       read -r bs1 bc1 is1 qs1 qc1 <<<"$(scrape)"
       extra=$(awk -v c0="$cpu0" -v c1="$cpu1" -v bs0="$bs0" -v bs1="$bs1" -v bc0="$bc0" \
@@ -153,5 +155,5 @@ server_config=$(sed -n 's/.*inference threads: \([0-9]*\) batch thread(s) per mo
   "$work/server.err" | tail -1)
 /usr/bin/python3 "$HERE/summarize.py" --records="$records" --delay_us="$DELAY_US" \
   --server_config="$server_config" --max_batch="$MAX_BATCH" \
-  --title="preset $PRESET, $TOKENS tokens/input, max_batch_size $MAX_BATCH, max_queue_delay ${DELAY_US} us, $PLAN ($(grep -o 'inference threads: [^(]*' "$work/server.err" | tail -1)), collabctl bench --bench_api=$BENCH_API, $DURATION_S s per point, median of $REPEATS" \
+  --title="preset $PRESET, $TOKENS tokens/input, max_batch_size $MAX_BATCH, max_queue_delay ${DELAY_US} us, $PLAN ($(grep -o 'inference threads: [^(]*' "$work/server.err" | tail -1)), collabctl bench --bench_api=$BENCH_API --inputs_per_request=$INPUTS_PER_REQUEST, $DURATION_S s per point, median of $REPEATS" \
   ${OUT:+--out="$OUT"}

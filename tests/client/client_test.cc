@@ -180,8 +180,9 @@ TEST(ClientRetryDeadlineTest, BadRetryOptionsAreRejected) {
   EXPECT_EQ(Client::Create(co).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
-// The load generator against a real server, with each API: every request it was allowed is sent
-// and answered, and the figures it reports are consistent.
+// The load generator against a real server, with each API (kStream: 8 workers over the default one
+// stream, and over 3 streams of 3, 3 and 2): every request it was allowed is sent and answered, and the figures it reports are
+// consistent.
 TEST(BenchAgainstServerTest, EveryRequestIsAnsweredWithEitherApi) {
   TempDir repo;
   MakeTinyModel(repo.path() + "/tiny/1", 1);
@@ -199,10 +200,14 @@ TEST(BenchAgainstServerTest, EveryRequestIsAnsweredWithEitherApi) {
   co.retry.max_attempts = 1;
   auto client = Client::Create(co);
   ASSERT_TRUE(client.ok()) << client.status();
-  for (BenchApi api : {BenchApi::kCallback, BenchApi::kThreads}) {
+  const std::pair<BenchApi, int> apis[] = {
+      {BenchApi::kCallback, 0}, {BenchApi::kThreads, 0}, {BenchApi::kStream, 0}, {BenchApi::kStream, 3}};
+  for (const auto& [api, streams] : apis) {
+    SCOPED_TRACE(absl::StrCat("api ", static_cast<int>(api), ", streams ", streams));
     BenchOptions b;
     b.model = "tiny";
     b.api = api;
+    b.streams = streams;
     b.concurrency = 8;
     b.duration_s = 120;  // the request count ends the run
     b.max_requests = 64;
