@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
 #include <dlfcn.h>
 
 #include <cmath>
@@ -22,6 +23,10 @@ namespace {
 // "packed" uses PackedLinear at every size (tests, benchmarks).
 enum class GemmMode { kAten, kDnnl, kHybrid, kPacked };
 constexpr int64_t kPackedMaxRows = 256;
+
+// Up to this many tokens per pass the encoder runs in one ThreadTeam run (EncodeOnTeam); above,
+// each operation is long enough that its own parallel region costs nothing visible.
+constexpr int64_t kTeamMaxRows = 256;
 
 // oneDNN's row-major SGEMM (dnnl_sgemm, oneDNN >= 1.0), looked up at run time in the libraries
 // already loaded: Debian's LibTorch links libdnnl.so.2. Against OpenBLAS 0.3.21 (what at::addmm
@@ -75,13 +80,19 @@ void GemmAccumulate(at::Tensor& out, const at::Tensor& x, const at::Tensor& w) {
   at::addmm_out(out, out, x, w.t());
 }
 
+// Whether a product of `rows` rows with this packed weight (null: none) runs on PackedLinear.
+bool UsePackedLinear(const PackedWeight* packed, int64_t rows) {
+  return packed != nullptr &&
+         (ChosenGemmMode() == GemmMode::kPacked || rows <= kPackedMaxRows || FindSgemm() == nullptr);
+}
+
 // x[T, K] · w[N, K]^T + b (+ residual[T, N]) as one pre-filled output and one accumulating GEMM,
 // or, with a packed weight and few enough rows, one PackedLinear that writes each output once.
+
 at::Tensor Dense(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
                  const PackedWeight* packed, const at::Tensor& residual = at::Tensor()) {
   const int64_t T = x.size(0), N = w.size(0);
-  if (packed != nullptr && x.is_contiguous() &&
-      (ChosenGemmMode() == GemmMode::kPacked || T <= kPackedMaxRows || FindSgemm() == nullptr)) {
+  if (UsePackedLinear(packed, T) && x.is_contiguous()) {
     at::Tensor out = at::empty({T, N}, x.options());
     at::Tensor r = residual.defined() ? residual.contiguous() : residual;
     PackedLinear(x.data_ptr<float>(), x.size(1), T, *packed, b.data_ptr<float>(),
@@ -105,39 +116,78 @@ at::Tensor LayerNormInPlace(at::Tensor x, const at::Tensor& w, const at::Tensor&
   return at::layer_norm(x, {x.size(-1)}, w, b, eps);
 }
 
-// Standard self-attention for one layer, fused per (sequence, head): q, k and v are read in place
-// from the projection proj [B·S, 3D] (rows [q/sqrt(dk) | k | v], heads side by side), the [S, S]
-// scores stay in cache through mask and softmax, and the context is written straight into its
-// [B·S, D] slot. Needs the sgemm; returns ctx [B·S, D].
+// One (sequence b, head h) of standard self-attention: q, k and v read in place from the
+// projection p (rows [q/sqrt(dk) | k | v] of ld floats, heads side by side), the [S, S] scores in
+// `scores` (cache-resident through mask and softmax), the context written into its slot of
+// ctx [B·S, D]. Runs on the calling thread (inside a parallel region the sgemm and softmax do).
+void AttendOneHead(SgemmFn sgemm, const float* p, int64_t ld, const float* mask, int64_t b,
+                   int64_t h, int64_t S, int64_t D, int64_t dk, at::Tensor& scores, float* ctx) {
+  float* sc = scores.data_ptr<float>();
+  const float* q = p + b * S * ld + h * dk;
+  const float* k = q + D;
+  const float* v = q + 2 * D;
+  int st = sgemm('N', 'T', S, S, dk, 1.0f, q, ld, k, ld, 0.0f, sc, S);
+  TORCH_CHECK(st == 0, "dnnl_sgemm (attention scores) failed with status ", st);
+  if (mask != nullptr) {
+    const float* m = mask + b * S;
+    for (int64_t r = 0; r < S; ++r) {
+      float* row = sc + r * S;
+      for (int64_t j = 0; j < S; ++j) row[j] += m[j];
+    }
+  }
+  at::_softmax_out(scores, scores, -1, false);
+  st = sgemm('N', 'N', S, dk, S, 1.0f, sc, S, v, ld, 0.0f, ctx + b * S * D + h * dk, D);
+  TORCH_CHECK(st == 0, "dnnl_sgemm (attention context) failed with status ", st);
+}
+
+// Standard self-attention for one layer, fused per (sequence, head) (AttendOneHead) and split
+// over threads by (sequence, head); proj [B·S, 3D] -> ctx [B·S, D]. Needs the sgemm.
 at::Tensor FusedAttention(SgemmFn sgemm, const at::Tensor& proj, const at::Tensor& mask_add,
                           int64_t B, int64_t S, int64_t H, int64_t dk) {
-  const int64_t D = H * dk, ld = 3 * D;
+  const int64_t D = H * dk;
   at::Tensor ctx = at::empty({B * S, D}, proj.options());
   const float* p = proj.data_ptr<float>();
   float* c = ctx.data_ptr<float>();
   const float* mask = mask_add.defined() ? mask_add.data_ptr<float>() : nullptr;  // [B, S]
-  // Each task owns whole (b, h) slices; inside at::parallel_for the sgemm and softmax run on the
-  // calling thread.
+  const bool inference = c10::InferenceMode::is_enabled();
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    // OpenMP workers do not inherit the caller's InferenceMode (thread-local).
+    c10::InferenceMode guard(inference);
     at::Tensor scores = at::empty({S, S}, proj.options());
-    float* sc = scores.data_ptr<float>();
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / H, h = i % H;
-      const float* q = p + b * S * ld + h * dk;
-      const float* k = q + D;
-      const float* v = q + 2 * D;
-      int st = sgemm('N', 'T', S, S, dk, 1.0f, q, ld, k, ld, 0.0f, sc, S);
-      TORCH_CHECK(st == 0, "dnnl_sgemm (attention scores) failed with status ", st);
-      if (mask != nullptr) {
-        const float* m = mask + b * S;
-        for (int64_t r = 0; r < S; ++r) {
-          float* row = sc + r * S;
-          for (int64_t j = 0; j < S; ++j) row[j] += m[j];
-        }
-      }
-      at::_softmax_out(scores, scores, -1, false);
-      st = sgemm('N', 'N', S, dk, S, 1.0f, sc, S, v, ld, 0.0f, c + b * S * D + h * dk, D);
-      TORCH_CHECK(st == 0, "dnnl_sgemm (attention context) failed with status ", st);
+      AttendOneHead(sgemm, p, 3 * D, mask, i / H, i % H, S, D, dk, scores, c);
+    }
+  });
+  return ctx;
+}
+
+// The q/k/v projection and the attention of a standard layer in one parallel region, split by
+// head: each thread computes the q, k and v columns of its heads (PackedLinearColumns; they are
+// whole panels when dk is a multiple of the panel width) and then those heads' attention for
+// every sequence, so no thread waits for another between the two. For token counts where
+// PackedLinear runs (the pass is short and a thread wake-up per operation is a visible cost).
+// x [B·S, D] -> ctx [B·S, D].
+at::Tensor ProjectAndAttend(SgemmFn sgemm, const at::Tensor& x, const PackedWeight& fused_p,
+                            const at::Tensor& fused_b, const at::Tensor& mask_add, int64_t B,
+                            int64_t S, int64_t H, int64_t dk) {
+  const int64_t D = H * dk, T = B * S;
+  at::Tensor proj = at::empty({T, 3 * D}, x.options());
+  at::Tensor ctx = at::empty({T, D}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* bias = fused_b.data_ptr<float>();
+  float* p = proj.data_ptr<float>();
+  float* c = ctx.data_ptr<float>();
+  const float* mask = mask_add.defined() ? mask_add.data_ptr<float>() : nullptr;  // [B, S]
+  const bool inference = c10::InferenceMode::is_enabled();
+  at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
+    c10::InferenceMode guard(inference);  // not inherited by OpenMP workers
+    for (int64_t part = 0; part < 3; ++part) {
+      PackedLinearColumns(xp, D, T, fused_p, bias, nullptr, 0, p, 3 * D, part * D + h0 * dk,
+                          part * D + h1 * dk);
+    }
+    at::Tensor scores = at::empty({S, S}, x.options());
+    for (int64_t h = h0; h < h1; ++h) {
+      for (int64_t b = 0; b < B; ++b) AttendOneHead(sgemm, p, 3 * D, mask, b, h, S, D, dk, scores, c);
     }
   });
   return ctx;
@@ -284,21 +334,137 @@ at::Tensor BertClassifier::Layer(const EncoderLayer& l, const at::Tensor& h,
   const int64_t B = h.size(0), S = h.size(1), D = config_.hidden_size, T = B * S;
   const int64_t H = config_.num_attention_heads, dk = config_.head_size();
   const at::Tensor h2 = h.view({T, D});
-  at::Tensor proj = Dense(h2, l.fused_w, l.fused_b, l.fused_p.get());  // [T, *]
   at::Tensor ctx;
   SgemmFn sgemm = FindSgemm();
-  if (!l.collaborative && sgemm != nullptr && proj.scalar_type() == at::kFloat && proj.is_cpu()) {
-    at::Tensor mask2;
-    if (mask_add.defined()) mask2 = mask_add.view({B, S}).contiguous();
-    ctx = FusedAttention(sgemm, proj, mask2, B, S, H, dk);
+  const bool fused_attention = !l.collaborative && sgemm != nullptr &&
+                               h.scalar_type() == at::kFloat && h.is_cpu();
+  at::Tensor mask2;
+  if (fused_attention && mask_add.defined()) mask2 = mask_add.view({B, S}).contiguous();
+  if (fused_attention && UsePackedLinear(l.fused_p.get(), T) && dk % PackedWeight::kPanel == 0 &&
+      h2.is_contiguous()) {
+    ctx = ProjectAndAttend(sgemm, h2, *l.fused_p, l.fused_b, mask2, B, S, H, dk);
   } else {
-    ctx = Attention(l, proj, mask_add, B, S);
+    at::Tensor proj = Dense(h2, l.fused_w, l.fused_b, l.fused_p.get());  // [T, *]
+    ctx = fused_attention ? FusedAttention(sgemm, proj, mask2, B, S, H, dk)
+                          : Attention(l, proj, mask_add, B, S);
   }
   auto h1 = LayerNormInPlace(Dense(ctx, l.attn_out_w, l.attn_out_b, l.attn_out_p.get(), h2),
                              l.attn_ln_w, l.attn_ln_b, config_.layer_norm_eps);
-  auto inter = Activation(Dense(h1, l.inter_w, l.inter_b, l.inter_p.get()));
+  at::Tensor inter;
+  if (UsePackedLinear(l.inter_p.get(), T) && h1.is_contiguous()) {
+    // The intermediate projection and its activation in one parallel region: each thread applies
+    // the activation to the columns it has just computed (still in cache; no second wake-up).
+    const int64_t F = l.inter_w.size(0);
+    inter = at::empty({T, F}, h1.options());
+    const PackedWeight& w = *l.inter_p;
+    const bool inference = c10::InferenceMode::is_enabled();
+    at::parallel_for(0, w.panels(), PanelGrain(w, T), [&](int64_t p0, int64_t p1) {
+      c10::InferenceMode guard(inference);  // not inherited by OpenMP workers
+      const int64_t n0 = p0 * PackedWeight::kPanel, n1 = std::min(F, p1 * PackedWeight::kPanel);
+      PackedLinearColumns(h1.data_ptr<float>(), D, T, w, l.inter_b.data_ptr<float>(), nullptr, 0,
+                          inter.data_ptr<float>(), F, n0, n1);
+      Activation(inter.narrow(1, n0, n1 - n0));
+    });
+  } else {
+    inter = Activation(Dense(h1, l.inter_w, l.inter_b, l.inter_p.get()));
+  }
   auto out = Dense(inter, l.out_w, l.out_b, l.out_p.get(), h1);
   return LayerNormInPlace(out, l.out_ln_w, l.out_ln_b, config_.layer_norm_eps).view({B, S, D});
+}
+
+// The whole encoder in one ThreadTeam run, for token counts where PackedLinear runs and the
+// pass is short: each parallel ATen/OpenMP op would wake the other threads and let them go back
+// to sleep (dozens of times per pass at batch 1). Member t of n takes, per layer: the q/k/v
+// columns and attention of heads [t·H/n, (t+1)·H/n) (no wait between the two, as in
+// ProjectAndAttend); 1/n of the output projection's panels (+ residual); 1/n of the rows of the
+// LayerNorm; 1/n of the intermediate panels and their activation; 1/n of the output panels (+
+// residual); 1/n of the rows of the LayerNorm; with a barrier after each. Every element is
+// computed by the same kernels, in the same order, as on the per-operation path.
+bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add) const {
+  const int n = at::get_num_threads();
+  const int64_t B = h.size(0), S = h.size(1), D = config_.hidden_size, T = B * S;
+  const int64_t H = config_.num_attention_heads, dk = config_.head_size();
+  const int64_t F = config_.intermediate_size;
+  SgemmFn sgemm = FindSgemm();
+  if (n <= 1 || at::in_parallel_region() || sgemm == nullptr || !h.is_cpu() ||
+      h.scalar_type() != at::kFloat || T > std::min(kPackedMaxRows, kTeamMaxRows) ||
+      dk % PackedWeight::kPanel != 0) {
+    return false;
+  }
+  for (const EncoderLayer& l : layers_) {
+    if (l.collaborative || l.fused_p == nullptr || l.attn_out_p == nullptr ||
+        l.inter_p == nullptr || l.out_p == nullptr) {
+      return false;
+    }
+  }
+  at::Tensor mask2;
+  if (mask_add.defined()) mask2 = mask_add.view({B, S}).contiguous();
+  const float* mask = mask2.defined() ? mask2.data_ptr<float>() : nullptr;
+  at::Tensor cur = h.contiguous().view({T, D});
+  at::Tensor proj = at::empty({T, 3 * D}, cur.options());
+  at::Tensor ctx = at::empty({T, D}, cur.options());
+  at::Tensor mid = at::empty({T, D}, cur.options());
+  at::Tensor inter = at::empty({T, F}, cur.options());
+  at::Tensor next = at::empty({T, D}, cur.options());
+  const float eps = static_cast<float>(config_.layer_norm_eps);
+  // [begin, end) of `count` units for member t of n, in whole multiples of `unit`.
+  auto share = [](int64_t count, int64_t unit, int t, int n) {
+    const int64_t units = (count + unit - 1) / unit;
+    const int64_t b = units * t / n, e = units * (t + 1) / n;
+    return std::make_pair(std::min(count, b * unit), std::min(count, e * unit));
+  };
+  const bool ran = ThreadTeam::Shared().TryRun(n, [&](int t, int n) {
+    ThreadTeam& team = ThreadTeam::Shared();
+    at::Tensor scores = at::empty({S, S}, cur.options());
+    at::Tensor x = cur, y = next;  // this layer's input and output (swapped after each layer)
+    for (const EncoderLayer& l : layers_) {
+      const float* xp = x.data_ptr<float>();
+      team.Step([&] {
+        const auto [h0, h1] = share(H, 1, t, n);
+        for (int64_t part = 0; part < 3; ++part) {
+          PackedLinearColumns(xp, D, T, *l.fused_p, l.fused_b.data_ptr<float>(), nullptr, 0,
+                              proj.data_ptr<float>(), 3 * D, part * D + h0 * dk, part * D + h1 * dk);
+        }
+        for (int64_t hd = h0; hd < h1; ++hd) {
+          for (int64_t b = 0; b < B; ++b) {
+            AttendOneHead(sgemm, proj.data_ptr<float>(), 3 * D, mask, b, hd, S, D, dk, scores,
+                          ctx.data_ptr<float>());
+          }
+        }
+      });
+      team.Step([&] {
+        const auto [n0, n1] = share(D, PackedWeight::kPanel, t, n);
+        PackedLinearColumns(ctx.data_ptr<float>(), D, T, *l.attn_out_p, l.attn_out_b.data_ptr<float>(),
+                            xp, D, mid.data_ptr<float>(), D, n0, n1);
+      });
+      team.Step([&] {
+        const auto [r0, r1] = share(T, 1, t, n);
+        LayerNormRowsInPlace(mid.data_ptr<float>() + r0 * D, D, r1 - r0, D,
+                            l.attn_ln_w.data_ptr<float>(), l.attn_ln_b.data_ptr<float>(), eps);
+      });
+      team.Step([&] {
+        const auto [n0, n1] = share(F, PackedWeight::kPanel, t, n);
+        PackedLinearColumns(mid.data_ptr<float>(), D, T, *l.inter_p, l.inter_b.data_ptr<float>(),
+                            nullptr, 0, inter.data_ptr<float>(), F, n0, n1);
+        if (n1 > n0) Activation(inter.narrow(1, n0, n1 - n0));
+      });
+      team.Step([&] {
+        const auto [n0, n1] = share(D, PackedWeight::kPanel, t, n);
+        PackedLinearColumns(inter.data_ptr<float>(), F, T, *l.out_p, l.out_b.data_ptr<float>(),
+                            mid.data_ptr<float>(), D, y.data_ptr<float>(), D, n0, n1);
+      });
+      team.Step([&] {
+        const auto [r0, r1] = share(T, 1, t, n);
+        LayerNormRowsInPlace(y.data_ptr<float>() + r0 * D, D, r1 - r0, D,
+                            l.out_ln_w.data_ptr<float>(), l.out_ln_b.data_ptr<float>(), eps);
+      });
+      std::swap(x, y);
+    }
+  });
+  if (!ran) return false;
+  // After an even number of layers the result is back in `cur`'s buffer, else in `next`'s.
+  h = (layers_.size() % 2 == 0 ? cur : next).view({B, S, D});
+  return true;
 }
 
 // Self-attention with ATen ops (collaborative layers, and standard ones without the sgemm):
@@ -344,6 +510,7 @@ at::Tensor BertClassifier::EncoderOutput(const at::Tensor& input_ids,
     mask_add = (1.0 - m) * lowest;
   }
   auto h = Embed(ids, types);
+  if (EncodeOnTeam(h, mask_add)) return h;
   for (const EncoderLayer& l : layers_) h = Layer(l, h, mask_add);
   return h;
 }

@@ -89,6 +89,9 @@ class BertClassifier : public ParamNode {
   at::Tensor Attention(const EncoderLayer& l, const at::Tensor& proj, const at::Tensor& mask_add,
                        int64_t B, int64_t S) const;
   at::Tensor Activation(const at::Tensor& x) const;
+  // Every layer in one ThreadTeam run (see bert.cc); false when that path does not apply (then h
+  // is unchanged).
+  bool EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add) const;
 
   BertConfig config_;
   at::Tensor word_emb_, pos_emb_, type_emb_, emb_ln_w_, emb_ln_b_;

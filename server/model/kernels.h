@@ -7,7 +7,14 @@
 
 #include <ATen/ATen.h>
 
+#include <atomic>
+#include <condition_variable>
 #include <cstdint>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
 
 namespace collabserve::model {
 
@@ -44,11 +51,72 @@ class PackedWeight {
 void PackedLinear(const float* x, int64_t ldx, int64_t rows, const PackedWeight& w,
                   const float* bias, const float* residual, int64_t ldr, float* out, int64_t ldo);
 
+// How many of w's panels PackedLinear gives one task for `rows` rows (at least ~1 MFLOP each: a
+// thread wake-up costs more than a smaller share). For callers that split the panels themselves.
+int64_t PanelGrain(const PackedWeight& w, int64_t rows);
+
+// PackedLinear for the output columns [n_begin, n_end) only, on the calling thread: for callers
+// that split a layer's work over threads themselves (e.g. the q/k/v columns of some heads, then
+// those heads' attention, in one parallel region). n_begin is a multiple of PackedWeight::kPanel;
+// n_end is one too, or w.n(). Each element equals PackedLinear's bit for bit.
+void PackedLinearColumns(const float* x, int64_t ldx, int64_t rows, const PackedWeight& w,
+                         const float* bias, const float* residual, int64_t ldr, float* out,
+                         int64_t ldo, int64_t n_begin, int64_t n_end);
+
 // In place over the rows of x [rows, d] (row-major, leading dimension ldx): x = (x - mean) /
 // sqrt(var + eps) * gamma + beta, biased variance, as torch.nn.functional.layer_norm over the
 // last dimension. Parallel over rows.
 void LayerNormRowsInPlace(float* x, int64_t ldx, int64_t rows, int64_t d, const float* gamma,
                           const float* beta, double eps);
+
+// A fixed group of threads for forward passes too short to pay a thread wake-up per operation
+// (OpenMP with OMP_WAIT_POLICY=PASSIVE puts its workers to sleep after every parallel op, and a
+// batch-1 pass has dozens of them): TryRun starts one function on n threads at once, the caller
+// being member 0, and its members meet at Step boundaries, where they spin briefly (steps are
+// microseconds apart) before yielding. Between runs the other members sleep.
+//
+// Thread-safety: one run at a time; TryRun returns false at once, running nothing, while another
+// thread's run is in progress (the caller then takes its ordinary path). Inside a run every
+// member's ATen and oneDNN calls run single-threaded, under the caller's InferenceMode.
+class ThreadTeam {
+ public:
+  // The process-wide team (its threads start on first use, and live until exit).
+  static ThreadTeam& Shared();
+
+  // Runs fn(member, n) for member = 0..n-1 on n threads at once and returns when all have
+  // returned. Rethrows the first exception a Step raised. n >= 1.
+  bool TryRun(int n, const std::function<void(int member, int n)>& fn);
+
+  // Called by every member of a run, in the same order: runs f on this member (unless a member
+  // has already failed), then waits until all members have finished theirs.
+  void Step(const std::function<void()>& f);
+
+  ~ThreadTeam();
+
+ private:
+  ThreadTeam() = default;
+  void WorkerLoop(int member);
+  void Barrier();
+
+  std::mutex run_mu_;  // held for a whole run
+  std::mutex mu_;      // guards workers_ creation and the sleep/wake handshake
+  std::condition_variable wake_;
+  std::vector<std::thread> workers_;  // member i + 1
+  bool stop_ = false;
+  // The job: published by generation_ (release), read by the workers after acquiring it.
+  const std::function<void(int, int)>* job_ = nullptr;
+  std::atomic<int> job_n_{0};
+  bool job_inference_mode_ = false;
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<int> finished_{0};
+  // Barrier.
+  std::atomic<int> arrived_{0};
+  std::atomic<uint64_t> barrier_generation_{0};
+  // First failure of the run.
+  std::atomic<bool> failed_{false};
+  std::mutex error_mu_;
+  std::exception_ptr error_;
+};
 
 }  // namespace collabserve::model
 

@@ -6,8 +6,12 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <thread>
+#include <vector>
 
 #include "server/model/bert.h"
 #include "server/model/checkpoint_maker.h"
@@ -186,6 +190,58 @@ TEST_F(EngineTest, DevicesAndDtypes) {
   if (!at::hasCUDA()) {
     EXPECT_THAT(Msg(Engine::Load(dir_.path(), {"cuda", "float32"}).status()), HasSubstr("CUDA is not available"));
   }
+}
+
+// Runs from several threads at once (one of them may take the shared ThreadTeam, the others
+// their per-operation path) give each sequence the logits it gets alone. The mini preset has
+// 64-wide heads, the shape the team path serves.
+TEST(EngineConcurrencyTest, ConcurrentRunsGiveTheSequentialLogits) {
+  TempDir dir;
+  MakeOptions o;
+  o.preset = "mini";
+  o.seed = 11;
+  ASSERT_TRUE(MakeCheckpoint(dir.path(), o).ok());
+  auto engine = Engine::Load(dir.path());
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  std::vector<std::vector<TokenizedInput>> batches;
+  for (int len : {5, 16, 40}) {
+    std::vector<TokenizedInput> batch;
+    for (int b = 0; b < 2; ++b) {
+      TokenizedInput in;
+      for (int i = 0; i < len; ++i) in.input_ids.push_back(1000 + (b * 131 + i * 7919) % 20000);
+      in.token_type_ids.assign(len, 0);
+      batch.push_back(in);
+    }
+    batches.push_back(batch);
+  }
+  std::vector<std::vector<Prediction>> want;
+  for (const auto& batch : batches) {
+    auto r = (*engine)->Run(batch);
+    ASSERT_TRUE(r.ok()) << r.status();
+    want.push_back(*r);
+  }
+  std::atomic<int> mismatches{0}, failures{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 3; ++t) {
+    threads.emplace_back([&, t] {
+      for (int rep = 0; rep < 4; ++rep) {
+        const size_t i = (t + rep) % batches.size();
+        auto r = (*engine)->Run(batches[i]);
+        if (!r.ok()) {
+          failures.fetch_add(1);
+          continue;
+        }
+        for (size_t b = 0; b < r->size(); ++b) {
+          for (size_t c = 0; c < (*r)[b].logits.size(); ++c) {
+            if (std::abs((*r)[b].logits[c] - want[i][b].logits[c]) > 1e-5) mismatches.fetch_add(1);
+          }
+        }
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_EQ(mismatches.load(), 0);
 }
 
 TEST(CheckpointMakerTest, IsDeterministic) {

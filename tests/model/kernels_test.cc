@@ -6,7 +6,11 @@
 #include <c10/core/InferenceMode.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <thread>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 namespace collabserve::model {
 namespace {
@@ -82,6 +86,38 @@ TEST(PackedLinear, ARowsResultDoesNotDependOnTheOtherRows) {
   }
 }
 
+TEST(PackedLinearColumns, PiecesEqualTheWholeBitForBit) {
+  if (!PackedLinearSupported()) GTEST_SKIP() << "no AVX-512F";
+  c10::InferenceMode guard;
+  at::manual_seed(6);
+  const int64_t n = 150, k = 300;  // a partial last panel
+  for (int64_t rows : {3, 16, 100}) {
+    at::Tensor x = at::randn({rows, k}), w = at::randn({n, k}), b = at::randn({n}), r = at::randn({rows, n});
+    PackedWeight pw(w);
+    at::Tensor whole = at::empty({rows, n}), pieces = at::full({rows, n}, 7.0f);
+    PackedLinear(x.data_ptr<float>(), k, rows, pw, b.data_ptr<float>(), r.data_ptr<float>(), n,
+                 whole.data_ptr<float>(), n);
+    // Columns [32, 96) first: the others stay untouched.
+    PackedLinearColumns(x.data_ptr<float>(), k, rows, pw, b.data_ptr<float>(), r.data_ptr<float>(), n,
+                        pieces.data_ptr<float>(), n, 32, 96);
+    EXPECT_TRUE(pieces.narrow(1, 0, 32).eq(7.0f).all().item<bool>());
+    EXPECT_TRUE(pieces.narrow(1, 96, n - 96).eq(7.0f).all().item<bool>());
+    for (auto [b0, b1] : {std::pair<int64_t, int64_t>{0, 32}, {96, 128}, {128, n}}) {
+      PackedLinearColumns(x.data_ptr<float>(), k, rows, pw, b.data_ptr<float>(), r.data_ptr<float>(), n,
+                          pieces.data_ptr<float>(), n, b0, b1);
+    }
+    EXPECT_TRUE(at::equal(pieces, whole)) << rows << " rows";
+  }
+  at::Tensor x = at::randn({2, k}), out = at::empty({2, n});
+  PackedWeight pw(at::randn({n, k}));
+  EXPECT_THROW(PackedLinearColumns(x.data_ptr<float>(), k, 2, pw, nullptr, nullptr, 0,
+                                   out.data_ptr<float>(), n, 16, 64),
+               c10::Error);
+  EXPECT_THROW(PackedLinearColumns(x.data_ptr<float>(), k, 2, pw, nullptr, nullptr, 0,
+                                   out.data_ptr<float>(), n, 0, n + 1),
+               c10::Error);
+}
+
 TEST(PackedWeight, RejectsWhatItCannotPack) {
   c10::InferenceMode guard;
   EXPECT_THROW(PackedWeight(at::zeros({4, 4}, at::kDouble)), c10::Error);
@@ -110,6 +146,53 @@ TEST(LayerNormRowsInPlace, EqualsAtenLayerNorm) {
       EXPECT_TRUE(at::equal(buf.narrow(1, d, 4), pad_before));
     }
   }
+}
+
+TEST(ThreadTeam, MembersRunTogetherAndStepsAreOrdered) {
+  for (int n : {1, 2, 3}) {
+    std::atomic<int> entered{0}, step_one{0};
+    std::atomic<bool> out_of_order{false};
+    std::vector<int> seen(n, -1);
+    bool ran = ThreadTeam::Shared().TryRun(n, [&](int member, int members) {
+      seen[member] = members;
+      ThreadTeam& team = ThreadTeam::Shared();
+      team.Step([&] { entered.fetch_add(1); });
+      // Every member finished the first step before any starts the second.
+      team.Step([&] {
+        if (entered.load() != n) out_of_order = true;
+        step_one.fetch_add(1);
+      });
+    });
+    EXPECT_TRUE(ran);
+    EXPECT_EQ(entered.load(), n);
+    EXPECT_EQ(step_one.load(), n);
+    EXPECT_FALSE(out_of_order.load());
+    for (int m = 0; m < n; ++m) EXPECT_EQ(seen[m], n) << "member " << m << " of " << n;
+  }
+}
+
+TEST(ThreadTeam, AFailingStepIsRethrownAndTheTeamStaysUsable) {
+  std::atomic<int> later_steps{0};
+  EXPECT_THROW(ThreadTeam::Shared().TryRun(2, [&](int member, int) {
+    ThreadTeam& team = ThreadTeam::Shared();
+    team.Step([&] { TORCH_CHECK(member != 1, "member 1 fails"); });
+    team.Step([&] { later_steps.fetch_add(1); });  // skipped after a failure
+  }), c10::Error);
+  EXPECT_EQ(later_steps.load(), 0);
+  std::atomic<int> runs{0};
+  EXPECT_TRUE(ThreadTeam::Shared().TryRun(2, [&](int, int) { runs.fetch_add(1); }));
+  EXPECT_EQ(runs.load(), 2);
+}
+
+TEST(ThreadTeam, OneRunAtATime) {
+  bool other = true;
+  EXPECT_TRUE(ThreadTeam::Shared().TryRun(2, [&](int member, int) {
+    if (member == 0) {
+      std::thread t([&] { other = ThreadTeam::Shared().TryRun(2, [](int, int) {}); });
+      t.join();
+    }
+  }));
+  EXPECT_FALSE(other);
 }
 
 }  // namespace
