@@ -9,10 +9,11 @@
 //   * full run: the factorised methods run `--iters` sweeps (measured); the dense time for the same
 //     sweeps is extrapolated as init + iters × per-sweep time (marked "*"); its error is not
 //     measured ("-"): it follows the same iterates as factorised/svd, as the equal-sweeps table
-//     and tests/compress/cp_als_test.cc check. The full run also has `fact+ls` (SVD start with
-//     the line search, the command's default) and "to the same error": the first sweep k at which
-//     the line search is at or below the plain (= dense) error after the full run, timed for
-//     exactly k sweeps and compared with the extrapolated dense time for the full run.
+//     and tests/compress/cp_als_test.cc check. The full run also has `fact+ls` (the line search,
+//     from the SVD and from the random start; random + line search is the command's default) and
+//     "to the same error": the first sweep k at which the line search is at or below the plain
+//     (= dense) error after the full run, timed for exactly k sweeps and compared with the
+//     extrapolated dense time for the full run.
 //
 // Usage: cp_bench [--iters=100] [--dense_iters=10] [--repeats=3] [--dense_repeats=3]
 //                 [--ranks=384,256] [--precisions=f64,f32] [--kinds=random,planted]
@@ -331,11 +332,14 @@ void BenchLayer(const char* kind, const Layer& layer, const Flags& flags) {
         full.push_back(RunFactorized(layer, MakeOptions(rank, flags.iters, init, precision),
                                      flags.repeats, flags.dense_iters));
       }
-      // The default of `collabserve-model compress`: SVD start with the line search.
-      CpAlsOptions searched = MakeOptions(rank, flags.iters, CpAlsOptions::Init::kSvd, precision);
-      searched.line_search = true;
-      full.push_back(RunFactorized(layer, searched, flags.repeats, flags.dense_iters));
-      full.back().method = "fact+ls";
+      // With the line search, from both starts (random + line search is the default of
+      // `collabserve-model compress`).
+      for (auto init : {CpAlsOptions::Init::kSvd, CpAlsOptions::Init::kRandom}) {
+        CpAlsOptions searched = MakeOptions(rank, flags.iters, init, precision);
+        searched.line_search = true;
+        full.push_back(RunFactorized(layer, searched, flags.repeats, flags.dense_iters));
+        full.back().method = "fact+ls";
+      }
       std::printf("[%s layer, R=%d, %s] full run (max %d sweeps, tol 1e-6; dense extrapolated*)\n",
                   kind, rank, PrecisionName(precision), flags.iters);
       PrintTableHeader();
@@ -363,32 +367,36 @@ void BenchLayer(const char* kind, const Layer& layer, const Flags& flags) {
         std::printf("  dense: init %.3f s, %.3f s per sweep (measured over %d sweeps)\n",
                     dense_init, dense_per_sweep, flags.dense_iters);
         // The dense ALS follows the plain SVD-start iterates: its error after svd.iters sweeps is
-        // svd.rel_error (to rounding). The line search ends lower in at most as many sweeps.
-        const Row& ls = full[2];
+        // svd.rel_error (to rounding). Each line-search run against it, and "to the same error":
+        // the first sweep at which the line search is at or below that error, then a timed run of
+        // exactly that many sweeps.
         const double dense_time = dense_init + svd.iters * dense_per_sweep;
-        std::printf("  line search: %d sweeps to %.6f in %.3f s; dense: %d sweeps to %.6f in %.3f s* "
-                    "-> %.1fx faster at %s error\n",
-                    ls.iters, ls.rel_error, ls.seconds, svd.iters, svd.rel_error, dense_time,
-                    dense_time / ls.seconds, ls.rel_error <= svd.rel_error ? "a lower" : "a HIGHER");
-        // To the same error: the first sweep at which the line search is at or below the dense
-        // (= plain) error after svd.iters sweeps, then a timed run of exactly that many sweeps.
-        CpAlsOptions probe = searched;
-        probe.tol = 0;
-        const CpResult history = MustRun(FactorizedCpAls(layer.P, layer.Q, probe));
-        int k = probe.max_iters;
-        for (size_t i = 0; i < history.error_history.size(); ++i) {
-          if (history.error_history[i] <= svd.rel_error) {
-            k = static_cast<int>(i) + 1;
-            break;
+        for (size_t j = 2; j < full.size(); ++j) {
+          const Row& ls = full[j];
+          std::printf("  line search, %s start: %d sweeps to %.6f in %.3f s; dense: %d sweeps to %.6f "
+                      "in %.3f s* -> %.1fx faster at %s error\n",
+                      InitName(ls.init), ls.iters, ls.rel_error, ls.seconds, svd.iters,
+                      svd.rel_error, dense_time, dense_time / ls.seconds,
+                      ls.rel_error <= svd.rel_error ? "a lower" : "a HIGHER");
+          CpAlsOptions probe = MakeOptions(rank, flags.iters, ls.init, precision);
+          probe.line_search = true;
+          probe.tol = 0;
+          const CpResult history = MustRun(FactorizedCpAls(layer.P, layer.Q, probe));
+          int k = probe.max_iters;
+          for (size_t i = 0; i < history.error_history.size(); ++i) {
+            if (history.error_history[i] <= svd.rel_error) {
+              k = static_cast<int>(i) + 1;
+              break;
+            }
           }
+          probe.max_iters = k;
+          const Row same = RunFactorized(layer, probe, flags.repeats, flags.dense_iters);
+          std::printf("  to the same error, %s start: line search %d sweeps to %.6f in %.3f s; dense "
+                      "%d sweeps to %.6f in %.3f s* -> %.1fx faster at %s error\n",
+                      InitName(ls.init), same.iters, same.rel_error, same.seconds, svd.iters,
+                      svd.rel_error, dense_time, dense_time / same.seconds,
+                      same.rel_error <= svd.rel_error ? "an equal or lower" : "a HIGHER");
         }
-        probe.max_iters = k;
-        const Row same = RunFactorized(layer, probe, flags.repeats, flags.dense_iters);
-        std::printf("  to the same error: line search %d sweeps to %.6f in %.3f s; dense %d sweeps to "
-                    "%.6f in %.3f s* -> %.1fx faster at %s error\n",
-                    same.iters, same.rel_error, same.seconds, svd.iters, svd.rel_error, dense_time,
-                    dense_time / same.seconds,
-                    same.rel_error <= svd.rel_error ? "an equal or lower" : "a HIGHER");
       }
     }
   }

@@ -78,7 +78,7 @@ absl::StatusOr<CpResult> Decompose(const HeadFactors& f, int rank, int full, con
   co.max_iters = o.max_iters;
   co.tol = o.tol;
   co.seed = seed;
-  co.init = CpAlsOptions::Init::kSvd;
+  co.init = o.init;
   co.precision = o.float64 ? CpAlsOptions::Precision::kFloat64 : CpAlsOptions::Precision::kFloat32;
   co.line_search = o.line_search;
   return FactorizedCpAls(f.P, f.Q, co);

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "server/compress/cp_als.h"
 
 namespace collabserve::model {
 class BertClassifier;
@@ -64,6 +65,11 @@ struct CompressOptions {
   // CpAlsOptions::line_search: extrapolate after each sweep, keep the move when it lowers the
   // error. Fewer sweeps to a given error, and a lower one at the same --tol.
   bool line_search = true;
+  // CpAlsOptions::init. kSvd by default. With the line search a random start reaches the error of
+  // 100 plain sweeps on one BERT-base layer in as many or fewer sweeps and skips the SVD start's two
+  // [D, D] eigendecompositions, but on the whole random-weight model at the default tol it stopped
+  // at a slightly higher error with a worse fidelity report (bench/compress/RESULTS.md, section 6).
+  CpAlsOptions::Init init = CpAlsOptions::Init::kSvd;
   // Layers decomposed at once, from a work queue that hands out the costliest layers first.
   // 0 (the default): automatic, util::UsableCpus() / at::get_num_threads() of the calling thread,
   // at least 1 (on CUDA: 1). So a caller that runs ATen with one thread gets one layer per CPU,

@@ -435,129 +435,160 @@ CpResult RunCoefficientAls(const at::Tensor& P, const at::Tensor& Q, double norm
                            Clock::time_point start) {
   const int64_t heads = P.size(0), head_size = P.size(2), rank = B0.size(1);
   const at::Tensor p_flat = StackHeads(P), q_flat = StackHeads(Q);  // [D, n]
-  const at::Tensor kernel_p = at::mm(p_flat.t(), p_flat);          // [n, n]
+  const int64_t n = p_flat.size(1);
+  const at::Tensor kernel_p = at::mm(p_flat.t(), p_flat);  // [n, n]
   const at::Tensor kernel_q = at::mm(q_flat.t(), q_flat);
+  auto as_heads = [&](const at::Tensor& flat) { return flat.view({heads, head_size, rank}); };
+  auto outer = [](const at::Tensor& x) { return x.unsqueeze(1) * x.unsqueeze(0); };
 
-  // u = P_flatᵀ B and v = Q_flatᵀ C before the scales; z_b, z_c: the coefficients.
-  at::Tensor u = at::mm(p_flat.t(), B0), v = at::mm(q_flat.t(), C0);
-  at::Tensor z_b = at::empty_like(u), z_c = at::empty_like(v);
-  at::Tensor w = at::empty_like(u), products = at::empty_like(u);
-  at::Tensor gram_b = at::mm(B0.t(), B0), gram_c = at::mm(C0.t(), C0);  // of the scaled factors
-  at::Tensor scale_b = at::ones({rank}, u.options()), scale_c = at::ones({rank}, u.options());
-  // [N_h, d_k, R] views of the [n, R] buffers (the out= calls below write in place).
-  const at::Tensor u_heads = u.view({heads, head_size, rank});
-  const at::Tensor v_heads = v.view({heads, head_size, rank});
-  at::Tensor w_heads = w.view({heads, head_size, rank});
-  const at::Tensor products_heads = products.view({heads, head_size, rank});
-  // Σ_t u_i[t, r] v_i[t, r]: [N_h, R].
-  auto head_sums = [&]() {
-    at::mul_out(products, u, v);
-    return products_heads.sum(1);
+  // One point of the iteration in normal form: B = P_flat z_b diag(scale_b) with unit columns,
+  // u = K_p z_b (so P_flatᵀ B = u diag(scale_b)), gram_b = BᵀB; the same for C; A carries the
+  // norms; uv[i, r] = Σ_t u_i[t, r] v_i[t, r] (unscaled). z_b, u, z_c, v are [n, R] buffers
+  // allocated once and written in place; the rest are [R, R] or smaller.
+  struct Point {
+    at::Tensor z_b, u, z_c, v, A, scale_b, scale_c, gram_b, gram_c, uv;
   };
-  at::Tensor uv = head_sums();
-
-  // Line search (options.line_search): the last sweep's end point in effective form (the scales
-  // folded in: B = P_flat prev_zb, prev_u = K_p prev_zb; the same for C), and the extrapolated one.
-  at::Tensor prev_a, prev_zb, prev_u, prev_zc, prev_v, next_zb, next_u, next_zc, next_v;
-  if (options.line_search) {
-    for (at::Tensor* t : {&prev_zb, &prev_u, &prev_zc, &prev_v, &next_zb, &next_u, &next_zc, &next_v}) {
-      *t = at::empty_like(u);
+  at::Tensor products = at::empty({n, rank}, p_flat.options());
+  auto head_sums = [&](const at::Tensor& u, const at::Tensor& v) {
+    at::mul_out(products, u, v);
+    return as_heads(products).sum(1);
+  };
+  // Plain ALS updates one point in place. The line search needs three: the last sweep's end
+  // point, the one before it and the extrapolated one; which buffer plays which part rotates, so
+  // nothing is copied.
+  Point points[3];
+  const int num_points = options.line_search ? 3 : 1;
+  for (int i = 0; i < num_points; ++i) {
+    for (at::Tensor* t : {&points[i].z_b, &points[i].u, &points[i].z_c, &points[i].v}) {
+      *t = at::empty({n, rank}, p_flat.options());
     }
   }
+  // The start: B0 and C0 as given (no coefficients yet: A is updated first, from u and v alone).
+  at::mm_out(points[0].u, p_flat.t(), B0);
+  at::mm_out(points[0].v, q_flat.t(), C0);
+  points[0].gram_b = at::mm(B0.t(), B0);
+  points[0].gram_c = at::mm(C0.t(), C0);
+  points[0].scale_b = at::ones({rank}, p_flat.options());
+  points[0].scale_c = at::ones({rank}, p_flat.options());
+  points[0].uv = head_sums(points[0].u, points[0].v);
+  at::Tensor w = at::empty({n, rank}, p_flat.options());
+  at::Tensor w_heads = as_heads(w);
 
-  CpResult result;
-  at::Tensor A;
-  const auto sweeps_start = Clock::now();
-  result.setup_seconds = std::chrono::duration<double>(sweeps_start - start).count();
-  for (int iter = 1; iter <= options.max_iters; ++iter) {
-    A = SolveGram(uv * (scale_b * scale_c), gram_b * gram_c);
+  // One ALS sweep from `from` into `to`; `to` may be `from` (each buffer of `from` is last read
+  // before `to`'s is written). Returns the relative error of `to`.
+  auto sweep = [&](const Point& from, Point& to) {
+    at::Tensor A = SolveGram(from.uv * (from.scale_b * from.scale_c), from.gram_b * from.gram_c);
     at::Tensor gram_a = at::mm(A.t(), A);
 
     // B: W = [V_i diag(A_i)]_i with V = v diag(s_c).
-    at::mul_out(w_heads, v_heads, (A * scale_c).unsqueeze(1));
-    SolveGram(w, gram_a * gram_c, &z_b);
-    at::mm_out(u, kernel_p, z_b);
-    at::Tensor gram_raw = at::mm(z_b.t(), u);
+    at::mul_out(w_heads, as_heads(from.v), (A * from.scale_c).unsqueeze(1));
+    SolveGram(w, gram_a * from.gram_c, &to.z_b);
+    at::mm_out(to.u, kernel_p, to.z_b);
+    at::Tensor gram_raw = at::mm(to.z_b.t(), to.u);
     at::Tensor norms = ColumnNorms(gram_raw);
-    scale_b = norms.reciprocal();
-    gram_b = gram_raw * (scale_b.unsqueeze(1) * scale_b.unsqueeze(0));
+    to.scale_b = norms.reciprocal();
+    to.gram_b = gram_raw * outer(to.scale_b);
     A.mul_(norms);
-    gram_a.mul_(norms.unsqueeze(1) * norms.unsqueeze(0));
+    gram_a.mul_(outer(norms));
 
     // C: W = [U_i diag(A_i)]_i with U = u diag(s_b).
-    const at::Tensor a_b = A * scale_b;
-    at::mul_out(w_heads, u_heads, a_b.unsqueeze(1));
-    at::Tensor gram_ab = gram_a * gram_b;
-    SolveGram(w, gram_ab.clone(), &z_c);
-    at::mm_out(v, kernel_q, z_c);
-    gram_raw = at::mm(z_c.t(), v);
-    uv = head_sums();
+    const at::Tensor a_b = A * to.scale_b;
+    at::mul_out(w_heads, as_heads(to.u), a_b.unsqueeze(1));
+    const at::Tensor gram_ab = gram_a * to.gram_b;
+    SolveGram(w, gram_ab.clone(), &to.z_c);
+    at::mm_out(to.v, kernel_q, to.z_c);
+    gram_raw = at::mm(to.z_c.t(), to.v);
+    to.uv = head_sums(to.u, to.v);
     // <T, T̂> = <Q_flat W, Q_flat Z_c> = <W, v> and ||T̂||² = Σ (AᵀA ∗ BᵀB) ∗ Z_cᵀ v, both with
     // C = Q_flat Z_c unscaled and A before it takes C's norms.
-    const double inner = (a_b * uv).sum(at::kDouble).item<double>();
+    const double inner = (a_b * to.uv).sum(at::kDouble).item<double>();
     const double estimate_sq = (gram_ab * gram_raw).sum(at::kDouble).item<double>();
     norms = ColumnNorms(gram_raw);
-    scale_c = norms.reciprocal();
-    gram_c = gram_raw * (scale_c.unsqueeze(1) * scale_c.unsqueeze(0));
-    A.mul_(norms);
-    double rel = RelativeFromInner(norm_sq, inner, estimate_sq);
+    to.scale_c = norms.reciprocal();
+    to.gram_c = gram_raw * outer(to.scale_c);
+    to.A = A.mul_(norms);
+    return RelativeFromInner(norm_sq, inner, estimate_sq);
+  };
 
-    if (options.line_search) {
-      // Bro's extrapolation: X + s·(X − X_prev) for A and the effective coefficients of B and C,
-      // s = iter^(1/3); U = K_p Z and V = K_q Z are linear in the coefficients, so the
-      // extrapolated U, V cost element-wise passes, and the error of the extrapolated point two
-      // [R, n] × [n, R] Grams. Kept only when it lowers the error.
-      const bool have_prev = prev_a.defined();
-      const double step = std::cbrt(static_cast<double>(iter));
-      at::Tensor next_a;
-      if (have_prev) {
-        next_a = A * (1 + step) - prev_a * step;
-        at::mul_out(next_zb, z_b, scale_b * (1 + step)).sub_(prev_zb, step);
-        at::mul_out(next_u, u, scale_b * (1 + step)).sub_(prev_u, step);
-        at::mul_out(next_zc, z_c, scale_c * (1 + step)).sub_(prev_zc, step);
-        at::mul_out(next_v, v, scale_c * (1 + step)).sub_(prev_v, step);
-      }
-      prev_a = A.clone();
-      at::mul_out(prev_zb, z_b, scale_b);
-      at::mul_out(prev_u, u, scale_b);
-      at::mul_out(prev_zc, z_c, scale_c);
-      at::mul_out(prev_v, v, scale_c);
-      if (have_prev) {
-        const at::Tensor next_gram_b = at::mm(next_zb.t(), next_u);
-        const at::Tensor next_gram_c = at::mm(next_zc.t(), next_v);
-        at::mul_out(products, next_u, next_v);
-        const at::Tensor next_uv = products_heads.sum(1);
-        const double next_inner = (next_a * next_uv).sum(at::kDouble).item<double>();
-        const double next_estimate_sq =
-            (at::mm(next_a.t(), next_a) * next_gram_b * next_gram_c).sum(at::kDouble).item<double>();
-        const double next_rel = RelativeFromInner(norm_sq, next_inner, next_estimate_sq);
-        if (next_rel < rel) {
-          rel = next_rel;
-          ++result.extrapolations;
-          z_b.copy_(next_zb);
-          u.copy_(next_u);
-          z_c.copy_(next_zc);
-          v.copy_(next_v);
-          uv = next_uv;
-          const at::Tensor norms_b = ColumnNorms(next_gram_b);
-          const at::Tensor norms_c = ColumnNorms(next_gram_c);
-          scale_b = norms_b.reciprocal();
-          scale_c = norms_c.reciprocal();
-          gram_b = next_gram_b * (scale_b.unsqueeze(1) * scale_b.unsqueeze(0));
-          gram_c = next_gram_c * (scale_c.unsqueeze(1) * scale_c.unsqueeze(0));
-          A = next_a * (norms_b * norms_c);
-        }
+  // Bro's extrapolation x + s·(x − prev) of A and of the effective coefficients z·diag(scale) of B
+  // and C, into `to`. u = K_p z and v = K_q z are linear in the coefficients, so the new u, v cost
+  // one element-wise pass each like the new z: z_to = z_x + c·z_prev with the column factor
+  // c = −s/(1+s)·scale_prev/scale_x, and the scale (1+s)·scale_x folded into A. Its error needs
+  // the Grams z_toᵀu_to, z_toᵀv_to ([R, n] × [n, R]; computing them from the Grams of x and prev
+  // plus cross terms cancels badly in float32). Returns the error of `to`; `to` is left in normal
+  // form only when `keep_if_below` is above it (otherwise it is scratch).
+  auto extrapolate = [&](const Point& x, const Point& prev, double step, double keep_if_below,
+                         Point& to) {
+    const at::Tensor c_b = prev.scale_b / x.scale_b * (-step / (1 + step));
+    const at::Tensor c_c = prev.scale_c / x.scale_c * (-step / (1 + step));
+    at::addcmul_out(to.z_b, x.z_b, prev.z_b, c_b);
+    at::addcmul_out(to.u, x.u, prev.u, c_b);
+    at::addcmul_out(to.z_c, x.z_c, prev.z_c, c_c);
+    at::addcmul_out(to.v, x.v, prev.v, c_c);
+    const at::Tensor gram_b_raw = at::mm(to.z_b.t(), to.u);
+    const at::Tensor gram_c_raw = at::mm(to.z_c.t(), to.v);
+    const at::Tensor uv = head_sums(to.u, to.v);
+    // A with both scales folded in: T̂ = Σ_r A[:, r] ∘ (P_flat z_b[:, r]) ∘ (Q_flat z_c[:, r]).
+    const at::Tensor a = (x.A * (1 + step) - prev.A * step) *
+                         (x.scale_b * x.scale_c * ((1 + step) * (1 + step)));
+    const double inner = (a * uv).sum(at::kDouble).item<double>();
+    const double estimate_sq =
+        (at::mm(a.t(), a) * gram_b_raw * gram_c_raw).sum(at::kDouble).item<double>();
+    const double rel = RelativeFromInner(norm_sq, inner, estimate_sq);
+    if (rel < keep_if_below) {
+      const at::Tensor norms_b = ColumnNorms(gram_b_raw), norms_c = ColumnNorms(gram_c_raw);
+      to.scale_b = norms_b.reciprocal();
+      to.scale_c = norms_c.reciprocal();
+      to.gram_b = gram_b_raw * outer(to.scale_b);
+      to.gram_c = gram_c_raw * outer(to.scale_c);
+      to.uv = uv;
+      to.A = a * (norms_b * norms_c);
+    }
+    return rel;
+  };
+
+  CpResult result;
+  // Line search: `last` holds the previous sweep's end point before any extrapolation (the
+  // direction is always that of one plain sweep); -1 until there is one.
+  int current = 0, last = -1;
+  auto unused = [](int a, int b) {
+    for (int i = 0;; ++i) {
+      if (i != a && i != b) return i;
+    }
+  };
+  const auto sweeps_start = Clock::now();
+  result.setup_seconds = std::chrono::duration<double>(sweeps_start - start).count();
+  for (int iter = 1; iter <= options.max_iters; ++iter) {
+    if (!options.line_search) {
+      if (RecordSweep(iter, sweep(points[0], points[0]), options.tol, &result)) break;
+      continue;
+    }
+    // The sweep writes into a buffer that is neither its start nor the previous end point (the
+    // start itself is free once read, but in place only works for plain ALS's one point).
+    const int end = unused(current, last < 0 ? current : last);
+    double rel = sweep(points[current], points[end]);
+    current = end;
+    if (last >= 0) {
+      // Bro's step iter^(1/3); kept only when the error falls, so it never rises.
+      const int next = unused(end, last);
+      const double next_rel =
+          extrapolate(points[end], points[last], std::cbrt(static_cast<double>(iter)), rel, points[next]);
+      if (next_rel < rel) {
+        rel = next_rel;
+        ++result.extrapolations;
+        current = next;
       }
     }
-
+    last = end;
     if (RecordSweep(iter, rel, options.tol, &result)) break;
   }
   result.sweep_seconds = SecondsSince(sweeps_start);
   result.relative_error = result.error_history.back();
-  result.mixing = A.to(at::kFloat).contiguous();
+  const Point& final_point = points[current];
+  result.mixing = final_point.A.to(at::kFloat).contiguous();
   // max_iters >= 1, so both have been updated at least once.
-  result.query = at::mm(p_flat, z_b).mul_(scale_b).to(at::kFloat);
-  result.key = at::mm(q_flat, z_c).mul_(scale_c).to(at::kFloat);
+  result.query = at::mm(p_flat, final_point.z_b).mul_(final_point.scale_b).to(at::kFloat);
+  result.key = at::mm(q_flat, final_point.z_c).mul_(final_point.scale_c).to(at::kFloat);
   return result;
 }
 

@@ -50,8 +50,11 @@ struct CpAlsOptions {
   // Line search after each sweep (Bro 1998, as tensorly's parafac(linesearch=True) but every
   // sweep, with the step iter^(1/3)): A and the coefficients of B and C move on along the last
   // sweep's change, X + s·(X − X_prev), and the move is kept only when it lowers the error, so the
-  // error still never rises. On BERT-base layers it reaches a given error in about half the
-  // sweeps, each ~15% dearer (bench/compress/RESULTS.md). Used by FactorizedCpAls when
+  // error still never rises (X_prev is the previous sweep's end point before its own move). On
+  // BERT-base layers it reaches the error of 100 plain sweeps in 33–36 sweeps (17–35 from the
+  // random start), each ~25% dearer: the moved point's error needs two [R, n] × [n, R] Grams
+  // (bench/compress/RESULTS.md, section 6; testing only every other sweep, or not right after a
+  // kept move, measured 42–46 sweeps instead of 36). Used by FactorizedCpAls when
   // N_h·d_k <= 2·min(D_q, D_k) (every BERT); ignored by the other paths and by DenseCpAls, which
   // keep the textbook iterates.
   bool line_search = false;
