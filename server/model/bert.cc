@@ -25,8 +25,15 @@ enum class GemmMode { kAten, kDnnl, kHybrid, kPacked };
 constexpr int64_t kPackedMaxRows = 256;
 
 // Up to this many tokens per pass the encoder runs in one ThreadTeam run (EncodeOnTeam); above,
-// each operation is long enough that its own parallel region costs nothing visible.
-constexpr int64_t kTeamMaxRows = 256;
+// the per-operation path. No limit unless COLLABSERVE_TEAM_MAX_ROWS=N sets one (A/B measurements:
+// 256 gives the engine before the team served long passes).
+int64_t TeamMaxRows() {
+  static const int64_t rows = [] {
+    const char* v = std::getenv("COLLABSERVE_TEAM_MAX_ROWS");
+    return v != nullptr && *v != '\0' ? std::atoll(v) : int64_t{1} << 40;
+  }();
+  return rows;
+}
 
 // oneDNN's row-major SGEMM (dnnl_sgemm, oneDNN >= 1.0), looked up at run time in the libraries
 // already loaded: Debian's LibTorch links libdnnl.so.2. Against OpenBLAS 0.3.21 (what at::addmm
@@ -103,6 +110,34 @@ at::Tensor Dense(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
                                       : b.unsqueeze(0).expand({T, N}).contiguous();
   GemmAccumulate(out, x, w);
   return out;
+}
+
+// out[:, n0:n1] = x · w[n0:n1, :]^T + bias[n0:n1] (+ residual[:, n0:n1]) on the calling thread:
+// PackedLinearColumns when `packed` is given, else the bias (+ residual) written first and one
+// accumulating sgemm over those columns (inside a ThreadTeam run the sgemm is single-threaded).
+// w [N, K] row-major; n0, n1 multiples of PackedWeight::kPanel (or n1 = N).
+void DenseColumns(SgemmFn sgemm, const float* x, int64_t ldx, int64_t rows, const at::Tensor& w,
+                  const PackedWeight* packed, const float* bias, const float* residual,
+                  int64_t ldr, float* out, int64_t ldo, int64_t n0, int64_t n1) {
+  if (n1 <= n0) return;
+  if (packed != nullptr) {
+    PackedLinearColumns(x, ldx, rows, *packed, bias, residual, ldr, out, ldo, n0, n1);
+    return;
+  }
+  const int64_t K = w.size(1), n = n1 - n0;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* o = out + r * ldo + n0;
+    if (residual != nullptr) {
+      const float* res = residual + r * ldr + n0;
+      for (int64_t j = 0; j < n; ++j) o[j] = res[j] + bias[n0 + j];
+    } else {
+      std::memcpy(o, bias + n0, n * sizeof(float));
+    }
+  }
+  const int st = sgemm('N', 'T', rows, n, K, 1.0f, x, ldx, w.data_ptr<float>() + n0 * K, K, 1.0f,
+                       out + n0, ldo);
+  TORCH_CHECK(st == 0, "dnnl_sgemm failed with status ", st, " for [", rows, ", ", K, "] x [",
+              n, ", ", K, "]^T");
 }
 
 // LayerNorm over the last dimension of x [T, D], in place on the CPU (x is a temporary).
@@ -372,14 +407,19 @@ at::Tensor BertClassifier::Layer(const EncoderLayer& l, const at::Tensor& h,
   return LayerNormInPlace(out, l.out_ln_w, l.out_ln_b, config_.layer_norm_eps).view({B, S, D});
 }
 
-// The whole encoder in one ThreadTeam run, for token counts where PackedLinear runs and the
-// pass is short: each parallel ATen/OpenMP op would wake the other threads and let them go back
-// to sleep (dozens of times per pass at batch 1). Member t of n takes, per layer: the q/k/v
-// columns and attention of heads [t·H/n, (t+1)·H/n) (no wait between the two, as in
-// ProjectAndAttend); 1/n of the output projection's panels (+ residual); 1/n of the rows of the
-// LayerNorm; 1/n of the intermediate panels and their activation; 1/n of the output panels (+
-// residual); 1/n of the rows of the LayerNorm; with a barrier after each. Every element is
-// computed by the same kernels, in the same order, as on the per-operation path.
+// The whole encoder in one ThreadTeam run, for standard (not collaborative) layers with the
+// sgemm. Short passes: each parallel ATen/OpenMP op would wake the other threads and let them go
+// back to sleep (dozens of times per pass at batch 1). Long passes (above kPackedMaxRows tokens,
+// the products on oneDNN's sgemm): oneDNN's own 2-thread split of one product left a core idle
+// (CPU 147-166% of 2 cores); here every member runs a single-threaded sgemm on its own share.
+// Member t of n takes, per layer, up to kPackedMaxRows tokens: the q/k/v columns and attention of
+// heads [t·H/n, (t+1)·H/n) (no wait between the two, as in ProjectAndAttend); 1/n of the output
+// projection's panels (+ residual); 1/n of the rows of the LayerNorm; 1/n of the intermediate
+// panels and their activation; 1/n of the output panels (+ residual); 1/n of the rows of the
+// LayerNorm; with a barrier after each. Above: the same with 1/n of the rows of every product
+// (all columns), and a barrier between the q/k/v product and the attention, which is split by
+// (sequence, head). Every element is computed by the same kernels as on the per-operation path
+// (PackedLinear bit for bit; the sgemm's blocking may differ with the shape it is given).
 bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add) const {
   const int n = at::get_num_threads();
   const int64_t B = h.size(0), S = h.size(1), D = config_.hidden_size, T = B * S;
@@ -387,15 +427,11 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add) con
   const int64_t F = config_.intermediate_size;
   SgemmFn sgemm = FindSgemm();
   if (n <= 1 || at::in_parallel_region() || sgemm == nullptr || !h.is_cpu() ||
-      h.scalar_type() != at::kFloat || T > std::min(kPackedMaxRows, kTeamMaxRows) ||
-      dk % PackedWeight::kPanel != 0) {
+      h.scalar_type() != at::kFloat || T > TeamMaxRows() || dk % PackedWeight::kPanel != 0) {
     return false;
   }
   for (const EncoderLayer& l : layers_) {
-    if (l.collaborative || l.fused_p == nullptr || l.attn_out_p == nullptr ||
-        l.inter_p == nullptr || l.out_p == nullptr) {
-      return false;
-    }
+    if (l.collaborative) return false;
   }
   at::Tensor mask2;
   if (mask_add.defined()) mask2 = mask_add.view({B, S}).contiguous();
@@ -413,29 +449,68 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add) con
     const int64_t b = units * t / n, e = units * (t + 1) / n;
     return std::make_pair(std::min(count, b * unit), std::min(count, e * unit));
   };
+  // Above kPackedMaxRows tokens the products run on the sgemm, each member on its share of the
+  // rows (and all columns): each packs the whole weight but only its rows of x, and the rows of x
+  // (up to 16384 × 3072 floats here) outgrow the weight. Splitting the columns instead (each member
+  // reading all of x) was slower there (8 × 512: 2.07 vs 2.27 seq/s, 32 × 512: 2.17 vs 2.72).
+  const bool split_rows = T > kPackedMaxRows;
   const bool ran = ThreadTeam::Shared().TryRun(n, [&](int t, int n) {
     ThreadTeam& team = ThreadTeam::Shared();
     at::Tensor scores = at::empty({S, S}, cur.options());
     at::Tensor x = cur, y = next;  // this layer's input and output (swapped after each layer)
     for (const EncoderLayer& l : layers_) {
       const float* xp = x.data_ptr<float>();
-      team.Step([&] {
-        const auto [h0, h1] = share(H, 1, t, n);
-        for (int64_t part = 0; part < 3; ++part) {
-          PackedLinearColumns(xp, D, T, *l.fused_p, l.fused_b.data_ptr<float>(), nullptr, 0,
-                              proj.data_ptr<float>(), 3 * D, part * D + h0 * dk, part * D + h1 * dk);
-        }
-        for (int64_t hd = h0; hd < h1; ++hd) {
-          for (int64_t b = 0; b < B; ++b) {
-            AttendOneHead(sgemm, proj.data_ptr<float>(), 3 * D, mask, b, hd, S, D, dk, scores,
-                          ctx.data_ptr<float>());
+      // The weights each product runs on: packed where the per-operation path would use
+      // PackedLinear, else the sgemm on the plain weight.
+      auto pick = [&](const std::shared_ptr<const PackedWeight>& p) {
+        return UsePackedLinear(p.get(), T) ? p.get() : nullptr;
+      };
+      // A product's output columns [0, N) for member t: with the sgemm on many rows, its share
+      // of the rows (each member packs the whole weight, but only its rows of x); otherwise its
+      // share of the columns (whole panels).
+      auto product = [&](const float* in, int64_t ldx, const at::Tensor& w, const PackedWeight* p,
+                         const at::Tensor& bias, const float* res, float* out, int64_t N) {
+        if (p == nullptr && split_rows) {
+          const auto [r0, r1] = share(T, 1, t, n);
+          if (r1 > r0) {
+            DenseColumns(sgemm, in + r0 * ldx, ldx, r1 - r0, w, nullptr, bias.data_ptr<float>(),
+                         res == nullptr ? nullptr : res + r0 * N, N, out + r0 * N, N, 0, N);
           }
+          return std::make_pair(r0, r1);
         }
-      });
+        const auto [n0, n1] = share(N, PackedWeight::kPanel, t, n);
+        DenseColumns(sgemm, in, ldx, T, w, p, bias.data_ptr<float>(), res, N, out, N, n0, n1);
+        return std::make_pair(int64_t{-1}, int64_t{-1});
+      };
+      const PackedWeight* fused_p = pick(l.fused_p);
+      if (fused_p == nullptr && split_rows) {
+        team.Step([&] { product(xp, D, l.fused_w, nullptr, l.fused_b, nullptr, proj.data_ptr<float>(), 3 * D); });
+        team.Step([&] {
+          const auto [u0, u1] = share(B * H, 1, t, n);
+          for (int64_t u = u0; u < u1; ++u) {
+            AttendOneHead(sgemm, proj.data_ptr<float>(), 3 * D, mask, u / H, u % H, S, D, dk,
+                          scores, ctx.data_ptr<float>());
+          }
+        });
+      } else {
+        team.Step([&] {
+          const auto [h0, h1] = share(H, 1, t, n);
+          for (int64_t part = 0; part < 3; ++part) {
+            DenseColumns(sgemm, xp, D, T, l.fused_w, fused_p, l.fused_b.data_ptr<float>(),
+                         nullptr, 0, proj.data_ptr<float>(), 3 * D, part * D + h0 * dk,
+                         part * D + h1 * dk);
+          }
+          for (int64_t hd = h0; hd < h1; ++hd) {
+            for (int64_t b = 0; b < B; ++b) {
+              AttendOneHead(sgemm, proj.data_ptr<float>(), 3 * D, mask, b, hd, S, D, dk, scores,
+                            ctx.data_ptr<float>());
+            }
+          }
+        });
+      }
       team.Step([&] {
-        const auto [n0, n1] = share(D, PackedWeight::kPanel, t, n);
-        PackedLinearColumns(ctx.data_ptr<float>(), D, T, *l.attn_out_p, l.attn_out_b.data_ptr<float>(),
-                            xp, D, mid.data_ptr<float>(), D, n0, n1);
+        product(ctx.data_ptr<float>(), D, l.attn_out_w, pick(l.attn_out_p), l.attn_out_b, xp,
+                mid.data_ptr<float>(), D);
       });
       team.Step([&] {
         const auto [r0, r1] = share(T, 1, t, n);
@@ -443,15 +518,19 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add) con
                             l.attn_ln_w.data_ptr<float>(), l.attn_ln_b.data_ptr<float>(), eps);
       });
       team.Step([&] {
-        const auto [n0, n1] = share(F, PackedWeight::kPanel, t, n);
-        PackedLinearColumns(mid.data_ptr<float>(), D, T, *l.inter_p, l.inter_b.data_ptr<float>(),
-                            nullptr, 0, inter.data_ptr<float>(), F, n0, n1);
-        if (n1 > n0) Activation(inter.narrow(1, n0, n1 - n0));
+        const PackedWeight* p = pick(l.inter_p);
+        const auto [r0, r1] = product(mid.data_ptr<float>(), D, l.inter_w, p, l.inter_b, nullptr,
+                                      inter.data_ptr<float>(), F);
+        if (r0 >= 0) {
+          if (r1 > r0) Activation(inter.narrow(0, r0, r1 - r0));
+        } else {
+          const auto [n0, n1] = share(F, PackedWeight::kPanel, t, n);
+          if (n1 > n0) Activation(inter.narrow(1, n0, n1 - n0));
+        }
       });
       team.Step([&] {
-        const auto [n0, n1] = share(D, PackedWeight::kPanel, t, n);
-        PackedLinearColumns(inter.data_ptr<float>(), F, T, *l.out_p, l.out_b.data_ptr<float>(),
-                            mid.data_ptr<float>(), D, y.data_ptr<float>(), D, n0, n1);
+        product(inter.data_ptr<float>(), F, l.out_w, pick(l.out_p), l.out_b, mid.data_ptr<float>(),
+                y.data_ptr<float>(), D);
       });
       team.Step([&] {
         const auto [r0, r1] = share(T, 1, t, n);
