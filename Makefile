@@ -32,9 +32,10 @@ build: configure
 	cmake --build $(BUILD_DIR) -j $(JOBS)
 
 # SANITIZERS: after the normal suite, also run it under these sanitizers (scripts/sanitizer-tests.sh:
-# asan = ASan + UBSan in build-asan, tsan = TSan in build-tsan). Off by default until a full run of
-# both has passed on this machine inside CI's 90 minutes (issue 7): tsan has (2026-11-30), asan has
-# not yet (README, Known gaps); then: SANITIZERS ?= asan tsan.
+# asan = ASan + UBSan in build-asan, tsan = TSan in build-tsan). Off by default until a fresh
+# clone's `make test SANITIZERS="asan tsan"` has been timed to the end inside CI's 90 minutes
+# (issue 7; README, Known gaps): both sets pass (ASan 52/52, TSan 10/10 repeated), the time is not
+# measured to the end yet (the 2026-11-30 attempts were starved of CPU); then: SANITIZERS ?= asan tsan.
 SANITIZERS ?=
 test: build
 	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) --timeout 1500
