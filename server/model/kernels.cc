@@ -328,26 +328,29 @@ void ThreadTeam::WorkerLoop(int member) {
   SetThisThreadIntraOpThreads(1);
   uint64_t seen = 0;
   for (;;) {
-    uint64_t g = generation_.load(std::memory_order_acquire);
-    for (int i = 0; g == seen && i < kSpinIdle; ++i) {
+    for (int i = 0; generation_.load(std::memory_order_acquire) == seen && i < kSpinIdle; ++i) {
       CpuRelax();
-      g = generation_.load(std::memory_order_acquire);
     }
-    if (g == seen) {
-      std::unique_lock<std::mutex> l(mu_);
-      wake_.wait(l, [&] { return generation_.load(std::memory_order_acquire) != seen; });
-      g = generation_.load(std::memory_order_acquire);
-    }
-    seen = g;
+    // The run to join: its generation, job and size read together under mu_ (TryRun publishes
+    // them together under mu_). Reading them apart let a worker that woke late for one run take
+    // the next run's job under the old generation and run that job twice - its second pass's
+    // Barrier arrivals then counted in the run after, and a member waited forever.
+    const std::function<void(int, int)>* job = nullptr;
+    int n = 0;
+    bool inference_mode = false;
     {
-      std::lock_guard<std::mutex> l(mu_);
+      std::unique_lock<std::mutex> l(mu_);
+      wake_.wait(l, [&] { return stop_ || generation_.load(std::memory_order_acquire) != seen; });
       if (stop_) return;
+      seen = generation_.load(std::memory_order_acquire);
+      job = job_;
+      n = job_n_.load(std::memory_order_relaxed);
+      inference_mode = job_inference_mode_;
     }
-    const int n = job_n_.load(std::memory_order_relaxed);
     if (member < n) {
-      c10::InferenceMode guard(job_inference_mode_);
+      c10::InferenceMode guard(inference_mode);
       try {
-        (*job_)(member, n);
+        (*job)(member, n);
       } catch (...) {
         // fn itself (outside a Step) failed: record; the other members' Steps still complete.
         std::lock_guard<std::mutex> l(error_mu_);
