@@ -32,11 +32,11 @@ build: configure
 	cmake --build $(BUILD_DIR) -j $(JOBS)
 
 # SANITIZERS: after the normal suite, also run it under these sanitizers (scripts/sanitizer-tests.sh:
-# asan = ASan + UBSan in build-asan, tsan = TSan in build-tsan). Off by default until a fresh
-# clone's `make test SANITIZERS="asan tsan"` has been timed to the end inside CI's 90 minutes
-# (issue 7; README, Known gaps): both sets pass (ASan 52/52, TSan 10/10 repeated), the time is not
-# measured to the end yet (the 2026-11-30 attempts were starved of CPU); then: SANITIZERS ?= asan tsan.
-SANITIZERS ?=
+# asan = ASan + UBSan in build-asan, tsan = TSan in build-tsan). On by default (issue 7): a fresh
+# clone on 2026-11-30 (warm compiler cache, quiet machine) took 201 s for the normal suite, 493 s for
+# ASan (318 s of it rebuilding the day's changed sources; 52/52) and 28 s for TSan (10/10), 12 min in
+# all against CI's 90. `make test SANITIZERS=` skips them.
+SANITIZERS ?= asan tsan
 test: build
 	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) --timeout 1500
 	$(if $(strip $(SANITIZERS)),JOBS=$(JOBS) scripts/sanitizer-tests.sh $(SANITIZERS))
