@@ -10,6 +10,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -193,32 +194,42 @@ TEST_F(EngineTest, DevicesAndDtypes) {
   }
 }
 
+// A deterministic input of `len` ids (1000 + (offset + i * 7919) mod 20000) in segment `type_id`.
+TokenizedInput SyntheticInput(int len, int offset, int type_id) {
+  TokenizedInput in;
+  for (int i = 0; i < len; ++i) in.input_ids.push_back(1000 + (offset + i * 7919) % 20000);
+  in.token_type_ids.assign(len, type_id);
+  return in;
+}
+
+// A mini-preset checkpoint (64-wide heads, the shape the team path serves) made in `dir`, loaded.
+std::unique_ptr<Engine> LoadMini(const TempDir& dir, uint64_t seed) {
+  MakeOptions o;
+  o.preset = "mini";
+  o.seed = seed;
+  EXPECT_TRUE(MakeCheckpoint(dir.path(), o).ok());
+  auto engine = Engine::Load(dir.path());
+  EXPECT_TRUE(engine.ok()) << engine.status();
+  return engine.ok() ? std::move(*engine) : nullptr;
+}
+
 // Runs from several threads at once (one of them may take the shared ThreadTeam, the others
 // their per-operation path) give each sequence the logits it gets alone. The mini preset has
 // 64-wide heads, the shape the team path serves; the 8 × 40 batch (320 tokens) takes the team's
 // sgemm path (products split by rows), the others its PackedLinear path.
 TEST(EngineConcurrencyTest, ConcurrentRunsGiveTheSequentialLogits) {
   TempDir dir;
-  MakeOptions o;
-  o.preset = "mini";
-  o.seed = 11;
-  ASSERT_TRUE(MakeCheckpoint(dir.path(), o).ok());
-  auto engine = Engine::Load(dir.path());
-  ASSERT_TRUE(engine.ok()) << engine.status();
+  std::unique_ptr<Engine> engine = LoadMini(dir, 11);
+  ASSERT_NE(engine, nullptr);
   std::vector<std::vector<TokenizedInput>> batches;
   for (const auto& [len, size] : std::vector<std::pair<int, int>>{{5, 2}, {16, 2}, {40, 2}, {40, 8}}) {
     std::vector<TokenizedInput> batch;
-    for (int b = 0; b < size; ++b) {
-      TokenizedInput in;
-      for (int i = 0; i < len; ++i) in.input_ids.push_back(1000 + (b * 131 + i * 7919) % 20000);
-      in.token_type_ids.assign(len, 0);
-      batch.push_back(in);
-    }
+    for (int b = 0; b < size; ++b) batch.push_back(SyntheticInput(len, b * 131, 0));
     batches.push_back(batch);
   }
   std::vector<std::vector<Prediction>> want;
   for (const auto& batch : batches) {
-    auto r = (*engine)->Run(batch);
+    auto r = engine->Run(batch);
     ASSERT_TRUE(r.ok()) << r.status();
     want.push_back(*r);
   }
@@ -228,7 +239,7 @@ TEST(EngineConcurrencyTest, ConcurrentRunsGiveTheSequentialLogits) {
     threads.emplace_back([&, t] {
       for (int rep = 0; rep < 4; ++rep) {
         const size_t i = (t + rep) % batches.size();
-        auto r = (*engine)->Run(batches[i]);
+        auto r = engine->Run(batches[i]);
         if (!r.ok()) {
           failures.fetch_add(1);
           continue;
@@ -252,23 +263,15 @@ TEST(EngineConcurrencyTest, ConcurrentRunsGiveTheSequentialLogits) {
 // rounding (1.1e-5 on a logit of 3 here, the same with the team off), not bit for bit.
 TEST(EngineBatchTest, LongBatchesGiveEachSequenceItsLogitsAlone) {
   TempDir dir;
-  MakeOptions o;
-  o.preset = "mini";
-  o.seed = 5;
-  ASSERT_TRUE(MakeCheckpoint(dir.path(), o).ok());
-  auto engine = Engine::Load(dir.path());
-  ASSERT_TRUE(engine.ok()) << engine.status();
+  std::unique_ptr<Engine> engine = LoadMini(dir, 5);
+  ASSERT_NE(engine, nullptr);
   std::vector<TokenizedInput> batch;
-  for (int b = 0; b < 9; ++b) {  // 9 × 48 = 432 tokens, split unevenly over 2 threads' rows
-    TokenizedInput in;
-    for (int i = 0; i < 48; ++i) in.input_ids.push_back(1000 + (b * 977 + i * 7919) % 20000);
-    in.token_type_ids.assign(48, b % 2);
-    batch.push_back(in);
-  }
-  auto batched = (*engine)->Run(batch);
+  // 9 × 48 = 432 tokens, split unevenly over 2 threads' rows.
+  for (int b = 0; b < 9; ++b) batch.push_back(SyntheticInput(48, b * 977, b % 2));
+  auto batched = engine->Run(batch);
   ASSERT_TRUE(batched.ok()) << batched.status();
   for (size_t b = 0; b < batch.size(); ++b) {
-    auto alone = (*engine)->Run({batch[b]});
+    auto alone = engine->Run({batch[b]});
     ASSERT_TRUE(alone.ok()) << alone.status();
     ASSERT_EQ((*alone)[0].logits.size(), (*batched)[b].logits.size());
     for (size_t c = 0; c < (*alone)[0].logits.size(); ++c) {
