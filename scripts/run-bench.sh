@@ -89,7 +89,12 @@ PYEOF
 }
 
 section_serving() {
-  echo "== serving: collabserve under closed-loop load vs the raw engine (same run) =="
+  # The goal run: the BERT-base shape, one input per unary call (README, "Serving and batching").
+  echo "== serving: collabserve under closed-loop load vs the raw engine (same run), BERT-base shape =="
+  PRESET=base TOKENS=32 MAX_BATCH=16 RAW_BATCHES=8,16 DELAY_US=15000 CONCURRENCY="8 16 32 48" \
+    DURATION_S=10 "$ROOT/bench/serving/run_serving_bench.sh" "$BUILD_DIR"
+  # The stress run: a small model, where gRPC's per-call CPU is a visible share of an input's cost.
+  echo "== serving: the same on the mini model (4 x 256), where per-call overhead shows =="
   "$ROOT/bench/serving/run_serving_bench.sh" "$BUILD_DIR"
 }
 

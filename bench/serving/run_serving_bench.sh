@@ -9,7 +9,7 @@
 #   THREADS (2: the cores inference may use)  BATCH_THREADS (empty: the server's own plan, one
 #   single-threaded batch thread per core on CPU; N: N batch threads, each with THREADS / N
 #   intra-op threads)  DELAY_US (max_queue_delay_micros, 2000)
-#   MAX_BATCH (32)  MODES ("batching no-batching")  SERVER_FLAGS (extra collabserve flags)
+#   MAX_BATCH (32)  RAW_BATCHES (1,2,4,8,16 and MAX_BATCH: the raw ceiling's batch sizes)  MODES ("batching no-batching")  SERVER_FLAGS (extra collabserve flags)
 #   BENCH_API (callback|threads: collabctl bench's workers)  INPUTS_PER_REQUEST (1: inputs per
 #   Classify call; with N, "conc" counts calls and N x conc inputs are in flight)  OUT (also write the table there, as
 #   Markdown)  RECORDS (keep every run's raw figures there, TSV)
@@ -65,8 +65,10 @@ ticks=$(getconf CLK_TCK)
 
 "$BUILD_DIR/bin/collabserve-model" make --out "$work/repo/bench/1" --preset "$PRESET" >/dev/null
 
-batches=1,2,4,8,16
-((MAX_BATCH > 16)) && batches="$batches,$MAX_BATCH"
+# RAW_BATCHES: the batch sizes the raw ceiling tries (its best is the ceiling); default 1..16 and
+# MAX_BATCH. On a large model the best is MAX_BATCH; fewer sizes leave time for more repeats.
+batches=${RAW_BATCHES:-1,2,4,8,16}
+[[ -z ${RAW_BATCHES:-} ]] && ((MAX_BATCH > 16)) && batches="$batches,$MAX_BATCH"
 raw() {  # $1 streams, $2 threads per stream; appends "raw" records
   OMP_NUM_THREADS=$2 OPENBLAS_NUM_THREADS=$2 "$BUILD_DIR/bin/serving_engine_peak" \
     --model="$work/repo/bench/1" --tokens="$TOKENS" --threads="$2" --streams="$1" \
