@@ -23,9 +23,7 @@ class RefusedReactor : public Base {
 };
 
 grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* context, const absl::Status& status) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(status));
-  return reactor;
+  return FinishUnary(context, [&] { return ToGrpcStatus(status); });
 }
 
 }  // namespace

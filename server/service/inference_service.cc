@@ -525,116 +525,93 @@ InferenceService::ClassifyStream(grpc::CallbackServerContext* context) {
 grpc::ServerUnaryReactor* InferenceService::Tokenize(grpc::CallbackServerContext* context,
                                                      const v1::TokenizeRequest* request,
                                                      v1::TokenizeResponse* response) {
-  auto* reactor = context->DefaultReactor();
-  grpc::Status serving = CheckServing();
-  if (!serving.ok()) {
-    reactor->Finish(serving);
-    return reactor;
-  }
-  absl::Status valid = ValidateInputs(request->inputs(), options_);
-  if (!valid.ok()) {
-    reactor->Finish(ToGrpcStatus(valid));
-    return reactor;
-  }
-  auto servable = Resolve(repository_.load(std::memory_order_acquire), request->model_name(),
-                          OptionalVersion(request->has_model_version(), request->model_version()));
-  if (!servable.ok()) {
-    reactor->Finish(ToGrpcStatus(servable.status()));
-    return reactor;
-  }
-  const bool truncate = !request->has_truncate() || request->truncate();
-  const auto& tokenizer = (*servable)->engine().tokenizer();
-  for (int i = 0; i < request->inputs_size(); ++i) {
-    auto e = EncodeInput(**servable, request->inputs(i), i, truncate);
-    if (!e.ok()) {
-      reactor->Finish(ToGrpcStatus(e.status()));
-      return reactor;
+  return FinishUnary(context, [&]() -> grpc::Status {
+    if (grpc::Status serving = CheckServing(); !serving.ok()) return serving;
+    if (absl::Status valid = ValidateInputs(request->inputs(), options_); !valid.ok()) {
+      return ToGrpcStatus(valid);
     }
-    v1::Tokens* t = response->add_results();
-    for (int32_t id : e->input.input_ids) {
-      t->add_input_ids(id);
-      t->add_tokens(std::string(tokenizer.IdToToken(id)));
+    auto servable = Resolve(repository_.load(std::memory_order_acquire), request->model_name(),
+                            OptionalVersion(request->has_model_version(), request->model_version()));
+    if (!servable.ok()) return ToGrpcStatus(servable.status());
+    const bool truncate = !request->has_truncate() || request->truncate();
+    const auto& tokenizer = (*servable)->engine().tokenizer();
+    for (int i = 0; i < request->inputs_size(); ++i) {
+      auto e = EncodeInput(**servable, request->inputs(i), i, truncate);
+      if (!e.ok()) return ToGrpcStatus(e.status());
+      v1::Tokens* t = response->add_results();
+      for (int32_t id : e->input.input_ids) {
+        t->add_input_ids(id);
+        t->add_tokens(std::string(tokenizer.IdToToken(id)));
+      }
+      for (int32_t id : e->input.token_type_ids) t->add_token_type_ids(id);
+      t->set_truncated(e->truncated);
+      t->set_num_tokens_before_truncation(e->num_tokens_before_truncation);
     }
-    for (int32_t id : e->input.token_type_ids) t->add_token_type_ids(id);
-    t->set_truncated(e->truncated);
-    t->set_num_tokens_before_truncation(e->num_tokens_before_truncation);
-  }
-  response->set_model_version((*servable)->id().version);
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+    response->set_model_version((*servable)->id().version);
+    return grpc::Status::OK;
+  });
 }
 
 grpc::ServerUnaryReactor* InferenceService::ListModels(grpc::CallbackServerContext* context,
                                                        const v1::ListModelsRequest* request,
                                                        v1::ListModelsResponse* response) {
-  auto* reactor = context->DefaultReactor();
-  repository::ModelRepository* repository = repository_.load(std::memory_order_acquire);
-  grpc::Status serving = CheckServing();
-  if (!serving.ok()) {
-    reactor->Finish(serving);
-    return reactor;
-  }
-  for (const auto& [name, versions] : repository->List()) {
-    v1::ModelSummary* m = response->add_models();
-    m->set_name(name);
-    for (const auto& v : versions) {
-      if (v.state == repository::ModelRepository::VersionStatus::State::kAvailable) {
-        m->add_versions(v.version);
+  return FinishUnary(context, [&]() -> grpc::Status {
+    repository::ModelRepository* repository = repository_.load(std::memory_order_acquire);
+    if (grpc::Status serving = CheckServing(); !serving.ok()) return serving;
+    for (const auto& [name, versions] : repository->List()) {
+      v1::ModelSummary* m = response->add_models();
+      m->set_name(name);
+      for (const auto& v : versions) {
+        if (v.state == repository::ModelRepository::VersionStatus::State::kAvailable) {
+          m->add_versions(v.version);
+        }
+        v1::ModelVersionStatus* s = m->add_version_status();
+        s->set_version(v.version);
+        s->set_state(std::string(repository::ModelRepository::StateName(v.state)));
+        if (!v.error.ok()) s->set_error(v.error.ToString());
       }
-      v1::ModelVersionStatus* s = m->add_version_status();
-      s->set_version(v.version);
-      s->set_state(std::string(repository::ModelRepository::StateName(v.state)));
-      if (!v.error.ok()) s->set_error(v.error.ToString());
     }
-  }
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+    return grpc::Status::OK;
+  });
 }
 
 grpc::ServerUnaryReactor* InferenceService::GetModel(grpc::CallbackServerContext* context,
                                                      const v1::GetModelRequest* request,
                                                      v1::ModelMetadata* response) {
-  auto* reactor = context->DefaultReactor();
-  grpc::Status serving = CheckServing();
-  if (!serving.ok()) {
-    reactor->Finish(serving);
-    return reactor;
-  }
-  auto servable = Resolve(repository_.load(std::memory_order_acquire), request->model_name(),
-                          OptionalVersion(request->has_model_version(), request->model_version()));
-  if (!servable.ok()) {
-    reactor->Finish(ToGrpcStatus(servable.status()));
-    return reactor;
-  }
-  const ModelServable& s = **servable;
-  const model::ModelInfo& info = s.info();
-  response->set_name(s.id().model);
-  response->set_version(s.id().version);
-  for (const auto& l : info.labels) response->add_labels(l);
-  response->set_problem_type(info.problem_type);
-  response->set_max_length(info.max_length);
-  response->set_num_layers(info.num_layers);
-  response->set_num_heads(info.num_heads);
-  response->set_head_size(info.head_size);
-  response->set_hidden_size(info.hidden_size);
-  response->set_intermediate_size(info.intermediate_size);
-  for (int r : info.collaborative_ranks) response->add_collaborative_ranks(r);
-  response->set_collaborative(!info.collaborative_ranks.empty());
-  v1::ParameterCounts* p = response->mutable_parameters();
-  p->set_total(info.params.total);
-  p->set_embeddings(info.params.embeddings);
-  p->set_attention_qk(info.params.attention_qk);
-  p->set_attention_vo(info.params.attention_vo);
-  p->set_ffn(info.params.ffn);
-  p->set_layer_norm(info.params.layer_norm);
-  p->set_head(info.params.head);
-  response->set_compression_ratio(s.compression_ratio());
-  response->set_device(info.device);
-  response->set_dtype(info.dtype);
-  response->set_vocab_size(s.engine().tokenizer().vocab_size());
-  response->set_load_seconds(s.load_seconds());
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+  return FinishUnary(context, [&]() -> grpc::Status {
+    if (grpc::Status serving = CheckServing(); !serving.ok()) return serving;
+    auto servable = Resolve(repository_.load(std::memory_order_acquire), request->model_name(),
+                            OptionalVersion(request->has_model_version(), request->model_version()));
+    if (!servable.ok()) return ToGrpcStatus(servable.status());
+    const ModelServable& s = **servable;
+    const model::ModelInfo& info = s.info();
+    response->set_name(s.id().model);
+    response->set_version(s.id().version);
+    for (const auto& l : info.labels) response->add_labels(l);
+    response->set_problem_type(info.problem_type);
+    response->set_max_length(info.max_length);
+    response->set_num_layers(info.num_layers);
+    response->set_num_heads(info.num_heads);
+    response->set_head_size(info.head_size);
+    response->set_hidden_size(info.hidden_size);
+    response->set_intermediate_size(info.intermediate_size);
+    for (int r : info.collaborative_ranks) response->add_collaborative_ranks(r);
+    response->set_collaborative(!info.collaborative_ranks.empty());
+    v1::ParameterCounts* p = response->mutable_parameters();
+    p->set_total(info.params.total);
+    p->set_embeddings(info.params.embeddings);
+    p->set_attention_qk(info.params.attention_qk);
+    p->set_attention_vo(info.params.attention_vo);
+    p->set_ffn(info.params.ffn);
+    p->set_layer_norm(info.params.layer_norm);
+    p->set_head(info.params.head);
+    response->set_compression_ratio(s.compression_ratio());
+    response->set_device(info.device);
+    response->set_dtype(info.dtype);
+    response->set_vocab_size(s.engine().tokenizer().vocab_size());
+    response->set_load_seconds(s.load_seconds());
+    return grpc::Status::OK;
+  });
 }
 
 }  // namespace collabserve::service

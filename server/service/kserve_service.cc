@@ -356,91 +356,80 @@ grpc::Status KServeService::CheckServing(const Attached& a) {
 grpc::ServerUnaryReactor* KServeService::ServerLive(grpc::CallbackServerContext* context,
                                                     const inference::ServerLiveRequest* request,
                                                     inference::ServerLiveResponse* response) {
-  response->set_live(true);
-  auto* reactor = context->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+  return FinishUnary(context, [&] {
+    response->set_live(true);
+    return grpc::Status::OK;
+  });
 }
 
 grpc::ServerUnaryReactor* KServeService::ServerReady(grpc::CallbackServerContext* context,
                                                      const inference::ServerReadyRequest* request,
                                                      inference::ServerReadyResponse* response) {
-  response->set_ready(CheckServing(attached()).ok());
-  auto* reactor = context->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+  return FinishUnary(context, [&] {
+    response->set_ready(CheckServing(attached()).ok());
+    return grpc::Status::OK;
+  });
 }
 
 grpc::ServerUnaryReactor* KServeService::ModelReady(grpc::CallbackServerContext* context,
                                                     const inference::ModelReadyRequest* request,
                                                     inference::ModelReadyResponse* response) {
-  auto* reactor = context->DefaultReactor();
-  if (request->name().empty()) {
-    reactor->Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "model name is empty"));
-    return reactor;
-  }
-  auto version = ParseVersion(request->version());
-  if (!version.ok()) {
-    reactor->Finish(ToGrpcStatus(version.status()));
-    return reactor;
-  }
-  const Attached a = attached();
-  response->set_ready(CheckServing(a).ok() && a.repository->Get(request->name(), *version).ok());
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+  return FinishUnary(context, [&]() -> grpc::Status {
+    if (request->name().empty()) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "model name is empty");
+    }
+    auto version = ParseVersion(request->version());
+    if (!version.ok()) return ToGrpcStatus(version.status());
+    const Attached a = attached();
+    response->set_ready(CheckServing(a).ok() && a.repository->Get(request->name(), *version).ok());
+    return grpc::Status::OK;
+  });
 }
 
 grpc::ServerUnaryReactor* KServeService::ServerMetadata(
     grpc::CallbackServerContext* context, const inference::ServerMetadataRequest* request,
     inference::ServerMetadataResponse* response) {
-  response->set_name(options_.server_name);
-  response->set_version(options_.server_version);
-  auto* reactor = context->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+  return FinishUnary(context, [&] {
+    response->set_name(options_.server_name);
+    response->set_version(options_.server_version);
+    return grpc::Status::OK;
+  });
 }
 
 grpc::ServerUnaryReactor* KServeService::ModelMetadata(
     grpc::CallbackServerContext* context, const inference::ModelMetadataRequest* request,
     inference::ModelMetadataResponse* response) {
-  auto* reactor = context->DefaultReactor();
-  const Attached a = attached();
-  grpc::Status serving = CheckServing(a);
-  if (!serving.ok()) {
-    reactor->Finish(serving);
-    return reactor;
-  }
-  auto servable = Resolve(a.repository, request->name(), request->version());
-  if (!servable.ok()) {
-    reactor->Finish(ToGrpcStatus(servable.status()));
-    return reactor;
-  }
-  const model::ModelInfo& info = (*servable)->info();
-  const int64_t c = static_cast<int64_t>(info.labels.size());
-  response->set_name((*servable)->id().model);
-  response->set_platform(kPlatform);
-  const auto all = a.repository->List();
-  if (auto it = all.find((*servable)->id().model); it != all.end()) {
-    for (const auto& v : it->second) {
-      if (v.state == repository::ModelRepository::VersionStatus::State::kAvailable) {
-        response->add_versions(std::to_string(v.version));
+  return FinishUnary(context, [&]() -> grpc::Status {
+    const Attached a = attached();
+    if (grpc::Status serving = CheckServing(a); !serving.ok()) return serving;
+    auto servable = Resolve(a.repository, request->name(), request->version());
+    if (!servable.ok()) return ToGrpcStatus(servable.status());
+    const model::ModelInfo& info = (*servable)->info();
+    const int64_t c = static_cast<int64_t>(info.labels.size());
+    response->set_name((*servable)->id().model);
+    response->set_platform(kPlatform);
+    const auto all = a.repository->List();
+    if (auto it = all.find((*servable)->id().model); it != all.end()) {
+      for (const auto& v : it->second) {
+        if (v.state == repository::ModelRepository::VersionStatus::State::kAvailable) {
+          response->add_versions(std::to_string(v.version));
+        }
       }
     }
-  }
-  auto add = [](auto* tensors, const char* name, const char* datatype,
-                std::vector<int64_t> shape) {
-    auto* t = tensors->Add();
-    t->set_name(name);
-    t->set_datatype(datatype);
-    for (int64_t d : shape) t->add_shape(d);
-  };
-  add(response->mutable_inputs(), kText, "BYTES", {-1});
-  add(response->mutable_inputs(), kTextPair, "BYTES", {-1});
-  add(response->mutable_outputs(), kLogits, "FP32", {-1, c});
-  add(response->mutable_outputs(), kProbabilities, "FP32", {-1, c});
-  add(response->mutable_outputs(), kLabel, "BYTES", {-1});
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+    auto add = [](auto* tensors, const char* name, const char* datatype,
+                  std::vector<int64_t> shape) {
+      auto* t = tensors->Add();
+      t->set_name(name);
+      t->set_datatype(datatype);
+      for (int64_t d : shape) t->add_shape(d);
+    };
+    add(response->mutable_inputs(), kText, "BYTES", {-1});
+    add(response->mutable_inputs(), kTextPair, "BYTES", {-1});
+    add(response->mutable_outputs(), kLogits, "FP32", {-1, c});
+    add(response->mutable_outputs(), kProbabilities, "FP32", {-1, c});
+    add(response->mutable_outputs(), kLabel, "BYTES", {-1});
+    return grpc::Status::OK;
+  });
 }
 
 grpc::ServerUnaryReactor* KServeService::ModelInfer(grpc::CallbackServerContext* context,
