@@ -9,6 +9,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <tuple>
+#include <utility>
 
 #include "server/model/kernels.h"
 
@@ -151,6 +153,17 @@ at::Tensor LayerNormInPlace(at::Tensor x, const at::Tensor& w, const at::Tensor&
   return at::layer_norm(x, {x.size(-1)}, w, b, eps);
 }
 
+// Up to this many positions a head's attention runs on SmallAttention (registers only) instead
+// of two sgemm calls and an ATen softmax, whose fixed costs dominate short sequences. Default
+// kSmallAttentionMaxS; COLLABSERVE_SMALL_ATTENTION_MAX_S=N lowers it (0: off; A/B measurements).
+int64_t SmallAttentionMaxS() {
+  static const int64_t s = [] {
+    const char* v = std::getenv("COLLABSERVE_SMALL_ATTENTION_MAX_S");
+    return v != nullptr && *v != '\0' ? std::atoll(v) : kSmallAttentionMaxS;
+  }();
+  return s;
+}
+
 // One (sequence b, head h) of standard self-attention: q, k and v read in place from the
 // projection p (rows [q/sqrt(dk) | k | v] of ld floats, heads side by side), the [S, S] scores in
 // `scores` (cache-resident through mask and softmax), the context written into its slot of
@@ -161,6 +174,11 @@ void AttendOneHead(SgemmFn sgemm, const float* p, int64_t ld, const float* mask,
   const float* q = p + b * S * ld + h * dk;
   const float* k = q + D;
   const float* v = q + 2 * D;
+  if (S <= SmallAttentionMaxS() && SmallAttentionSupported(S, dk)) {
+    SmallAttention(q, k, v, ld, mask != nullptr ? mask + b * S : nullptr, S, dk,
+                   ctx + b * S * D + h * dk, D);
+    return;
+  }
   int st = sgemm('N', 'T', S, S, dk, 1.0f, q, ld, k, ld, 0.0f, sc, S);
   TORCH_CHECK(st == 0, "dnnl_sgemm (attention scores) failed with status ", st);
   if (mask != nullptr) {
@@ -226,6 +244,19 @@ at::Tensor ProjectAndAttend(SgemmFn sgemm, const at::Tensor& x, const PackedWeig
     }
   });
   return ctx;
+}
+
+// The exact-erf GELU in place on the columns [c0, c1) of m [rows, cols] (contiguous rows) with
+// GeluRowsInPlace when it applies; false (nothing done) otherwise, e.g. for other activations.
+// ATen's CPU GELU runs Sleef's AVX2 erf here (6% of a 8 × 16 pass in a profile); this one runs
+// 16 lanes at a time on the same Abramowitz-Stegun formula.
+bool GeluColumnsInPlace(model::Activation act, at::Tensor& m, int64_t c0, int64_t c1) {
+  if (act != model::Activation::kGelu || !PackedLinearSupported() || !m.is_cpu() ||
+      m.scalar_type() != at::kFloat || m.dim() != 2 || !m.is_contiguous()) {
+    return false;
+  }
+  GeluRowsInPlace(m.data_ptr<float>(), m.size(1), m.size(0), c0, c1);
+  return true;
 }
 
 }  // namespace
@@ -398,10 +429,22 @@ at::Tensor BertClassifier::Layer(const EncoderLayer& l, const at::Tensor& h,
       const int64_t n0 = p0 * PackedWeight::kPanel, n1 = std::min(F, p1 * PackedWeight::kPanel);
       PackedLinearColumns(h1.data_ptr<float>(), D, T, w, l.inter_b.data_ptr<float>(), nullptr, 0,
                           inter.data_ptr<float>(), F, n0, n1);
-      Activation(inter.narrow(1, n0, n1 - n0));
+      if (!GeluColumnsInPlace(config_.hidden_act, inter, n0, n1)) Activation(inter.narrow(1, n0, n1 - n0));
     });
   } else {
-    inter = Activation(Dense(h1, l.inter_w, l.inter_b, l.inter_p.get()));
+    inter = Dense(h1, l.inter_w, l.inter_b, l.inter_p.get());
+    if (config_.hidden_act == model::Activation::kGelu && PackedLinearSupported() &&
+        inter.is_cpu() && inter.scalar_type() == at::kFloat && inter.is_contiguous()) {
+      const int64_t F = inter.size(1);
+      const bool inference = c10::InferenceMode::is_enabled();
+      at::parallel_for(0, T, std::max<int64_t>(1, 65536 / std::max<int64_t>(1, F)), [&](int64_t r0, int64_t r1) {
+        c10::InferenceMode guard(inference);  // not inherited by OpenMP workers
+        at::Tensor rows = inter.narrow(0, r0, r1 - r0);
+        GeluColumnsInPlace(config_.hidden_act, rows, 0, F);
+      });
+    } else {
+      inter = Activation(inter);
+    }
   }
   auto out = Dense(inter, l.out_w, l.out_b, l.out_p.get(), h1);
   return LayerNormInPlace(out, l.out_ln_w, l.out_ln_b, config_.layer_norm_eps).view({B, S, D});
@@ -454,12 +497,89 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add) con
   // (up to 16384 × 3072 floats here) outgrow the weight. Splitting the columns instead (each member
   // reading all of x) was slower there (8 × 512: 2.07 vs 2.27 seq/s, 32 × 512: 2.17 vs 2.72).
   const bool split_rows = T > kPackedMaxRows;
+  // When every product runs on PackedLinear, each activation a product reads is packed once, by
+  // the members together, in the step that produces it (each its rows after a LayerNorm, or its
+  // columns = k range after the q/k/v + attention and the intermediate product), instead of by
+  // every member inside each of its products (three times per layer for the q/k/v parts).
+  bool prepacked = !split_rows;
+  for (const EncoderLayer& l : layers_) {
+    for (const auto* p : {&l.fused_p, &l.attn_out_p, &l.inter_p, &l.out_p}) {
+      prepacked = prepacked && UsePackedLinear(p->get(), T);
+    }
+  }
+  at::Tensor xpack, cpack, ipack;  // packed rows of the layer input / mid, of ctx, of inter
+  if (prepacked) {
+    xpack = at::empty({PackedRowsSize(T, D)}, cur.options());
+    cpack = at::empty({PackedRowsSize(T, D)}, cur.options());
+    ipack = at::empty({PackedRowsSize(T, F)}, cur.options());
+  }
   const bool ran = ThreadTeam::Shared().TryRun(n, [&](int t, int n) {
     ThreadTeam& team = ThreadTeam::Shared();
     at::Tensor scores = at::empty({S, S}, cur.options());
     at::Tensor x = cur, y = next;  // this layer's input and output (swapped after each layer)
-    for (const EncoderLayer& l : layers_) {
+    if (prepacked) {
+      const std::pair<int64_t, int64_t> rows = share(T, kPackedRowTile, t, n);
+      team.Step([&] {
+        PackRows(cur.data_ptr<float>(), D, rows.first, rows.second, 0, D, D, xpack.data_ptr<float>());
+      });
+    }
+    for (size_t li = 0; li < layers_.size(); ++li) {
+      const EncoderLayer& l = layers_[li];
       const float* xp = x.data_ptr<float>();
+      if (prepacked) {
+        // (Plain variables, not structured bindings: C++17 lambdas cannot capture those.)
+        int64_t h0, h1, r0, r1, d0, d1, f0, f1;
+        std::tie(h0, h1) = share(H, 1, t, n);
+        std::tie(r0, r1) = share(T, kPackedRowTile, t, n);
+        std::tie(d0, d1) = share(D, PackedWeight::kPanel, t, n);
+        std::tie(f0, f1) = share(F, PackedWeight::kPanel, t, n);
+        float* xk = xpack.data_ptr<float>();
+        float* ck = cpack.data_ptr<float>();
+        float* ik = ipack.data_ptr<float>();
+        team.Step([&] {
+          for (int64_t part = 0; part < 3; ++part) {
+            PackedLinearColumnsPacked(xk, T, *l.fused_p, l.fused_b.data_ptr<float>(), nullptr, 0,
+                                      proj.data_ptr<float>(), 3 * D, part * D + h0 * dk,
+                                      part * D + h1 * dk);
+          }
+          for (int64_t hd = h0; hd < h1; ++hd) {
+            for (int64_t b = 0; b < B; ++b) {
+              AttendOneHead(sgemm, proj.data_ptr<float>(), 3 * D, mask, b, hd, S, D, dk, scores,
+                            ctx.data_ptr<float>());
+            }
+          }
+          PackRows(ctx.data_ptr<float>(), D, 0, T, h0 * dk, h1 * dk, D, ck);
+        });
+        team.Step([&] {
+          PackedLinearColumnsPacked(ck, T, *l.attn_out_p, l.attn_out_b.data_ptr<float>(), xp, D,
+                                    mid.data_ptr<float>(), D, d0, d1);
+        });
+        team.Step([&] {
+          LayerNormRowsInPlace(mid.data_ptr<float>() + r0 * D, D, r1 - r0, D,
+                               l.attn_ln_w.data_ptr<float>(), l.attn_ln_b.data_ptr<float>(), eps);
+          PackRows(mid.data_ptr<float>(), D, r0, r1, 0, D, D, xk);
+        });
+        team.Step([&] {
+          PackedLinearColumnsPacked(xk, T, *l.inter_p, l.inter_b.data_ptr<float>(), nullptr, 0,
+                                    inter.data_ptr<float>(), F, f0, f1);
+          if (f1 > f0 && !GeluColumnsInPlace(config_.hidden_act, inter, f0, f1)) {
+            Activation(inter.narrow(1, f0, f1 - f0));
+          }
+          PackRows(inter.data_ptr<float>(), F, 0, T, f0, f1, F, ik);
+        });
+        team.Step([&] {
+          PackedLinearColumnsPacked(ik, T, *l.out_p, l.out_b.data_ptr<float>(),
+                                    mid.data_ptr<float>(), D, y.data_ptr<float>(), D, d0, d1);
+        });
+        const bool last = li + 1 == layers_.size();
+        team.Step([&] {
+          LayerNormRowsInPlace(y.data_ptr<float>() + r0 * D, D, r1 - r0, D,
+                               l.out_ln_w.data_ptr<float>(), l.out_ln_b.data_ptr<float>(), eps);
+          if (!last) PackRows(y.data_ptr<float>(), D, r0, r1, 0, D, D, xk);
+        });
+        std::swap(x, y);
+        continue;
+      }
       // The weights each product runs on: packed where the per-operation path would use
       // PackedLinear, else the sgemm on the plain weight.
       auto pick = [&](const std::shared_ptr<const PackedWeight>& p) {
@@ -522,10 +642,15 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add) con
         const auto [r0, r1] = product(mid.data_ptr<float>(), D, l.inter_w, p, l.inter_b, nullptr,
                                       inter.data_ptr<float>(), F);
         if (r0 >= 0) {
-          if (r1 > r0) Activation(inter.narrow(0, r0, r1 - r0));
+          if (r1 > r0) {
+            at::Tensor rows = inter.narrow(0, r0, r1 - r0);
+            if (!GeluColumnsInPlace(config_.hidden_act, rows, 0, F)) Activation(rows);
+          }
         } else {
           const auto [n0, n1] = share(F, PackedWeight::kPanel, t, n);
-          if (n1 > n0) Activation(inter.narrow(1, n0, n1 - n0));
+          if (n1 > n0 && !GeluColumnsInPlace(config_.hidden_act, inter, n0, n1)) {
+            Activation(inter.narrow(1, n0, n1 - n0));
+          }
         }
       });
       team.Step([&] {

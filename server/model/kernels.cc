@@ -12,6 +12,13 @@
 
 #include "server/model/threads.h"
 
+// GCC 12's AVX-512 headers build many intrinsics (max, extract, scalef, ...) on
+// _mm512_undefined_ps(), which -Wmaybe-uninitialized reports at every use (GCC PR 105593, fixed
+// in GCC 13).
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
 namespace collabserve::model {
 namespace {
 
@@ -110,30 +117,114 @@ constexpr int64_t kStreamMaxRows = 64;
 // From this many rows on, PackedLinear splits the rows rather than the panels over threads.
 constexpr int64_t kRowSplitMinRows = 256;
 
-// Copies rows [r0, r1) of x k-major in tiles of kMr rows: tile t holds rows r0 + t·kMr.. at
-// dst[t·K·kMr + k·kMr + i]. Rows of a partial tile beyond r1 are left as they are (never read).
-void PackRows(const float* x, int64_t ldx, int64_t r0, int64_t r1, int64_t K, float* dst) {
-  for (int64_t r = r0, t = 0; r < r1; r += kMr, ++t) {
-    const int64_t m = std::min<int64_t>(kMr, r1 - r);
-    float* d = dst + t * K * kMr;
-    for (int64_t i = 0; i < m; ++i) {
-      const float* src = x + (r + i) * ldx;
-      for (int64_t k = 0; k < K; ++k) d[k * kMr + i] = src[k];
+static_assert(kMr == kPackedRowTile, "the packed-rows layout is the micro-kernel's");
+
+// The packed-rows layout (kernels.h): rows [r0, r1) × columns [k0, k1) of x into dst (K columns).
+void PackRowsScalar(const float* x, int64_t ldx, int64_t r0, int64_t r1, int64_t k0, int64_t k1,
+                    int64_t K, float* dst) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* src = x + r * ldx;
+    float* d = dst + (r / kMr) * K * kMr + r % kMr;
+    for (int64_t k = k0; k < k1; ++k) d[k * kMr] = src[k];
+  }
+}
+
+// The same; whole tiles of 8 rows go through 8 × 8 transposes in ymm registers (one load per row,
+// one contiguous 256-byte store), the rest element by element.
+COLLABSERVE_AVX512 void PackRowsAvx512(const float* x, int64_t ldx, int64_t r0, int64_t r1,
+                                       int64_t k0, int64_t k1, int64_t K, float* dst) {
+  int64_t r = r0;
+  if (r % kMr != 0) {
+    const int64_t head = std::min(r1, (r / kMr + 1) * kMr);
+    PackRowsScalar(x, ldx, r, head, k0, k1, K, dst);
+    r = head;
+  }
+  for (; r + kMr <= r1; r += kMr) {
+    const float* s = x + r * ldx;
+    float* d = dst + (r / kMr) * K * kMr;
+    int64_t k = k0;
+    for (; k + 8 <= k1; k += 8) {
+      const __m256 a0 = _mm256_loadu_ps(s + k), a1 = _mm256_loadu_ps(s + ldx + k);
+      const __m256 a2 = _mm256_loadu_ps(s + 2 * ldx + k), a3 = _mm256_loadu_ps(s + 3 * ldx + k);
+      const __m256 a4 = _mm256_loadu_ps(s + 4 * ldx + k), a5 = _mm256_loadu_ps(s + 5 * ldx + k);
+      const __m256 a6 = _mm256_loadu_ps(s + 6 * ldx + k), a7 = _mm256_loadu_ps(s + 7 * ldx + k);
+      const __m256 t0 = _mm256_unpacklo_ps(a0, a1), t1 = _mm256_unpackhi_ps(a0, a1);
+      const __m256 t2 = _mm256_unpacklo_ps(a2, a3), t3 = _mm256_unpackhi_ps(a2, a3);
+      const __m256 t4 = _mm256_unpacklo_ps(a4, a5), t5 = _mm256_unpackhi_ps(a4, a5);
+      const __m256 t6 = _mm256_unpacklo_ps(a6, a7), t7 = _mm256_unpackhi_ps(a6, a7);
+      const __m256 u0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
+      const __m256 u1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+      const __m256 u2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
+      const __m256 u3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+      const __m256 u4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0));
+      const __m256 u5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
+      const __m256 u6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
+      const __m256 u7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
+      float* o = d + k * kMr;
+      _mm256_storeu_ps(o + 0 * kMr, _mm256_permute2f128_ps(u0, u4, 0x20));
+      _mm256_storeu_ps(o + 1 * kMr, _mm256_permute2f128_ps(u1, u5, 0x20));
+      _mm256_storeu_ps(o + 2 * kMr, _mm256_permute2f128_ps(u2, u6, 0x20));
+      _mm256_storeu_ps(o + 3 * kMr, _mm256_permute2f128_ps(u3, u7, 0x20));
+      _mm256_storeu_ps(o + 4 * kMr, _mm256_permute2f128_ps(u0, u4, 0x31));
+      _mm256_storeu_ps(o + 5 * kMr, _mm256_permute2f128_ps(u1, u5, 0x31));
+      _mm256_storeu_ps(o + 6 * kMr, _mm256_permute2f128_ps(u2, u6, 0x31));
+      _mm256_storeu_ps(o + 7 * kMr, _mm256_permute2f128_ps(u3, u7, 0x31));
+    }
+    if (k < k1) PackRowsScalar(x, ldx, r, r + kMr, k, k1, K, dst);
+  }
+  if (r < r1) PackRowsScalar(x, ldx, r, r1, k0, k1, K, dst);
+}
+
+// Rows [m0, m_end) (at most kMc of them, m0 a multiple of kMr) × the panels [p0, p1) of out, with
+// those rows already packed at `a` (its tile 0 holds row m0). Every output element is summed the
+// same way whatever the number of rows: per k block of kc_len (which depends on K only) in
+// registers, the blocks added to the output in k order. stream: walk the weights in memory order
+// (weight-bound products, see kStreamMaxRows); it changes the order of the tiles, not of any sum.
+COLLABSERVE_AVX512 void PanelsOnPacked(const float* a, int64_t m0, int64_t m_end,
+                                       const PackedWeight& w, const float* bias,
+                                       const float* residual, int64_t ldr, float* out,
+                                       int64_t ldo, int64_t p0, int64_t p1, bool stream) {
+  const int64_t K = w.k(), N = w.n();
+  const int64_t k_blocks = (K + kKc - 1) / kKc;
+  const int64_t kc_len = (K + k_blocks - 1) / k_blocks;
+  // One panel × one k block × every row tile of the block.
+  auto sweep = [&](int64_t p, int64_t k0) {
+    const int64_t kc = std::min(kc_len, K - k0);
+    const float* bp = w.data() + (p * K + k0) * kPanel;
+    const int64_t n0 = p * kPanel;
+    const int64_t valid = std::min(kPanel, N - n0);
+    const __mmask16 mk0 = valid >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << valid) - 1);
+    const __mmask16 mk1 = valid >= 32  ? 0xFFFF
+                          : valid > 16 ? static_cast<__mmask16>((1u << (valid - 16)) - 1)
+                                       : 0;
+    const float* bias_p = bias != nullptr ? bias + n0 : nullptr;
+    for (int64_t r = m0, t = 0; r < m_end; r += kMr, ++t) {
+      const int m = static_cast<int>(std::min<int64_t>(kMr, m_end - r));
+      kKernels[m](kc, a + (t * K + k0) * kMr, bp, out + r * ldo + n0, ldo, k0 == 0, bias_p,
+                  residual != nullptr ? residual + r * ldr + n0 : nullptr, ldr, mk0, mk1,
+                  stream && t == 0);
+    }
+  };
+  if (stream) {
+    // Weight-bound: the panels in memory order, so the weights stream once, contiguously.
+    for (int64_t p = p0; p < p1; ++p) {
+      for (int64_t k0 = 0; k0 < K; k0 += kc_len) sweep(p, k0);
+    }
+  } else {
+    // Arithmetic-bound: one k block of x (kMc × kc_len) stays in L2 across all the panels.
+    for (int64_t k0 = 0; k0 < K; k0 += kc_len) {
+      for (int64_t p = p0; p < p1; ++p) sweep(p, k0);
     }
   }
 }
 
 // The panels [p0, p1) of out (all rows). Per block of kMc rows, x is first copied k-major in tiles
-// of kMr rows (the micro-kernel then reads both operands as sequential streams). Every output
-// element is summed the same way whatever the number of rows: per k block of kc_len (which depends
-// on K only) in registers, the blocks added to the output in k order.
+// of kMr rows (the micro-kernel then reads both operands as sequential streams).
 COLLABSERVE_AVX512 void LinearPanels(const float* x, int64_t ldx, int64_t rows,
                                      const PackedWeight& w, const float* bias,
                                      const float* residual, int64_t ldr, float* out, int64_t ldo,
                                      int64_t p0, int64_t p1) {
-  const int64_t K = w.k(), N = w.n();
-  const int64_t k_blocks = (K + kKc - 1) / kKc;
-  const int64_t kc_len = (K + k_blocks - 1) / k_blocks;
+  const int64_t K = w.k();
   // Grown, never shrunk: resizing down and up again would zero the buffer on every call.
   thread_local std::vector<float> apack;
   const int64_t block_rows = (std::min(rows, kMc) + kMr - 1) / kMr * kMr;
@@ -141,36 +232,195 @@ COLLABSERVE_AVX512 void LinearPanels(const float* x, int64_t ldx, int64_t rows,
   const bool stream = rows <= kStreamMaxRows;
   for (int64_t m0 = 0; m0 < rows; m0 += kMc) {
     const int64_t m_end = std::min(rows, m0 + kMc);
-    PackRows(x, ldx, m0, m_end, K, apack.data());
-    // One panel × one k block × every row tile of the block.
-    auto sweep = [&](int64_t p, int64_t k0) {
-      const int64_t kc = std::min(kc_len, K - k0);
-      const float* bp = w.data() + (p * K + k0) * kPanel;
-      const int64_t n0 = p * kPanel;
-      const int64_t valid = std::min(kPanel, N - n0);
-      const __mmask16 mk0 = valid >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << valid) - 1);
-      const __mmask16 mk1 = valid >= 32  ? 0xFFFF
-                            : valid > 16 ? static_cast<__mmask16>((1u << (valid - 16)) - 1)
-                                         : 0;
-      const float* bias_p = bias != nullptr ? bias + n0 : nullptr;
-      for (int64_t r = m0, t = 0; r < m_end; r += kMr, ++t) {
-        const int m = static_cast<int>(std::min<int64_t>(kMr, m_end - r));
-        kKernels[m](kc, apack.data() + (t * K + k0) * kMr, bp, out + r * ldo + n0, ldo, k0 == 0,
-                    bias_p, residual != nullptr ? residual + r * ldr + n0 : nullptr, ldr, mk0, mk1,
-                    stream && t == 0);
-      }
-    };
-    if (stream) {
-      // Weight-bound: the panels in memory order, so the weights stream once, contiguously.
-      for (int64_t p = p0; p < p1; ++p) {
-        for (int64_t k0 = 0; k0 < K; k0 += kc_len) sweep(p, k0);
-      }
-    } else {
-      // Arithmetic-bound: one k block of x (kMc × kc_len) stays in L2 across all the panels.
-      for (int64_t k0 = 0; k0 < K; k0 += kc_len) {
-        for (int64_t p = p0; p < p1; ++p) sweep(p, k0);
+    PackRowsAvx512(x + m0 * ldx, ldx, 0, m_end - m0, 0, K, K, apack.data());
+    PanelsOnPacked(apack.data(), m0, m_end, w, bias, residual, ldr, out, ldo, p0, p1, stream);
+  }
+}
+
+// exp(x) lane-wise (Cephes' single-precision polynomial on x - n·ln 2, scaled by 2^n with
+// vscalefps; about 1 ulp). Inputs below -104 give 0, as expf does.
+COLLABSERVE_AVX512 inline __m512 Exp512(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(88.7f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// 0.5 · x · (1 + erf(x / sqrt 2)) lane-wise, erf as ATen's Vectorized<float>::erf computes it.
+COLLABSERVE_AVX512 inline __m512 Gelu512(__m512 x) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 u = _mm512_mul_ps(x, _mm512_set1_ps(0.70710678118654752f));
+  // (Sign bits with integer ops: the float and/xor need AVX-512DQ.)
+  const __m512i sign = _mm512_and_si512(_mm512_castps_si512(u), _mm512_set1_epi32(INT32_MIN));
+  const __m512 a = _mm512_abs_ps(u);
+  const __m512 t = _mm512_div_ps(one, _mm512_fmadd_ps(_mm512_set1_ps(0.3275911f), a, one));
+  __m512 r = _mm512_fmadd_ps(_mm512_set1_ps(1.061405429f), t, _mm512_set1_ps(-1.453152027f));
+  r = _mm512_fmadd_ps(r, t, _mm512_set1_ps(1.421413741f));
+  r = _mm512_fmadd_ps(r, t, _mm512_set1_ps(-0.284496736f));
+  r = _mm512_fmadd_ps(r, t, _mm512_set1_ps(0.254829592f));
+  const __m512 e = Exp512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(u, u)));
+  // erf(|u|) = 1 - r · t · exp(-u²), the sign of u put back.
+  const __m512 erf = _mm512_castsi512_ps(_mm512_xor_si512(
+      sign, _mm512_castps_si512(_mm512_fnmadd_ps(_mm512_mul_ps(e, t), r, one))));
+  return _mm512_mul_ps(_mm512_mul_ps(_mm512_add_ps(erf, one), x), _mm512_set1_ps(0.5f));
+}
+
+COLLABSERVE_AVX512 void GeluRowsAvx512(float* x, int64_t ldx, int64_t rows, int64_t c0,
+                                       int64_t c1) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = x + r * ldx;
+    int64_t c = c0;
+    for (; c + 16 <= c1; c += 16) _mm512_storeu_ps(row + c, Gelu512(_mm512_loadu_ps(row + c)));
+    if (c < c1) {
+      const __mmask16 m = static_cast<__mmask16>((1u << (c1 - c)) - 1);
+      _mm512_mask_storeu_ps(row + c, m, Gelu512(_mm512_maskz_loadu_ps(m, row + c)));
+    }
+  }
+}
+
+// Horizontal sum / max of 16 lanes (by halves; GCC 12's _mm512_reduce_* warn of uninitialised
+// temporaries).
+COLLABSERVE_AVX512 inline __m128 Halve512(__m512 v, bool max) {
+  const __m256 lo = _mm512_castps512_ps256(v);
+  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+  const __m256 a = max ? _mm256_max_ps(lo, hi) : _mm256_add_ps(lo, hi);
+  const __m128 l = _mm256_castps256_ps128(a), h = _mm256_extractf128_ps(a, 1);
+  return max ? _mm_max_ps(l, h) : _mm_add_ps(l, h);
+}
+COLLABSERVE_AVX512 inline float HorizontalSum(__m512 v) {
+  __m128 x = Halve512(v, false);
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+COLLABSERVE_AVX512 inline float HorizontalMax(__m512 v) {
+  __m128 x = Halve512(v, true);
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_max_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+// SmallAttention for NT tiles of 16 keys (S <= 16·NT) and blocks of MR query rows (NT·MR = 16
+// score accumulators, or 8 for NT = 1). kt: the keys transposed, [NT][dk][16] (padding keys 0).
+template <int NT>
+COLLABSERVE_AVX512 void SmallAttentionTiles(const float* q, const float* kt, const float* v,
+                                            int64_t ld, const float* mask, int64_t S, int64_t dk,
+                                            float* ctx, int64_t ldc) {
+  constexpr int MR = NT == 1 ? 8 : 16 / NT;
+  // Valid keys of each tile; the mask row, -inf beyond S (so padding keys get probability 0).
+  __mmask16 valid[NT];
+  __m512 madd[NT];
+  for (int j = 0; j < NT; ++j) {
+    const int64_t left = S - 16 * j;
+    valid[j] = left >= 16 ? 0xFFFF : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
+    const __m512 m = mask != nullptr ? _mm512_maskz_loadu_ps(valid[j], mask + 16 * j) : _mm512_setzero_ps();
+    madd[j] = _mm512_mask_blend_ps(valid[j], _mm512_set1_ps(-INFINITY), m);
+  }
+  alignas(64) float probs[MR][16 * NT];
+  for (int64_t i0 = 0; i0 < S; i0 += MR) {
+    const int rows = static_cast<int>(std::min<int64_t>(MR, S - i0));
+    // Scores of rows i0.. against every key: acc[r][j] = q_r · keys of tile j.
+    __m512 acc[MR][NT];
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+#pragma GCC unroll 4
+      for (int j = 0; j < NT; ++j) acc[r][j] = _mm512_setzero_ps();
+    }
+    for (int64_t d = 0; d < dk; ++d) {
+      __m512 kv[NT];
+#pragma GCC unroll 4
+      for (int j = 0; j < NT; ++j) kv[j] = _mm512_loadu_ps(kt + (j * dk + d) * 16);
+#pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) {
+        // Rows past the sequence re-read row i0 (valid memory); their results are dropped.
+        const __m512 qv = _mm512_set1_ps(q[(i0 + (r < rows ? r : 0)) * ld + d]);
+#pragma GCC unroll 4
+        for (int j = 0; j < NT; ++j) acc[r][j] = _mm512_fmadd_ps(qv, kv[j], acc[r][j]);
       }
     }
+    // Softmax of each row, into probs.
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      if (r >= rows) break;
+      __m512 mx = _mm512_set1_ps(-INFINITY);
+#pragma GCC unroll 4
+      for (int j = 0; j < NT; ++j) {
+        acc[r][j] = _mm512_add_ps(acc[r][j], madd[j]);
+        mx = _mm512_max_ps(mx, acc[r][j]);
+      }
+      const __m512 m = _mm512_set1_ps(HorizontalMax(mx));
+      __m512 sum = _mm512_setzero_ps();
+#pragma GCC unroll 4
+      for (int j = 0; j < NT; ++j) {
+        acc[r][j] = _mm512_maskz_mov_ps(valid[j], Exp512(_mm512_sub_ps(acc[r][j], m)));
+        sum = _mm512_add_ps(sum, acc[r][j]);
+      }
+      const __m512 inv = _mm512_set1_ps(1.0f / HorizontalSum(sum));
+#pragma GCC unroll 4
+      for (int j = 0; j < NT; ++j) _mm512_store_ps(probs[r] + 16 * j, _mm512_mul_ps(acc[r][j], inv));
+    }
+    // ctx rows = probs · v, two rows at a time, 64 columns at a time (8 accumulators).
+    for (int r = 0; r < rows; r += 2) {
+      const bool two = r + 1 < rows;
+      for (int64_t c0 = 0; c0 < dk; c0 += 64) {
+        const int nz = static_cast<int>(std::min<int64_t>(4, (dk - c0) / 16));
+        __m512 o0[4], o1[4];
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) o0[c] = o1[c] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < S; ++j) {
+          const __m512 p0 = _mm512_set1_ps(probs[r][j]);
+          const __m512 p1 = _mm512_set1_ps(probs[two ? r + 1 : r][j]);
+          const float* vr = v + j * ld + c0;
+#pragma GCC unroll 4
+          for (int c = 0; c < 4; ++c) {
+            if (c < nz) {
+              const __m512 vv = _mm512_loadu_ps(vr + 16 * c);
+              o0[c] = _mm512_fmadd_ps(p0, vv, o0[c]);
+              o1[c] = _mm512_fmadd_ps(p1, vv, o1[c]);
+            }
+          }
+        }
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) {
+          if (c < nz) {
+            _mm512_storeu_ps(ctx + (i0 + r) * ldc + c0 + 16 * c, o0[c]);
+            if (two) _mm512_storeu_ps(ctx + (i0 + r + 1) * ldc + c0 + 16 * c, o1[c]);
+          }
+        }
+      }
+    }
+  }
+}
+
+COLLABSERVE_AVX512 void SmallAttentionAvx512(const float* q, const float* k, const float* v,
+                                             int64_t ld, const float* mask, int64_t S, int64_t dk,
+                                             float* ctx, int64_t ldc) {
+  const int nt = static_cast<int>((S + 15) / 16);
+  // The keys transposed into [nt][dk][16] (padding keys 0).
+  alignas(64) float kt[kSmallAttentionMaxS * kSmallAttentionMaxDk];
+  for (int64_t j = 0; j < nt * 16; ++j) {
+    float* dst = kt + (j / 16) * dk * 16 + j % 16;
+    if (j < S) {
+      const float* src = k + j * ld;
+      for (int64_t d = 0; d < dk; ++d) dst[d * 16] = src[d];
+    } else {
+      for (int64_t d = 0; d < dk; ++d) dst[d * 16] = 0.0f;
+    }
+  }
+  switch (nt) {
+    case 1: SmallAttentionTiles<1>(q, kt, v, ld, mask, S, dk, ctx, ldc); break;
+    case 2: SmallAttentionTiles<2>(q, kt, v, ld, mask, S, dk, ctx, ldc); break;
+    case 3: SmallAttentionTiles<3>(q, kt, v, ld, mask, S, dk, ctx, ldc); break;
+    default: SmallAttentionTiles<4>(q, kt, v, ld, mask, S, dk, ctx, ldc); break;
   }
 }
 
@@ -211,6 +461,14 @@ COLLABSERVE_AVX512 void LayerNormRowsAvx512(float* x, int64_t ldx, int64_t begin
 void LayerNormRowsGeneric(float* x, int64_t ldx, int64_t begin, int64_t end, int64_t d,
                           const float* gamma, const float* beta, float eps) {
   for (int64_t r = begin; r < end; ++r) LayerNormRow(x + r * ldx, d, gamma, beta, eps);
+}
+
+// n_begin, n_end: whole panels of w (n_end may be w.n()).
+void CheckColumns(const PackedWeight& w, int64_t n_begin, int64_t n_end) {
+  TORCH_CHECK(0 <= n_begin && n_begin <= n_end && n_end <= w.n() &&
+                  (n_begin == n_end || (n_begin % kPanel == 0 && (n_end % kPanel == 0 || n_end == w.n()))),
+              "PackedLinearColumns: columns [", n_begin, ", ", n_end, ") of ", w.n(),
+              " are not whole panels of ", kPanel);
 }
 
 }  // namespace
@@ -274,13 +532,59 @@ void PackedLinearColumns(const float* x, int64_t ldx, int64_t rows, const Packed
                          const float* bias, const float* residual, int64_t ldr, float* out,
                          int64_t ldo, int64_t n_begin, int64_t n_end) {
   TORCH_CHECK(PackedLinearSupported(), "PackedLinearColumns needs AVX-512F");
-  TORCH_CHECK(0 <= n_begin && n_begin <= n_end && n_end <= w.n() &&
-                  (n_begin == n_end || (n_begin % kPanel == 0 && (n_end % kPanel == 0 || n_end == w.n()))),
-              "PackedLinearColumns: columns [", n_begin, ", ", n_end, ") of ", w.n(),
-              " are not whole panels of ", kPanel);
+  CheckColumns(w, n_begin, n_end);
   if (rows <= 0 || n_begin == n_end) return;
   LinearPanels(x, ldx, rows, w, bias, residual, ldr, out, ldo, n_begin / kPanel,
                (n_end + kPanel - 1) / kPanel);
+}
+
+int64_t PackedRowsSize(int64_t rows, int64_t K) {
+  return (std::max<int64_t>(0, rows) + kMr - 1) / kMr * kMr * std::max<int64_t>(0, K);
+}
+
+void PackRows(const float* x, int64_t ldx, int64_t r0, int64_t r1, int64_t k0, int64_t k1,
+              int64_t K, float* packed) {
+  TORCH_CHECK(0 <= r0 && 0 <= k0 && k0 <= k1 && k1 <= K, "PackRows: columns [", k0, ", ", k1,
+              ") of ", K, ", rows from ", r0);
+  if (r1 <= r0 || k1 == k0) return;
+  if (PackedLinearSupported()) {
+    PackRowsAvx512(x, ldx, r0, r1, k0, k1, K, packed);
+  } else {
+    PackRowsScalar(x, ldx, r0, r1, k0, k1, K, packed);
+  }
+}
+
+void PackedLinearColumnsPacked(const float* packed, int64_t rows, const PackedWeight& w,
+                               const float* bias, const float* residual, int64_t ldr, float* out,
+                               int64_t ldo, int64_t n_begin, int64_t n_end) {
+  TORCH_CHECK(PackedLinearSupported(), "PackedLinearColumnsPacked needs AVX-512F");
+  CheckColumns(w, n_begin, n_end);
+  if (rows <= 0 || n_begin == n_end) return;
+  const int64_t p0 = n_begin / kPanel, p1 = (n_end + kPanel - 1) / kPanel;
+  const bool stream = rows <= kStreamMaxRows;
+  for (int64_t m0 = 0; m0 < rows; m0 += kMc) {
+    PanelsOnPacked(packed + m0 * w.k(), m0, std::min(rows, m0 + kMc), w, bias, residual, ldr, out,
+                   ldo, p0, p1, stream);
+  }
+}
+
+void GeluRowsInPlace(float* x, int64_t ldx, int64_t rows, int64_t c0, int64_t c1) {
+  TORCH_CHECK(PackedLinearSupported(), "GeluRowsInPlace needs AVX-512F");
+  if (rows <= 0 || c1 <= c0) return;
+  GeluRowsAvx512(x, ldx, rows, c0, c1);
+}
+
+bool SmallAttentionSupported(int64_t S, int64_t dk) {
+  return PackedLinearSupported() && S >= 1 && S <= kSmallAttentionMaxS && dk >= 16 &&
+         dk % 16 == 0 && dk <= kSmallAttentionMaxDk;
+}
+
+void SmallAttention(const float* q, const float* k, const float* v, int64_t ld, const float* mask,
+                    int64_t S, int64_t dk, float* ctx, int64_t ldc) {
+  TORCH_CHECK(SmallAttentionSupported(S, dk), "SmallAttention: S = ", S, ", dk = ", dk,
+              " (want AVX-512F, S in [1, ", kSmallAttentionMaxS, "], dk a multiple of 16 up to ",
+              kSmallAttentionMaxDk, ")");
+  SmallAttentionAvx512(q, k, v, ld, mask, S, dk, ctx, ldc);
 }
 
 void LayerNormRowsInPlace(float* x, int64_t ldx, int64_t rows, int64_t d, const float* gamma,

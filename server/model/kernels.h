@@ -63,6 +63,48 @@ void PackedLinearColumns(const float* x, int64_t ldx, int64_t rows, const Packed
                          const float* bias, const float* residual, int64_t ldr, float* out,
                          int64_t ldo, int64_t n_begin, int64_t n_end);
 
+// Packed rows: an activation x [rows, K] copied into the layout the micro-kernel reads, so that
+// the members of a ThreadTeam can pack it once between them (each the rows, or the k range, it has
+// just produced) instead of each packing all of it inside PackedLinearColumns. Tiles of
+// kPackedRowTile rows, each k-major: row r, column k is at
+//   packed[(r / kPackedRowTile) · K · kPackedRowTile + k · kPackedRowTile + r % kPackedRowTile].
+constexpr int64_t kPackedRowTile = 8;
+
+// Floats a packed copy of `rows` rows of K columns needs.
+int64_t PackedRowsSize(int64_t rows, int64_t K);
+
+// Copies x[r, k] for r in [r0, r1), k in [k0, k1) into `packed` (laid out for K columns), leaving
+// every other entry as it is. x points at row 0, column 0, leading dimension ldx. Several threads
+// may pack disjoint row ranges, or disjoint k ranges, of one buffer at once.
+void PackRows(const float* x, int64_t ldx, int64_t r0, int64_t r1, int64_t k0, int64_t k1,
+              int64_t K, float* packed);
+
+// PackedLinearColumns on rows already packed (PackRows with K = w.k(), all `rows` rows and all K
+// columns): the same result, bit for bit, without packing x again.
+void PackedLinearColumnsPacked(const float* packed, int64_t rows, const PackedWeight& w,
+                               const float* bias, const float* residual, int64_t ldr, float* out,
+                               int64_t ldo, int64_t n_begin, int64_t n_end);
+
+// Softmax attention of one head over one short sequence, on the calling thread, all in AVX-512
+// registers: for i < S, ctx[i, :] = sum_j softmax_j(q_i · k_j + mask[j]) · v_j over j < S, q_i
+// already scaled by 1/sqrt(dk). q, k, v: S rows of dk floats, leading dimension ld; ctx: leading
+// dimension ldc; mask: S additive entries, or null. For the short sequences where the per-call
+// costs of an sgemm and an ATen softmax (dozens of them per layer) outweigh the arithmetic.
+// Each row's result depends only on its own sequence. Requires SmallAttentionSupported(S, dk).
+void SmallAttention(const float* q, const float* k, const float* v, int64_t ld, const float* mask,
+                    int64_t S, int64_t dk, float* ctx, int64_t ldc);
+
+// Whether SmallAttention handles S positions of dk: AVX-512F, 1 <= S <= kSmallAttentionMaxS,
+// dk a positive multiple of 16 up to kSmallAttentionMaxDk.
+constexpr int64_t kSmallAttentionMaxS = 64;
+constexpr int64_t kSmallAttentionMaxDk = 128;
+bool SmallAttentionSupported(int64_t S, int64_t dk);
+
+// In place on the columns [c0, c1) of the rows of x [rows, *] (leading dimension ldx), on the
+// calling thread: x = x · (1 + erf(x / sqrt 2)) / 2, the "gelu" of BERT, with ATen's vectorised
+// erf (Abramowitz-Stegun 7.1.26, |error| < 1.5e-7). Requires PackedLinearSupported().
+void GeluRowsInPlace(float* x, int64_t ldx, int64_t rows, int64_t c0, int64_t c1);
+
 // In place over the rows of x [rows, d] (row-major, leading dimension ldx): x = (x - mean) /
 // sqrt(var + eps) * gamma + beta, biased variance, as torch.nn.functional.layer_norm over the
 // last dimension. Parallel over rows.

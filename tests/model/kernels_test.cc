@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <limits>
 #include <thread>
 #include <tuple>
 #include <utility>
@@ -116,6 +117,109 @@ TEST(PackedLinearColumns, PiecesEqualTheWholeBitForBit) {
   EXPECT_THROW(PackedLinearColumns(x.data_ptr<float>(), k, 2, pw, nullptr, nullptr, 0,
                                    out.data_ptr<float>(), n, 0, n + 1),
                c10::Error);
+}
+
+// A team packs an activation in pieces (each member its rows, or its k range) and every member
+// then runs its columns on the shared copy: the result must be PackedLinear's, bit for bit.
+TEST(PackedLinearColumnsPacked, PackedInPiecesEqualsPackedLinearBitForBit) {
+  if (!PackedLinearSupported()) GTEST_SKIP() << "no AVX-512F";
+  c10::InferenceMode guard;
+  at::manual_seed(7);
+  const int64_t n = 150, k = 300;  // a partial last panel; k not a multiple of the 8-wide transpose
+  for (int64_t rows : {1, 3, 16, 45, 130, 600}) {
+    // Strided rows, as inside the fused projection.
+    at::Tensor xbuf = at::randn({rows, k + 5}), w = at::randn({n, k}), b = at::randn({n});
+    at::Tensor x = xbuf.narrow(1, 2, k), r = at::randn({rows, n});
+    PackedWeight pw(w);
+    at::Tensor whole = at::empty({rows, n});
+    PackedLinear(x.data_ptr<float>(), k + 5, rows, pw, b.data_ptr<float>(), r.data_ptr<float>(), n,
+                 whole.data_ptr<float>(), n);
+    // By rows (a cut inside a tile) and, separately, by k ranges.
+    at::Tensor by_rows = at::full({PackedRowsSize(rows, k)}, 7.0f);
+    at::Tensor by_k = at::full({PackedRowsSize(rows, k)}, 7.0f);
+    const int64_t cut = rows / 3;
+    PackRows(x.data_ptr<float>(), k + 5, 0, cut, 0, k, k, by_rows.data_ptr<float>());
+    PackRows(x.data_ptr<float>(), k + 5, cut, rows, 0, k, k, by_rows.data_ptr<float>());
+    for (auto [k0, k1] : {std::pair<int64_t, int64_t>{0, 13}, {13, 160}, {160, k}}) {
+      PackRows(x.data_ptr<float>(), k + 5, 0, rows, k0, k1, k, by_k.data_ptr<float>());
+    }
+    for (const at::Tensor& packed : {by_rows, by_k}) {
+      at::Tensor out = at::full({rows, n}, 7.0f);
+      for (auto [n0, n1] : {std::pair<int64_t, int64_t>{0, 64}, {64, n}}) {
+        PackedLinearColumnsPacked(packed.data_ptr<float>(), rows, pw, b.data_ptr<float>(),
+                                  r.data_ptr<float>(), n, out.data_ptr<float>(), n, n0, n1);
+      }
+      EXPECT_TRUE(at::equal(out, whole)) << rows << " rows";
+    }
+    // The layout itself: row i, column j at tile i / 8, offset j · 8 + i % 8.
+    const float* p = by_k.data_ptr<float>();
+    for (int64_t i : {int64_t{0}, rows / 2, rows - 1}) {
+      for (int64_t j : {int64_t{0}, int64_t{7}, int64_t{8}, k - 1}) {
+        EXPECT_EQ(p[(i / kPackedRowTile) * k * kPackedRowTile + j * kPackedRowTile + i % kPackedRowTile],
+                  x[i][j].item<float>());
+      }
+    }
+  }
+  EXPECT_EQ(PackedRowsSize(9, 10), 16 * 10);
+  at::Tensor x = at::randn({2, 4}), packed = at::empty({PackedRowsSize(2, 4)});
+  EXPECT_THROW(PackRows(x.data_ptr<float>(), 4, 0, 2, 2, 5, 4, packed.data_ptr<float>()), c10::Error);
+  PackedWeight pw(at::randn({40, 4}));
+  at::Tensor out = at::empty({2, 40});
+  EXPECT_THROW(PackedLinearColumnsPacked(packed.data_ptr<float>(), 2, pw, nullptr, nullptr, 0,
+                                         out.data_ptr<float>(), 40, 8, 40),
+               c10::Error);
+}
+
+// SmallAttention against the ATen composition it replaces (scores, additive mask, softmax, · v),
+// with strided q/k/v as in the fused projection, a partial key tile, masked positions and one
+// sequence whose keys are all masked (softmax of equal scores: uniform, as in ATen).
+TEST(SmallAttention, EqualsAtenSoftmaxAttention) {
+  if (!PackedLinearSupported()) GTEST_SKIP() << "no AVX-512F";
+  c10::InferenceMode guard;
+  at::manual_seed(8);
+  for (int64_t dk : {16, 64, 128}) {
+    for (int64_t S : {1, 5, 16, 17, 33, 48, 64}) {
+      ASSERT_TRUE(SmallAttentionSupported(S, dk));
+      const int64_t ld = 3 * dk + 7;
+      at::Tensor p = at::randn({S, ld});
+      at::Tensor q = p.narrow(1, 0, dk), k = p.narrow(1, dk, dk), v = p.narrow(1, 2 * dk + 3, dk);
+      for (int masking = 0; masking < 3; ++masking) {
+        at::Tensor mask = at::zeros({S});
+        if (masking == 1) mask.narrow(0, S / 2, S - S / 2).fill_(std::numeric_limits<float>::lowest());
+        if (masking == 2) mask.fill_(std::numeric_limits<float>::lowest());
+        at::Tensor want = at::matmul(at::_softmax(at::matmul(q, k.t()) + mask, -1, false), v);
+        at::Tensor ctx = at::full({S, dk + 2}, 7.0f);
+        SmallAttention(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), ld,
+                       masking == 0 ? nullptr : mask.data_ptr<float>(), S, dk,
+                       ctx.data_ptr<float>(), dk + 2);
+        EXPECT_LT(RelErr(ctx.narrow(1, 0, dk), want), 1e-5) << "S " << S << " dk " << dk << " mask " << masking;
+        EXPECT_TRUE(ctx.narrow(1, dk, 2).eq(7.0f).all().item<bool>());
+      }
+    }
+  }
+  EXPECT_FALSE(SmallAttentionSupported(kSmallAttentionMaxS + 1, 64));
+  EXPECT_FALSE(SmallAttentionSupported(16, 24));
+  EXPECT_FALSE(SmallAttentionSupported(0, 64));
+  at::Tensor x = at::zeros({4, 24});
+  EXPECT_THROW(SmallAttention(x.data_ptr<float>(), x.data_ptr<float>(), x.data_ptr<float>(), 24,
+                              nullptr, 4, 24, x.data_ptr<float>(), 24),
+               c10::Error);
+}
+
+TEST(GeluRowsInPlace, EqualsAtenGelu) {
+  if (!PackedLinearSupported()) GTEST_SKIP() << "no AVX-512F";
+  c10::InferenceMode guard;
+  at::manual_seed(9);
+  at::Tensor x = at::randn({5, 70}) * 4;
+  x[0][3] = 0.0f;
+  x[0][4] = -30.0f;
+  x[0][5] = 30.0f;
+  at::Tensor want = x.clone();
+  want.narrow(1, 3, 60) = at::gelu(x.narrow(1, 3, 60));
+  GeluRowsInPlace(x.data_ptr<float>(), 70, 5, 3, 63);  // 60 columns: 3 vectors and a partial one
+  EXPECT_TRUE(at::equal(x.narrow(1, 0, 3), want.narrow(1, 0, 3)));   // untouched
+  EXPECT_TRUE(at::equal(x.narrow(1, 63, 7), want.narrow(1, 63, 7)));
+  EXPECT_LT((x - want).abs().max().item<double>(), 2e-6);
 }
 
 TEST(PackedWeight, RejectsWhatItCannotPack) {
