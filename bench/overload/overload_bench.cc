@@ -7,8 +7,6 @@
 //
 //   overload_bench [--collabserve=build/bin/collabserve] [--preset=mini] [--input_tokens=64]
 //                  [--phase_s=10] [--max_queue_size=256] [--overload_factor=4]
-#include <signal.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -37,6 +35,7 @@
 #include "grpcpp/security/credentials.h"
 #include "server/model/checkpoint_maker.h"
 #include "server/util/process_memory.h"
+#include "tests/testing/server_process.h"
 
 ABSL_FLAG(std::string, collabserve, "", "the server binary (default: bin/collabserve next to this)");
 ABSL_FLAG(std::string, preset, "mini", "checkpoint preset: tiny, mini or base");
@@ -53,57 +52,13 @@ namespace {
 
 // ------------------------------------------------------------------------------ the server
 
-class ServerProcess {
- public:
-  ServerProcess(const std::string& binary, std::vector<std::string> args) {
-    int fds[2];
-    if (pipe(fds) != 0) return;
-    pid_ = fork();
-    if (pid_ == 0) {
-      dup2(fds[1], 1);
-      close(fds[0]);
-      close(fds[1]);
-      std::vector<char*> argv = {const_cast<char*>(binary.c_str())};
-      for (auto& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      execv(binary.c_str(), argv.data());
-      _exit(127);
-    }
-    close(fds[1]);
-    FILE* out = fdopen(fds[0], "r");
-    char line[512];
-    while (out != nullptr && fgets(line, sizeof(line), out) != nullptr) {
-      const std::string l(line);
-      const std::string prefix = "listening on 127.0.0.1:";
-      if (l.rfind(prefix, 0) == 0) port_ = std::atoi(l.c_str() + prefix.size());
-      if (l.rfind("serving", 0) == 0) {
-        serving_ = true;
-        break;
-      }
-    }
-    out_ = out;
-  }
-  ~ServerProcess() {
-    if (pid_ > 0) {
-      kill(pid_, SIGTERM);
-      waitpid(pid_, nullptr, 0);
-    }
-    if (out_ != nullptr) fclose(out_);
-  }
-  bool serving() const { return serving_; }
-  int port() const { return port_; }
-  // VmRSS in bytes.
-  int64_t Rss() const {
-    absl::StatusOr<collabserve::util::ProcessMemory> m = collabserve::util::ReadProcessMemory(pid_);
-    return m.ok() ? m->rss_bytes : 0;
-  }
+using collabserve::testing::ServerProcess;
 
- private:
-  pid_t pid_ = -1;
-  FILE* out_ = nullptr;
-  int port_ = 0;
-  bool serving_ = false;
-};
+// VmRSS of a process in bytes (0 if it cannot be read).
+int64_t Rss(pid_t pid) {
+  absl::StatusOr<collabserve::util::ProcessMemory> m = collabserve::util::ReadProcessMemory(pid);
+  return m.ok() ? m->rss_bytes : 0;
+}
 
 // ------------------------------------------------------------------------------ calls
 
@@ -201,10 +156,11 @@ int Run() {
 
   const int queue = absl::GetFlag(FLAGS_max_queue_size);
   const int max_batch = absl::GetFlag(FLAGS_max_batch_size);
-  ServerProcess server(binary, {"--port=0", "--metrics_port=-1", "--host=127.0.0.1",
-                                absl::StrCat("--model_repository=", repo), "--poll_interval_s=0",
-                                absl::StrCat("--max_queue_size=", queue),
-                                absl::StrCat("--max_batch_size=", max_batch)});
+  ServerProcess server({"--port=0", "--metrics_port=-1", "--host=127.0.0.1",
+                        absl::StrCat("--model_repository=", repo), "--poll_interval_s=0",
+                        absl::StrCat("--max_queue_size=", queue),
+                        absl::StrCat("--max_batch_size=", max_batch)},
+                       /*stderr_log=*/"", /*in_child=*/nullptr, binary);
   if (!server.serving()) {
     std::fprintf(stderr, "%s did not start\n", binary.c_str());
     return 1;
@@ -260,12 +216,12 @@ int Run() {
   // Overload: open loop at factor x rate; RSS sampled every 20 ms.
   const double factor = absl::GetFlag(FLAGS_overload_factor);
   const double offered = factor * rate;
-  const int64_t rss_start = server.Rss();
+  const int64_t rss_start = Rss(server.pid());
   std::atomic<int64_t> rss_peak{rss_start};
   std::atomic<bool> sampling{true};
   std::thread sampler([&] {
     while (sampling.load()) {
-      const int64_t r = server.Rss();
+      const int64_t r = Rss(server.pid());
       int64_t p = rss_peak.load();
       while (r > p && !rss_peak.compare_exchange_weak(p, r)) {
       }
@@ -319,7 +275,7 @@ int Run() {
   for (int i = 0; i < 20; ++i) after.push_back(SyncCall(stub.get(), req, &status));
   sampling.store(false);
   sampler.join();
-  const int64_t rss_end = server.Rss();
+  const int64_t rss_end = Rss(server.pid());
 
   const std::vector<Outcome> ol = overload.Take();
   const std::vector<absl::Duration> ok = Latencies(ol, grpc::StatusCode::OK);

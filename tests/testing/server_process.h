@@ -34,8 +34,11 @@ class ServerProcess {
   // appended to `stderr_log` when given.
   // `in_child`, when given, runs in the child between fork and exec (e.g. to set a resource
   // limit or a signal disposition that exec keeps); it must only make async-signal-safe calls.
+  // `binary`: the server to run (default: BinaryPath("collabserve")).
   explicit ServerProcess(std::vector<std::string> args, const std::string& stderr_log = "",
-                         const std::function<void()>& in_child = nullptr) {
+                         const std::function<void()>& in_child = nullptr,
+                         std::string binary = "") {
+    if (binary.empty()) binary = BinaryPath("collabserve");
     int fds[2];
     if (pipe(fds) != 0) return;
     pid_ = fork();
@@ -48,11 +51,10 @@ class ServerProcess {
         if (err != nullptr) dup2(fileno(err), 2);
       }
       if (in_child) in_child();
-      std::string bin = BinaryPath("collabserve");
-      std::vector<char*> argv = {bin.data()};
+      std::vector<char*> argv = {binary.data()};
       for (auto& a : args) argv.push_back(a.data());
       argv.push_back(nullptr);
-      execv(bin.c_str(), argv.data());
+      execv(binary.c_str(), argv.data());
       _exit(127);
     }
     close(fds[1]);
