@@ -32,7 +32,7 @@ absl::Status Compress(int argc, char** argv) {
   ASSIGN_OR_RETURN(Flags f, Flags::Parse(argc, argv, 2,
                                          {"model", "out", "rank", "ratio", "ranks", "max_error", "max_iters",
                                           "tol", "seed", "device", "probe", "parallel_layers", "precision",
-                                          "line_search"}));
+                                          "line_search", "init"}));
   if (!f.Has("model") || !f.Has("out")) {
     return absl::InvalidArgumentError("compress: --model IN and --out OUT are required");
   }
@@ -83,6 +83,14 @@ absl::Status Compress(int argc, char** argv) {
     return absl::InvalidArgumentError(absl::StrCat("--line_search '", line_search, "' is not 0 or 1"));
   }
   o.line_search = line_search == "1";
+  // The CP start (CompressOptions::init): svd (default) or random. bench/compress/RESULTS.md
+  // section 6 compares them: random needs no eigensolver and wins per layer, svd gave the better
+  // fidelity on the whole random-weight model.
+  const std::string init = f.Get("init", "svd");
+  if (init != "svd" && init != "random") {
+    return absl::InvalidArgumentError(absl::StrCat("--init '", init, "' is not svd or random"));
+  }
+  o.init = init == "svd" ? compress::CpAlsOptions::Init::kSvd : compress::CpAlsOptions::Init::kRandom;
   if (f.Has("probe")) {
     ASSIGN_OR_RETURN(std::string text, util::ReadFile(f.Get("probe"), 64 << 20));
     for (absl::string_view line : absl::StrSplit(text, '\n', absl::SkipWhitespace())) {

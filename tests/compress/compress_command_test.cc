@@ -1,10 +1,11 @@
 // `collabserve-model compress` as a user runs it: by default one layer per CPU at once, each with one
-// thread; --parallel_layers overrides it without changing the decomposition; bad thread and
-// line-search flags are refused with a message naming them.
+// thread; --parallel_layers overrides it without changing the decomposition; --init picks the CP
+// start; bad thread, line-search and init flags are refused with a message naming them.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <iterator>
 #include <nlohmann/json.hpp>
@@ -83,8 +84,31 @@ TEST_F(CompressCommandTest, BadThreadAndLineSearchFlagsAreRefused) {
   r = Compress("b", "--line_search yes");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_THAT(r.output, HasSubstr("--line_search 'yes' is not 0 or 1"));
+  r = Compress("c", "--init hosvd");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_THAT(r.output, HasSubstr("--init 'hosvd' is not svd or random"));
   EXPECT_FALSE(std::filesystem::exists(dir_ / "a"));
   EXPECT_FALSE(std::filesystem::exists(dir_ / "b"));
+  EXPECT_FALSE(std::filesystem::exists(dir_ / "c"));
+}
+
+// --init picks the CP start: svd is the default (the same factors as naming it), random starts
+// elsewhere and so ends at other errors after the same 30 sweeps.
+TEST_F(CompressCommandTest, InitSelectsTheStart) {
+  nlohmann::json by_default = Report("default", "");
+  nlohmann::json svd = Report("svd", "--init svd");
+  nlohmann::json random = Report("random", "--init random");
+  ASSERT_EQ(random["layers"].size(), 4u);
+  EXPECT_TRUE(*util::ReadFile(dir_ / "default/model.safetensors") == *util::ReadFile(dir_ / "svd/model.safetensors"));
+  int differ = 0;
+  for (int l = 0; l < 4; ++l) {
+    const double e_svd = svd["layers"][l]["relative_error"].get<double>();
+    const double e_random = random["layers"][l]["relative_error"].get<double>();
+    EXPECT_GT(e_random, 0) << "layer " << l;
+    EXPECT_LT(e_random, 1) << "layer " << l;
+    differ += std::abs(e_svd - e_random) > 1e-7;
+  }
+  EXPECT_GT(differ, 0) << "the random start gave the SVD start's errors on every layer";
 }
 
 }  // namespace
