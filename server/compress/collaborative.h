@@ -88,7 +88,9 @@ struct CompressOptions {
   // Set to true to abandon the work; the call then returns CANCELLED and writes nothing.
   const std::atomic<bool>* cancelled = nullptr;
   // Called, from the calling thread, as each step of CompressModelDirectory starts: "load",
-  // "convert", "fidelity", "write" (e.g. to measure each step's memory).
+  // "convert", "fidelity", "write" (e.g. to measure each step's memory). The weights file is
+  // written from a second thread during "fidelity"; "write" is what follows the probes
+  // (config.json, which records the fidelity, and the rename that publishes the directory).
   std::function<void(const std::string& step)> on_step;
 };
 
@@ -101,7 +103,9 @@ struct CompressReport {
   double decompose_seconds = 0; // CP only
   // Wall seconds of each step of CompressModelDirectory / CompressLoadedModel: reading and
   // preparing the checkpoint (0 for CompressLoadedModel), the conversion (the CP decompositions
-  // and building the new model), the fidelity probes, writing the output directory.
+  // and building the new model), the fidelity probes, writing the output directory. The weights
+  // are written by a second thread while the probes run, so write_seconds (that thread's time
+  // plus config.json and the rename) overlaps fidelity_seconds.
   double load_seconds = 0, convert_seconds = 0, fidelity_seconds = 0, write_seconds = 0;
   int parallel_layers = 0;      // layers that were decomposed at once (the resolved option)
   std::string ToJson() const;   // the report `collabserve-model compress` prints

@@ -18,6 +18,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "server/compress/gram_solve.h"
 #include "server/util/status_macros.h"
 
 namespace collabserve::compress {
@@ -169,41 +170,6 @@ at::Tensor LeadingEigenvectors(const at::Tensor& gram, int64_t rank, std::mt1993
   at::Tensor X = FixSigns(vectors.narrow(1, dim - k, k).flip({1}));
   if (k < rank) X = at::cat({X, RandomNormal(dim, rank - k, rng, gram.options())}, 1);
   return X.contiguous();
-}
-
-// M G⁻¹ for a symmetric positive semi-definite G ([R, R]); M: [n, R]. Cholesky with a ridge at
-// rounding level; if G is numerically singular, the eigenvalue pseudo-inverse instead. For many
-// right-hand sides (n >= R) the explicit inverse and one GEMM beat two triangular solves (measured:
-// potri + GEMM 3.2 ms against 4.9 ms for cholesky_solve, [768, 384] float32, one thread). G is
-// taken by value because the ridge goes onto its diagonal in place (callers pass a fresh Hadamard
-// product); with `out` ([n, R], M's dtype) the result is written there and returned.
-at::Tensor SolveGram(const at::Tensor& M, at::Tensor G, at::Tensor* out = nullptr) {
-  const int64_t r = G.size(0);
-  const double eps = G.scalar_type() == at::kFloat ? std::numeric_limits<float>::epsilon()
-                                                   : std::numeric_limits<double>::epsilon();
-  auto result = [&](const at::Tensor& value) {
-    if (out == nullptr) return value;
-    out->copy_(value);
-    return *out;
-  };
-  const double scale = G.diagonal().max().item<double>();
-  if (!(scale > 0)) return result(at::zeros_like(M));
-  const double ridge = 10 * eps * scale;
-  G.diagonal().add_(ridge);
-  at::Tensor L, info;
-  std::tie(L, info) = at::linalg_cholesky_ex(G);
-  if (info.item<int64_t>() == 0) {
-    if (M.size(0) < r) return result(at::cholesky_solve(M.t(), L).t());
-    const at::Tensor inverse = at::cholesky_inverse(L);
-    if (out == nullptr) return at::mm(M, inverse);
-    return at::mm_out(*out, M, inverse);
-  }
-  G.diagonal().sub_(ridge);
-  at::Tensor w, V;
-  std::tie(w, V) = at::linalg_eigh(G);
-  const double cutoff = w.max().item<double>() * r * eps;
-  at::Tensor w_inv = at::where(w > cutoff, w.reciprocal(), at::zeros_like(w));
-  return result(at::matmul(at::matmul(M, V * w_inv), V.t()));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -361,6 +327,30 @@ at::Tensor ColumnNorms(const at::Tensor& gram) {
   return at::where(norms > 0, norms, at::ones_like(norms));
 }
 
+// zᵀu into out ([R, R]) when the product is symmetric, as the Grams zᵀ(K z) of RunCoefficientAls
+// (K symmetric). For R >= 192 only the blocks on and above the diagonal of a k × k grid
+// (k = min(4, R / 96)) are multiplied, 10 of 16 products at R = 384 (1.33 against 1.55 ms for the
+// whole [384, 768] × [768, 384] float32 product on one thread, bench/compress/RESULTS.md section
+// 7), and the blocks below are their mirror images; those above are bitwise the whole product's.
+void SymmetricGramInto(const at::Tensor& z, const at::Tensor& u, at::Tensor& out) {
+  const int64_t rank = z.size(1);
+  const int64_t blocks = std::min<int64_t>(4, rank / 96);
+  if (blocks < 2) {
+    at::mm_out(out, z.t(), u);
+    return;
+  }
+  auto edge = [&](int64_t b) { return rank * b / blocks; };
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t start = edge(b), size = edge(b + 1) - start;
+    at::Tensor rows = out.narrow(0, start, size).narrow(1, start, rank - start);
+    at::mm_out(rows, z.narrow(1, start, size).t(), u.narrow(1, start, rank - start));
+  }
+  for (int64_t b = 1; b < blocks; ++b) {
+    const int64_t start = edge(b), size = edge(b + 1) - start;
+    out.narrow(0, start, size).narrow(1, 0, start).copy_(out.narrow(0, 0, start).narrow(1, start, size).t());
+  }
+}
+
 // The ALS sweeps shared by all algorithms. Sweep order A, B, C; after the B and C updates their
 // columns are normalised and the norms moved into A (T̂ unchanged). The error comes from the last
 // MTTKRP and the Gram matrices: ||T − T̂||² = ||T||² − 2<T, T̂> + ||T̂||² with
@@ -418,8 +408,8 @@ CpResult RunAls(MttkrpSource& source, double norm_sq, const at::Tensor& B0, cons
 // P_flat ([n, n], n = N_h·d_k) precomputed, and BᵀB = diag(s_b) Z_bᵀ U diag(s_b). Symmetrically
 // for C. Per sweep, with n = N_h·d_k:
 //   * GEMMs: K_p Z_b and K_q Z_c (2·n²·R multiply-adds), the Grams Z_bᵀ(K_p Z_b) and
-//     Z_cᵀ(K_q Z_c) (2·n·R²), the two solves W·G⁻¹ (2·n·R²);
-//   * LAPACK: three R×R Cholesky factorisations and two inverses from them;
+//     Z_cᵀ(K_q Z_c) (2·n·R²), the two solves W·G⁻¹ (2·n·R², BLAS symm with the inverse);
+//   * LAPACK (gram_solve.h): three R×R Cholesky factorisations and two inverses from them;
 //   * four element-wise passes over [n, R]: the two weighted MTTKRP coefficients W and the
 //     per-head column sums of U ∗ V.
 // What RunAls does on top, and this avoids: the column normalisation of B and C is kept as the
@@ -473,6 +463,9 @@ CpResult RunCoefficientAls(const at::Tensor& P, const at::Tensor& Q, double norm
   points[0].uv = head_sums(points[0].u, points[0].v);
   at::Tensor w = at::empty({n, rank}, p_flat.options());
   at::Tensor w_heads = as_heads(w);
+  // The raw Grams zᵀu of B and C, consumed within the sweep or extrapolation that forms them.
+  at::Tensor gram_scratch[2] = {at::empty({rank, rank}, p_flat.options()),
+                                at::empty({rank, rank}, p_flat.options())};
 
   // One ALS sweep from `from` into `to`; `to` may be `from` (each buffer of `from` is last read
   // before `to`'s is written). Returns the relative error of `to`.
@@ -482,9 +475,10 @@ CpResult RunCoefficientAls(const at::Tensor& P, const at::Tensor& Q, double norm
 
     // B: W = [V_i diag(A_i)]_i with V = v diag(s_c).
     at::mul_out(w_heads, as_heads(from.v), (A * from.scale_c).unsqueeze(1));
-    SolveGram(w, gram_a * from.gram_c, &to.z_b);
+    SolveGramInto(w, gram_a * from.gram_c, to.z_b);
     at::mm_out(to.u, kernel_p, to.z_b);
-    at::Tensor gram_raw = at::mm(to.z_b.t(), to.u);
+    at::Tensor gram_raw = gram_scratch[0];
+    SymmetricGramInto(to.z_b, to.u, gram_raw);
     at::Tensor norms = ColumnNorms(gram_raw);
     to.scale_b = norms.reciprocal();
     to.gram_b = gram_raw * outer(to.scale_b);
@@ -495,9 +489,10 @@ CpResult RunCoefficientAls(const at::Tensor& P, const at::Tensor& Q, double norm
     const at::Tensor a_b = A * to.scale_b;
     at::mul_out(w_heads, as_heads(to.u), a_b.unsqueeze(1));
     const at::Tensor gram_ab = gram_a * to.gram_b;
-    SolveGram(w, gram_ab.clone(), &to.z_c);
+    SolveGramInto(w, gram_ab.clone(), to.z_c);
     at::mm_out(to.v, kernel_q, to.z_c);
-    gram_raw = at::mm(to.z_c.t(), to.v);
+    gram_raw = gram_scratch[1];
+    SymmetricGramInto(to.z_c, to.v, gram_raw);
     to.uv = head_sums(to.u, to.v);
     // <T, T̂> = <Q_flat W, Q_flat Z_c> = <W, v> and ||T̂||² = Σ (AᵀA ∗ BᵀB) ∗ Z_cᵀ v, both with
     // C = Q_flat Z_c unscaled and A before it takes C's norms.
@@ -525,8 +520,10 @@ CpResult RunCoefficientAls(const at::Tensor& P, const at::Tensor& Q, double norm
     at::addcmul_out(to.u, x.u, prev.u, c_b);
     at::addcmul_out(to.z_c, x.z_c, prev.z_c, c_c);
     at::addcmul_out(to.v, x.v, prev.v, c_c);
-    const at::Tensor gram_b_raw = at::mm(to.z_b.t(), to.u);
-    const at::Tensor gram_c_raw = at::mm(to.z_c.t(), to.v);
+    at::Tensor& gram_b_raw = gram_scratch[0];
+    at::Tensor& gram_c_raw = gram_scratch[1];
+    SymmetricGramInto(to.z_b, to.u, gram_b_raw);
+    SymmetricGramInto(to.z_c, to.v, gram_c_raw);
     const at::Tensor uv = head_sums(to.u, to.v);
     // A with both scales folded in: T̂ = Σ_r A[:, r] ∘ (P_flat z_b[:, r]) ∘ (Q_flat z_c[:, r]).
     const at::Tensor a = (x.A * (1 + step) - prev.A * step) *

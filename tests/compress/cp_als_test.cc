@@ -115,6 +115,24 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(Shape{4, 32, 32, 8}, Shape{4, 32, 24, 8},
                                          Shape{8, 12, 12, 8})));
 
+// At R >= 192 the coefficient form computes its symmetric Grams zᵀ(K z) block by block (the
+// blocks above the diagonal mirrored) and solves with LAPACK directly; the iterates still follow
+// the dense ALS, which forms every Gram whole.
+TEST(FactorizedCpAlsTest, LargeRanksFollowTheDensePath) {
+  const at::Tensor P = Randn({4, 192, 64}, 25), Q = Randn({4, 192, 64}, 26);
+  const CpAlsOptions options = Options(192, 4);
+  auto factorized = FactorizedCpAls(P, Q, options);
+  auto dense = DenseCpAls(at::matmul(P, Q.transpose(1, 2)), options);
+  ASSERT_TRUE(factorized.ok()) << factorized.status();
+  ASSERT_TRUE(dense.ok()) << dense.status();
+  ASSERT_EQ(factorized->error_history.size(), 4u);
+  ASSERT_EQ(dense->error_history.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_NEAR(factorized->error_history[i], dense->error_history[i], 1e-6) << "sweep " << i + 1;
+  }
+  EXPECT_LT(factorized->error_history.back(), factorized->error_history.front());
+}
+
 // The float32 sweeps follow the dense float32 ALS as well (to float32 resolution), on the
 // coefficient form (N_h·d_k <= 2·D) and on explicit factors.
 TEST(FactorizedCpAlsTest, Float32FollowsTheDenseFloat32Path) {
