@@ -74,6 +74,14 @@ int Main(int argc, char** argv) {
     }
   }
   at::set_num_threads(threads);
+  // OpenBLAS (at::addmm) keeps its own pool, sized by OPENBLAS_NUM_THREADS or the core count, whose
+  // idle workers spin-yield for a while after each call: unpinned, they ran on during the next
+  // shape's PackedLinear timing and were charged to it (process CPU time), which made PackedLinear
+  // look 40-45% slower than it is on the shapes measured right after an addmm.
+  using SetThreads = void (*)(int);
+  if (auto openblas_set = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) {
+    openblas_set(threads);
+  }
   c10::InferenceMode guard;
   auto sgemm = reinterpret_cast<SgemmFn>(dlsym(RTLD_DEFAULT, "dnnl_sgemm"));
   if (!PackedLinearSupported()) {
