@@ -108,8 +108,10 @@ at::Tensor Dense(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
                  r.defined() ? r.data_ptr<float>() : nullptr, N, out.data_ptr<float>(), N);
     return out;
   }
+  // clone, not contiguous(): for T = 1 the expanded bias is already contiguous, and contiguous()
+  // would return the bias parameter itself, which the accumulating GEMM then overwrote.
   at::Tensor out = residual.defined() ? at::add(residual, b)
-                                      : b.unsqueeze(0).expand({T, N}).contiguous();
+                                      : b.unsqueeze(0).expand({T, N}).clone(at::MemoryFormat::Contiguous);
   GemmAccumulate(out, x, w);
   return out;
 }
@@ -722,7 +724,18 @@ at::Tensor BertClassifier::EncoderOutput(const at::Tensor& input_ids,
 at::Tensor BertClassifier::Forward(const at::Tensor& input_ids, const at::Tensor& token_type_ids,
                                    const at::Tensor& attention_mask) const {
   auto h = EncoderOutput(input_ids, token_type_ids, attention_mask);
-  auto pooled = at::tanh(at::linear(h.select(1, 0), pooler_w_, pooler_b_));
+  const at::Tensor first = h.select(1, 0);  // [B, D]: the [CLS] position
+  if (FindSgemm() != nullptr && first.is_cpu() && first.scalar_type() == at::kFloat) {
+    // Pooler and classifier on oneDNN's sgemm (OpenMP: its idle workers sleep, as
+    // OMP_WAIT_POLICY=PASSIVE asks), not at::linear: ATen's addmm is OpenBLAS here, whose pool
+    // wakes for a product of a few rows and then spin-yields (~0.1 s), i.e. through the whole
+    // next pass, on one of the cores the pass's ThreadTeam runs on (a third thread at 6.7% of an
+    // 8 × 16 pass's samples, and the team members waited for each other at their barriers).
+    at::Tensor pooled = Dense(first.contiguous(), pooler_w_, pooler_b_, nullptr);
+    pooled.tanh_();
+    return Dense(pooled, cls_w_, cls_b_, nullptr);
+  }
+  auto pooled = at::tanh(at::linear(first, pooler_w_, pooler_b_));
   return at::linear(pooled, cls_w_, cls_b_).to(at::kCPU, at::kFloat);
 }
 
