@@ -1,11 +1,14 @@
 #include "server/compress/cp_als.h"
 
 #include <ATen/ATen.h>
+#include <dlfcn.h>
 #include <glog/logging.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <limits>
 #include <memory>
@@ -327,6 +330,47 @@ at::Tensor ColumnNorms(const at::Tensor& gram) {
   return at::where(norms > 0, norms, at::ones_like(norms));
 }
 
+// oneDNN's row-major sgemm, C = op(A)·op(B), where LibTorch exports it (Debian's does; the engine
+// uses it too, server/model/bert.cc); null otherwise.
+using SgemmFn = int (*)(char transa, char transb, int64_t m, int64_t n, int64_t k, float alpha,
+                        const float* a, int64_t lda, const float* b, int64_t ldb, float beta,
+                        float* c, int64_t ldc);
+
+SgemmFn FindDnnlSgemm() {
+  static const SgemmFn fn = [] {
+    const char* choice = std::getenv("COLLABSERVE_CP_GEMM");
+    if (choice != nullptr && std::strcmp(choice, "aten") == 0) return SgemmFn(nullptr);
+    return reinterpret_cast<SgemmFn>(::dlsym(RTLD_DEFAULT, "dnnl_sgemm"));
+  }();
+  return fn;
+}
+
+bool IsRowMajor(const at::Tensor& t) {
+  return t.dim() == 2 && t.stride(1) == 1 && t.stride(0) >= std::max<int64_t>(1, t.size(1));
+}
+
+// out = a · b for 2-D tensors (a may be the transpose of a row-major matrix, out a row-major
+// view). The float32 products of the coefficient sweeps go to oneDNN's sgemm when it is
+// available: on this machine's [768, 768] × [768, 384] and [384, 768] × [768, 384] shapes it took
+// 2.5 and 1.4 ms against 3.0 and 1.6 ms for at::mm_out (OpenBLAS), one thread, with the same
+// results (bench/compress/RESULTS.md, section 7). Everything else goes to at::mm_out.
+void MatMulInto(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
+  const SgemmFn sgemm = FindDnnlSgemm();
+  if (sgemm != nullptr && a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat &&
+      out.scalar_type() == at::kFloat && a.is_cpu() && b.is_cpu() && out.is_cpu() &&
+      IsRowMajor(b) && IsRowMajor(out) && (IsRowMajor(a) || IsRowMajor(a.t())) &&
+      out.size(0) == a.size(0) && out.size(1) == b.size(1) && a.size(1) == b.size(0)) {
+    const bool transposed = !IsRowMajor(a);
+    const at::Tensor stored = transposed ? a.t() : a;
+    const int status =
+        sgemm(transposed ? 'T' : 'N', 'N', a.size(0), b.size(1), a.size(1), 1.0f,
+              stored.data_ptr<float>(), stored.stride(0), b.data_ptr<float>(), b.stride(0), 0.0f,
+              out.data_ptr<float>(), out.stride(0));
+    if (status == 0) return;
+  }
+  at::mm_out(out, a, b);
+}
+
 // zᵀu into out ([R, R]) when the product is symmetric, as the Grams zᵀ(K z) of RunCoefficientAls
 // (K symmetric). For R >= 192 only the blocks on and above the diagonal of a k × k grid
 // (k = min(4, R / 96)) are multiplied, 10 of 16 products at R = 384 (1.33 against 1.55 ms for the
@@ -336,14 +380,14 @@ void SymmetricGramInto(const at::Tensor& z, const at::Tensor& u, at::Tensor& out
   const int64_t rank = z.size(1);
   const int64_t blocks = std::min<int64_t>(4, rank / 96);
   if (blocks < 2) {
-    at::mm_out(out, z.t(), u);
+    MatMulInto(z.t(), u, out);
     return;
   }
   auto edge = [&](int64_t b) { return rank * b / blocks; };
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t start = edge(b), size = edge(b + 1) - start;
     at::Tensor rows = out.narrow(0, start, size).narrow(1, start, rank - start);
-    at::mm_out(rows, z.narrow(1, start, size).t(), u.narrow(1, start, rank - start));
+    MatMulInto(z.narrow(1, start, size).t(), u.narrow(1, start, rank - start), rows);
   }
   for (int64_t b = 1; b < blocks; ++b) {
     const int64_t start = edge(b), size = edge(b + 1) - start;
@@ -476,7 +520,7 @@ CpResult RunCoefficientAls(const at::Tensor& P, const at::Tensor& Q, double norm
     // B: W = [V_i diag(A_i)]_i with V = v diag(s_c).
     at::mul_out(w_heads, as_heads(from.v), (A * from.scale_c).unsqueeze(1));
     SolveGramInto(w, gram_a * from.gram_c, to.z_b);
-    at::mm_out(to.u, kernel_p, to.z_b);
+    MatMulInto(kernel_p, to.z_b, to.u);
     at::Tensor gram_raw = gram_scratch[0];
     SymmetricGramInto(to.z_b, to.u, gram_raw);
     at::Tensor norms = ColumnNorms(gram_raw);
@@ -490,7 +534,7 @@ CpResult RunCoefficientAls(const at::Tensor& P, const at::Tensor& Q, double norm
     at::mul_out(w_heads, as_heads(to.u), a_b.unsqueeze(1));
     const at::Tensor gram_ab = gram_a * to.gram_b;
     SolveGramInto(w, gram_ab.clone(), to.z_c);
-    at::mm_out(to.v, kernel_q, to.z_c);
+    MatMulInto(kernel_q, to.z_c, to.v);
     gram_raw = gram_scratch[1];
     SymmetricGramInto(to.z_c, to.v, gram_raw);
     to.uv = head_sums(to.u, to.v);
