@@ -198,11 +198,14 @@ COLLABSERVE_AVX512 void PanelsOnPacked(const float* a, int64_t m0, int64_t m_end
                           : valid > 16 ? static_cast<__mmask16>((1u << (valid - 16)) - 1)
                                        : 0;
     const float* bias_p = bias != nullptr ? bias + n0 : nullptr;
+    // The first row tile brings the weight block in (prefetched ahead, in both orders: at 128
+    // rows, 9 alternated runs each, 8 × 16 went 86.7 -> 88.3 seq/s and 1 × 128 10.5 -> 10.6 with
+    // it); the others find it in L1.
     for (int64_t r = m0, t = 0; r < m_end; r += kMr, ++t) {
       const int m = static_cast<int>(std::min<int64_t>(kMr, m_end - r));
       kKernels[m](kc, a + (t * K + k0) * kMr, bp, out + r * ldo + n0, ldo, k0 == 0, bias_p,
                   residual != nullptr ? residual + r * ldr + n0 : nullptr, ldr, mk0, mk1,
-                  stream && t == 0);
+                  t == 0);
     }
   };
   if (stream) {
