@@ -1,6 +1,7 @@
 #include "server/compress/cp_als.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <dlfcn.h>
 #include <glog/logging.h>
 
@@ -351,12 +352,14 @@ bool IsRowMajor(const at::Tensor& t) {
 
 // out = a · b for 2-D tensors (a may be the transpose of a row-major matrix, out a row-major
 // view). The float32 products of the coefficient sweeps go to oneDNN's sgemm when it is
-// available: on this machine's [768, 768] × [768, 384] and [384, 768] × [768, 384] shapes it took
-// 2.5 and 1.4 ms against 3.0 and 1.6 ms for at::mm_out (OpenBLAS), one thread, with the same
-// results (bench/compress/RESULTS.md, section 7). Everything else goes to at::mm_out.
+// available and the calling thread runs ATen single-threaded (the command's layer workers): on
+// this machine's [768, 768] × [768, 384] and [384, 768] × [768, 384] shapes it took 2.5 and
+// 1.4 ms against 3.0 and 1.6 ms for at::mm_out (OpenBLAS), one thread, with the same results
+// (bench/compress/RESULTS.md, section 7); with two threads per layer it was not faster.
+// Everything else goes to at::mm_out.
 void MatMulInto(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
   const SgemmFn sgemm = FindDnnlSgemm();
-  if (sgemm != nullptr && a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat &&
+  if (sgemm != nullptr && at::get_num_threads() == 1 && a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat &&
       out.scalar_type() == at::kFloat && a.is_cpu() && b.is_cpu() && out.is_cpu() &&
       IsRowMajor(b) && IsRowMajor(out) && (IsRowMajor(a) || IsRowMajor(a.t())) &&
       out.size(0) == a.size(0) && out.size(1) == b.size(1) && a.size(1) == b.size(0)) {
