@@ -172,7 +172,6 @@ int64_t SmallAttentionMaxS() {
 // ctx [B·S, D]. Runs on the calling thread (inside a parallel region the sgemm and softmax do).
 void AttendOneHead(SgemmFn sgemm, const float* p, int64_t ld, const float* mask, int64_t b,
                    int64_t h, int64_t S, int64_t D, int64_t dk, at::Tensor& scores, float* ctx) {
-  float* sc = scores.data_ptr<float>();
   const float* q = p + b * S * ld + h * dk;
   const float* k = q + D;
   const float* v = q + 2 * D;
@@ -181,6 +180,7 @@ void AttendOneHead(SgemmFn sgemm, const float* p, int64_t ld, const float* mask,
                    ctx + b * S * D + h * dk, D);
     return;
   }
+  float* sc = scores.data_ptr<float>();
   int st = sgemm('N', 'T', S, S, dk, 1.0f, q, ld, k, ld, 0.0f, sc, S);
   TORCH_CHECK(st == 0, "dnnl_sgemm (attention scores) failed with status ", st);
   if (mask != nullptr) {

@@ -494,6 +494,7 @@ PackedWeight::PackedWeight(const at::Tensor& w) {
   data_ = at::zeros({panels(), k_, kPanel}, w.options());
   const float* s = src.data_ptr<float>();
   float* d = data_.data_ptr<float>();
+  ptr_ = d;
   for (int64_t p = 0; p < panels(); ++p) {
     const int64_t cols = std::min(kPanel, n_ - p * kPanel);
     for (int64_t j = 0; j < cols; ++j) {

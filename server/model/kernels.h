@@ -35,10 +35,13 @@ class PackedWeight {
   int64_t n() const { return n_; }
   int64_t k() const { return k_; }
   int64_t panels() const { return (n_ + kPanel - 1) / kPanel; }
-  const float* data() const { return data_.data_ptr<float>(); }
+  // (A plain pointer: data_ptr<float>() checks the tensor on every call, and a short pass calls
+  // this ~10^4 times.)
+  const float* data() const { return ptr_; }
 
  private:
   at::Tensor data_;  // [panels, K, kPanel]
+  const float* ptr_ = nullptr;  // data_'s
   int64_t n_ = 0, k_ = 0;
 };
 
