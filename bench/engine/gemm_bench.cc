@@ -8,7 +8,6 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
-#include <dlfcn.h>
 #include <time.h>
 
 #include <algorithm>
@@ -20,12 +19,10 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "server/model/kernels.h"
+#include "server/util/process_env.h"
 
 namespace collabserve::model {
 namespace {
-
-using SgemmFn = int (*)(char, char, int64_t, int64_t, int64_t, float, const float*, int64_t,
-                        const float*, int64_t, float, float*, int64_t);
 
 // Process CPU seconds: on a shared machine a descheduled thread does not count, so the figure is
 // the work a product costs rather than how busy the machine was.
@@ -78,12 +75,9 @@ int Main(int argc, char** argv) {
   // idle workers spin-yield for a while after each call: unpinned, they ran on during the next
   // shape's PackedLinear timing and were charged to it (process CPU time), which made PackedLinear
   // look 40-45% slower than it is on the shapes measured right after an addmm.
-  using SetThreads = void (*)(int);
-  if (auto openblas_set = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) {
-    openblas_set(threads);
-  }
+  collabserve::util::SetBlasThreads(threads);
   c10::InferenceMode guard;
-  auto sgemm = reinterpret_cast<SgemmFn>(dlsym(RTLD_DEFAULT, "dnnl_sgemm"));
+  const collabserve::util::DnnlSgemmFn sgemm = collabserve::util::DnnlSgemm();
   if (!PackedLinearSupported()) {
     std::fprintf(stderr, "gemm_bench: this CPU has no AVX-512F; PackedLinear is not used here\n");
     return 1;

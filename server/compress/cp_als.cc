@@ -2,7 +2,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <dlfcn.h>
 #include <glog/logging.h>
 
 #include <algorithm>
@@ -23,6 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "server/compress/gram_solve.h"
+#include "server/util/process_env.h"
 #include "server/util/status_macros.h"
 
 namespace collabserve::compress {
@@ -331,17 +331,12 @@ at::Tensor ColumnNorms(const at::Tensor& gram) {
   return at::where(norms > 0, norms, at::ones_like(norms));
 }
 
-// oneDNN's row-major sgemm, C = op(A)·op(B), where LibTorch exports it (Debian's does; the engine
-// uses it too, server/model/bert.cc); null otherwise.
-using SgemmFn = int (*)(char transa, char transb, int64_t m, int64_t n, int64_t k, float alpha,
-                        const float* a, int64_t lda, const float* b, int64_t ldb, float beta,
-                        float* c, int64_t ldc);
-
-SgemmFn FindDnnlSgemm() {
-  static const SgemmFn fn = [] {
+// oneDNN's sgemm (util::DnnlSgemm) unless COLLABSERVE_CP_GEMM=aten; null without it.
+util::DnnlSgemmFn FindDnnlSgemm() {
+  static const util::DnnlSgemmFn fn = [] {
     const char* choice = std::getenv("COLLABSERVE_CP_GEMM");
-    if (choice != nullptr && std::strcmp(choice, "aten") == 0) return SgemmFn(nullptr);
-    return reinterpret_cast<SgemmFn>(::dlsym(RTLD_DEFAULT, "dnnl_sgemm"));
+    if (choice != nullptr && std::strcmp(choice, "aten") == 0) return util::DnnlSgemmFn(nullptr);
+    return util::DnnlSgemm();
   }();
   return fn;
 }
@@ -358,7 +353,7 @@ bool IsRowMajor(const at::Tensor& t) {
 // (bench/compress/RESULTS.md, section 7); with two threads per layer it was not faster.
 // Everything else goes to at::mm_out.
 void MatMulInto(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
-  const SgemmFn sgemm = FindDnnlSgemm();
+  const util::DnnlSgemmFn sgemm = FindDnnlSgemm();
   if (sgemm != nullptr && at::get_num_threads() == 1 && a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat &&
       out.scalar_type() == at::kFloat && a.is_cpu() && b.is_cpu() && out.is_cpu() &&
       IsRowMajor(b) && IsRowMajor(out) && (IsRowMajor(a) || IsRowMajor(a.t())) &&

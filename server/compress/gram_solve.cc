@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -42,24 +43,21 @@ struct Lapack {
 // Null when the symbols are not found (e.g. a LibTorch that links MKL statically and hides them).
 const Lapack* FindLapack() {
   static const Lapack* const lapack = []() -> const Lapack* {
+    // The routines of one precision: BLAS/LAPACK names are the precision's letter + the routine.
+    auto load = [](char precision, Lapack::Routines* r) {
+      auto find = [precision](const char* routine) {
+        return ::dlsym(RTLD_DEFAULT, (std::string(1, precision) + routine).c_str());
+      };
+      *r = {reinterpret_cast<Lapack::Potrf>(find("potrf_")),
+            reinterpret_cast<Lapack::Potrf>(find("potri_")),
+            reinterpret_cast<Lapack::Potrf>(find("lauum_")),
+            reinterpret_cast<Lapack::Trtri>(find("trtri_")),
+            reinterpret_cast<Lapack::Trsm>(find("trsm_")),
+            reinterpret_cast<Lapack::Symm>(find("symm_"))};
+      return r->potrf && r->potri && r->lauum && r->trtri && r->trsm && r->symm;
+    };
     static Lapack l;
-    auto find = [](const char* name) { return ::dlsym(RTLD_DEFAULT, name); };
-    l.s = {reinterpret_cast<Lapack::Potrf>(find("spotrf_")),
-           reinterpret_cast<Lapack::Potrf>(find("spotri_")),
-           reinterpret_cast<Lapack::Potrf>(find("slauum_")),
-           reinterpret_cast<Lapack::Trtri>(find("strtri_")),
-           reinterpret_cast<Lapack::Trsm>(find("strsm_")),
-           reinterpret_cast<Lapack::Symm>(find("ssymm_"))};
-    l.d = {reinterpret_cast<Lapack::Potrf>(find("dpotrf_")),
-           reinterpret_cast<Lapack::Potrf>(find("dpotri_")),
-           reinterpret_cast<Lapack::Potrf>(find("dlauum_")),
-           reinterpret_cast<Lapack::Trtri>(find("dtrtri_")),
-           reinterpret_cast<Lapack::Trsm>(find("dtrsm_")),
-           reinterpret_cast<Lapack::Symm>(find("dsymm_"))};
-    for (const Lapack::Routines& r : {l.s, l.d}) {
-      if (!r.potrf || !r.potri || !r.lauum || !r.trtri || !r.trsm || !r.symm) return nullptr;
-    }
-    return &l;
+    return load('s', &l.s) && load('d', &l.d) ? &l : nullptr;
   }();
   return lapack;
 }

@@ -3,7 +3,6 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
-#include <dlfcn.h>
 
 #include <cmath>
 #include <cstdlib>
@@ -13,6 +12,7 @@
 #include <utility>
 
 #include "server/model/kernels.h"
+#include "server/util/process_env.h"
 
 namespace collabserve::model {
 namespace {
@@ -43,9 +43,7 @@ int64_t TeamMaxRows() {
 // most of a skinny product packing the weight), and it lets attention run fused per head
 // (FusedAttention). When the symbol is absent (a LibTorch that hides its oneDNN) or
 // COLLABSERVE_GEMM=aten, everything goes through ATen ops instead.
-using SgemmFn = int (*)(char transa, char transb, int64_t m, int64_t n, int64_t k, float alpha,
-                        const float* a, int64_t lda, const float* b, int64_t ldb, float beta,
-                        float* c, int64_t ldc);
+using SgemmFn = util::DnnlSgemmFn;
 
 GemmMode ChosenGemmMode() {
   static const GemmMode mode = [] {
@@ -62,7 +60,7 @@ GemmMode ChosenGemmMode() {
 SgemmFn FindSgemm() {
   static const SgemmFn fn = [] {
     if (ChosenGemmMode() == GemmMode::kAten) return SgemmFn(nullptr);
-    return reinterpret_cast<SgemmFn>(dlsym(RTLD_DEFAULT, "dnnl_sgemm"));
+    return util::DnnlSgemm();
   }();
   return fn;
 }
@@ -248,19 +246,6 @@ at::Tensor ProjectAndAttend(SgemmFn sgemm, const at::Tensor& x, const PackedWeig
   return ctx;
 }
 
-// The exact-erf GELU in place on the columns [c0, c1) of m [rows, cols] (contiguous rows) with
-// GeluRowsInPlace when it applies; false (nothing done) otherwise, e.g. for other activations.
-// ATen's CPU GELU runs Sleef's AVX2 erf here (6% of a 8 × 16 pass in a profile); this one runs
-// 16 lanes at a time on the same Abramowitz-Stegun formula.
-bool GeluColumnsInPlace(model::Activation act, at::Tensor& m, int64_t c0, int64_t c1) {
-  if (act != model::Activation::kGelu || !PackedLinearSupported() || !m.is_cpu() ||
-      m.scalar_type() != at::kFloat || m.dim() != 2 || !m.is_contiguous()) {
-    return false;
-  }
-  GeluRowsInPlace(m.data_ptr<float>(), m.size(1), m.size(0), c0, c1);
-  return true;
-}
-
 }  // namespace
 
 at::Tensor& ParamNode::Add(const std::string& name, std::vector<int64_t> shape) {
@@ -375,11 +360,23 @@ void BertClassifier::Prepare(const c10::Device& device, c10::ScalarType dtype, b
   }
 }
 
-// In place: x is a temporary.
+// In place: x is a temporary (any view of one, e.g. some rows or columns of the FFN output). The
+// exact-erf GELU of a float32 CPU matrix whose rows are contiguous runs GeluRowsInPlace over the
+// rows (in parallel outside a parallel region): ATen's CPU GELU runs Sleef's AVX2 erf here (6% of an
+// 8 × 16 pass in a profile); ours runs 16 lanes at a time on the same Abramowitz-Stegun formula.
 at::Tensor BertClassifier::Activation(const at::Tensor& x) const {
   at::Tensor y = x;
   switch (config_.hidden_act) {
-    case Activation::kGelu: return at::gelu_(y);
+    case Activation::kGelu:
+      if (PackedLinearSupported() && y.is_cpu() && y.scalar_type() == at::kFloat && y.dim() == 2 &&
+          y.stride(1) == 1 && y.stride(0) >= y.size(1)) {
+        const int64_t rows = y.size(0), cols = y.size(1), ld = y.stride(0);
+        float* p = y.data_ptr<float>();
+        at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / std::max<int64_t>(1, cols)),
+                         [&](int64_t r0, int64_t r1) { GeluRowsInPlace(p + r0 * ld, ld, r1 - r0, 0, cols); });
+        return y;
+      }
+      return at::gelu_(y);
     case Activation::kGeluNew:
     case Activation::kGeluPytorchTanh: return at::gelu_(y, "tanh");
     case Activation::kRelu: return at::relu_(y);
@@ -431,22 +428,10 @@ at::Tensor BertClassifier::Layer(const EncoderLayer& l, const at::Tensor& h,
       const int64_t n0 = p0 * PackedWeight::kPanel, n1 = std::min(F, p1 * PackedWeight::kPanel);
       PackedLinearColumns(h1.data_ptr<float>(), D, T, w, l.inter_b.data_ptr<float>(), nullptr, 0,
                           inter.data_ptr<float>(), F, n0, n1);
-      if (!GeluColumnsInPlace(config_.hidden_act, inter, n0, n1)) Activation(inter.narrow(1, n0, n1 - n0));
+      Activation(inter.narrow(1, n0, n1 - n0));
     });
   } else {
-    inter = Dense(h1, l.inter_w, l.inter_b, l.inter_p.get());
-    if (config_.hidden_act == model::Activation::kGelu && PackedLinearSupported() &&
-        inter.is_cpu() && inter.scalar_type() == at::kFloat && inter.is_contiguous()) {
-      const int64_t F = inter.size(1);
-      const bool inference = c10::InferenceMode::is_enabled();
-      at::parallel_for(0, T, std::max<int64_t>(1, 65536 / std::max<int64_t>(1, F)), [&](int64_t r0, int64_t r1) {
-        c10::InferenceMode guard(inference);  // not inherited by OpenMP workers
-        at::Tensor rows = inter.narrow(0, r0, r1 - r0);
-        GeluColumnsInPlace(config_.hidden_act, rows, 0, F);
-      });
-    } else {
-      inter = Activation(inter);
-    }
+    inter = Activation(Dense(h1, l.inter_w, l.inter_b, l.inter_p.get()));
   }
   auto out = Dense(inter, l.out_w, l.out_b, l.out_p.get(), h1);
   return LayerNormInPlace(out, l.out_ln_w, l.out_ln_b, config_.layer_norm_eps).view({B, S, D});
@@ -564,9 +549,7 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add) con
         team.Step([&] {
           PackedLinearColumnsPacked(xk, T, *l.inter_p, l.inter_b.data_ptr<float>(), nullptr, 0,
                                     inter.data_ptr<float>(), F, f0, f1);
-          if (f1 > f0 && !GeluColumnsInPlace(config_.hidden_act, inter, f0, f1)) {
-            Activation(inter.narrow(1, f0, f1 - f0));
-          }
+          if (f1 > f0) Activation(inter.narrow(1, f0, f1 - f0));
           PackRows(inter.data_ptr<float>(), F, 0, T, f0, f1, F, ik);
         });
         team.Step([&] {
@@ -644,15 +627,10 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add) con
         const auto [r0, r1] = product(mid.data_ptr<float>(), D, l.inter_w, p, l.inter_b, nullptr,
                                       inter.data_ptr<float>(), F);
         if (r0 >= 0) {
-          if (r1 > r0) {
-            at::Tensor rows = inter.narrow(0, r0, r1 - r0);
-            if (!GeluColumnsInPlace(config_.hidden_act, rows, 0, F)) Activation(rows);
-          }
+          if (r1 > r0) Activation(inter.narrow(0, r0, r1 - r0));
         } else {
           const auto [n0, n1] = share(F, PackedWeight::kPanel, t, n);
-          if (n1 > n0 && !GeluColumnsInPlace(config_.hidden_act, inter, n0, n1)) {
-            Activation(inter.narrow(1, n0, n1 - n0));
-          }
+          if (n1 > n0) Activation(inter.narrow(1, n0, n1 - n0));
         }
       });
       team.Step([&] {

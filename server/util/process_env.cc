@@ -36,6 +36,11 @@ bool SetBlasThreads(int n) {
   return true;
 }
 
+DnnlSgemmFn DnnlSgemm() {
+  static const auto fn = reinterpret_cast<DnnlSgemmFn>(::dlsym(RTLD_DEFAULT, "dnnl_sgemm"));
+  return fn;
+}
+
 int BlasThreads() {
   using GetFn = int (*)();
   static const auto get = reinterpret_cast<GetFn>(::dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));

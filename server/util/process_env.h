@@ -2,6 +2,8 @@
 #ifndef COLLABSERVE_SERVER_UTIL_PROCESS_ENV_H_
 #define COLLABSERVE_SERVER_UTIL_PROCESS_ENV_H_
 
+#include <cstdint>
+
 #include "absl/strings/string_view.h"
 
 namespace collabserve::util {
@@ -23,6 +25,15 @@ bool SetBlasThreads(int n);
 
 // The thread count OpenBLAS uses now, or -1 without OpenBLAS.
 int BlasThreads();
+
+// oneDNN's row-major sgemm (dnnl_sgemm, oneDNN >= 1.0): C = alpha · op(A) · op(B) + beta · C,
+// returning 0 on success. Looked up once in the libraries already loaded (Debian's LibTorch links
+// libdnnl.so.2; the engine's dense layers and attention and CP-ALS's products call it); null where
+// no loaded library exports it (a LibTorch that hides its oneDNN). Thread-safe.
+using DnnlSgemmFn = int (*)(char transa, char transb, int64_t m, int64_t n, int64_t k, float alpha,
+                            const float* a, int64_t lda, const float* b, int64_t ldb, float beta,
+                            float* c, int64_t ldc);
+DnnlSgemmFn DnnlSgemm();
 
 // CPUs this process may use, at least 1: the CPUs it may run on (sched_getaffinity: a cpuset), capped
 // by a cgroup CPU quota rounded up (a Kubernetes `resources.limits.cpu: 2` on a 64-core node reads
