@@ -7,9 +7,10 @@
 # TSan does: it cannot see the atomics inside an uninstrumented library, so the happens-before that
 # absl::Mutex / CondVar / Notification establish is invisible. tsan_absl_shim.cc, linked into every
 # executable of a thread-sanitized tree, tells TSan about them (one mechanism for all tests; see
-# the file). What remains outside our code is suppressed, line by line with a reason, in
-# tests/sanitizers/*.supp; those files are handed to the runtimes through the environment of every
-# test (ctest in the build tree, by hand or from the script, picks it up).
+# the file); tsan_grpc_shim.cc does the same for gRPC's completion queue (a batch started with a
+# tag happens before its completion is taken). What remains outside our code is suppressed, line by
+# line with a reason, in tests/sanitizers/*.supp; those files are handed to the runtimes through
+# the environment of every test (ctest in the build tree, by hand or from the script, picks it up).
 string(REPLACE "," ";" _collabserve_sanitizers "${COLLABSERVE_SANITIZE}")
 foreach(s ${_collabserve_sanitizers})
   if(NOT s MATCHES "^(address|undefined|thread)$")
@@ -61,7 +62,8 @@ set_property(DIRECTORY ${CMAKE_SOURCE_DIR} APPEND PROPERTY TEST_INCLUDE_FILES
              ${CMAKE_BINARY_DIR}/sanitizer_env.cmake)
 
 # Called at the end of the top-level CMakeLists.txt: under TSan, every executable of the project
-# (tests, the server, the tools: integration tests start the real binary) gets the abseil shim.
+# (tests, the server, the tools: integration tests start the real binary) gets the abseil shim,
+# and with gRPC in the build the gRPC completion-queue shim (tsan_grpc_shim.cc).
 function(collabserve_sanitize_executables dir)
   if(NOT "thread" IN_LIST _collabserve_sanitizers)
     return()
@@ -71,6 +73,9 @@ function(collabserve_sanitize_executables dir)
     get_target_property(type ${t} TYPE)
     if(type STREQUAL "EXECUTABLE")
       target_sources(${t} PRIVATE ${CMAKE_SOURCE_DIR}/tests/sanitizers/tsan_absl_shim.cc)
+      if(COLLABSERVE_WITH_GRPC)
+        target_sources(${t} PRIVATE ${CMAKE_SOURCE_DIR}/tests/sanitizers/tsan_grpc_shim.cc)
+      endif()
       target_link_libraries(${t} PRIVATE ${CMAKE_DL_LIBS})
     endif()
   endforeach()
