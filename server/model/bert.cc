@@ -164,41 +164,46 @@ int64_t SmallAttentionMaxS() {
   return s;
 }
 
-// One (sequence b, head h) of standard self-attention: q, k and v read in place from the
-// projection p (rows [q/sqrt(dk) | k | v] of ld floats, heads side by side), the [S, S] scores in
-// `scores` (cache-resident through mask and softmax), the context written into its slot of
-// ctx [B·S, D]. Runs on the calling thread (inside a parallel region the sgemm and softmax do).
+// One (sequence b, head h) of standard self-attention for the queries at the first Sq positions
+// (Sq = S, or 1 for [CLS] alone): q, k and v read in place from the projection p (rows
+// [q/sqrt(dk) | k | v] of ld floats, heads side by side; only the first Sq rows of a sequence's q
+// are read), the [Sq, S] scores in `scores` ([S, S] or larger; cache-resident through mask and
+// softmax), the context written into its slot of ctx [B·Sq, D]. Runs on the calling thread
+// (inside a parallel region the sgemm and softmax do).
 void AttendOneHead(SgemmFn sgemm, const float* p, int64_t ld, const float* mask, int64_t b,
-                   int64_t h, int64_t S, int64_t D, int64_t dk, at::Tensor& scores, float* ctx) {
+                   int64_t h, int64_t S, int64_t Sq, int64_t D, int64_t dk, at::Tensor& scores,
+                   float* ctx) {
   const float* q = p + b * S * ld + h * dk;
   const float* k = q + D;
   const float* v = q + 2 * D;
+  float* out = ctx + b * Sq * D + h * dk;
   if (S <= SmallAttentionMaxS() && SmallAttentionSupported(S, dk)) {
-    SmallAttention(q, k, v, ld, mask != nullptr ? mask + b * S : nullptr, S, dk,
-                   ctx + b * S * D + h * dk, D);
+    SmallAttention(q, k, v, ld, mask != nullptr ? mask + b * S : nullptr, S, dk, out, D, Sq);
     return;
   }
-  float* sc = scores.data_ptr<float>();
-  int st = sgemm('N', 'T', S, S, dk, 1.0f, q, ld, k, ld, 0.0f, sc, S);
+  at::Tensor sq = scores.view(-1).narrow(0, 0, Sq * S).view({Sq, S});
+  float* sc = sq.data_ptr<float>();
+  int st = sgemm('N', 'T', Sq, S, dk, 1.0f, q, ld, k, ld, 0.0f, sc, S);
   TORCH_CHECK(st == 0, "dnnl_sgemm (attention scores) failed with status ", st);
   if (mask != nullptr) {
     const float* m = mask + b * S;
-    for (int64_t r = 0; r < S; ++r) {
+    for (int64_t r = 0; r < Sq; ++r) {
       float* row = sc + r * S;
       for (int64_t j = 0; j < S; ++j) row[j] += m[j];
     }
   }
-  at::_softmax_out(scores, scores, -1, false);
-  st = sgemm('N', 'N', S, dk, S, 1.0f, sc, S, v, ld, 0.0f, ctx + b * S * D + h * dk, D);
+  at::_softmax_out(sq, sq, -1, false);
+  st = sgemm('N', 'N', Sq, dk, S, 1.0f, sc, S, v, ld, 0.0f, out, D);
   TORCH_CHECK(st == 0, "dnnl_sgemm (attention context) failed with status ", st);
 }
 
 // Standard self-attention for one layer, fused per (sequence, head) (AttendOneHead) and split
-// over threads by (sequence, head); proj [B·S, 3D] -> ctx [B·S, D]. Needs the sgemm.
+// over threads by (sequence, head); proj [B·S, 3D] -> ctx [B·Sq, D] (the queries at the first Sq
+// positions of each sequence). Needs the sgemm.
 at::Tensor FusedAttention(SgemmFn sgemm, const at::Tensor& proj, const at::Tensor& mask_add,
-                          int64_t B, int64_t S, int64_t H, int64_t dk) {
+                          int64_t B, int64_t S, int64_t Sq, int64_t H, int64_t dk) {
   const int64_t D = H * dk;
-  at::Tensor ctx = at::empty({B * S, D}, proj.options());
+  at::Tensor ctx = at::empty({B * Sq, D}, proj.options());
   const float* p = proj.data_ptr<float>();
   float* c = ctx.data_ptr<float>();
   const float* mask = mask_add.defined() ? mask_add.data_ptr<float>() : nullptr;  // [B, S]
@@ -208,7 +213,7 @@ at::Tensor FusedAttention(SgemmFn sgemm, const at::Tensor& proj, const at::Tenso
     c10::InferenceMode guard(inference);
     at::Tensor scores = at::empty({S, S}, proj.options());
     for (int64_t i = begin; i < end; ++i) {
-      AttendOneHead(sgemm, p, 3 * D, mask, i / H, i % H, S, D, dk, scores, c);
+      AttendOneHead(sgemm, p, 3 * D, mask, i / H, i % H, S, Sq, D, dk, scores, c);
     }
   });
   return ctx;
@@ -219,13 +224,14 @@ at::Tensor FusedAttention(SgemmFn sgemm, const at::Tensor& proj, const at::Tenso
 // whole panels when dk is a multiple of the panel width) and then those heads' attention for
 // every sequence, so no thread waits for another between the two. For token counts where
 // PackedLinear runs (the pass is short and a thread wake-up per operation is a visible cost).
-// x [B·S, D] -> ctx [B·S, D].
+// x [B·S, D] -> ctx [B·Sq, D]; Sq = S, or 1 for the [CLS] queries alone (then q is projected for
+// the [CLS] rows only: x's rows b·S, a matrix of B rows with leading dimension S·D).
 at::Tensor ProjectAndAttend(SgemmFn sgemm, const at::Tensor& x, const PackedWeight& fused_p,
                             const at::Tensor& fused_b, const at::Tensor& mask_add, int64_t B,
-                            int64_t S, int64_t H, int64_t dk) {
+                            int64_t S, int64_t Sq, int64_t H, int64_t dk) {
   const int64_t D = H * dk, T = B * S;
   at::Tensor proj = at::empty({T, 3 * D}, x.options());
-  at::Tensor ctx = at::empty({T, D}, x.options());
+  at::Tensor ctx = at::empty({B * Sq, D}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* bias = fused_b.data_ptr<float>();
   float* p = proj.data_ptr<float>();
@@ -235,12 +241,15 @@ at::Tensor ProjectAndAttend(SgemmFn sgemm, const at::Tensor& x, const PackedWeig
   at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
     c10::InferenceMode guard(inference);  // not inherited by OpenMP workers
     for (int64_t part = 0; part < 3; ++part) {
-      PackedLinearColumns(xp, D, T, fused_p, bias, nullptr, 0, p, 3 * D, part * D + h0 * dk,
-                          part * D + h1 * dk);
+      const bool cls_q = part == 0 && Sq == 1;
+      PackedLinearColumns(xp, cls_q ? S * D : D, cls_q ? B : T, fused_p, bias, nullptr, 0, p,
+                          cls_q ? S * 3 * D : 3 * D, part * D + h0 * dk, part * D + h1 * dk);
     }
     at::Tensor scores = at::empty({S, S}, x.options());
     for (int64_t h = h0; h < h1; ++h) {
-      for (int64_t b = 0; b < B; ++b) AttendOneHead(sgemm, p, 3 * D, mask, b, h, S, D, dk, scores, c);
+      for (int64_t b = 0; b < B; ++b) {
+        AttendOneHead(sgemm, p, 3 * D, mask, b, h, S, Sq, D, dk, scores, c);
+      }
     }
   });
   return ctx;
@@ -393,12 +402,17 @@ at::Tensor BertClassifier::Embed(const at::Tensor& ids, const at::Tensor& types)
 }
 
 // h: [B, S, D] contiguous. Every projection runs on the [B·S, D] view; biases and residuals are
-// folded into the GEMM's output (Dense).
+// folded into the GEMM's output (Dense). cls_only: only the [CLS] position's output is wanted (the
+// last layer of a classifier): the keys and values are projected for every position, the queries
+// and everything after the attention for position 0 alone; returns [B, 1, D].
 at::Tensor BertClassifier::Layer(const EncoderLayer& l, const at::Tensor& h,
-                                 const at::Tensor& mask_add) const {
+                                 const at::Tensor& mask_add, bool cls_only) const {
   const int64_t B = h.size(0), S = h.size(1), D = config_.hidden_size, T = B * S;
   const int64_t H = config_.num_attention_heads, dk = config_.head_size();
+  const int64_t Sq = cls_only ? 1 : S, Tq = B * Sq;
   const at::Tensor h2 = h.view({T, D});
+  // The rows the rest of the layer works on (and adds back as the residual).
+  const at::Tensor hq = cls_only ? h.select(1, 0) : h2;
   at::Tensor ctx;
   SgemmFn sgemm = FindSgemm();
   const bool fused_attention = !l.collaborative && sgemm != nullptr &&
@@ -407,26 +421,26 @@ at::Tensor BertClassifier::Layer(const EncoderLayer& l, const at::Tensor& h,
   if (fused_attention && mask_add.defined()) mask2 = mask_add.view({B, S}).contiguous();
   if (fused_attention && UsePackedLinear(l.fused_p.get(), T) && dk % PackedWeight::kPanel == 0 &&
       h2.is_contiguous()) {
-    ctx = ProjectAndAttend(sgemm, h2, *l.fused_p, l.fused_b, mask2, B, S, H, dk);
+    ctx = ProjectAndAttend(sgemm, h2, *l.fused_p, l.fused_b, mask2, B, S, Sq, H, dk);
   } else {
     at::Tensor proj = Dense(h2, l.fused_w, l.fused_b, l.fused_p.get());  // [T, *]
-    ctx = fused_attention ? FusedAttention(sgemm, proj, mask2, B, S, H, dk)
-                          : Attention(l, proj, mask_add, B, S);
+    ctx = fused_attention ? FusedAttention(sgemm, proj, mask2, B, S, Sq, H, dk)
+                          : Attention(l, proj, mask_add, B, S, Sq);
   }
-  auto h1 = LayerNormInPlace(Dense(ctx, l.attn_out_w, l.attn_out_b, l.attn_out_p.get(), h2),
+  auto h1 = LayerNormInPlace(Dense(ctx, l.attn_out_w, l.attn_out_b, l.attn_out_p.get(), hq),
                              l.attn_ln_w, l.attn_ln_b, config_.layer_norm_eps);
   at::Tensor inter;
-  if (UsePackedLinear(l.inter_p.get(), T) && h1.is_contiguous()) {
+  if (UsePackedLinear(l.inter_p.get(), Tq) && h1.is_contiguous()) {
     // The intermediate projection and its activation in one parallel region: each thread applies
     // the activation to the columns it has just computed (still in cache; no second wake-up).
     const int64_t F = l.inter_w.size(0);
-    inter = at::empty({T, F}, h1.options());
+    inter = at::empty({Tq, F}, h1.options());
     const PackedWeight& w = *l.inter_p;
     const bool inference = c10::InferenceMode::is_enabled();
-    at::parallel_for(0, w.panels(), PanelGrain(w, T), [&](int64_t p0, int64_t p1) {
+    at::parallel_for(0, w.panels(), PanelGrain(w, Tq), [&](int64_t p0, int64_t p1) {
       c10::InferenceMode guard(inference);  // not inherited by OpenMP workers
       const int64_t n0 = p0 * PackedWeight::kPanel, n1 = std::min(F, p1 * PackedWeight::kPanel);
-      PackedLinearColumns(h1.data_ptr<float>(), D, T, w, l.inter_b.data_ptr<float>(), nullptr, 0,
+      PackedLinearColumns(h1.data_ptr<float>(), D, Tq, w, l.inter_b.data_ptr<float>(), nullptr, 0,
                           inter.data_ptr<float>(), F, n0, n1);
       Activation(inter.narrow(1, n0, n1 - n0));
     });
@@ -434,7 +448,7 @@ at::Tensor BertClassifier::Layer(const EncoderLayer& l, const at::Tensor& h,
     inter = Activation(Dense(h1, l.inter_w, l.inter_b, l.inter_p.get()));
   }
   auto out = Dense(inter, l.out_w, l.out_b, l.out_p.get(), h1);
-  return LayerNormInPlace(out, l.out_ln_w, l.out_ln_b, config_.layer_norm_eps).view({B, S, D});
+  return LayerNormInPlace(out, l.out_ln_w, l.out_ln_b, config_.layer_norm_eps).view({B, Sq, D});
 }
 
 // The whole encoder in one ThreadTeam run, for standard (not collaborative) layers with the
@@ -450,7 +464,9 @@ at::Tensor BertClassifier::Layer(const EncoderLayer& l, const at::Tensor& h,
 // (all columns), and a barrier between the q/k/v product and the attention, which is split by
 // (sequence, head). Every element is computed by the same kernels as on the per-operation path
 // (PackedLinear bit for bit; the sgemm's blocking may differ with the shape it is given).
-bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add) const {
+// cls_only: the last layer as in Layer(..., cls_only): keys and values for every row, the rest
+// for the B [CLS] rows (x's rows b·S: leading dimension S·D), and h becomes [B, 1, D].
+bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add, bool cls_only) const {
   const int n = at::get_num_threads();
   const int64_t B = h.size(0), S = h.size(1), D = config_.hidden_size, T = B * S;
   const int64_t H = config_.num_attention_heads, dk = config_.head_size();
@@ -479,6 +495,10 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add) con
     const int64_t b = units * t / n, e = units * (t + 1) / n;
     return std::make_pair(std::min(count, b * unit), std::min(count, e * unit));
   };
+  // Per layer: the query positions per sequence (Sq), the rows after the attention (Tq = B·Sq) and
+  // the leading dimension of those rows in the layer's input x (the residual).
+  const size_t L = layers_.size();
+  auto queries = [&](size_t li) { return cls_only && li + 1 == L ? int64_t{1} : S; };
   // Above kPackedMaxRows tokens the products run on the sgemm, each member on its share of the
   // rows (and all columns): each packs the whole weight but only its rows of x, and the rows of x
   // (up to 16384 × 3072 floats here) outgrow the weight. Splitting the columns instead (each member
@@ -510,14 +530,15 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add) con
         PackRows(cur.data_ptr<float>(), D, rows.first, rows.second, 0, D, D, xpack.data_ptr<float>());
       });
     }
-    for (size_t li = 0; li < layers_.size(); ++li) {
+    for (size_t li = 0; li < L; ++li) {
       const EncoderLayer& l = layers_[li];
       const float* xp = x.data_ptr<float>();
+      const int64_t Sq = queries(li), Tq = B * Sq, ldq = Sq == S ? D : S * D;
       if (prepacked) {
         // (Plain variables, not structured bindings: C++17 lambdas cannot capture those.)
         int64_t h0, h1, r0, r1, d0, d1, f0, f1;
         std::tie(h0, h1) = share(H, 1, t, n);
-        std::tie(r0, r1) = share(T, kPackedRowTile, t, n);
+        std::tie(r0, r1) = share(Tq, kPackedRowTile, t, n);
         std::tie(d0, d1) = share(D, PackedWeight::kPanel, t, n);
         std::tie(f0, f1) = share(F, PackedWeight::kPanel, t, n);
         float* xk = xpack.data_ptr<float>();
@@ -525,20 +546,26 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add) con
         float* ik = ipack.data_ptr<float>();
         team.Step([&] {
           for (int64_t part = 0; part < 3; ++part) {
+            if (part == 0 && Sq != S) {
+              // The [CLS] queries alone, from x's rows b·S (not packed on their own).
+              PackedLinearColumns(xp, ldq, B, *l.fused_p, l.fused_b.data_ptr<float>(), nullptr, 0,
+                                  proj.data_ptr<float>(), S * 3 * D, h0 * dk, h1 * dk);
+              continue;
+            }
             PackedLinearColumnsPacked(xk, T, *l.fused_p, l.fused_b.data_ptr<float>(), nullptr, 0,
                                       proj.data_ptr<float>(), 3 * D, part * D + h0 * dk,
                                       part * D + h1 * dk);
           }
           for (int64_t hd = h0; hd < h1; ++hd) {
             for (int64_t b = 0; b < B; ++b) {
-              AttendOneHead(sgemm, proj.data_ptr<float>(), 3 * D, mask, b, hd, S, D, dk, scores,
+              AttendOneHead(sgemm, proj.data_ptr<float>(), 3 * D, mask, b, hd, S, Sq, D, dk, scores,
                             ctx.data_ptr<float>());
             }
           }
-          PackRows(ctx.data_ptr<float>(), D, 0, T, h0 * dk, h1 * dk, D, ck);
+          PackRows(ctx.data_ptr<float>(), D, 0, Tq, h0 * dk, h1 * dk, D, ck);
         });
         team.Step([&] {
-          PackedLinearColumnsPacked(ck, T, *l.attn_out_p, l.attn_out_b.data_ptr<float>(), xp, D,
+          PackedLinearColumnsPacked(ck, Tq, *l.attn_out_p, l.attn_out_b.data_ptr<float>(), xp, ldq,
                                     mid.data_ptr<float>(), D, d0, d1);
         });
         team.Step([&] {
@@ -547,16 +574,16 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add) con
           PackRows(mid.data_ptr<float>(), D, r0, r1, 0, D, D, xk);
         });
         team.Step([&] {
-          PackedLinearColumnsPacked(xk, T, *l.inter_p, l.inter_b.data_ptr<float>(), nullptr, 0,
+          PackedLinearColumnsPacked(xk, Tq, *l.inter_p, l.inter_b.data_ptr<float>(), nullptr, 0,
                                     inter.data_ptr<float>(), F, f0, f1);
-          if (f1 > f0) Activation(inter.narrow(1, f0, f1 - f0));
-          PackRows(inter.data_ptr<float>(), F, 0, T, f0, f1, F, ik);
+          if (f1 > f0) Activation(inter.narrow(0, 0, Tq).narrow(1, f0, f1 - f0));
+          PackRows(inter.data_ptr<float>(), F, 0, Tq, f0, f1, F, ik);
         });
         team.Step([&] {
-          PackedLinearColumnsPacked(ik, T, *l.out_p, l.out_b.data_ptr<float>(),
+          PackedLinearColumnsPacked(ik, Tq, *l.out_p, l.out_b.data_ptr<float>(),
                                     mid.data_ptr<float>(), D, y.data_ptr<float>(), D, d0, d1);
         });
-        const bool last = li + 1 == layers_.size();
+        const bool last = li + 1 == L;
         team.Step([&] {
           LayerNormRowsInPlace(y.data_ptr<float>() + r0 * D, D, r1 - r0, D,
                                l.out_ln_w.data_ptr<float>(), l.out_ln_b.data_ptr<float>(), eps);
@@ -565,35 +592,56 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add) con
         std::swap(x, y);
         continue;
       }
-      // The weights each product runs on: packed where the per-operation path would use
-      // PackedLinear, else the sgemm on the plain weight.
-      auto pick = [&](const std::shared_ptr<const PackedWeight>& p) {
-        return UsePackedLinear(p.get(), T) ? p.get() : nullptr;
+      // The weights each product of `rows` rows runs on: packed where the per-operation path
+      // would use PackedLinear, else the sgemm on the plain weight.
+      auto pick = [&](const std::shared_ptr<const PackedWeight>& p, int64_t rows) {
+        return UsePackedLinear(p.get(), rows) ? p.get() : nullptr;
       };
-      // A product's output columns [0, N) for member t: with the sgemm on many rows, its share
-      // of the rows (each member packs the whole weight, but only its rows of x); otherwise its
-      // share of the columns (whole panels).
-      auto product = [&](const float* in, int64_t ldx, const at::Tensor& w, const PackedWeight* p,
-                         const at::Tensor& bias, const float* res, float* out, int64_t N) {
-        if (p == nullptr && split_rows) {
-          const auto [r0, r1] = share(T, 1, t, n);
+      // A product's output [rows, N] for member t: on the sgemm with many rows, its share of the
+      // rows (each member packs the whole weight, but only its rows of x); otherwise its share of
+      // the columns (whole panels). res: the residual, leading dimension ldr.
+      auto product = [&](const float* in, int64_t ldx, int64_t rows, const at::Tensor& w,
+                         const PackedWeight* p, const at::Tensor& bias, const float* res,
+                         int64_t ldr, float* out, int64_t N) {
+        if (p == nullptr && rows > kPackedMaxRows) {
+          const auto [r0, r1] = share(rows, 1, t, n);
           if (r1 > r0) {
             DenseColumns(sgemm, in + r0 * ldx, ldx, r1 - r0, w, nullptr, bias.data_ptr<float>(),
-                         res == nullptr ? nullptr : res + r0 * N, N, out + r0 * N, N, 0, N);
+                         res == nullptr ? nullptr : res + r0 * ldr, ldr, out + r0 * N, N, 0, N);
           }
           return std::make_pair(r0, r1);
         }
         const auto [n0, n1] = share(N, PackedWeight::kPanel, t, n);
-        DenseColumns(sgemm, in, ldx, T, w, p, bias.data_ptr<float>(), res, N, out, N, n0, n1);
+        DenseColumns(sgemm, in, ldx, rows, w, p, bias.data_ptr<float>(), res, ldr, out, N, n0, n1);
         return std::make_pair(int64_t{-1}, int64_t{-1});
       };
-      const PackedWeight* fused_p = pick(l.fused_p);
+      const PackedWeight* fused_p = pick(l.fused_p, T);
       if (fused_p == nullptr && split_rows) {
-        team.Step([&] { product(xp, D, l.fused_w, nullptr, l.fused_b, nullptr, proj.data_ptr<float>(), 3 * D); });
+        team.Step([&] {
+          if (Sq == S) {
+            product(xp, D, T, l.fused_w, nullptr, l.fused_b, nullptr, 0, proj.data_ptr<float>(),
+                    3 * D);
+            return;
+          }
+          // Keys and values of every row, queries of the [CLS] rows: each member its share of
+          // both (rows of the sgemm).
+          float* pr = proj.data_ptr<float>();
+          const float* bias = l.fused_b.data_ptr<float>();
+          const auto [r0, r1] = share(T, 1, t, n);
+          if (r1 > r0) {
+            DenseColumns(sgemm, xp + r0 * D, D, r1 - r0, l.fused_w, nullptr, bias, nullptr, 0,
+                         pr + r0 * 3 * D, 3 * D, D, 3 * D);
+          }
+          const auto [c0, c1] = share(B, 1, t, n);
+          if (c1 > c0) {
+            DenseColumns(sgemm, xp + c0 * ldq, ldq, c1 - c0, l.fused_w, nullptr, bias, nullptr, 0,
+                         pr + c0 * S * 3 * D, S * 3 * D, 0, D);
+          }
+        });
         team.Step([&] {
           const auto [u0, u1] = share(B * H, 1, t, n);
           for (int64_t u = u0; u < u1; ++u) {
-            AttendOneHead(sgemm, proj.data_ptr<float>(), 3 * D, mask, u / H, u % H, S, D, dk,
+            AttendOneHead(sgemm, proj.data_ptr<float>(), 3 * D, mask, u / H, u % H, S, Sq, D, dk,
                           scores, ctx.data_ptr<float>());
           }
         });
@@ -601,44 +649,45 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add) con
         team.Step([&] {
           const auto [h0, h1] = share(H, 1, t, n);
           for (int64_t part = 0; part < 3; ++part) {
-            DenseColumns(sgemm, xp, D, T, l.fused_w, fused_p, l.fused_b.data_ptr<float>(),
-                         nullptr, 0, proj.data_ptr<float>(), 3 * D, part * D + h0 * dk,
-                         part * D + h1 * dk);
+            const bool cls_q = part == 0 && Sq != S;
+            DenseColumns(sgemm, xp, cls_q ? ldq : D, cls_q ? B : T, l.fused_w, fused_p,
+                         l.fused_b.data_ptr<float>(), nullptr, 0, proj.data_ptr<float>(),
+                         cls_q ? S * 3 * D : 3 * D, part * D + h0 * dk, part * D + h1 * dk);
           }
           for (int64_t hd = h0; hd < h1; ++hd) {
             for (int64_t b = 0; b < B; ++b) {
-              AttendOneHead(sgemm, proj.data_ptr<float>(), 3 * D, mask, b, hd, S, D, dk, scores,
+              AttendOneHead(sgemm, proj.data_ptr<float>(), 3 * D, mask, b, hd, S, Sq, D, dk, scores,
                             ctx.data_ptr<float>());
             }
           }
         });
       }
       team.Step([&] {
-        product(ctx.data_ptr<float>(), D, l.attn_out_w, pick(l.attn_out_p), l.attn_out_b, xp,
-                mid.data_ptr<float>(), D);
+        product(ctx.data_ptr<float>(), D, Tq, l.attn_out_w, pick(l.attn_out_p, Tq), l.attn_out_b,
+                xp, ldq, mid.data_ptr<float>(), D);
       });
       team.Step([&] {
-        const auto [r0, r1] = share(T, 1, t, n);
+        const auto [r0, r1] = share(Tq, 1, t, n);
         LayerNormRowsInPlace(mid.data_ptr<float>() + r0 * D, D, r1 - r0, D,
                             l.attn_ln_w.data_ptr<float>(), l.attn_ln_b.data_ptr<float>(), eps);
       });
       team.Step([&] {
-        const PackedWeight* p = pick(l.inter_p);
-        const auto [r0, r1] = product(mid.data_ptr<float>(), D, l.inter_w, p, l.inter_b, nullptr,
-                                      inter.data_ptr<float>(), F);
+        const PackedWeight* p = pick(l.inter_p, Tq);
+        const auto [r0, r1] = product(mid.data_ptr<float>(), D, Tq, l.inter_w, p, l.inter_b,
+                                      nullptr, 0, inter.data_ptr<float>(), F);
         if (r0 >= 0) {
           if (r1 > r0) Activation(inter.narrow(0, r0, r1 - r0));
         } else {
           const auto [n0, n1] = share(F, PackedWeight::kPanel, t, n);
-          if (n1 > n0) Activation(inter.narrow(1, n0, n1 - n0));
+          if (n1 > n0) Activation(inter.narrow(0, 0, Tq).narrow(1, n0, n1 - n0));
         }
       });
       team.Step([&] {
-        product(inter.data_ptr<float>(), F, l.out_w, pick(l.out_p), l.out_b, mid.data_ptr<float>(),
-                y.data_ptr<float>(), D);
+        product(inter.data_ptr<float>(), F, Tq, l.out_w, pick(l.out_p, Tq), l.out_b,
+                mid.data_ptr<float>(), D, y.data_ptr<float>(), D);
       });
       team.Step([&] {
-        const auto [r0, r1] = share(T, 1, t, n);
+        const auto [r0, r1] = share(Tq, 1, t, n);
         LayerNormRowsInPlace(y.data_ptr<float>() + r0 * D, D, r1 - r0, D,
                             l.out_ln_w.data_ptr<float>(), l.out_ln_b.data_ptr<float>(), eps);
       });
@@ -646,42 +695,50 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add) con
     }
   });
   if (!ran) return false;
-  // After an even number of layers the result is back in `cur`'s buffer, else in `next`'s.
-  h = (layers_.size() % 2 == 0 ? cur : next).view({B, S, D});
+  // After an even number of layers the result is back in `cur`'s buffer, else in `next`'s; with
+  // cls_only, in its first B rows.
+  const at::Tensor& out = L % 2 == 0 ? cur : next;
+  h = cls_only && L > 0 ? out.narrow(0, 0, B).view({B, 1, D}) : out.view({B, S, D});
   return true;
 }
 
 // Self-attention with ATen ops (collaborative layers, and standard ones without the sgemm):
-// proj [B·S, *] -> ctx [B·S, D].
+// proj [B·S, *] -> ctx [B·Sq, D], for the queries at the first Sq positions of each sequence.
 at::Tensor BertClassifier::Attention(const EncoderLayer& l, const at::Tensor& proj,
-                                     const at::Tensor& mask_add, int64_t B, int64_t S) const {
-  const int64_t D = config_.hidden_size, T = B * S;
+                                     const at::Tensor& mask_add, int64_t B, int64_t S,
+                                     int64_t Sq) const {
+  const int64_t D = config_.hidden_size;
   const int64_t H = config_.num_attention_heads, dk = config_.head_size();
   at::Tensor scores, v;
   if (l.collaborative) {
     const int64_t R = l.rank;
     auto p3 = proj.view({B, S, -1});
-    auto qc = p3.narrow(2, 0, R).unsqueeze(1);                 // [B, 1, S, R]
-    auto kc = p3.narrow(2, R, R).unsqueeze(1);                 // [B, 1, S, R]
+    auto qc = p3.narrow(2, 0, R).narrow(1, 0, Sq).unsqueeze(1);  // [B, 1, Sq, R]
+    auto kc = p3.narrow(2, R, R).unsqueeze(1);                    // [B, 1, S, R]
     v = p3.narrow(2, 2 * R, D).view({B, S, H, dk}).transpose(1, 2);
     auto content = p3.narrow(2, 2 * R + D, H).transpose(1, 2).unsqueeze(2);  // [B, H, 1, S]
-    scores = at::matmul(qc * l.mixing_4d, kc.transpose(-1, -2));             // [B, H, S, S]
+    scores = at::matmul(qc * l.mixing_4d, kc.transpose(-1, -2));             // [B, H, Sq, S]
     scores.add_(content);
   } else {
     // One copy to [3, B, H, S, dk] makes q, k and v contiguous batches of [S, dk] matrices.
     auto qkv = proj.view({B, S, 3, H, dk}).permute({2, 0, 3, 1, 4}).contiguous().view({3, B * H, S, dk});
-    scores = at::bmm(qkv[0], qkv[1].transpose(1, 2)).view({B, H, S, S});
+    scores = at::bmm(qkv[0].narrow(1, 0, Sq), qkv[1].transpose(1, 2)).view({B, H, Sq, S});
     v = qkv[2].view({B, H, S, dk});
   }
   if (mask_add.defined()) scores.add_(mask_add);
   auto probs = at::_softmax(scores, -1, false);
-  // [B, H, S, dk] -> [B, S, H, dk] = [T, D].
-  return at::matmul(probs, v).transpose(1, 2).reshape({T, D});
+  // [B, H, Sq, dk] -> [B, Sq, H, dk] = [B·Sq, D].
+  return at::matmul(probs, v).transpose(1, 2).reshape({B * Sq, D});
 }
 
 at::Tensor BertClassifier::EncoderOutput(const at::Tensor& input_ids,
                                          const at::Tensor& token_type_ids,
                                          const at::Tensor& attention_mask) const {
+  return Encode(input_ids, token_type_ids, attention_mask, /*cls_only=*/false);
+}
+
+at::Tensor BertClassifier::Encode(const at::Tensor& input_ids, const at::Tensor& token_type_ids,
+                                  const at::Tensor& attention_mask, bool cls_only) const {
   auto ids = input_ids.to(device_);
   auto types = token_type_ids.to(device_);
   at::Tensor mask_add;
@@ -694,14 +751,18 @@ at::Tensor BertClassifier::EncoderOutput(const at::Tensor& input_ids,
     mask_add = (1.0 - m) * lowest;
   }
   auto h = Embed(ids, types);
-  if (EncodeOnTeam(h, mask_add)) return h;
-  for (const EncoderLayer& l : layers_) h = Layer(l, h, mask_add);
+  if (EncodeOnTeam(h, mask_add, cls_only)) return h;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    h = Layer(layers_[i], h, mask_add, cls_only && i + 1 == layers_.size());
+  }
   return h;
 }
 
 at::Tensor BertClassifier::Forward(const at::Tensor& input_ids, const at::Tensor& token_type_ids,
                                    const at::Tensor& attention_mask) const {
-  auto h = EncoderOutput(input_ids, token_type_ids, attention_mask);
+  // The pooler reads the [CLS] position alone, so the last layer computes only that one (its keys
+  // and values still for every position): 1/12 of BERT-base's work at 16-128 tokens.
+  auto h = Encode(input_ids, token_type_ids, attention_mask, /*cls_only=*/true);
   const at::Tensor first = h.select(1, 0);  // [B, D]: the [CLS] position
   if (FindSgemm() != nullptr && first.is_cpu() && first.scalar_type() == at::kFloat) {
     // Pooler and classifier on oneDNN's sgemm (OpenMP: its idle workers sleep, as

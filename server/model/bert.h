@@ -85,13 +85,18 @@ class BertClassifier : public ParamNode {
 
  private:
   at::Tensor Embed(const at::Tensor& input_ids, const at::Tensor& token_type_ids) const;
-  at::Tensor Layer(const EncoderLayer& l, const at::Tensor& h, const at::Tensor& mask_add) const;
+  // The encoder's output [B, S, D]; with cls_only, [B, 1, D]: the last layer computes the [CLS]
+  // position's output alone (all Forward needs), equal to EncoderOutput's position 0.
+  at::Tensor Encode(const at::Tensor& input_ids, const at::Tensor& token_type_ids,
+                    const at::Tensor& attention_mask, bool cls_only) const;
+  at::Tensor Layer(const EncoderLayer& l, const at::Tensor& h, const at::Tensor& mask_add,
+                   bool cls_only) const;
   at::Tensor Attention(const EncoderLayer& l, const at::Tensor& proj, const at::Tensor& mask_add,
-                       int64_t B, int64_t S) const;
+                       int64_t B, int64_t S, int64_t Sq) const;
   at::Tensor Activation(const at::Tensor& x) const;
   // Every layer in one ThreadTeam run (see bert.cc); false when that path does not apply (then h
-  // is unchanged).
-  bool EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add) const;
+  // is unchanged). cls_only as in Encode.
+  bool EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add, bool cls_only) const;
 
   BertConfig config_;
   at::Tensor word_emb_, pos_emb_, type_emb_, emb_ln_w_, emb_ln_b_;

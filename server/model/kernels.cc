@@ -317,7 +317,7 @@ COLLABSERVE_AVX512 inline float HorizontalMax(__m512 v) {
 template <int NT>
 COLLABSERVE_AVX512 void SmallAttentionTiles(const float* q, const float* kt, const float* v,
                                             int64_t ld, const float* mask, int64_t S, int64_t dk,
-                                            float* ctx, int64_t ldc) {
+                                            float* ctx, int64_t ldc, int64_t queries) {
   constexpr int MR = NT == 1 ? 8 : 16 / NT;
   // Valid keys of each tile; the mask row, -inf beyond S (so padding keys get probability 0).
   __mmask16 valid[NT];
@@ -329,8 +329,8 @@ COLLABSERVE_AVX512 void SmallAttentionTiles(const float* q, const float* kt, con
     madd[j] = _mm512_mask_blend_ps(valid[j], _mm512_set1_ps(-INFINITY), m);
   }
   alignas(64) float probs[MR][16 * NT];
-  for (int64_t i0 = 0; i0 < S; i0 += MR) {
-    const int rows = static_cast<int>(std::min<int64_t>(MR, S - i0));
+  for (int64_t i0 = 0; i0 < queries; i0 += MR) {
+    const int rows = static_cast<int>(std::min<int64_t>(MR, queries - i0));
     // Scores of rows i0.. against every key: acc[r][j] = q_r · keys of tile j.
     __m512 acc[MR][NT];
 #pragma GCC unroll 16
@@ -406,7 +406,7 @@ COLLABSERVE_AVX512 void SmallAttentionTiles(const float* q, const float* kt, con
 
 COLLABSERVE_AVX512 void SmallAttentionAvx512(const float* q, const float* k, const float* v,
                                              int64_t ld, const float* mask, int64_t S, int64_t dk,
-                                             float* ctx, int64_t ldc) {
+                                             float* ctx, int64_t ldc, int64_t queries) {
   const int nt = static_cast<int>((S + 15) / 16);
   // The keys transposed into [nt][dk][16] (padding keys 0).
   alignas(64) float kt[kSmallAttentionMaxS * kSmallAttentionMaxDk];
@@ -420,10 +420,10 @@ COLLABSERVE_AVX512 void SmallAttentionAvx512(const float* q, const float* k, con
     }
   }
   switch (nt) {
-    case 1: SmallAttentionTiles<1>(q, kt, v, ld, mask, S, dk, ctx, ldc); break;
-    case 2: SmallAttentionTiles<2>(q, kt, v, ld, mask, S, dk, ctx, ldc); break;
-    case 3: SmallAttentionTiles<3>(q, kt, v, ld, mask, S, dk, ctx, ldc); break;
-    default: SmallAttentionTiles<4>(q, kt, v, ld, mask, S, dk, ctx, ldc); break;
+    case 1: SmallAttentionTiles<1>(q, kt, v, ld, mask, S, dk, ctx, ldc, queries); break;
+    case 2: SmallAttentionTiles<2>(q, kt, v, ld, mask, S, dk, ctx, ldc, queries); break;
+    case 3: SmallAttentionTiles<3>(q, kt, v, ld, mask, S, dk, ctx, ldc, queries); break;
+    default: SmallAttentionTiles<4>(q, kt, v, ld, mask, S, dk, ctx, ldc, queries); break;
   }
 }
 
@@ -584,11 +584,13 @@ bool SmallAttentionSupported(int64_t S, int64_t dk) {
 }
 
 void SmallAttention(const float* q, const float* k, const float* v, int64_t ld, const float* mask,
-                    int64_t S, int64_t dk, float* ctx, int64_t ldc) {
+                    int64_t S, int64_t dk, float* ctx, int64_t ldc, int64_t queries) {
   TORCH_CHECK(SmallAttentionSupported(S, dk), "SmallAttention: S = ", S, ", dk = ", dk,
               " (want AVX-512F, S in [1, ", kSmallAttentionMaxS, "], dk a multiple of 16 up to ",
               kSmallAttentionMaxDk, ")");
-  SmallAttentionAvx512(q, k, v, ld, mask, S, dk, ctx, ldc);
+  TORCH_CHECK(queries >= 1 && queries <= S, "SmallAttention: queries = ", queries,
+              " (want 1 to S = ", S, ")");
+  SmallAttentionAvx512(q, k, v, ld, mask, S, dk, ctx, ldc, queries);
 }
 
 void LayerNormRowsInPlace(float* x, int64_t ldx, int64_t rows, int64_t d, const float* gamma,

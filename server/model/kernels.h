@@ -89,13 +89,16 @@ void PackedLinearColumnsPacked(const float* packed, int64_t rows, const PackedWe
                                int64_t ldo, int64_t n_begin, int64_t n_end);
 
 // Softmax attention of one head over one short sequence, on the calling thread, all in AVX-512
-// registers: for i < S, ctx[i, :] = sum_j softmax_j(q_i · k_j + mask[j]) · v_j over j < S, q_i
-// already scaled by 1/sqrt(dk). q, k, v: S rows of dk floats, leading dimension ld; ctx: leading
-// dimension ldc; mask: S additive entries, or null. For the short sequences where the per-call
-// costs of an sgemm and an ATen softmax (dozens of them per layer) outweigh the arithmetic.
-// Each row's result depends only on its own sequence. Requires SmallAttentionSupported(S, dk).
+// registers: for i < queries, ctx[i, :] = sum_j softmax_j(q_i · k_j + mask[j]) · v_j over j < S,
+// q_i already scaled by 1/sqrt(dk). q: the first `queries` positions (1 <= queries <= S; fewer
+// than S when only the first positions' outputs are wanted, e.g. [CLS] in a classifier's last
+// layer); k, v: S rows of dk floats; leading dimension ld; ctx: `queries` rows, leading dimension
+// ldc; mask: S additive entries, or null. For the short sequences where the per-call costs of an
+// sgemm and an ATen softmax (dozens of them per layer) outweigh the arithmetic. Each row's result
+// depends only on its own query and sequence, bit for bit whatever `queries` is. Requires
+// SmallAttentionSupported(S, dk).
 void SmallAttention(const float* q, const float* k, const float* v, int64_t ld, const float* mask,
-                    int64_t S, int64_t dk, float* ctx, int64_t ldc);
+                    int64_t S, int64_t dk, float* ctx, int64_t ldc, int64_t queries);
 
 // Whether SmallAttention handles S positions of dk: AVX-512F, 1 <= S <= kSmallAttentionMaxS,
 // dk a positive multiple of 16 up to kSmallAttentionMaxDk.

@@ -1,6 +1,7 @@
 // The engine against an independent Python reference written from transformers' modeling_bert
 // (tests/reference/bert_reference.py): logits equal within 1e-4 on generated checkpoints in every
 // file format and dtype, for text pairs and padded batches of mixed lengths.
+#include <ATen/Parallel.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -83,30 +84,38 @@ TEST_P(EngineReferenceTest, LogitsMatchTheReference) {
   auto expected = ReferenceLogits(dir.path(), inputs);
   ASSERT_EQ(expected.size(), inputs.size());
 
-  auto batched = (*engine)->Run(inputs);
-  ASSERT_TRUE(batched.ok()) << batched.status();
-  float max_diff = 0;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    ASSERT_EQ((*batched)[i].logits.size(), expected[i].size());
-    for (size_t c = 0; c < expected[i].size(); ++c) {
-      max_diff = std::max(max_diff, std::abs((*batched)[i].logits[c] - expected[i][c]));
+  // One intra-op thread: the per-operation path; two: the ThreadTeam paths where the shape allows
+  // (LibTorch's default here is one thread without OMP_NUM_THREADS).
+  const int saved_threads = at::get_num_threads();
+  for (int threads : {1, 2}) {
+    at::set_num_threads(threads);
+    const std::string what = GetParam().name + ", " + std::to_string(threads) + " thread(s)";
+    auto batched = (*engine)->Run(inputs);
+    ASSERT_TRUE(batched.ok()) << batched.status();
+    float max_diff = 0;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      ASSERT_EQ((*batched)[i].logits.size(), expected[i].size());
+      for (size_t c = 0; c < expected[i].size(); ++c) {
+        max_diff = std::max(max_diff, std::abs((*batched)[i].logits[c] - expected[i][c]));
+      }
+    }
+    EXPECT_LT(max_diff, 1e-4) << what;
+
+    // A sequence's logits do not depend on what it is batched with.
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      auto alone = (*engine)->Run(std::vector<TokenizedInput>{inputs[i]});
+      ASSERT_TRUE(alone.ok());
+      for (size_t c = 0; c < expected[i].size(); ++c) {
+        EXPECT_NEAR((*alone)[0].logits[c], (*batched)[i].logits[c], 1e-5) << what << ", input " << i;
+      }
     }
   }
-  EXPECT_LT(max_diff, 1e-4) << GetParam().name;
+  at::set_num_threads(saved_threads);
 
   // The logits vary across inputs (the generated weights are not degenerate).
   float spread = 0;
   for (size_t i = 1; i < inputs.size(); ++i) spread = std::max(spread, std::abs(expected[i][0] - expected[0][0]));
   EXPECT_GT(spread, 0.05);
-
-  // A sequence's logits do not depend on what it is batched with.
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    auto alone = (*engine)->Run(std::vector<TokenizedInput>{inputs[i]});
-    ASSERT_TRUE(alone.ok());
-    for (size_t c = 0; c < expected[i].size(); ++c) {
-      EXPECT_NEAR((*alone)[0].logits[c], (*batched)[i].logits[c], 1e-5) << "input " << i;
-    }
-  }
 }
 
 MakeOptions Opts(std::string preset, WeightFormat f, WeightDType d, std::string act = "gelu", int labels = 2,

@@ -3,15 +3,20 @@
 #include "server/model/engine.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <string>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -202,6 +207,18 @@ TokenizedInput SyntheticInput(int len, int offset, int type_id) {
   return in;
 }
 
+// Sets LibTorch's intra-op thread count for a scope (threads started in it inherit it). The
+// ThreadTeam paths need at least two; LibTorch's default here is one without OMP_NUM_THREADS, so a
+// test of those paths says so.
+class IntraOpThreads {
+ public:
+  explicit IntraOpThreads(int n) : saved_(at::get_num_threads()) { at::set_num_threads(n); }
+  ~IntraOpThreads() { at::set_num_threads(saved_); }
+
+ private:
+  int saved_;
+};
+
 // A mini-preset checkpoint (64-wide heads, the shape the team path serves) made in `dir`, loaded.
 std::unique_ptr<Engine> LoadMini(const TempDir& dir, uint64_t seed) {
   MakeOptions o;
@@ -218,6 +235,7 @@ std::unique_ptr<Engine> LoadMini(const TempDir& dir, uint64_t seed) {
 // 64-wide heads, the shape the team path serves; the 8 × 40 batch (320 tokens) takes the team's
 // sgemm path (products split by rows), the others its PackedLinear path.
 TEST(EngineConcurrencyTest, ConcurrentRunsGiveTheSequentialLogits) {
+  IntraOpThreads two(2);
   TempDir dir;
   std::unique_ptr<Engine> engine = LoadMini(dir, 11);
   ASSERT_NE(engine, nullptr);
@@ -246,7 +264,10 @@ TEST(EngineConcurrencyTest, ConcurrentRunsGiveTheSequentialLogits) {
         }
         for (size_t b = 0; b < r->size(); ++b) {
           for (size_t c = 0; c < (*r)[b].logits.size(); ++c) {
-            if (std::abs((*r)[b].logits[c] - want[i][b].logits[c]) > 1e-5) mismatches.fetch_add(1);
+            // 1e-4: the 320-token batch's products are sgemm calls of other shapes on the team
+            // (each member's rows, single-threaded) than on the per-operation path (oneDNN's
+            // own split), so the two agree to float rounding (1.3e-5 seen), not bit for bit.
+            if (std::abs((*r)[b].logits[c] - want[i][b].logits[c]) > 1e-4) mismatches.fetch_add(1);
           }
         }
       }
@@ -262,6 +283,7 @@ TEST(EngineConcurrencyTest, ConcurrentRunsGiveTheSequentialLogits) {
 // PackedLinear, whose summation order differs from the sgemm's: the logits agree to float
 // rounding (1.1e-5 on a logit of 3 here, the same with the team off), not bit for bit.
 TEST(EngineBatchTest, LongBatchesGiveEachSequenceItsLogitsAlone) {
+  IntraOpThreads two(2);
   TempDir dir;
   std::unique_ptr<Engine> engine = LoadMini(dir, 5);
   ASSERT_NE(engine, nullptr);
@@ -278,6 +300,86 @@ TEST(EngineBatchTest, LongBatchesGiveEachSequenceItsLogitsAlone) {
       EXPECT_NEAR((*alone)[0].logits[c], (*batched)[b].logits[c], 1e-4) << "sequence " << b;
     }
   }
+}
+
+// Forward computes the last layer for the [CLS] position alone (keys and values for every
+// position, the rest for position 0); its logits must be those of the pooler and classifier on
+// position 0 of EncoderOutput, which computes every position. Checked on every path the encoder
+// takes: the ThreadTeam on prepacked PackedLinear (<= 256 tokens), the team with the products on
+// the sgemm split by rows (> 256), attention on SmallAttention (S <= 64) and on the sgemm (S > 64),
+// padded batches, the per-operation path (one thread), and collaborative layers (ATen attention).
+at::Tensor LogitsFromTheFullEncoder(const BertClassifier& m, const at::Tensor& ids,
+                                    const at::Tensor& types, const at::Tensor& mask) {
+  const auto params = m.named_parameters();
+  at::Tensor h = m.EncoderOutput(ids, types, mask);
+  EXPECT_EQ(h.size(1), ids.size(1));
+  at::Tensor pooled = at::tanh(at::linear(h.select(1, 0), params["bert.pooler.dense.weight"],
+                                          params["bert.pooler.dense.bias"]));
+  return at::linear(pooled, params["classifier.weight"], params["classifier.bias"]);
+}
+
+// B sequences of lengths `lens` (ids as SyntheticInput's), padded to the longest with a 0/1 mask.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> PaddedBatch(const std::vector<int>& lens, int vocab) {
+  const int64_t B = static_cast<int64_t>(lens.size());
+  const int64_t S = *std::max_element(lens.begin(), lens.end());
+  at::Tensor ids = at::zeros({B, S}, at::kLong), types = at::zeros({B, S}, at::kLong);
+  at::Tensor mask = at::zeros({B, S}, at::kLong);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t i = 0; i < lens[b]; ++i) {
+      ids[b][i] = (1000 + (b * 131 + i * 7919) % 20000) % vocab;
+      types[b][i] = i >= lens[b] / 2 ? 1 : 0;
+      mask[b][i] = 1;
+    }
+  }
+  return {ids, types, mask};
+}
+
+void ExpectClsOnlyForwardEqualsFullEncoder(const BertClassifier& m, const std::string& what) {
+  const int vocab = m.config().vocab_size;
+  // Two intra-op threads take the ThreadTeam paths, one the per-operation path.
+  for (int n : {2, 1}) {
+    IntraOpThreads threads(n);
+    for (const std::vector<int>& lens :
+         std::vector<std::vector<int>>{{16, 16}, {7, 20, 13}, {100}, {48, 48, 48, 48, 48, 48, 48, 48, 48},
+                                       {70, 33}}) {
+      c10::InferenceMode guard;
+      auto [ids, types, mask] = PaddedBatch(lens, vocab);
+      at::Tensor got = m.Forward(ids, types, mask);
+      at::Tensor want = LogitsFromTheFullEncoder(m, ids, types, mask);
+      ASSERT_EQ(got.sizes(), want.sizes());
+      const double diff = (got - want).abs().max().item<double>();
+      EXPECT_LT(diff, 1e-4) << what << ", " << n << " thread(s), " << lens.size() << " sequences of up to "
+                            << ids.size(1) << " tokens";
+      EXPECT_GT(want.abs().max().item<double>(), 1e-3) << what;  // not trivially zero
+    }
+  }
+}
+
+TEST(EngineClsOnlyTest, ForwardEqualsThePoolerOnTheFullEncoderOutput) {
+  TempDir dir;
+  std::unique_ptr<Engine> engine = LoadMini(dir, 17);
+  ASSERT_NE(engine, nullptr);
+  ExpectClsOnlyForwardEqualsFullEncoder(engine->classifier(), "mini");
+}
+
+TEST(EngineClsOnlyTest, CollaborativeLayersToo) {
+  BertConfig c;
+  c.vocab_size = 20000;
+  c.hidden_size = 128;
+  c.num_attention_heads = 2;
+  c.num_hidden_layers = 3;
+  c.intermediate_size = 256;
+  c.max_position_embeddings = 128;
+  c.id2label = {"a", "b", "c"};
+  c.collaborative.ranks = {24, 0, 40};  // the last layer collaborative, one standard between
+  BertClassifier m(c);
+  {
+    c10::InferenceMode guard;
+    at::manual_seed(5);
+    for (auto& p : m.named_parameters()) p.value().normal_(0.0, 0.3);
+  }
+  m.Prepare(c10::Device(c10::kCPU), at::kFloat);
+  ExpectClsOnlyForwardEqualsFullEncoder(m, "collaborative");
 }
 
 TEST(CheckpointMakerTest, IsDeterministic) {

@@ -191,9 +191,19 @@ TEST(SmallAttention, EqualsAtenSoftmaxAttention) {
         at::Tensor ctx = at::full({S, dk + 2}, 7.0f);
         SmallAttention(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), ld,
                        masking == 0 ? nullptr : mask.data_ptr<float>(), S, dk,
-                       ctx.data_ptr<float>(), dk + 2);
+                       ctx.data_ptr<float>(), dk + 2, S);
         EXPECT_LT(RelErr(ctx.narrow(1, 0, dk), want), 1e-5) << "S " << S << " dk " << dk << " mask " << masking;
         EXPECT_TRUE(ctx.narrow(1, dk, 2).eq(7.0f).all().item<bool>());
+        // Only the first `queries` positions: the same rows bit for bit, nothing written past them.
+        for (int64_t queries : {int64_t{1}, (S + 1) / 2}) {
+          at::Tensor part = at::full({S, dk + 2}, 7.0f);
+          SmallAttention(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), ld,
+                         masking == 0 ? nullptr : mask.data_ptr<float>(), S, dk,
+                         part.data_ptr<float>(), dk + 2, queries);
+          EXPECT_TRUE(at::equal(part.narrow(0, 0, queries), ctx.narrow(0, 0, queries)))
+              << "S " << S << " dk " << dk << " mask " << masking << " queries " << queries;
+          EXPECT_TRUE(part.narrow(0, queries, S - queries).eq(7.0f).all().item<bool>());
+        }
       }
     }
   }
@@ -202,8 +212,14 @@ TEST(SmallAttention, EqualsAtenSoftmaxAttention) {
   EXPECT_FALSE(SmallAttentionSupported(0, 64));
   at::Tensor x = at::zeros({4, 24});
   EXPECT_THROW(SmallAttention(x.data_ptr<float>(), x.data_ptr<float>(), x.data_ptr<float>(), 24,
-                              nullptr, 4, 24, x.data_ptr<float>(), 24),
+                              nullptr, 4, 24, x.data_ptr<float>(), 24, 4),
                c10::Error);
+  at::Tensor y = at::zeros({4, 48});
+  for (int64_t queries : {0, 5}) {
+    EXPECT_THROW(SmallAttention(y.data_ptr<float>(), y.data_ptr<float>() + 16, y.data_ptr<float>() + 32,
+                                48, nullptr, 4, 16, y.data_ptr<float>(), 48, queries),
+                 c10::Error);
+  }
 }
 
 TEST(GeluRowsInPlace, EqualsAtenGelu) {
