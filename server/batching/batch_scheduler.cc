@@ -37,9 +37,19 @@ bool FitsTokens(int64_t count, int64_t longest, const SchedulerOptions& options)
   return longest == 0 || count <= options.max_batch_tokens / longest;
 }
 
+int64_t BatchTaskLimit(const SchedulerOptions& options, int64_t queued, int64_t in_process) {
+  int64_t limit = options.max_batch_size;
+  if (options.fair_share && options.num_batch_threads > 1) {
+    const int64_t work = queued + in_process;
+    limit = std::min(limit, (work + options.num_batch_threads - 1) / options.num_batch_threads);
+  }
+  return std::max<int64_t>(1, limit);
+}
+
 std::vector<uint64_t> SelectLengthAware(const LengthIndex& queue,
                                         std::pair<int64_t, uint64_t> oldest,
-                                        const SchedulerOptions& options, bool* full) {
+                                        const SchedulerOptions& options, int64_t max_tasks,
+                                        bool* full) {
   const int64_t anchor = oldest.first;
   std::vector<uint64_t> chosen = {oldest.second};  // the oldest task is always in the batch
   int64_t longest = anchor;
@@ -64,7 +74,7 @@ std::vector<uint64_t> SelectLengthAware(const LengthIndex& queue,
   };
   bool left_open = next_left();
 
-  while (static_cast<int64_t>(chosen.size()) < options.max_batch_size) {
+  while (static_cast<int64_t>(chosen.size()) < max_tasks) {
     const bool have_right = right_open && right != queue.end();
     if (!left_open && !have_right) break;
     const int64_t count = static_cast<int64_t>(chosen.size()) + 1;
@@ -86,8 +96,7 @@ std::vector<uint64_t> SelectLengthAware(const LengthIndex& queue,
     }
   }
   std::sort(chosen.begin(), chosen.end());
-  *full = static_cast<int64_t>(chosen.size()) >= options.max_batch_size ||
-          chosen.size() < queue.size();
+  *full = static_cast<int64_t>(chosen.size()) >= max_tasks || chosen.size() < queue.size();
   return chosen;
 }
 

@@ -11,6 +11,14 @@
 //       the model would sit idle while the batch waits for company, so a lone request (low load)
 //       pays no queue delay; under load a batch is always in flight and batches still fill, or
 //   (d) the scheduler is shutting down (draining).
+// With fair_share and several batch threads, a batch also takes at most its thread's share of the
+// work, ceil(W / num_batch_threads) tasks, where W counts the queued tasks and those in batches
+// being processed; a batch that reaches its share counts as full (a). So the threads split what
+// is in flight evenly: a closed loop of N clients settles at N / threads tasks a batch on every
+// thread, instead of keeping whatever split its first batches took (with two threads and 8
+// clients: a lone first request on one thread, the 7 behind it on the other, for ever after, as
+// each thread re-batches only the clients it has just answered). A lone task with every thread
+// idle is its own share, so fair_share also releases it at once, as release_when_idle does.
 // A batch always contains the oldest queued task (no starvation). With length_aware, the rest of it
 // is the queued tasks whose lengths are closest to the oldest one's (ties: shorter, then older);
 // otherwise the tasks that follow the oldest in arrival order, up to the first that does not fit.
@@ -73,6 +81,9 @@ struct SchedulerOptions {
   bool release_when_idle = false;
   // Group tasks of similar length (see the policy above) instead of taking them in arrival order.
   bool length_aware = true;
+  // Cap each batch at its thread's share of the work in flight, and release it once it holds that
+  // share (see the policy above). No effect with one batch thread.
+  bool fair_share = false;
   // Time source; nullptr means RealClock::Get(). Must outlive the scheduler's threads.
   Clock* clock = nullptr;
   // For logs and error messages.
@@ -115,11 +126,18 @@ bool FitsTokens(int64_t count, int64_t longest, const SchedulerOptions& options)
 
 // The length-aware rule: starting from `oldest` (the queued task with the smallest sequence
 // number, an element of `queue`), adds the tasks closest in length (ties: shorter, then older)
-// while the limits allow. Returns the chosen sequence numbers, ascending; sets *full when the batch
-// reached max_batch_size or a queued task was left out. O(k log n) for a batch of k.
+// while the limits allow: at most max_tasks tasks (<= options.max_batch_size) and
+// options.max_batch_tokens. Returns the chosen sequence numbers, ascending; sets *full when the
+// batch reached max_tasks or a queued task was left out. O(k log n) for a batch of k.
 std::vector<uint64_t> SelectLengthAware(const LengthIndex& queue,
                                         std::pair<int64_t, uint64_t> oldest,
-                                        const SchedulerOptions& options, bool* full);
+                                        const SchedulerOptions& options, int64_t max_tasks,
+                                        bool* full);
+
+// The most tasks the next batch may take: options.max_batch_size, or with fair_share and several
+// batch threads the batch's share ceil((queued + in_process) / num_batch_threads) when smaller.
+// >= 1.
+int64_t BatchTaskLimit(const SchedulerOptions& options, int64_t queued, int64_t in_process);
 
 template <typename TaskType>
 class SchedulerCore;
@@ -236,15 +254,21 @@ class SchedulerCore {
 
   // The loop of each batch thread.
   void Run() {
-    bool processed = false;  // this thread has just processed a batch
+    int64_t processed = -1;  // tasks of the batch this thread has just processed (-1: none)
     for (;;) {
       std::vector<Dropped> dropped;
       std::unique_ptr<Batch<TaskType>> batch;
       bool exit = false;
       {
         absl::MutexLock lock(&mu_);
-        if (processed) --in_flight_;
-        processed = false;
+        if (processed >= 0) {
+          --in_flight_;
+          in_flight_tasks_ -= processed;
+          // With fair_share the shares shrink as work completes: a waiting thread's batch may be
+          // full now.
+          if (options_.fair_share && !queue_.empty()) cv_.Signal();
+        }
+        processed = -1;
         for (;;) {
           const absl::Time now = clock_->Now();
           MaybeSweepLocked(now, &dropped);
@@ -266,6 +290,7 @@ class SchedulerCore {
               (options_.release_when_idle && in_flight_ == 0)) {
             batch = FormBatchLocked(chosen, now);
             ++in_flight_;
+            in_flight_tasks_ += batch->num_tasks();
             // Another idle thread may be able to form the next batch right away.
             if (!queue_.empty()) cv_.Signal();
             break;
@@ -279,8 +304,8 @@ class SchedulerCore {
         VLOG(2) << label_ << ": batch of " << batch->num_tasks() << " tasks, "
                 << batch->padded_size() << " padded tokens, padding ratio "
                 << batch->padding_ratio();
+        processed = batch->num_tasks();
         process_batch_(std::move(batch));
-        processed = true;
       }
       if (exit) return;
     }
@@ -376,7 +401,8 @@ class SchedulerCore {
     // May be full: the limits may leave a queued task out. Conservative (longest_queued_ is an
     // upper bound): an unneeded wake-up costs a context switch, a missed one a whole delay.
     const auto queued = static_cast<int64_t>(queue_.size());
-    if (queued >= options_.max_batch_size || !FitsTokens(queued, longest_queued_, options_)) {
+    if (queued >= BatchTaskLimit(options_, queued, in_flight_tasks_) ||
+        !FitsTokens(queued, longest_queued_, options_)) {
       wake = true;
     }
     if (wake) cv_.Signal();
@@ -454,21 +480,23 @@ class SchedulerCore {
 
   std::vector<uint64_t> SelectLocked(bool* full) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const auto oldest = queue_.begin();
+    const int64_t max_tasks =
+        BatchTaskLimit(options_, static_cast<int64_t>(queue_.size()), in_flight_tasks_);
     if (options_.length_aware) {
-      return SelectLengthAware(by_length_, {oldest->second.size, oldest->first}, options_, full);
+      return SelectLengthAware(by_length_, {oldest->second.size, oldest->first}, options_,
+                               max_tasks, full);
     }
     // Arrival order: the oldest, then those after it, up to the first that does not fit.
     std::vector<uint64_t> chosen = {oldest->first};
     int64_t longest = oldest->second.size;
     for (auto it = std::next(oldest); it != queue_.end(); ++it) {
-      if (static_cast<int64_t>(chosen.size()) >= options_.max_batch_size) break;
+      if (static_cast<int64_t>(chosen.size()) >= max_tasks) break;
       const int64_t new_longest = std::max(longest, it->second.size);
       if (!FitsTokens(static_cast<int64_t>(chosen.size()) + 1, new_longest, options_)) break;
       chosen.push_back(it->first);
       longest = new_longest;
     }
-    *full = static_cast<int64_t>(chosen.size()) >= options_.max_batch_size ||
-            chosen.size() < queue_.size();
+    *full = static_cast<int64_t>(chosen.size()) >= max_tasks || chosen.size() < queue_.size();
     return chosen;
   }
 
@@ -505,8 +533,9 @@ class SchedulerCore {
   bool closing_ ABSL_GUARDED_BY(mu_) = false;
   // >= every queued task's size (reset when the queue empties).
   int64_t longest_queued_ ABSL_GUARDED_BY(mu_) = 0;
-  // Batches formed whose callback has not returned yet.
+  // Batches formed whose callback has not returned yet, and the tasks in them.
   int in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t in_flight_tasks_ ABSL_GUARDED_BY(mu_) = 0;
   SchedulerStats stats_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -52,6 +52,10 @@ ABSL_FLAG(int64_t, max_batch_tokens, 16384, "most padded tokens in one forward p
 ABSL_FLAG(int64_t, max_queue_delay_micros, 2000, "longest an input waits for its batch to fill");
 ABSL_FLAG(int64_t, max_queue_size, 1024, "most queued inputs per model version (then RESOURCE_EXHAUSTED)");
 ABSL_FLAG(bool, length_aware_batching, true, "group inputs of similar length");
+ABSL_FLAG(bool, fair_share_batching, true,
+          "with several batch threads, cap each batch at its thread's share of the inputs in flight "
+          "(queued + being processed) and send it once it holds that share, so that the threads "
+          "split the load evenly; false = each batch takes up to --max_batch_size");
 ABSL_FLAG(int, max_inputs_per_request, 64, "most inputs in one request");
 ABSL_FLAG(int64_t, max_text_bytes, 65536, "most bytes in one input text");
 ABSL_FLAG(int, max_message_bytes, 16 << 20,
@@ -149,6 +153,7 @@ int Run(int argc, char** argv, int cpus) {
   b.max_queue_size = absl::GetFlag(FLAGS_max_queue_size);
   b.num_batch_threads = threads.batch_threads;
   b.length_aware = absl::GetFlag(FLAGS_length_aware_batching);
+  b.fair_share = absl::GetFlag(FLAGS_fair_share_batching);
   o.servable.release_batch_when_idle = absl::GetFlag(FLAGS_release_batch_when_idle);
   o.inference.max_inputs_per_request = absl::GetFlag(FLAGS_max_inputs_per_request);
   o.inference.max_text_bytes = absl::GetFlag(FLAGS_max_text_bytes);

@@ -467,6 +467,97 @@ TEST_F(BatchSchedulerTest, ReleaseWhenIdleWaitsWhileABatchIsBeingProcessed) {
               ElementsAre(ElementsAre(1, 2, 3, 4), ElementsAre(0), ElementsAre(5, 6)));
 }
 
+// Batches that stay in the callback until the test lets them go, recorded as they are formed.
+class HeldBatches {
+ public:
+  // In the callback: records the batch, then waits until Finish(its first task's id).
+  void Hold(const Batch<TestTask>& batch) {
+    absl::MutexLock lock(&mu_);
+    std::vector<int> ids;
+    for (int64_t i = 0; i < batch.num_tasks(); ++i) ids.push_back(batch.task(i).id());
+    formed_.push_back(ids);
+    const int first = ids[0];
+    auto finished = [this, first]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return finish_.count(first) > 0; };
+    mu_.AwaitWithTimeout(absl::Condition(&finished), kGuard);
+  }
+  void Finish(int first_id) {
+    absl::MutexLock lock(&mu_);
+    finish_.insert(first_id);
+  }
+  // Waits until `n` batches have been formed; false after kGuard.
+  bool AwaitFormed(size_t n) {
+    absl::MutexLock lock(&mu_);
+    auto reached = [this, n]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return formed_.size() >= n; };
+    return mu_.AwaitWithTimeout(absl::Condition(&reached), kGuard);
+  }
+  std::vector<std::vector<int>> formed() {
+    absl::MutexLock lock(&mu_);
+    return formed_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<std::vector<int>> formed_ ABSL_GUARDED_BY(mu_);
+  std::set<int> finish_ ABSL_GUARDED_BY(mu_);
+};
+
+// Two batch threads, eight closed-loop clients: the first request finds both threads idle and runs
+// alone; the seven behind it arrive while it runs. Without fair_share the idle thread takes all
+// seven (after the delay) and the threads keep that 1 / 7 split: each re-batches only the clients
+// it has just answered. With fair_share the idle thread takes its share of the eight in flight
+// (four), at once, and the first thread, when done, takes the other three with its own client
+// back: four and four. The clock never moves, so only the fair-share rule releases these batches.
+TEST_F(BatchSchedulerTest, FairShareSplitsTheTasksInFlightOverTheBatchThreads) {
+  SchedulerOptions options = Options();
+  options.max_batch_size = 16;
+  options.max_queue_delay_micros = 10'000'000;
+  options.num_batch_threads = 2;
+  options.release_when_idle = true;
+  options.fair_share = true;
+  HeldBatches held;
+  std::unique_ptr<Scheduler> scheduler;
+  ASSERT_TRUE(Scheduler::Create(
+                  options,
+                  [&, r = recorder_](std::unique_ptr<Batch<TestTask>> batch) {
+                    held.Hold(*batch);
+                    r->RecordBatch(*batch);
+                  },
+                  &scheduler)
+                  .ok());
+  ScheduleOk(scheduler.get(), 0, 8);  // every thread idle: its own share, sent at once
+  ASSERT_TRUE(held.AwaitFormed(1));
+  ScheduleAllOk(scheduler.get(), 1, {8, 8, 8, 8, 8, 8, 8});  // 8 in flight: a share is 4
+  ASSERT_TRUE(held.AwaitFormed(2));
+  EXPECT_THAT(held.formed(), ElementsAre(ElementsAre(0), ElementsAre(1, 2, 3, 4)));
+  held.Finish(0);  // client 0 is answered and comes back
+  ASSERT_TRUE(recorder_->AwaitDone(1));
+  EXPECT_EQ(scheduler->NumEnqueuedTasks(), 3);  // 5, 6, 7 are below a share: they wait
+  ScheduleOk(scheduler.get(), 8, 8);
+  ASSERT_TRUE(held.AwaitFormed(3));
+  EXPECT_THAT(held.formed()[2], ElementsAre(5, 6, 7, 8));
+  held.Finish(1);
+  held.Finish(5);
+  ASSERT_TRUE(recorder_->AwaitDone(9));
+  EXPECT_EQ(scheduler->NumEnqueuedTasks(), 0);
+}
+
+TEST(BatchTaskLimitTest, IsTheThreadsShareOfTheWorkInFlight) {
+  SchedulerOptions options;
+  options.max_batch_size = 16;
+  options.num_batch_threads = 2;
+  EXPECT_EQ(internal::BatchTaskLimit(options, 7, 1), 16);  // fair_share off
+  options.fair_share = true;
+  EXPECT_EQ(internal::BatchTaskLimit(options, 7, 1), 4);
+  EXPECT_EQ(internal::BatchTaskLimit(options, 6, 1), 4);   // rounded up
+  EXPECT_EQ(internal::BatchTaskLimit(options, 1, 0), 1);
+  EXPECT_EQ(internal::BatchTaskLimit(options, 0, 0), 1);   // never 0
+  EXPECT_EQ(internal::BatchTaskLimit(options, 40, 16), 16);  // at most max_batch_size
+  options.num_batch_threads = 3;
+  EXPECT_EQ(internal::BatchTaskLimit(options, 9, 3), 4);
+  options.num_batch_threads = 1;
+  EXPECT_EQ(internal::BatchTaskLimit(options, 7, 1), 16);  // one thread: nothing to share
+}
+
 TEST_F(BatchSchedulerTest, QueueFullOfDeadTasksMakesRoomForANewOne) {
   SchedulerOptions options = Options();
   options.max_queue_size = 2;
@@ -698,10 +789,10 @@ TEST(SelectLengthAwareTest, ClosestLengthsFirstShorterThenOlderOnTies) {
   options.max_batch_size = 2;
   internal::LengthIndex queue = {{100, 0}, {110, 1}, {90, 2}, {90, 3}};
   bool full = false;
-  EXPECT_THAT(internal::SelectLengthAware(queue, {100, 0}, options, &full), ElementsAre(0, 2));
+  EXPECT_THAT(internal::SelectLengthAware(queue, {100, 0}, options, options.max_batch_size, &full), ElementsAre(0, 2));
   EXPECT_TRUE(full);
   options.max_batch_size = 4;
-  EXPECT_THAT(internal::SelectLengthAware(queue, {100, 0}, options, &full),
+  EXPECT_THAT(internal::SelectLengthAware(queue, {100, 0}, options, options.max_batch_size, &full),
               ElementsAre(0, 1, 2, 3));
   EXPECT_TRUE(full);  // max_batch_size reached
 }
@@ -712,7 +803,16 @@ TEST(SelectLengthAwareTest, SkipsALongerTaskThatBreaksTheBudgetButTakesShorterOn
   internal::LengthIndex queue = {{500, 0}, {520, 1}, {10, 2}, {12, 3}};
   bool full = false;
   // 2 x 520 > 1000; 2 x 500 fits, with the closer of the short ones; a third would need 3 x 500.
-  EXPECT_THAT(internal::SelectLengthAware(queue, {500, 0}, options, &full), ElementsAre(0, 3));
+  EXPECT_THAT(internal::SelectLengthAware(queue, {500, 0}, options, options.max_batch_size, &full), ElementsAre(0, 3));
+  EXPECT_TRUE(full);
+}
+
+TEST(SelectLengthAwareTest, MaxTasksCapsTheBatchAndMakesItFull) {
+  SchedulerOptions options;
+  options.max_batch_size = 8;
+  internal::LengthIndex queue = {{100, 0}, {110, 1}, {90, 2}, {90, 3}};
+  bool full = false;
+  EXPECT_THAT(internal::SelectLengthAware(queue, {100, 0}, options, 3, &full), ElementsAre(0, 2, 3));
   EXPECT_TRUE(full);
 }
 
@@ -721,7 +821,7 @@ TEST(SelectLengthAwareTest, NotFullWhenEverythingFits) {
   options.max_batch_size = 4;
   internal::LengthIndex queue = {{8, 3}, {300, 5}, {16, 4}};
   bool full = true;
-  EXPECT_THAT(internal::SelectLengthAware(queue, {8, 3}, options, &full), ElementsAre(3, 4, 5));
+  EXPECT_THAT(internal::SelectLengthAware(queue, {8, 3}, options, options.max_batch_size, &full), ElementsAre(3, 4, 5));
   EXPECT_FALSE(full);
 }
 
