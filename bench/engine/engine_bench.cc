@@ -37,6 +37,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "server/model/engine.h"
+#include "server/util/process_env.h"
 
 namespace collabserve::model {
 namespace {
@@ -303,13 +304,9 @@ int Main(int argc, char** argv) {
   // its buffers afresh (~10% of a BERT-base pass at batch 1).
   mallopt(M_MMAP_THRESHOLD, 32 << 20);
   mallopt(M_TRIM_THRESHOLD, 256 << 20);
-  using SetThreads = void (*)(int);
-  using GetInt = int (*)();
+  util::SetBlasThreads(f.threads);
   using GetConfig = char* (*)();
-  auto openblas_set = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
-  auto openblas_get = reinterpret_cast<GetInt>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
   auto openblas_config = reinterpret_cast<GetConfig>(dlsym(RTLD_DEFAULT, "openblas_get_config"));
-  if (openblas_set) openblas_set(f.threads);
 
   std::unique_ptr<Engine> engine = LoadOrDie(f.model);
   std::unique_ptr<Engine> collab;
@@ -319,7 +316,7 @@ int Main(int argc, char** argv) {
   getloadavg(loadavg, 1);
   std::printf("engine_bench: at::get_num_threads()=%d, OpenBLAS threads=%d (%s), OMP_WAIT_POLICY=%s, "
               "%ld online CPUs, load average %.2f at start\n",
-              at::get_num_threads(), openblas_get ? openblas_get() : -1,
+              at::get_num_threads(), util::BlasThreads(),
               openblas_config ? openblas_config() : "OpenBLAS not found",
               std::getenv("OMP_WAIT_POLICY") ? std::getenv("OMP_WAIT_POLICY") : "(unset)",
               sysconf(_SC_NPROCESSORS_ONLN), loadavg[0]);

@@ -7,8 +7,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 #include <exception>
 #include <limits>
 #include <memory>
@@ -333,11 +331,8 @@ at::Tensor ColumnNorms(const at::Tensor& gram) {
 
 // oneDNN's sgemm (util::DnnlSgemm) unless COLLABSERVE_CP_GEMM=aten; null without it.
 util::DnnlSgemmFn FindDnnlSgemm() {
-  static const util::DnnlSgemmFn fn = [] {
-    const char* choice = std::getenv("COLLABSERVE_CP_GEMM");
-    if (choice != nullptr && std::strcmp(choice, "aten") == 0) return util::DnnlSgemmFn(nullptr);
-    return util::DnnlSgemm();
-  }();
+  static const util::DnnlSgemmFn fn =
+      util::EnvString("COLLABSERVE_CP_GEMM") == "aten" ? nullptr : util::DnnlSgemm();
   return fn;
 }
 
@@ -354,9 +349,9 @@ bool IsRowMajor(const at::Tensor& t) {
 // Everything else goes to at::mm_out.
 void MatMulInto(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
   const util::DnnlSgemmFn sgemm = FindDnnlSgemm();
-  if (sgemm != nullptr && at::get_num_threads() == 1 && a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat &&
-      out.scalar_type() == at::kFloat && a.is_cpu() && b.is_cpu() && out.is_cpu() &&
-      IsRowMajor(b) && IsRowMajor(out) && (IsRowMajor(a) || IsRowMajor(a.t())) &&
+  if (sgemm != nullptr && at::get_num_threads() == 1 && a.scalar_type() == at::kFloat &&
+      b.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat && a.is_cpu() &&
+      b.is_cpu() && out.is_cpu() && IsRowMajor(b) && IsRowMajor(out) && (IsRowMajor(a) || IsRowMajor(a.t())) &&
       out.size(0) == a.size(0) && out.size(1) == b.size(1) && a.size(1) == b.size(0)) {
     const bool transposed = !IsRowMajor(a);
     const at::Tensor stored = transposed ? a.t() : a;

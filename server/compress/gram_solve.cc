@@ -4,13 +4,13 @@
 #include <dlfcn.h>
 
 #include <cstddef>
-#include <cstdlib>
-#include <cstring>
 #include <limits>
 #include <string>
 #include <tuple>
 #include <type_traits>
 #include <utility>
+
+#include "server/util/process_env.h"
 
 namespace collabserve::compress {
 namespace {
@@ -64,18 +64,13 @@ const Lapack* FindLapack() {
 
 // COLLABSERVE_CP_SOLVE: "aten" makes kAuto use kAten; "potri" makes kLapack invert with LAPACK's
 // potri instead of the blocked inverse below (both for measurements).
-bool EnvironmentChooses(const char* value) {
-  const char* choice = std::getenv("COLLABSERVE_CP_SOLVE");
-  return choice != nullptr && std::strcmp(choice, value) == 0;
-}
-
 bool AtenChosenByEnvironment() {
-  static const bool aten = EnvironmentChooses("aten");
+  static const bool aten = util::EnvString("COLLABSERVE_CP_SOLVE") == "aten";
   return aten;
 }
 
 bool PotriChosenByEnvironment() {
-  static const bool potri = EnvironmentChooses("potri");
+  static const bool potri = util::EnvString("COLLABSERVE_CP_SOLVE") == "potri";
   return potri;
 }
 

@@ -30,10 +30,7 @@ constexpr int64_t kPackedMaxRows = 256;
 // the per-operation path. No limit unless COLLABSERVE_TEAM_MAX_ROWS=N sets one (A/B measurements:
 // 256 gives the engine before the team served long passes).
 int64_t TeamMaxRows() {
-  static const int64_t rows = [] {
-    const char* v = std::getenv("COLLABSERVE_TEAM_MAX_ROWS");
-    return v != nullptr && *v != '\0' ? std::atoll(v) : int64_t{1} << 40;
-  }();
+  static const int64_t rows = util::EnvInt64("COLLABSERVE_TEAM_MAX_ROWS", int64_t{1} << 40);
   return rows;
 }
 
@@ -47,11 +44,10 @@ using SgemmFn = util::DnnlSgemmFn;
 
 GemmMode ChosenGemmMode() {
   static const GemmMode mode = [] {
-    const char* choice = std::getenv("COLLABSERVE_GEMM");
-    if (choice == nullptr || *choice == '\0') return GemmMode::kHybrid;
-    if (std::strcmp(choice, "aten") == 0) return GemmMode::kAten;
-    if (std::strcmp(choice, "dnnl") == 0) return GemmMode::kDnnl;
-    if (std::strcmp(choice, "packed") == 0) return GemmMode::kPacked;
+    const std::string choice = util::EnvString("COLLABSERVE_GEMM");
+    if (choice == "aten") return GemmMode::kAten;
+    if (choice == "dnnl") return GemmMode::kDnnl;
+    if (choice == "packed") return GemmMode::kPacked;
     return GemmMode::kHybrid;
   }();
   return mode;
@@ -157,10 +153,7 @@ at::Tensor LayerNormInPlace(at::Tensor x, const at::Tensor& w, const at::Tensor&
 // of two sgemm calls and an ATen softmax, whose fixed costs dominate short sequences. Default
 // kSmallAttentionMaxS; COLLABSERVE_SMALL_ATTENTION_MAX_S=N lowers it (0: off; A/B measurements).
 int64_t SmallAttentionMaxS() {
-  static const int64_t s = [] {
-    const char* v = std::getenv("COLLABSERVE_SMALL_ATTENTION_MAX_S");
-    return v != nullptr && *v != '\0' ? std::atoll(v) : kSmallAttentionMaxS;
-  }();
+  static const int64_t s = util::EnvInt64("COLLABSERVE_SMALL_ATTENTION_MAX_S", kSmallAttentionMaxS);
   return s;
 }
 
@@ -181,7 +174,7 @@ void AttendOneHead(SgemmFn sgemm, const float* p, int64_t ld, const float* mask,
     SmallAttention(q, k, v, ld, mask != nullptr ? mask + b * S : nullptr, S, dk, out, D, Sq);
     return;
   }
-  at::Tensor sq = scores.view(-1).narrow(0, 0, Sq * S).view({Sq, S});
+  at::Tensor sq = Sq == S ? scores : scores.view(-1).narrow(0, 0, Sq * S).view({Sq, S});
   float* sc = sq.data_ptr<float>();
   int st = sgemm('N', 'T', Sq, S, dk, 1.0f, q, ld, k, ld, 0.0f, sc, S);
   TORCH_CHECK(st == 0, "dnnl_sgemm (attention scores) failed with status ", st);
@@ -219,38 +212,55 @@ at::Tensor FusedAttention(SgemmFn sgemm, const at::Tensor& proj, const at::Tenso
   return ctx;
 }
 
+// Heads [h0, h1) of a standard layer, on the calling thread: their q, k and v columns of the
+// fused projection into proj [B·S, 3D] (whole panels when dk is a multiple of the panel width),
+// then their attention for every sequence into ctx [B·Sq, D]. Keys and values are projected for
+// every row; queries for every row when Sq = S, or with Sq = 1 (the [CLS] queries alone) for x's
+// rows b·S only, a matrix of B rows with leading dimension S·D, into proj's rows b·S. x: [B·S, D];
+// x_packed: the same rows already packed (PackRows) for PackedLinearColumnsPacked, or null;
+// packed: the packed fused weight, or null for the sgemm on w; scores: [S, S] scratch.
+void ProjectAndAttendHeads(SgemmFn sgemm, const float* x, const float* x_packed,
+                           const at::Tensor& w, const PackedWeight* packed, const float* bias,
+                           const float* mask, int64_t B, int64_t S, int64_t Sq, int64_t D,
+                           int64_t dk, int64_t h0, int64_t h1, at::Tensor& scores, float* proj,
+                           float* ctx) {
+  const int64_t T = B * S;
+  for (int64_t part = 0; part < 3; ++part) {
+    const int64_t n0 = part * D + h0 * dk, n1 = part * D + h1 * dk;
+    if (part == 0 && Sq != S) {
+      DenseColumns(sgemm, x, S * D, B, w, packed, bias, nullptr, 0, proj, S * 3 * D, n0, n1);
+    } else if (x_packed != nullptr) {
+      PackedLinearColumnsPacked(x_packed, T, *packed, bias, nullptr, 0, proj, 3 * D, n0, n1);
+    } else {
+      DenseColumns(sgemm, x, D, T, w, packed, bias, nullptr, 0, proj, 3 * D, n0, n1);
+    }
+  }
+  for (int64_t h = h0; h < h1; ++h) {
+    for (int64_t b = 0; b < B; ++b) {
+      AttendOneHead(sgemm, proj, 3 * D, mask, b, h, S, Sq, D, dk, scores, ctx);
+    }
+  }
+}
+
 // The q/k/v projection and the attention of a standard layer in one parallel region, split by
-// head: each thread computes the q, k and v columns of its heads (PackedLinearColumns; they are
-// whole panels when dk is a multiple of the panel width) and then those heads' attention for
-// every sequence, so no thread waits for another between the two. For token counts where
-// PackedLinear runs (the pass is short and a thread wake-up per operation is a visible cost).
-// x [B·S, D] -> ctx [B·Sq, D]; Sq = S, or 1 for the [CLS] queries alone (then q is projected for
-// the [CLS] rows only: x's rows b·S, a matrix of B rows with leading dimension S·D).
-at::Tensor ProjectAndAttend(SgemmFn sgemm, const at::Tensor& x, const PackedWeight& fused_p,
-                            const at::Tensor& fused_b, const at::Tensor& mask_add, int64_t B,
-                            int64_t S, int64_t Sq, int64_t H, int64_t dk) {
-  const int64_t D = H * dk, T = B * S;
-  at::Tensor proj = at::empty({T, 3 * D}, x.options());
+// head (ProjectAndAttendHeads), so no thread waits for another between the two. For token counts
+// where PackedLinear runs (the pass is short and a thread wake-up per operation is a visible
+// cost). x [B·S, D] -> ctx [B·Sq, D]; Sq = S, or 1 for the [CLS] queries alone.
+at::Tensor ProjectAndAttend(SgemmFn sgemm, const at::Tensor& x, const at::Tensor& fused_w,
+                            const PackedWeight& fused_p, const at::Tensor& fused_b,
+                            const at::Tensor& mask_add, int64_t B, int64_t S, int64_t Sq,
+                            int64_t H, int64_t dk) {
+  const int64_t D = H * dk;
+  at::Tensor proj = at::empty({B * S, 3 * D}, x.options());
   at::Tensor ctx = at::empty({B * Sq, D}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* bias = fused_b.data_ptr<float>();
-  float* p = proj.data_ptr<float>();
-  float* c = ctx.data_ptr<float>();
   const float* mask = mask_add.defined() ? mask_add.data_ptr<float>() : nullptr;  // [B, S]
   const bool inference = c10::InferenceMode::is_enabled();
   at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
     c10::InferenceMode guard(inference);  // not inherited by OpenMP workers
-    for (int64_t part = 0; part < 3; ++part) {
-      const bool cls_q = part == 0 && Sq == 1;
-      PackedLinearColumns(xp, cls_q ? S * D : D, cls_q ? B : T, fused_p, bias, nullptr, 0, p,
-                          cls_q ? S * 3 * D : 3 * D, part * D + h0 * dk, part * D + h1 * dk);
-    }
     at::Tensor scores = at::empty({S, S}, x.options());
-    for (int64_t h = h0; h < h1; ++h) {
-      for (int64_t b = 0; b < B; ++b) {
-        AttendOneHead(sgemm, p, 3 * D, mask, b, h, S, Sq, D, dk, scores, c);
-      }
-    }
+    ProjectAndAttendHeads(sgemm, x.data_ptr<float>(), nullptr, fused_w, &fused_p,
+                          fused_b.data_ptr<float>(), mask, B, S, Sq, D, dk, h0, h1, scores,
+                          proj.data_ptr<float>(), ctx.data_ptr<float>());
   });
   return ctx;
 }
@@ -421,7 +431,7 @@ at::Tensor BertClassifier::Layer(const EncoderLayer& l, const at::Tensor& h,
   if (fused_attention && mask_add.defined()) mask2 = mask_add.view({B, S}).contiguous();
   if (fused_attention && UsePackedLinear(l.fused_p.get(), T) && dk % PackedWeight::kPanel == 0 &&
       h2.is_contiguous()) {
-    ctx = ProjectAndAttend(sgemm, h2, *l.fused_p, l.fused_b, mask2, B, S, Sq, H, dk);
+    ctx = ProjectAndAttend(sgemm, h2, l.fused_w, *l.fused_p, l.fused_b, mask2, B, S, Sq, H, dk);
   } else {
     at::Tensor proj = Dense(h2, l.fused_w, l.fused_b, l.fused_p.get());  // [T, *]
     ctx = fused_attention ? FusedAttention(sgemm, proj, mask2, B, S, Sq, H, dk)
@@ -545,23 +555,9 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add, boo
         float* ck = cpack.data_ptr<float>();
         float* ik = ipack.data_ptr<float>();
         team.Step([&] {
-          for (int64_t part = 0; part < 3; ++part) {
-            if (part == 0 && Sq != S) {
-              // The [CLS] queries alone, from x's rows b·S (not packed on their own).
-              PackedLinearColumns(xp, ldq, B, *l.fused_p, l.fused_b.data_ptr<float>(), nullptr, 0,
-                                  proj.data_ptr<float>(), S * 3 * D, h0 * dk, h1 * dk);
-              continue;
-            }
-            PackedLinearColumnsPacked(xk, T, *l.fused_p, l.fused_b.data_ptr<float>(), nullptr, 0,
-                                      proj.data_ptr<float>(), 3 * D, part * D + h0 * dk,
-                                      part * D + h1 * dk);
-          }
-          for (int64_t hd = h0; hd < h1; ++hd) {
-            for (int64_t b = 0; b < B; ++b) {
-              AttendOneHead(sgemm, proj.data_ptr<float>(), 3 * D, mask, b, hd, S, Sq, D, dk, scores,
-                            ctx.data_ptr<float>());
-            }
-          }
+          ProjectAndAttendHeads(sgemm, xp, xk, l.fused_w, l.fused_p.get(),
+                                l.fused_b.data_ptr<float>(), mask, B, S, Sq, D, dk, h0, h1, scores,
+                                proj.data_ptr<float>(), ctx.data_ptr<float>());
           PackRows(ctx.data_ptr<float>(), D, 0, Tq, h0 * dk, h1 * dk, D, ck);
         });
         team.Step([&] {
@@ -648,18 +644,9 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add, boo
       } else {
         team.Step([&] {
           const auto [h0, h1] = share(H, 1, t, n);
-          for (int64_t part = 0; part < 3; ++part) {
-            const bool cls_q = part == 0 && Sq != S;
-            DenseColumns(sgemm, xp, cls_q ? ldq : D, cls_q ? B : T, l.fused_w, fused_p,
-                         l.fused_b.data_ptr<float>(), nullptr, 0, proj.data_ptr<float>(),
-                         cls_q ? S * 3 * D : 3 * D, part * D + h0 * dk, part * D + h1 * dk);
-          }
-          for (int64_t hd = h0; hd < h1; ++hd) {
-            for (int64_t b = 0; b < B; ++b) {
-              AttendOneHead(sgemm, proj.data_ptr<float>(), 3 * D, mask, b, hd, S, Sq, D, dk, scores,
-                            ctx.data_ptr<float>());
-            }
-          }
+          ProjectAndAttendHeads(sgemm, xp, nullptr, l.fused_w, fused_p,
+                                l.fused_b.data_ptr<float>(), mask, B, S, Sq, D, dk, h0, h1, scores,
+                                proj.data_ptr<float>(), ctx.data_ptr<float>());
         });
       }
       team.Step([&] {

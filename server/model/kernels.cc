@@ -42,8 +42,8 @@ constexpr int64_t kPrefetchK = 32;
 // In a weight-bound product (kStreamMaxRows) the first row tile also asks for the stream this many
 // k steps ahead into L2 (256 steps = 32 KiB): one tile's 16 FMAs per 128 bytes of weights cannot
 // hide a DRAM miss with the L1 distance alone, and the core then alternates between waiting for
-// memory and computing. Alternated runs, 3 rounds: 1 × 16 +10% (38.7 -> 42.6 seq/s); at 128 rows
-// (not streamed) it is not used.
+// memory and computing. Alternated A/B, 4 rounds: 1 × 16 +12% (39.4 -> 44.3 seq/s); at 128 rows
+// (not streamed) it cost ~2% and is not used.
 constexpr int64_t kPrefetchFarK = 256;
 
 // c[i, 0..31] (i < M, masked to the panel's valid columns) = bias + residual + sum_k a[i, k] · b[k, :].

@@ -36,6 +36,16 @@ bool SetBlasThreads(int n) {
   return true;
 }
 
+std::string EnvString(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr ? std::string(v) : std::string();
+}
+
+int64_t EnvInt64(const char* name, int64_t fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? std::atoll(v) : fallback;
+}
+
 DnnlSgemmFn DnnlSgemm() {
   static const auto fn = reinterpret_cast<DnnlSgemmFn>(::dlsym(RTLD_DEFAULT, "dnnl_sgemm"));
   return fn;

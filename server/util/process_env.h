@@ -3,6 +3,7 @@
 #define COLLABSERVE_SERVER_UTIL_PROCESS_ENV_H_
 
 #include <cstdint>
+#include <string>
 
 #include "absl/strings/string_view.h"
 
@@ -34,6 +35,12 @@ using DnnlSgemmFn = int (*)(char transa, char transb, int64_t m, int64_t n, int6
                             const float* a, int64_t lda, const float* b, int64_t ldb, float beta,
                             float* c, int64_t ldc);
 DnnlSgemmFn DnnlSgemm();
+
+// The COLLABSERVE_* switches that pin a code path for measurements (read once by their users):
+// the value of environment variable `name`, "" when unset; and that value as an integer (atoll),
+// `fallback` when unset or empty.
+std::string EnvString(const char* name);
+int64_t EnvInt64(const char* name, int64_t fallback);
 
 // CPUs this process may use, at least 1: the CPUs it may run on (sched_getaffinity: a cpuset), capped
 // by a cgroup CPU quota rounded up (a Kubernetes `resources.limits.cpu: 2` on a 64-core node reads

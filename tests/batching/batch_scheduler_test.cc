@@ -477,7 +477,9 @@ class HeldBatches {
     for (int64_t i = 0; i < batch.num_tasks(); ++i) ids.push_back(batch.task(i).id());
     formed_.push_back(ids);
     const int first = ids[0];
-    auto finished = [this, first]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return finish_.count(first) > 0; };
+    auto finished = [this, first]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return finish_.count(first) > 0;
+    };
     mu_.AwaitWithTimeout(absl::Condition(&finished), kGuard);
   }
   void Finish(int first_id) {
@@ -789,12 +791,16 @@ TEST(SelectLengthAwareTest, ClosestLengthsFirstShorterThenOlderOnTies) {
   options.max_batch_size = 2;
   internal::LengthIndex queue = {{100, 0}, {110, 1}, {90, 2}, {90, 3}};
   bool full = false;
-  EXPECT_THAT(internal::SelectLengthAware(queue, {100, 0}, options, options.max_batch_size, &full), ElementsAre(0, 2));
+  EXPECT_THAT(internal::SelectLengthAware(queue, {100, 0}, options, 2, &full), ElementsAre(0, 2));
   EXPECT_TRUE(full);
   options.max_batch_size = 4;
-  EXPECT_THAT(internal::SelectLengthAware(queue, {100, 0}, options, options.max_batch_size, &full),
+  EXPECT_THAT(internal::SelectLengthAware(queue, {100, 0}, options, 4, &full),
               ElementsAre(0, 1, 2, 3));
   EXPECT_TRUE(full);  // max_batch_size reached
+  // A smaller max_tasks (a fair share) caps the batch the same way and makes it full.
+  options.max_batch_size = 8;
+  EXPECT_THAT(internal::SelectLengthAware(queue, {100, 0}, options, 3, &full), ElementsAre(0, 2, 3));
+  EXPECT_TRUE(full);
 }
 
 TEST(SelectLengthAwareTest, SkipsALongerTaskThatBreaksTheBudgetButTakesShorterOnes) {
@@ -803,16 +809,8 @@ TEST(SelectLengthAwareTest, SkipsALongerTaskThatBreaksTheBudgetButTakesShorterOn
   internal::LengthIndex queue = {{500, 0}, {520, 1}, {10, 2}, {12, 3}};
   bool full = false;
   // 2 x 520 > 1000; 2 x 500 fits, with the closer of the short ones; a third would need 3 x 500.
-  EXPECT_THAT(internal::SelectLengthAware(queue, {500, 0}, options, options.max_batch_size, &full), ElementsAre(0, 3));
-  EXPECT_TRUE(full);
-}
-
-TEST(SelectLengthAwareTest, MaxTasksCapsTheBatchAndMakesItFull) {
-  SchedulerOptions options;
-  options.max_batch_size = 8;
-  internal::LengthIndex queue = {{100, 0}, {110, 1}, {90, 2}, {90, 3}};
-  bool full = false;
-  EXPECT_THAT(internal::SelectLengthAware(queue, {100, 0}, options, 3, &full), ElementsAre(0, 2, 3));
+  EXPECT_THAT(internal::SelectLengthAware(queue, {500, 0}, options, options.max_batch_size, &full),
+              ElementsAre(0, 3));
   EXPECT_TRUE(full);
 }
 
@@ -821,7 +819,8 @@ TEST(SelectLengthAwareTest, NotFullWhenEverythingFits) {
   options.max_batch_size = 4;
   internal::LengthIndex queue = {{8, 3}, {300, 5}, {16, 4}};
   bool full = true;
-  EXPECT_THAT(internal::SelectLengthAware(queue, {8, 3}, options, options.max_batch_size, &full), ElementsAre(3, 4, 5));
+  EXPECT_THAT(internal::SelectLengthAware(queue, {8, 3}, options, options.max_batch_size, &full),
+              ElementsAre(3, 4, 5));
   EXPECT_FALSE(full);
 }
 

@@ -2,6 +2,7 @@
 
 #include <dlfcn.h>
 
+#include <cstdlib>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -44,6 +45,19 @@ TEST(ProcessEnvTest, SetBlasThreadsChangesOpenBlasWhenPresent) {
   EXPECT_EQ(BlasThreads(), 1);
   // GEMMs still give the right answer single-threaded.
   EXPECT_NEAR(torch::mm(a, a).sum().item<float>(), 64.0f * 64 * 64, 1.0f);
+}
+
+TEST(ProcessEnvTest, EnvStringAndEnvInt64) {
+  const char* name = "COLLABSERVE_PROCESS_ENV_TEST_VAR";
+  ::unsetenv(name);
+  EXPECT_EQ(EnvString(name), "");
+  EXPECT_EQ(EnvInt64(name, 7), 7);
+  ::setenv(name, "", 1);
+  EXPECT_EQ(EnvInt64(name, 7), 7);
+  ::setenv(name, "256", 1);
+  EXPECT_EQ(EnvString(name), "256");
+  EXPECT_EQ(EnvInt64(name, 7), 256);
+  ::unsetenv(name);
 }
 
 }  // namespace
