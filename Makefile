@@ -16,7 +16,7 @@ export CCACHE_SLOPPINESS := pch_defines,time_macros,include_file_mtime,include_f
 # always hit). Debug info then names the directory the object was first compiled in.
 export CCACHE_NOHASHDIR := 1
 
-.PHONY: all deps configure build test test-asan test-tsan run bench soak clean fuzz
+.PHONY: all deps configure build test test-asan test-tsan run bench soak clean fuzz demo-model
 
 all: build
 
@@ -68,6 +68,14 @@ soak: build
 FUZZ_SECONDS ?= 60
 fuzz: deps
 	tests/fuzz/run_fuzz.sh --build-dir build-fuzz --seconds $(FUZZ_SECONDS)
+
+# Retrains the built-in demo model from Debian's package descriptions (scripts/demo_model/, about an
+# hour on 2 cores): writes server/model/demo/ (compiled into the binaries at the next build) and
+# tests/data/demo/ (test split, calibration text, training report).
+demo-model: build
+	/usr/bin/python3 scripts/demo_model/train_demo.py --tokenizer_bin $(BUILD_DIR)/bin/collabserve-model \
+	  --model_out server/model/demo --data_out tests/data/demo
+	cmake --build $(BUILD_DIR) -j $(JOBS)
 
 clean:
 	rm -rf $(BUILD_DIR)
