@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# `make run`: serves the built-in demo model ("demo", labels negative/positive) with
+# `make run`: serves the built-in demo model ("demo": the section of a Debian package from its
+# description, trained by `make demo-model`; server/model/demo/) with
 # build/bin/collabserve on the given ports until Ctrl-C (SIGINT drains and exits 0).
 #   scripts/run-demo.sh [BUILD_DIR=build] [PORT=8500] [METRICS_PORT=9090] [extra collabserve flags...]
 set -euo pipefail
@@ -13,5 +14,5 @@ if [[ ! -x "$bin" ]]; then
   exit 1
 fi
 echo "run-demo: serving the demo model on :$port (metrics :$metrics_port)."
-echo "run-demo: try: $build_dir/bin/collabctl --address=127.0.0.1:$port classify --model=demo 'what a great film'"
+echo "run-demo: try: $build_dir/bin/collabctl --address=127.0.0.1:$port classify --model=demo 'a 3D racing game with split-screen multiplayer'"
 exec "$bin" --port="$port" --metrics_port="$metrics_port" "$@"

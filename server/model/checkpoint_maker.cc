@@ -206,11 +206,4 @@ absl::Status MakeCheckpoint(const std::string& out_dir, const MakeOptions& o) {
   return util::WriteFileAtomic(util::JoinPath(out_dir, "config.json"), c.ToJson());
 }
 
-absl::Status MakeDemoCheckpoint(const std::string& out_dir) {
-  MakeOptions o;
-  o.preset = "tiny";
-  o.label_names = {"negative", "positive"};
-  return MakeCheckpoint(out_dir, o);
-}
-
 }  // namespace collabserve::model

@@ -1,6 +1,6 @@
 // Deterministic random-weight checkpoints in Hugging Face layout (config.json, vocab.txt,
-// tokenizer_config.json, model.safetensors | pytorch_model.bin): the built-in demo model, test
-// fixtures and benchmark models. No pretrained weights can be downloaded, so these stand in; the
+// tokenizer_config.json, model.safetensors | pytorch_model.bin): test fixtures, benchmark models
+// and the stress cases of the compression benchmarks (the demo model is trained: demo_model.h). No pretrained weights can be downloaded, so these stand in; the
 // weights are scaled so that attention is peaked and the classifier's outputs differ across inputs,
 // and `planted_rank` plants the shared key/query subspace that trained BERT heads show.
 #ifndef COLLABSERVE_SERVER_MODEL_CHECKPOINT_MAKER_H_
@@ -22,7 +22,7 @@ struct MakeOptions {
   // Overrides of the preset (0 = keep the preset's).
   int layers = 0, hidden = 0, heads = 0, intermediate = 0;
   int labels = 2;
-  std::vector<std::string> label_names;  // empty: LABEL_0.. (or negative/positive for the demo)
+  std::vector<std::string> label_names;  // empty: LABEL_0..
   uint64_t seed = 0;
   WeightFormat format = WeightFormat::kSafetensors;
   WeightDType dtype = WeightDType::kF32;
@@ -41,10 +41,7 @@ absl::StatusOr<BertConfig> MakeConfig(const MakeOptions& options);
 // Writes the checkpoint directory `out_dir` (created if missing). Same options, same bytes.
 absl::Status MakeCheckpoint(const std::string& out_dir, const MakeOptions& options);
 
-// The built-in demo model: tiny preset, labels "negative"/"positive", seed 0.
-absl::Status MakeDemoCheckpoint(const std::string& out_dir);
-
-// The bert-base-uncased vocabulary compiled into the binary (vocab.txt text).
+// The bert-base-uncased vocabulary compiled into the binary (vocab.txt text; the demo model's).
 std::string_view EmbeddedVocab();
 
 // Deterministic normal(0, std) values (splitmix64 + Box–Muller), independent of the torch version.

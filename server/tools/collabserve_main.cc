@@ -1,6 +1,6 @@
 // collabserve: the gRPC inference server. Without --model_repository it serves the built-in demo
-// model ("demo", version 1: tiny random-weight BERT, labels negative/positive) from a temporary
-// directory.
+// model ("demo", version 1: the Debian package-section classifier of server/model/demo/, compiled
+// in) from a temporary directory.
 #include <signal.h>
 
 #include <cstdio>
@@ -19,7 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "server/batching/thread_plan.h"
-#include "server/model/checkpoint_maker.h"
+#include "server/model/demo_model.h"
 #include "server/service/admin_server.h"
 #include "server/service/kserve_service.h"
 #include "server/service/server.h"
@@ -90,7 +90,7 @@ absl::StatusOr<std::string> MakeDemoRepository() {
     return absl::UnavailableError(absl::StrCat("cannot create a temporary directory from ", templ));
   }
   const std::string version_dir = absl::StrCat(templ, "/demo/1");
-  absl::Status s = collabserve::model::MakeDemoCheckpoint(version_dir);
+  absl::Status s = collabserve::model::WriteDemoCheckpoint(version_dir);
   if (!s.ok()) return s;
   return templ;
 }
