@@ -5,10 +5,19 @@
 //   tokenize  --model DIR [--max_length N]        stdin {"text", "text_pair"} → {"input_ids", "token_type_ids"}
 //   predict   --model DIR [--batch_size B] [--device D] [--dtype T]
 //             stdin {"text", "text_pair"} or {"input_ids", "token_type_ids"} → {"label", "logits", "probabilities"}
+//   evaluate  --model DIR --data FILE [--reference DIR] [--batch_size B] [--device D] [--dtype T]
+//             FILE: {"text", "text_pair"?, "label"?} lines → accuracy; with a reference model, top-1
+//             agreement, mean KL and max |Δ logit| against it
 //   inspect   --model DIR                          → parameter counts, layers, heads, ranks
 //   compress  --model IN --out OUT (--rank R | --ratio X | --ranks r1,... | --max_error E) ...
 #include <glog/logging.h>
 
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <fstream>
 #include <functional>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -169,6 +178,9 @@ absl::Status Predict(int argc, char** argv) {
   if (!f.Has("model")) return absl::InvalidArgumentError("predict: --model DIR is required");
   ASSIGN_OR_RETURN(int64_t batch_size, f.GetInt("batch_size", 8));
   if (batch_size < 1) return absl::InvalidArgumentError("--batch_size must be at least 1");
+  // One pass at a time over every CPU, as a server batch thread with the whole machine runs it
+  // (LibTorch's own default here is one thread).
+  at::set_num_threads(util::UsableCpus());
   model::EngineOptions eo;
   eo.device = f.Get("device", "cpu");
   eo.dtype = f.Get("dtype", "float32");
@@ -192,6 +204,112 @@ absl::Status Predict(int argc, char** argv) {
   RETURN_IF_ERROR(flush());
   std::cout.flush();
   return st;
+}
+
+// A labelled data set in JSON lines: {"text", "text_pair"?, "label"?}. Line numbers in errors.
+struct Example {
+  model::TokenizedInput input;
+  std::string label;  // empty: unlabelled
+};
+
+absl::StatusOr<std::vector<Example>> ReadExamples(const std::string& path, const text::BertTokenizer& tok) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
+  std::vector<Example> out;
+  std::string line;
+  for (int64_t n = 1; std::getline(in, line); ++n) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    json j = json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded() || !j.is_object()) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ":", n, ": not a JSON object"));
+    }
+    Example e;
+    auto input = ToInput(j, tok, 0);
+    if (!input.ok()) return absl::InvalidArgumentError(absl::StrCat(path, ":", n, ": ", input.status().message()));
+    e.input = *std::move(input);
+    auto label = GetString(j, "label", false);
+    if (!label.ok()) return absl::InvalidArgumentError(absl::StrCat(path, ":", n, ": ", label.status().message()));
+    e.label = *std::move(label);
+    out.push_back(std::move(e));
+  }
+  if (out.empty()) return absl::InvalidArgumentError(absl::StrCat(path, ": no examples"));
+  return out;
+}
+
+// Every example's prediction, `batch_size` at a time in order of length (little padding).
+absl::StatusOr<std::vector<model::Prediction>> PredictAll(const model::Engine& engine,
+                                                          const std::vector<Example>& examples,
+                                                          int64_t batch_size) {
+  std::vector<size_t> order(examples.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return examples[a].input.input_ids.size() < examples[b].input.input_ids.size();
+  });
+  std::vector<model::Prediction> out(examples.size());
+  std::vector<const model::TokenizedInput*> batch;
+  for (size_t start = 0; start < order.size(); start += static_cast<size_t>(batch_size)) {
+    batch.clear();
+    const size_t end = std::min(order.size(), start + static_cast<size_t>(batch_size));
+    for (size_t k = start; k < end; ++k) batch.push_back(&examples[order[k]].input);
+    ASSIGN_OR_RETURN(std::vector<model::Prediction> preds, engine.Run(batch));
+    for (size_t k = start; k < end; ++k) out[order[k]] = std::move(preds[k - start]);
+  }
+  return out;
+}
+
+absl::Status Evaluate(int argc, char** argv) {
+  ASSIGN_OR_RETURN(Flags f, Flags::Parse(argc, argv, 2,
+                                         {"model", "data", "reference", "batch_size", "device", "dtype"}));
+  if (!f.Has("model")) return absl::InvalidArgumentError("evaluate: --model DIR is required");
+  if (!f.Has("data")) return absl::InvalidArgumentError("evaluate: --data FILE (JSON lines) is required");
+  ASSIGN_OR_RETURN(int64_t batch_size, f.GetInt("batch_size", 32));
+  if (batch_size < 1) return absl::InvalidArgumentError("--batch_size must be at least 1");
+  at::set_num_threads(util::UsableCpus());
+  model::EngineOptions eo;
+  eo.device = f.Get("device", "cpu");
+  eo.dtype = f.Get("dtype", "float32");
+  const auto start = std::chrono::steady_clock::now();
+  ASSIGN_OR_RETURN(auto engine, model::Engine::Load(f.Get("model"), eo));
+  ASSIGN_OR_RETURN(std::vector<Example> examples, ReadExamples(f.Get("data"), engine->tokenizer()));
+  ASSIGN_OR_RETURN(std::vector<model::Prediction> preds, PredictAll(*engine, examples, batch_size));
+  const std::vector<std::string>& labels = engine->info().labels;
+  int64_t labelled = 0, correct = 0;
+  for (size_t i = 0; i < examples.size(); ++i) {
+    if (examples[i].label.empty()) continue;
+    if (std::find(labels.begin(), labels.end(), examples[i].label) == labels.end()) {
+      return absl::InvalidArgumentError(absl::StrCat(f.Get("data"), ": example ", i + 1, " has label '",
+                                                     examples[i].label, "', which the model does not have"));
+    }
+    ++labelled;
+    correct += labels[preds[i].label] == examples[i].label;
+  }
+  json out{{"model", f.Get("model")}, {"data", f.Get("data")}, {"examples", examples.size()},
+           {"labelled", labelled}};
+  if (labelled > 0) out["accuracy"] = static_cast<double>(correct) / labelled;
+  if (f.Has("reference")) {
+    ASSIGN_OR_RETURN(auto ref, model::Engine::Load(f.Get("reference"), eo));
+    if (ref->info().labels != labels) {
+      return absl::InvalidArgumentError("--reference has other labels than --model");
+    }
+    ASSIGN_OR_RETURN(std::vector<model::Prediction> rp, PredictAll(*ref, examples, batch_size));
+    int64_t agree = 0;
+    double kl_sum = 0, max_diff = 0;
+    for (size_t i = 0; i < examples.size(); ++i) {
+      agree += rp[i].label == preds[i].label;
+      for (size_t c = 0; c < rp[i].logits.size(); ++c) {
+        max_diff = std::max(max_diff, std::abs(double(rp[i].logits[c]) - preds[i].logits[c]));
+        const double p = rp[i].probabilities[c], q = preds[i].probabilities[c];
+        if (p > 0) kl_sum += p * (std::log(p) - std::log(std::max(q, 1e-30)));
+      }
+    }
+    out["reference"] = f.Get("reference");
+    out["top1_agreement"] = static_cast<double>(agree) / examples.size();
+    out["mean_kl"] = kl_sum / examples.size();
+    out["max_abs_logit_diff"] = max_diff;
+  }
+  out["seconds"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::cout << out.dump() << std::endl;
+  return absl::OkStatus();
 }
 
 absl::Status Inspect(int argc, char** argv) {
@@ -242,10 +360,11 @@ absl::Status Inspect(int argc, char** argv) {
 }
 
 int Usage() {
-  std::cerr << "usage: collabserve-model (make|tokenize|predict|inspect|compress) [--flags]\n"
+  std::cerr << "usage: collabserve-model (make|tokenize|predict|evaluate|inspect|compress) [--flags]\n"
                "  make     --out DIR [--preset tiny|mini|base] [--format safetensors|bin] [--seed S] ...\n"
                "  tokenize --model DIR            (JSON lines on stdin)\n"
                "  predict  --model DIR [--batch_size B] [--device cpu|cuda[:N]]\n"
+               "  evaluate --model DIR --data FILE.jsonl [--reference DIR] [--batch_size B]\n"
                "  inspect  --model DIR\n"
                "  compress --model IN --out OUT (--rank R | --ratio X | --ranks r1,... | --max_error E)\n";
   return 2;
@@ -265,6 +384,7 @@ int main(int argc, char** argv) {
   if (cmd == "make") st = Make(argc, argv);
   else if (cmd == "tokenize") st = Tokenize(argc, argv);
   else if (cmd == "predict") st = Predict(argc, argv);
+  else if (cmd == "evaluate") st = Evaluate(argc, argv);
   else if (cmd == "inspect") st = Inspect(argc, argv);
   else if (cmd == "compress") st = Compress(argc, argv);
   else if (cmd == "--help" || cmd == "-h" || cmd == "help") { Usage(); return 0; }
