@@ -1,16 +1,22 @@
 // collabctl's admin commands against an in-process server (flags set as collabctl's main would
 // have parsed them).
 #include "client/collabctl_admin.h"
+#include "client/client.h"
 
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
 
 #include "absl/flags/declare.h"
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "server/model/checkpoint_maker.h"
+#include "server/model/demo_model.h"
 #include "server/service/admin_server.h"
 #include "server/service/server.h"
 #include "server/util/files.h"
@@ -27,6 +33,7 @@ namespace collabserve::client {
 namespace {
 
 using ::collabserve::testing::MakeTinyModel;
+using ::collabserve::testing::SourceDir;
 using ::collabserve::testing::TempDir;
 
 // An in-process server on 127.0.0.1:<any port> for `repo`, without metrics or polling.
@@ -104,6 +111,67 @@ TEST(CollabctlAdminTest, UploadWaitJobsLoadUnload) {
   EXPECT_EQ(RunAdminCommand("delete", 2, v1, address), 0);
   EXPECT_FALSE(std::filesystem::exists(repo.path() + "/cli/1"));
 
+}
+
+// What an admin does with a fine-tuned model: `collabctl upload` of the trained demo checkpoint at
+// D̃ = D_k/4 (64 of 256), then its accuracy on the committed test split through the Inference API,
+// next to the original's, served beside it.
+TEST(CollabctlAdminTest, UploadedDemoAtAQuarterRankKeepsItsAccuracyOverGrpc) {
+  TempDir repo, tok;
+  ASSERT_TRUE(model::WriteDemoCheckpoint(repo.path() + "/demo/1").ok());
+  ServerWithAdmin running;
+  ASSERT_TRUE(running.Start(ServerOptionsFor(repo.path()), "demo-token").ok());
+  const std::string address = absl::StrCat("127.0.0.1:", running.server->port());
+  ASSERT_TRUE(util::WriteFileAtomic(tok.path() + "/token", "demo-token\n").ok());
+  absl::SetFlag(&FLAGS_token_file, tok.path() + "/token");
+  absl::SetFlag(&FLAGS_dir, SourceDir() + "/server/model/demo");
+  absl::SetFlag(&FLAGS_name, "demo-c64");
+  absl::SetFlag(&FLAGS_rank, 64);
+  absl::SetFlag(&FLAGS_ratio, 0.0);
+  absl::SetFlag(&FLAGS_wait, true);
+  char* none[] = {nullptr};
+  ASSERT_EQ(RunAdminCommand("upload", 0, none, address), 0);
+  absl::SetFlag(&FLAGS_rank, 0);
+
+  ClientOptions co;
+  co.address = address;
+  auto client = Client::Create(co);
+  ASSERT_TRUE(client.ok()) << client.status();
+  std::ifstream in(SourceDir() + "/tests/data/demo/test.jsonl");
+  std::vector<std::string> texts, labels;
+  for (std::string line; std::getline(in, line);) {
+    auto j = nlohmann::json::parse(line);
+    texts.push_back(j["text"].get<std::string>());
+    labels.push_back(j["label"].get<std::string>());
+  }
+  ASSERT_GT(texts.size(), 500u);
+  auto classify = [&](const std::string& model_name) {
+    std::vector<std::string> out;
+    for (size_t start = 0; start < texts.size(); start += 64) {
+      v1::ClassifyRequest r;
+      r.set_model_name(model_name);
+      for (size_t i = start; i < std::min(texts.size(), start + 64); ++i) r.add_inputs()->set_text(texts[i]);
+      auto resp = (*client)->Classify(r, std::chrono::seconds(60));
+      EXPECT_TRUE(resp.ok()) << resp.status();
+      if (!resp.ok()) return out;
+      for (const auto& res : resp->results()) out.push_back(res.label());
+    }
+    return out;
+  };
+  const std::vector<std::string> original = classify("demo"), compressed = classify("demo-c64");
+  ASSERT_EQ(original.size(), texts.size());
+  ASSERT_EQ(compressed.size(), texts.size());
+  int right_original = 0, right_compressed = 0, agree = 0;
+  for (size_t i = 0; i < texts.size(); ++i) {
+    right_original += original[i] == labels[i];
+    right_compressed += compressed[i] == labels[i];
+    agree += original[i] == compressed[i];
+  }
+  const double n = static_cast<double>(texts.size());
+  // bench/compress/RESULTS.md: at D̃ = 64 the trained demo keeps its test accuracy within a point
+  // and >= 97% of its answers.
+  EXPECT_GE(right_compressed / n, right_original / n - 0.01) << right_compressed << " vs " << right_original;
+  EXPECT_GE(agree / n, 0.97) << agree << " of " << texts.size();
 }
 
 TEST(CollabctlAdminTest, TalksTlsToAnAdminServiceBehindTls) {
