@@ -2,8 +2,10 @@
 """Compression of a trained model: the demo (server/model/demo/, 4 layers x 8 heads, D_k = 256) at
 D~ = D_k/2, /4, /8, /16 with `collabserve-model compress`, each compressed model evaluated on the
 committed test split (tests/data/demo/test.jsonl, which neither training nor calibration saw) with
-`collabserve-model evaluate --reference` the original. Prints one markdown table: Q/K and total
-parameters, test accuracy, top-1 agreement and mean KL against the original, CP seconds.
+`collabserve-model evaluate --reference` the original, once with plain CP (weight-space error; the
+probes are the calibration texts) and once activation-aware (`--calibration`: fitted on 80% of the
+calibration texts, fidelity probes the other 20%). Prints one markdown table: Q/K and total
+parameters, test accuracy, top-1 agreement and mean KL against the original, seconds.
 
 usage: bench/compress/trained_demo.py [--build build] [--ranks 128,64,32,16] [--model DIR]
          [--data FILE] [--extra_flags "--max_iters 100"]
@@ -33,6 +35,7 @@ def main():
     ap.add_argument("--data", default=os.path.join(ROOT, "tests", "data", "demo", "test.jsonl"))
     ap.add_argument("--probe", default=os.path.join(ROOT, "tests", "data", "demo", "calibration.txt"))
     ap.add_argument("--ranks", default="128,64,32,16")
+    ap.add_argument("--modes", default="plain,whitened", help="plain, whitened or both")
     ap.add_argument("--extra_flags", default="")
     ap.add_argument("--json", default="", help="also write the rows here")
     a = ap.parse_args()
@@ -40,33 +43,41 @@ def main():
     base = run_json([tool, "inspect", "--model", a.model])
     D_k = base["heads"] * base["head_size"]
     ev = run_json([tool, "evaluate", "--model", a.model, "--data", a.data])
-    rows = [{"rank": D_k, "label": f"original ({D_k})", "qk": base["parameters"]["attention_qk"],
+    rows = [{"rank": D_k, "mode": "", "act_error": None, "calibration_seconds": 0.0, "label": f"original ({D_k})", "qk": base["parameters"]["attention_qk"],
              "total": base["parameters"]["total"], "accuracy": ev["accuracy"], "agreement": 1.0,
              "mean_kl": 0.0, "max_dlogit": 0.0, "seconds": 0.0, "error": 0.0}]
     with tempfile.TemporaryDirectory() as tmp:
         for r in [int(x) for x in a.ranks.split(",") if x]:
-            out = os.path.join(tmp, f"r{r}")
-            rep = run_json([tool, "compress", "--model", a.model, "--out", out, "--rank", str(r),
-                            "--probe", a.probe] + shlex.split(a.extra_flags))
-            info = run_json([tool, "inspect", "--model", out])
-            ev = run_json([tool, "evaluate", "--model", out, "--data", a.data, "--reference", a.model])
-            layers = rep.get("layers", [])
-            rows.append({"rank": r, "label": f"D_k/{D_k // r}" if D_k % r == 0 else str(r),
-                         "qk": info["parameters"]["attention_qk"], "total": info["parameters"]["total"],
-                         "accuracy": ev["accuracy"], "agreement": ev["top1_agreement"],
-                         "mean_kl": ev["mean_kl"], "max_dlogit": ev["max_abs_logit_diff"],
-                         "seconds": rep.get("seconds", 0.0),
-                         "error": sum(l["relative_error"] for l in layers) / max(1, len(layers))})
+            for mode in a.modes.split(","):
+                out = os.path.join(tmp, f"r{r}-{mode}")
+                extra = ["--probe", a.probe] if mode == "plain" else ["--calibration", a.probe]
+                rep = run_json([tool, "compress", "--model", a.model, "--out", out, "--rank", str(r)]
+                               + extra + shlex.split(a.extra_flags))
+                info = run_json([tool, "inspect", "--model", out])
+                ev = run_json([tool, "evaluate", "--model", out, "--data", a.data, "--reference", a.model])
+                layers = rep.get("layers", [])
+                rows.append({"rank": r, "mode": mode,
+                             "label": f"D_k/{D_k // r}" if D_k % r == 0 else str(r),
+                             "qk": info["parameters"]["attention_qk"], "total": info["parameters"]["total"],
+                             "accuracy": ev["accuracy"], "agreement": ev["top1_agreement"],
+                             "mean_kl": ev["mean_kl"], "max_dlogit": ev["max_abs_logit_diff"],
+                             "seconds": rep.get("seconds", 0.0),
+                             "calibration_seconds": rep.get("whitening", {}).get("seconds", 0.0),
+                             "error": sum(l["relative_error"] for l in layers) / max(1, len(layers)),
+                             "act_error": (sum(l.get("activation_error", 0) for l in layers) / max(1, len(layers))
+                                           if mode == "whitened" else None)})
     n = ev["examples"]
     print(f"Trained demo model ({base['layers']} layers, {base['heads']} heads, D_k = {D_k}), "
           f"test split of {n} descriptions, CP-ALS (`compress --rank R`, defaults otherwise)\n")
-    print("| D~ | Q/K params | total params | test accuracy | top-1 agreement | mean KL | "
-          "max abs d-logit | mean layer error | compress s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| D~ | CP | Q/K params | total params | test accuracy | top-1 agreement | mean KL | "
+          "max abs d-logit | mean layer error (weights / activations) | compress s (calibration s) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for x in rows:
-        print(f"| {x['label']} | {x['qk']:,} ({x['qk'] / rows[0]['qk']:.2f}x) | {x['total']:,} | "
+        act = f" / {x['act_error']:.3f}" if x["act_error"] is not None else ""
+        cal = f" ({x['calibration_seconds']:.1f})" if x["mode"] == "whitened" else ""
+        print(f"| {x['label']} | {x['mode']} | {x['qk']:,} ({x['qk'] / rows[0]['qk']:.2f}x) | {x['total']:,} | "
               f"{100 * x['accuracy']:.1f}% | {100 * x['agreement']:.1f}% | {x['mean_kl']:.2e} | "
-              f"{x['max_dlogit']:.2f} | {x['error']:.3f} | {x['seconds']:.1f} |")
+              f"{x['max_dlogit']:.2f} | {x['error']:.3f}{act} | {x['seconds']:.1f}{cal} |")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -27,6 +27,7 @@
 #include "server/model/state_dict.h"
 #include "server/model/threads.h"
 #include "server/text/bert_tokenizer.h"
+#include "server/text/utf8.h"
 #include "server/util/files.h"
 #include "server/util/process_env.h"
 #include "server/util/status_macros.h"
@@ -83,6 +84,28 @@ absl::StatusOr<CpResult> Decompose(const HeadFactors& f, int rank, int full, con
   co.precision = o.float64 ? CpAlsOptions::Precision::kFloat64 : CpAlsOptions::Precision::kFloat32;
   co.line_search = o.line_search;
   return FactorizedCpAls(f.P, f.Q, co);
+}
+
+// The whitened factors L_qᵀ P_i, L_kᵀ Q_i (see LayerWhitening).
+HeadFactors Whiten(const HeadFactors& f, const LayerWhitening& w) {
+  const auto dev = f.P.device();
+  return {at::matmul(w.query_factor.to(dev, at::kDouble).t(), f.P).contiguous(),
+          at::matmul(w.key_factor.to(dev, at::kDouble).t(), f.Q).contiguous()};
+}
+
+// Maps a decomposition of the whitened factors back (B = L_q^{-ᵀ} B', C = L_k^{-ᵀ} C'): its error
+// becomes the activation-weighted one, relative_error the weight-space error of the mapped factors.
+absl::Status Unwhiten(const HeadFactors& f, const LayerWhitening& w, CpResult* r, double* activation_error) {
+  const auto dev = r->query.device();
+  *activation_error = r->relative_error;
+  auto back = [&](const at::Tensor& L, const at::Tensor& X) {
+    return at::linalg_solve_triangular(L.to(dev, at::kDouble).t(), X.to(at::kDouble), /*upper=*/true)
+        .to(at::kFloat);
+  };
+  r->query = back(w.query_factor, r->query);
+  r->key = back(w.key_factor, r->key);
+  ASSIGN_OR_RETURN(r->relative_error, FactorizedRelativeError(f.P, f.Q, r->mixing, r->query, r->key));
+  return absl::OkStatus();
 }
 
 // The smallest rank whose error is at most `max_error` (binary search; CP-ALS
@@ -177,6 +200,20 @@ absl::StatusOr<std::unique_ptr<model::BertClassifier>> ConvertToCollaborative(
   if (!(o.tol >= 0) || !std::isfinite(o.tol)) return absl::InvalidArgumentError("tol must be a finite number >= 0");
   const int L = sc.num_hidden_layers, H = sc.num_attention_heads, dk = sc.head_size();
   const int full = H * dk;
+  if (!o.whitening.empty()) {
+    if (static_cast<int>(o.whitening.size()) != L) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("whitening has ", o.whitening.size(), " layers, the model ", L));
+    }
+    for (int i = 0; i < L; ++i) {
+      for (const at::Tensor* t : {&o.whitening[i].query_factor, &o.whitening[i].key_factor}) {
+        if (!t->defined() || t->dim() != 2 || t->size(0) != sc.hidden_size || t->size(1) != sc.hidden_size) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("whitening of layer ", i, ": factors must be [", sc.hidden_size, ", ", sc.hidden_size, "]"));
+        }
+      }
+    }
+  }
 
   ASSIGN_OR_RETURN(const int n_workers, ResolveParallelLayers(o.parallel_layers, L, device.is_cpu()));
   report->parallel_layers = n_workers;
@@ -217,11 +254,14 @@ absl::StatusOr<std::unique_ptr<model::BertClassifier>> ConvertToCollaborative(
           continue;
         }
         auto lt = Clock::now();
-        HeadFactors f = Factors(source.layers()[i], H, dk, device);
+        const HeadFactors f = Factors(source.layers()[i], H, dk, device);
+        const bool whiten = !o.whitening.empty();
+        const HeadFactors fw = whiten ? Whiten(f, o.whitening[i]) : f;
         absl::StatusOr<CpResult> r;
         int rank = ranks[i];
         if (rank < 0) {
-          auto found = SearchRank(f, full, o.spec.max_error, o, o.seed + i, &lr.ranks_tried);
+          // With whitening the search rests on the activation-weighted error.
+          auto found = SearchRank(fw, full, o.spec.max_error, o, o.seed + i, &lr.ranks_tried);
           if (found.ok()) {
             rank = found->first;
             r = std::move(found->second);
@@ -229,7 +269,10 @@ absl::StatusOr<std::unique_ptr<model::BertClassifier>> ConvertToCollaborative(
             r = found.status();
           }
         } else {
-          r = Decompose(f, rank, full, o, o.seed + i);
+          r = Decompose(fw, rank, full, o, o.seed + i);
+        }
+        if (r.ok() && whiten) {
+          if (absl::Status s = Unwhiten(f, o.whitening[i], &*r, &lr.activation_error); !s.ok()) r = s;
         }
         if (!r.ok()) {
           std::lock_guard<std::mutex> lock(mu);
@@ -322,6 +365,128 @@ absl::StatusOr<std::unique_ptr<model::BertClassifier>> ConvertToCollaborative(
   report->qk_params_after = after.attention_qk;
   report->total_params_before = before.total;
   report->total_params_after = after.total;
+  return out;
+}
+
+absl::StatusOr<std::vector<std::string>> ParseCalibrationText(std::string_view bytes, const std::string& name) {
+  if (size_t nul = bytes.find('\0'); nul != std::string_view::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": a NUL byte at offset ", nul, ": not a text file (one text per line)"));
+  }
+  std::vector<std::string> out;
+  std::vector<char32_t> scratch;
+  size_t line_no = 0, pos = 0;
+  while (pos <= bytes.size()) {
+    size_t end = bytes.find('\n', pos);
+    if (end == std::string_view::npos) end = bytes.size();
+    std::string_view line = bytes.substr(pos, end - pos);
+    ++line_no;
+    if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
+    if (!text::DecodeUtf8(line, &scratch).ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(name, ": line ", line_no, " is not valid UTF-8"));
+    }
+    if (line.find_first_not_of(" \t") != std::string_view::npos) out.emplace_back(line);
+    pos = end + 1;
+  }
+  if (out.empty()) return absl::InvalidArgumentError(absl::StrCat(name, ": no text lines"));
+  return out;
+}
+
+absl::StatusOr<CalibrationStats> CollectCalibrationStats(const model::BertClassifier& model,
+                                                         const std::string& vocab_dir,
+                                                         const std::vector<std::string>& texts) {
+  if (texts.empty()) return absl::InvalidArgumentError("calibration: no texts");
+  const auto start = Clock::now();
+  ASSIGN_OR_RETURN(auto tok, text::BertTokenizer::FromDirectory(vocab_dir));
+  const int max_len = std::min(128, model.config().max_position_embeddings);
+  std::vector<text::Encoding> enc;
+  CalibrationStats st;
+  for (size_t i = 0; i < texts.size(); ++i) {
+    auto e = tok->Encode(texts[i], std::nullopt, max_len, true);
+    if (!e.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("calibration text ", i + 1, ": ", e.status().message()));
+    }
+    st.truncated += e->truncated;
+    enc.push_back(*std::move(e));
+  }
+  std::vector<size_t> order(enc.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return enc[a].input_ids.size() < enc[b].input_ids.size();
+  });
+  const int64_t D = model.config().hidden_size;
+  const size_t L = model.layers().size();
+  try {
+    c10::InferenceMode guard;
+    for (size_t l = 0; l < L; ++l) {
+      st.second_moment.push_back(at::zeros({D, D}, at::kDouble));
+      st.mean.push_back(at::zeros({D}, at::kDouble));
+    }
+    constexpr size_t kBatch = 16;
+    for (size_t startk = 0; startk < order.size(); startk += kBatch) {
+      const size_t n = std::min(kBatch, order.size() - startk);
+      const int64_t S = static_cast<int64_t>(enc[order[startk + n - 1]].input_ids.size());
+      at::Tensor ids = at::zeros({int64_t(n), S}, at::kLong), mask = at::zeros_like(ids);
+      int64_t* pi = ids.data_ptr<int64_t>();
+      int64_t* pm = mask.data_ptr<int64_t>();
+      for (size_t b = 0; b < n; ++b) {
+        const auto& in = enc[order[startk + b]].input_ids;
+        for (size_t j = 0; j < in.size(); ++j) {
+          pi[b * S + j] = in[j];
+          pm[b * S + j] = 1;
+        }
+      }
+      // The non-padding tokens' rows of each layer's input, accumulated in float64.
+      const at::Tensor keep = mask.view({-1}).nonzero().squeeze(1);
+      st.tokens += keep.size(0);
+      std::vector<at::Tensor> inputs = model.LayerInputs(ids, at::zeros_like(ids), mask);
+      for (size_t l = 0; l < L; ++l) {
+        at::Tensor x = inputs[l].reshape({-1, D}).index_select(0, keep.to(inputs[l].device())).to(at::kCPU, at::kDouble);
+        st.second_moment[l].add_(at::matmul(x.t(), x));
+        st.mean[l].add_(x.sum(0));
+      }
+    }
+    for (size_t l = 0; l < L; ++l) {
+      st.second_moment[l].div_(static_cast<double>(st.tokens));
+      st.mean[l].div_(static_cast<double>(st.tokens));
+    }
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("calibration pass failed: ", e.what()));
+  }
+  st.texts = static_cast<int64_t>(texts.size());
+  st.seconds = SecondsSince(start);
+  return st;
+}
+
+absl::StatusOr<std::vector<LayerWhitening>> WhiteningFromStats(const CalibrationStats& stats, double damping) {
+  if (!(damping >= 0) || !std::isfinite(damping)) {
+    return absl::InvalidArgumentError(absl::StrCat("whitening damping must be a finite number >= 0, got ", damping));
+  }
+  std::vector<LayerWhitening> out;
+  try {
+    for (size_t l = 0; l < stats.second_moment.size(); ++l) {
+      const at::Tensor& m2 = stats.second_moment[l];
+      const at::Tensor& mu = stats.mean[l];
+      const int64_t D = m2.size(0);
+      auto factor = [&](const at::Tensor& sigma, const char* what) -> absl::StatusOr<at::Tensor> {
+        const double lambda = damping * sigma.trace().item<double>() / static_cast<double>(D);
+        at::Tensor a = sigma + lambda * at::eye(D, at::kDouble);
+        auto [L, info] = at::linalg_cholesky_ex(a);
+        if (info.item<int64_t>() != 0) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "layer ", l, ": the ", what, " of its calibration inputs is not positive definite (damping ",
+              damping, "); use more calibration text or a larger damping"));
+        }
+        return L;
+      };
+      LayerWhitening w;
+      ASSIGN_OR_RETURN(w.query_factor, factor(m2, "second moment"));
+      ASSIGN_OR_RETURN(w.key_factor, factor(m2 - at::outer(mu, mu), "covariance"));
+      out.push_back(std::move(w));
+    }
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("whitening failed: ", e.what()));
+  }
   return out;
 }
 
@@ -432,6 +597,7 @@ std::string CompressReport::ToJson() const {
                         {"extrapolations", l.extrapolations},
                         {"exact", l.exact},
                         {"ranks_tried", l.ranks_tried}});
+    if (l.activation_error >= 0) layers_j.back()["activation_error"] = l.activation_error;
   }
   nlohmann::json j{
       {"layers", layers_j},
@@ -454,6 +620,14 @@ std::string CompressReport::ToJson() const {
         {"fidelity_seconds", fidelity_seconds},
         {"write_seconds", write_seconds}}},
       {"parallel_layers", parallel_layers},
+      {"whitening",
+       {{"on", whitened},
+        {"note", whitening_note},
+        {"fit_texts", calibration_fit_texts},
+        {"heldout_texts", calibration_heldout_texts},
+        {"tokens", calibration_tokens},
+        {"truncated_texts", calibration_truncated},
+        {"seconds", calibration_seconds}}},
       {"seconds", seconds}};
   return j.dump();
 }
@@ -483,6 +657,42 @@ absl::StatusOr<CompressReport> CompressModelDirectory(const std::string& in_dir,
   return report;
 }
 
+namespace {
+// Fits the whitening on the first part of o->calibration and, when no probes were given, makes the
+// rest the fidelity probes; records both in the report.
+absl::Status PrepareWhitening(const model::BertClassifier& source, const std::string& vocab_dir,
+                              CompressOptions* o, CompressReport* report) {
+  const int64_t n = static_cast<int64_t>(o->calibration.size());
+  if (n < kMinCalibrationTexts) {
+    return absl::InvalidArgumentError(absl::StrCat("calibration: ", n, " texts; at least ",
+                                                   kMinCalibrationTexts, " are needed"));
+  }
+  if (!(o->calibration_fit_fraction > 0 && o->calibration_fit_fraction <= 1)) {
+    return absl::InvalidArgumentError("calibration_fit_fraction must be in (0, 1]");
+  }
+  const int64_t fit = std::max<int64_t>(1, std::min<int64_t>(
+      n, static_cast<int64_t>(std::ceil(o->calibration_fit_fraction * static_cast<double>(n)))));
+  std::vector<std::string> fit_texts(o->calibration.begin(), o->calibration.begin() + fit);
+  auto t = Clock::now();
+  ASSIGN_OR_RETURN(CalibrationStats stats, CollectCalibrationStats(source, vocab_dir, fit_texts));
+  ASSIGN_OR_RETURN(o->whitening, WhiteningFromStats(stats, o->whiten_damping));
+  report->whitened = true;
+  report->calibration_fit_texts = fit;
+  report->calibration_heldout_texts = n - fit;
+  report->calibration_tokens = stats.tokens;
+  report->calibration_truncated = stats.truncated;
+  report->calibration_seconds = SecondsSince(t);
+  if (o->probes.empty() && fit < n) {
+    o->probes.assign(o->calibration.begin() + fit, o->calibration.end());
+    report->whitening_note = absl::StrCat("fitted on ", fit, " calibration texts; fidelity on the other ", n - fit);
+  } else {
+    report->whitening_note = absl::StrCat("fitted on ", fit, " calibration texts; fidelity on ",
+                                          o->probes.empty() ? "the built-in probes" : "the given probes");
+  }
+  return absl::OkStatus();
+}
+}  // namespace
+
 absl::StatusOr<CompressReport> CompressLoadedModel(const model::BertClassifier& source,
                                                    const std::string& in_dir, const std::string& out_dir,
                                                    const CompressOptions& options) {
@@ -505,6 +715,14 @@ absl::StatusOr<CompressReport> CompressLoadedModel(const model::BertClassifier& 
   if (o.source.empty()) o.source = in_dir;
   CompressReport report;
   step("convert");
+  if (!o.calibration.empty() && o.whitening.empty()) {
+    RETURN_IF_ERROR(PrepareWhitening(source, in_dir, &o, &report));
+  } else if (o.whitening.empty()) {
+    report.whitening_note = "off: no calibration text (plain weight-space CP)";
+  } else {
+    report.whitened = true;
+    report.whitening_note = "caller's statistics";
+  }
   auto step_start = Clock::now();
   ASSIGN_OR_RETURN(auto compressed, ConvertToCollaborative(source, o, &report));
   try {

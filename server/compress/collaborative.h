@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -35,6 +36,9 @@ struct LayerReport {
   int layer = 0;
   int rank = 0;                 // 0: left standard
   double relative_error = 0;    // ||T − T̂||_F / ||T||_F
+  // With whitening: ||L_qᵀ(T − T̂)L_k||_F / ||L_qᵀ T L_k||_F, the relative score error over the
+  // calibration inputs (what the whitened CP minimises); -1 without.
+  double activation_error = -1;
   int iterations = 0;
   double seconds = 0;
   // Where the CP-ALS time went (CpResult): initialisation, sweeps, the returned factors' error.
@@ -50,6 +54,46 @@ struct FidelityReport {
   double max_abs_logit_diff = 0;
   double mean_kl = 0;            // mean KL(p_original || p_compressed) of the output distributions
 };
+
+// Activation-aware CP: the score error of head i on a query token x and a key token y is
+// xᵀ(T_i − T̂_i)y, whose mean square over the layer's real inputs is ‖L_qᵀ(T_i − T̂_i)L_k‖_F² with
+// L_q L_qᵀ = E[xxᵀ] and L_k L_kᵀ = Cov(y) (the key side may be centred: xᵀT μ_y is the same for
+// every key of a query, and the softmax cancels it). So the CP runs on L_qᵀ W_Q^(i), L_kᵀ W_K^(i)
+// and maps back: W̃_Q = L_q^{-ᵀ} B', W̃_K = L_k^{-ᵀ} C', the mixing unchanged.
+struct LayerWhitening {
+  at::Tensor query_factor;  // L_q: [D, D] float64, lower-triangular, invertible
+  at::Tensor key_factor;    // L_k: likewise
+};
+
+// Fewer calibration texts than this are refused (the second moments would rest on a few hundred
+// tokens).
+inline constexpr int kMinCalibrationTexts = 16;
+
+// The texts of a calibration file (one per line; blank lines skipped). INVALID_ARGUMENT naming
+// `name` for a file with a NUL byte (binary), a line that is not valid UTF-8, or no text at all.
+absl::StatusOr<std::vector<std::string>> ParseCalibrationText(std::string_view bytes, const std::string& name);
+
+// What a calibration pass measured: per layer, over the non-padding tokens entering it.
+struct CalibrationStats {
+  std::vector<at::Tensor> second_moment;  // [D, D] float64, E[x xᵀ]
+  std::vector<at::Tensor> mean;           // [D] float64, E[x]
+  int64_t texts = 0, tokens = 0;
+  int64_t truncated = 0;                  // texts cut at the model's maximum length
+  double seconds = 0;
+};
+
+// Runs `texts` (tokenized with `vocab_dir`'s tokenizer, truncated at min(128, max positions)) through
+// `model` once and accumulates, per layer, the second moment and mean of the hidden states entering
+// it, in float64. INVALID_ARGUMENT for no texts, or a text that is not valid UTF-8 (naming it).
+absl::StatusOr<CalibrationStats> CollectCalibrationStats(const model::BertClassifier& model,
+                                                         const std::string& vocab_dir,
+                                                         const std::vector<std::string>& texts);
+
+// Damped Cholesky factors per layer: L_q of E[xxᵀ] + λ·tr/D·I, L_k of Cov(y) + λ·tr/D·I, with
+// λ = `damping` (> 0 keeps them invertible when the inputs span fewer than D directions).
+// INVALID_ARGUMENT for damping < 0 or not finite; FAILED_PRECONDITION when a matrix is not positive
+// definite (damping 0 on rank-deficient inputs), naming the layer.
+absl::StatusOr<std::vector<LayerWhitening>> WhiteningFromStats(const CalibrationStats& stats, double damping);
 
 struct CompressOptions {
   RankSpec spec;
@@ -81,7 +125,18 @@ struct CompressOptions {
   // this value: layer i is always decomposed from seed + i, and with the same per-layer thread
   // counts the result is bitwise the same for any parallel_layers. Negative: INVALID_ARGUMENT.
   int parallel_layers = 0;
-  std::vector<std::string> probes;     // empty: the built-in probe sentences
+  std::vector<std::string> probes;     // empty: the built-in probe sentences (or, with
+                                       // calibration text, its held-out part)
+  // Activation-aware CP from calibration text (one text per element). CompressModelDirectory and
+  // CompressLoadedModel fit the whitening on the first `calibration_fit_fraction` of the texts and,
+  // when `probes` is empty, measure fidelity on the rest. Empty: plain (weight-space) CP.
+  std::vector<std::string> calibration;
+  double calibration_fit_fraction = 0.8;
+  double whiten_damping = 0.01;        // WhiteningFromStats' λ
+  // One per layer: ConvertToCollaborative decomposes each layer whitened by these (empty: plain).
+  // Filled from `calibration` by the two functions above; set directly by callers that have
+  // their own statistics.
+  std::vector<LayerWhitening> whitening;
   std::string source;                  // recorded in config.json's collaborative.source
   // Progress (e.g. for an admin job): called after each layer, from the worker that did it.
   std::function<void(const LayerReport&)> on_layer;
@@ -108,6 +163,13 @@ struct CompressReport {
   // plus config.json and the rename) overlaps fidelity_seconds.
   double load_seconds = 0, convert_seconds = 0, fidelity_seconds = 0, write_seconds = 0;
   int parallel_layers = 0;      // layers that were decomposed at once (the resolved option)
+  // Activation-aware CP: whether it ran, and on what (calibration texts fitted on / held out for
+  // the fidelity, tokens, truncated texts, seconds of the calibration pass and the factors).
+  bool whitened = false;
+  std::string whitening_note;   // why not, or where the fidelity was measured
+  int64_t calibration_fit_texts = 0, calibration_heldout_texts = 0, calibration_tokens = 0;
+  int64_t calibration_truncated = 0;
+  double calibration_seconds = 0;
   std::string ToJson() const;   // the report `collabserve-model compress` prints
 };
 

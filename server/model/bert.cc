@@ -728,21 +728,38 @@ at::Tensor BertClassifier::Encode(const at::Tensor& input_ids, const at::Tensor&
                                   const at::Tensor& attention_mask, bool cls_only) const {
   auto ids = input_ids.to(device_);
   auto types = token_type_ids.to(device_);
-  at::Tensor mask_add;
-  if (attention_mask.defined()) {
-    // HF: (1 - mask) * finfo(dtype).min, broadcast over heads and query positions.
-    auto m = attention_mask.to(device_).to(dtype_).view({ids.size(0), 1, 1, ids.size(1)});
-    double lowest = dtype_ == c10::kHalf       ? -65504.0
-                    : dtype_ == c10::kBFloat16 ? -3.3895313892515355e38
-                                               : static_cast<double>(std::numeric_limits<float>::lowest());
-    mask_add = (1.0 - m) * lowest;
-  }
+  const at::Tensor mask_add = MaskAdd(attention_mask, ids.size(0), ids.size(1));
   auto h = Embed(ids, types);
   if (EncodeOnTeam(h, mask_add, cls_only)) return h;
   for (size_t i = 0; i < layers_.size(); ++i) {
     h = Layer(layers_[i], h, mask_add, cls_only && i + 1 == layers_.size());
   }
   return h;
+}
+
+std::vector<at::Tensor> BertClassifier::LayerInputs(const at::Tensor& input_ids,
+                                                    const at::Tensor& token_type_ids,
+                                                    const at::Tensor& attention_mask) const {
+  auto ids = input_ids.to(device_);
+  const at::Tensor mask_add = MaskAdd(attention_mask, ids.size(0), ids.size(1));
+  std::vector<at::Tensor> out;
+  out.reserve(layers_.size());
+  at::Tensor h = Embed(ids, token_type_ids.to(device_));
+  for (const EncoderLayer& l : layers_) {
+    out.push_back(h);
+    h = Layer(l, h, mask_add, /*cls_only=*/false);
+  }
+  return out;
+}
+
+at::Tensor BertClassifier::MaskAdd(const at::Tensor& attention_mask, int64_t B, int64_t S) const {
+  if (!attention_mask.defined()) return at::Tensor();
+  // HF: (1 - mask) * finfo(dtype).min, broadcast over heads and query positions.
+  auto m = attention_mask.to(device_).to(dtype_).view({B, 1, 1, S});
+  double lowest = dtype_ == c10::kHalf       ? -65504.0
+                  : dtype_ == c10::kBFloat16 ? -3.3895313892515355e38
+                                             : static_cast<double>(std::numeric_limits<float>::lowest());
+  return (1.0 - m) * lowest;
 }
 
 at::Tensor BertClassifier::Forward(const at::Tensor& input_ids, const at::Tensor& token_type_ids,

@@ -77,6 +77,12 @@ class BertClassifier : public ParamNode {
   at::Tensor EncoderOutput(const at::Tensor& input_ids, const at::Tensor& token_type_ids,
                            const at::Tensor& attention_mask) const;
 
+  // The hidden states entering each layer, [B, S, D] each (element 0: the embeddings' output), on
+  // the per-operation path: what the activation-aware compression measures. Same arguments and
+  // thread-safety as Forward.
+  std::vector<at::Tensor> LayerInputs(const at::Tensor& input_ids, const at::Tensor& token_type_ids,
+                                      const at::Tensor& attention_mask) const;
+
   std::vector<EncoderLayer>& layers() { return layers_; }
   const std::vector<EncoderLayer>& layers() const { return layers_; }
 
@@ -85,6 +91,8 @@ class BertClassifier : public ParamNode {
 
  private:
   at::Tensor Embed(const at::Tensor& input_ids, const at::Tensor& token_type_ids) const;
+  // HF's additive mask, (1 - mask) * lowest, [B, 1, 1, S]; undefined for an undefined mask.
+  at::Tensor MaskAdd(const at::Tensor& attention_mask, int64_t B, int64_t S) const;
   // The encoder's output [B, S, D]; with cls_only, [B, 1, D]: the last layer computes the [CLS]
   // position's output alone (all Forward needs), equal to EncoderOutput's position 0.
   at::Tensor Encode(const at::Tensor& input_ids, const at::Tensor& token_type_ids,

@@ -32,7 +32,7 @@ absl::Status Compress(int argc, char** argv) {
   ASSIGN_OR_RETURN(Flags f, Flags::Parse(argc, argv, 2,
                                          {"model", "out", "rank", "ratio", "ranks", "max_error", "max_iters",
                                           "tol", "seed", "device", "probe", "parallel_layers", "precision",
-                                          "line_search", "init"}));
+                                          "line_search", "init", "calibration", "whiten_damping"}));
   if (!f.Has("model") || !f.Has("out")) {
     return absl::InvalidArgumentError("compress: --model IN and --out OUT are required");
   }
@@ -98,6 +98,11 @@ absl::Status Compress(int argc, char** argv) {
     }
     if (o.probes.empty()) return absl::InvalidArgumentError(absl::StrCat(f.Get("probe"), ": no probe lines"));
   }
+  if (f.Has("calibration")) {
+    ASSIGN_OR_RETURN(std::string text, util::ReadFile(f.Get("calibration"), 64 << 20));
+    ASSIGN_OR_RETURN(o.calibration, compress::ParseCalibrationText(text, f.Get("calibration")));
+  }
+  ASSIGN_OR_RETURN(o.whiten_damping, f.GetDouble("whiten_damping", o.whiten_damping));
   if (absl::StartsWith(o.device, "cpu")) {
     const int cpus = util::UsableCpus();
     const int per_layer = par > 0 ? std::max<int>(1, cpus / par) : 1;

@@ -10,6 +10,8 @@
 #include <iterator>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "server/model/checkpoint_maker.h"
 #include "server/util/files.h"
@@ -109,6 +111,42 @@ TEST_F(CompressCommandTest, InitSelectsTheStart) {
     differ += std::abs(e_svd - e_random) > 1e-7;
   }
   EXPECT_GT(differ, 0) << "the random start gave the SVD start's errors on every layer";
+}
+
+TEST_F(CompressCommandTest, CalibrationTextWhitensAndSaysWhereFidelityWasMeasured) {
+  std::string text;
+  for (int i = 0; i < 40; ++i) text += "calibration sentence number " + std::to_string(i) + " about tools\n";
+  ASSERT_TRUE(util::WriteFileAtomic(dir_ / "calib.txt", text).ok());
+  nlohmann::json plain = Report("plain", "");
+  EXPECT_FALSE(plain["whitening"]["on"].get<bool>());
+  EXPECT_THAT(plain["whitening"]["note"].get<std::string>(), HasSubstr("no calibration text"));
+  EXPECT_FALSE(plain["layers"][0].contains("activation_error"));
+  nlohmann::json white = Report("white", "--calibration " + ShellQuote(dir_ / "calib.txt"));
+  EXPECT_TRUE(white["whitening"]["on"].get<bool>());
+  EXPECT_EQ(white["whitening"]["fit_texts"].get<int>(), 32);
+  EXPECT_EQ(white["whitening"]["heldout_texts"].get<int>(), 8);
+  EXPECT_EQ(white["fidelity"]["probes"].get<int>(), 8);  // the held-out part
+  EXPECT_THAT(white["whitening"]["note"].get<std::string>(), HasSubstr("fidelity on the other 8"));
+  EXPECT_TRUE(white["layers"][0].contains("activation_error"));
+  EXPECT_TRUE(std::filesystem::exists(dir_ / "white/config.json"));
+
+  ASSERT_TRUE(util::WriteFileAtomic(dir_ / "few.txt", "one\ntwo\n").ok());
+  ASSERT_TRUE(util::WriteFileAtomic(dir_ / "empty.txt", "\n\n").ok());
+  ASSERT_TRUE(util::WriteFileAtomic(dir_ / "binary.txt", std::string("\x7f" "ELF\0\0\1", 7)).ok());
+  for (const auto& [file, message] : std::vector<std::pair<std::string, std::string>>{
+           {"few.txt", "calibration: 2 texts; at least 16 are needed"},
+           {"empty.txt", "no text lines"},
+           {"binary.txt", "NUL byte at offset 4: not a text file"},
+           {"missing.txt", "missing.txt"}}) {
+    testing::CommandResult r = Compress("bad-" + file, "--calibration " + ShellQuote(dir_ / file));
+    EXPECT_EQ(r.exit_code, 1) << file;
+    EXPECT_THAT(r.output, HasSubstr(message)) << file;
+    EXPECT_FALSE(std::filesystem::exists(dir_ / ("bad-" + file))) << "nothing half-written";
+  }
+  testing::CommandResult r = Compress("bad-damping", "--calibration " + ShellQuote(dir_ / "calib.txt") +
+                                                         " --whiten_damping -1");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.output, HasSubstr("damping"));
 }
 
 }  // namespace
