@@ -173,17 +173,23 @@ json PredictionJson(const model::Prediction& p, const model::ModelInfo& info) {
   return json{{"label", info.labels[p.label]}, {"logits", p.logits}, {"probabilities", p.probabilities}};
 }
 
+// --device / --dtype of predict and evaluate. Also gives ATen every CPU: one pass at a time over
+// all of them, as a server batch thread with the whole machine runs it (LibTorch's own default
+// here is one thread).
+model::EngineOptions InferenceOptions(const Flags& f) {
+  at::set_num_threads(util::UsableCpus());
+  model::EngineOptions eo;
+  eo.device = f.Get("device", "cpu");
+  eo.dtype = f.Get("dtype", "float32");
+  return eo;
+}
+
 absl::Status Predict(int argc, char** argv) {
   ASSIGN_OR_RETURN(Flags f, Flags::Parse(argc, argv, 2, {"model", "batch_size", "device", "dtype"}));
   if (!f.Has("model")) return absl::InvalidArgumentError("predict: --model DIR is required");
   ASSIGN_OR_RETURN(int64_t batch_size, f.GetInt("batch_size", 8));
   if (batch_size < 1) return absl::InvalidArgumentError("--batch_size must be at least 1");
-  // One pass at a time over every CPU, as a server batch thread with the whole machine runs it
-  // (LibTorch's own default here is one thread).
-  at::set_num_threads(util::UsableCpus());
-  model::EngineOptions eo;
-  eo.device = f.Get("device", "cpu");
-  eo.dtype = f.Get("dtype", "float32");
+  const model::EngineOptions eo = InferenceOptions(f);
   ASSIGN_OR_RETURN(auto engine, model::Engine::Load(f.Get("model"), eo));
   std::vector<model::TokenizedInput> pending;
   auto flush = [&]() -> absl::Status {
@@ -264,10 +270,7 @@ absl::Status Evaluate(int argc, char** argv) {
   if (!f.Has("data")) return absl::InvalidArgumentError("evaluate: --data FILE (JSON lines) is required");
   ASSIGN_OR_RETURN(int64_t batch_size, f.GetInt("batch_size", 32));
   if (batch_size < 1) return absl::InvalidArgumentError("--batch_size must be at least 1");
-  at::set_num_threads(util::UsableCpus());
-  model::EngineOptions eo;
-  eo.device = f.Get("device", "cpu");
-  eo.dtype = f.Get("dtype", "float32");
+  const model::EngineOptions eo = InferenceOptions(f);
   const auto start = std::chrono::steady_clock::now();
   ASSIGN_OR_RETURN(auto engine, model::Engine::Load(f.Get("model"), eo));
   ASSIGN_OR_RETURN(std::vector<Example> examples, ReadExamples(f.Get("data"), engine->tokenizer()));
