@@ -392,21 +392,27 @@ absl::StatusOr<std::vector<std::string>> ParseCalibrationText(std::string_view b
   return out;
 }
 
-absl::StatusOr<CalibrationStats> CollectCalibrationStats(const model::BertClassifier& model,
-                                                         const std::string& vocab_dir,
-                                                         const std::vector<std::string>& texts) {
-  if (texts.empty()) return absl::InvalidArgumentError("calibration: no texts");
-  const auto start = Clock::now();
+namespace {
+// Texts tokenized once (truncated at min(128, max positions)) and batched in order of length, so
+// each batch pads only to its own longest input (padding the probes to the longest wasted a third).
+struct TextBatch {
+  at::Tensor ids, types, mask;  // int64 [n, S]
+};
+struct TextBatches {
+  std::vector<TextBatch> batches;
+  int64_t truncated = 0;
+};
+absl::StatusOr<TextBatches> TokenizeInBatches(const model::BertClassifier& model, const std::string& vocab_dir,
+                                              const std::vector<std::string>& texts, const char* what) {
   ASSIGN_OR_RETURN(auto tok, text::BertTokenizer::FromDirectory(vocab_dir));
   const int max_len = std::min(128, model.config().max_position_embeddings);
+  TextBatches out;
   std::vector<text::Encoding> enc;
-  CalibrationStats st;
+  enc.reserve(texts.size());
   for (size_t i = 0; i < texts.size(); ++i) {
     auto e = tok->Encode(texts[i], std::nullopt, max_len, true);
-    if (!e.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat("calibration text ", i + 1, ": ", e.status().message()));
-    }
-    st.truncated += e->truncated;
+    if (!e.ok()) return absl::InvalidArgumentError(absl::StrCat(what, " ", i + 1, ": ", e.status().message()));
+    out.truncated += e->truncated;
     enc.push_back(*std::move(e));
   }
   std::vector<size_t> order(enc.size());
@@ -414,6 +420,41 @@ absl::StatusOr<CalibrationStats> CollectCalibrationStats(const model::BertClassi
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
     return enc[a].input_ids.size() < enc[b].input_ids.size();
   });
+  constexpr size_t kBatch = 16;
+  try {
+    for (size_t start = 0; start < order.size(); start += kBatch) {
+      const size_t n = std::min(kBatch, order.size() - start);
+      const size_t S = enc[order[start + n - 1]].input_ids.size();  // the longest of the batch
+      TextBatch b;
+      b.ids = at::zeros({int64_t(n), int64_t(S)}, at::kLong);
+      b.mask = at::zeros_like(b.ids);
+      int64_t* ids = b.ids.data_ptr<int64_t>();
+      int64_t* mask = b.mask.data_ptr<int64_t>();
+      for (size_t i = 0; i < n; ++i) {
+        const std::vector<int32_t>& in = enc[order[start + i]].input_ids;
+        for (size_t j = 0; j < in.size(); ++j) {
+          ids[i * S + j] = in[j];
+          mask[i * S + j] = 1;
+        }
+      }
+      b.types = at::zeros_like(b.ids);
+      out.batches.push_back(std::move(b));
+    }
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("batching the ", what, "s failed: ", e.what()));
+  }
+  return out;
+}
+}  // namespace
+
+absl::StatusOr<CalibrationStats> CollectCalibrationStats(const model::BertClassifier& model,
+                                                         const std::string& vocab_dir,
+                                                         const std::vector<std::string>& texts) {
+  if (texts.empty()) return absl::InvalidArgumentError("calibration: no texts");
+  const auto start = Clock::now();
+  ASSIGN_OR_RETURN(TextBatches tb, TokenizeInBatches(model, vocab_dir, texts, "calibration text"));
+  CalibrationStats st;
+  st.truncated = tb.truncated;
   const int64_t D = model.config().hidden_size;
   const size_t L = model.layers().size();
   try {
@@ -422,20 +463,9 @@ absl::StatusOr<CalibrationStats> CollectCalibrationStats(const model::BertClassi
       st.second_moment.push_back(at::zeros({D, D}, at::kDouble));
       st.mean.push_back(at::zeros({D}, at::kDouble));
     }
-    constexpr size_t kBatch = 16;
-    for (size_t startk = 0; startk < order.size(); startk += kBatch) {
-      const size_t n = std::min(kBatch, order.size() - startk);
-      const int64_t S = static_cast<int64_t>(enc[order[startk + n - 1]].input_ids.size());
-      at::Tensor ids = at::zeros({int64_t(n), S}, at::kLong), mask = at::zeros_like(ids);
-      int64_t* pi = ids.data_ptr<int64_t>();
-      int64_t* pm = mask.data_ptr<int64_t>();
-      for (size_t b = 0; b < n; ++b) {
-        const auto& in = enc[order[startk + b]].input_ids;
-        for (size_t j = 0; j < in.size(); ++j) {
-          pi[b * S + j] = in[j];
-          pm[b * S + j] = 1;
-        }
-      }
+    for (const TextBatch& b : tb.batches) {
+      const at::Tensor& ids = b.ids;
+      const at::Tensor& mask = b.mask;
       // The non-padding tokens' rows of each layer's input, accumulated in float64.
       const at::Tensor keep = mask.view({-1}).nonzero().squeeze(1);
       st.tokens += keep.size(0);
@@ -495,48 +525,8 @@ absl::StatusOr<FidelityReport> MeasureFidelity(const model::BertClassifier& orig
                                                const std::string& vocab_dir,
                                                const std::vector<std::string>& probes_in) {
   const std::vector<std::string>& probes = probes_in.empty() ? model::BuiltinProbeSentences() : probes_in;
-  ASSIGN_OR_RETURN(auto tok, text::BertTokenizer::FromDirectory(vocab_dir));
-  const int max_len = std::min(128, original.config().max_position_embeddings);
-  // Tokenized once, then batched in order of length: each batch pads only to its own longest
-  // input (the probes are short sentences; padding them all to the longest wasted a third).
-  std::vector<text::Encoding> enc;
-  enc.reserve(probes.size());
-  for (const std::string& p : probes) {
-    ASSIGN_OR_RETURN(text::Encoding e, tok->Encode(p, std::nullopt, max_len, true));
-    enc.push_back(std::move(e));
-  }
-  std::vector<size_t> order(enc.size());
-  std::iota(order.begin(), order.end(), size_t{0});
-  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-    return enc[a].input_ids.size() < enc[b].input_ids.size();
-  });
-  constexpr size_t kBatch = 16;
-  struct Batch {
-    at::Tensor ids, types, mask;
-  };
-  std::vector<Batch> batches;
-  try {
-    for (size_t start = 0; start < order.size(); start += kBatch) {
-      const size_t n = std::min(kBatch, order.size() - start);
-      const size_t S = enc[order[start + n - 1]].input_ids.size();  // the longest of the batch
-      Batch b;
-      b.ids = at::zeros({int64_t(n), int64_t(S)}, at::kLong);
-      b.mask = at::zeros_like(b.ids);
-      int64_t* ids = b.ids.data_ptr<int64_t>();
-      int64_t* mask = b.mask.data_ptr<int64_t>();
-      for (size_t i = 0; i < n; ++i) {
-        const std::vector<int32_t>& in = enc[order[start + i]].input_ids;
-        for (size_t j = 0; j < in.size(); ++j) {
-          ids[i * S + j] = in[j];
-          mask[i * S + j] = 1;
-        }
-      }
-      b.types = at::zeros_like(b.ids);
-      batches.push_back(std::move(b));
-    }
-  } catch (const std::exception& e) {
-    return absl::InternalError(absl::StrCat("fidelity measurement failed: ", e.what()));
-  }
+  ASSIGN_OR_RETURN(TextBatches tb, TokenizeInBatches(original, vocab_dir, probes, "probe"));
+  const std::vector<TextBatch>& batches = tb.batches;
 
   // Both models' logits for every batch. When the caller's passes leave CPUs idle (an admin job
   // runs ATen and OpenBLAS single-threaded), the compressed model runs on a second thread at the
@@ -548,7 +538,7 @@ absl::StatusOr<FidelityReport> MeasureFidelity(const model::BertClassifier& orig
     try {
       c10::InferenceMode guard;
       model::SetThisThreadIntraOpThreads(intra_op);
-      for (const Batch& b : batches) out->push_back(m.Forward(b.ids, b.types, b.mask).to(at::kDouble));
+      for (const TextBatch& b : batches) out->push_back(m.Forward(b.ids, b.types, b.mask).to(at::kDouble));
     } catch (const std::exception& e) {
       return absl::InternalError(absl::StrCat("fidelity measurement failed: ", e.what()));
     }
