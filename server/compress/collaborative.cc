@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "server/compress/collaborative_internal.h"
 #include "server/compress/cp_als.h"
 #include "server/model/bert.h"
 #include "server/model/config.h"
@@ -184,140 +185,112 @@ absl::StatusOr<std::vector<int>> ResolveRanks(const RankSpec& spec, const model:
         return absl::InvalidArgumentError(absl::StrCat("max_error must be in (0, 1), got ", spec.max_error));
       }
       return std::vector<int>(L, -1);  // searched per layer
+    case RankSpec::Kind::kTargetAgreement:
+      if (!(spec.target_agreement > 0 && spec.target_agreement <= 1)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("target_agreement must be in (0, 1], got ", spec.target_agreement));
+      }
+      return std::vector<int>(L, -1);
+    case RankSpec::Kind::kMaxKl:
+      if (!(spec.max_kl > 0) || !std::isfinite(spec.max_kl)) {
+        return absl::InvalidArgumentError(absl::StrCat("max_kl must be a finite number > 0, got ", spec.max_kl));
+      }
+      return std::vector<int>(L, -1);
   }
   return absl::InvalidArgumentError("unknown rank spec");
 }
 
-absl::StatusOr<std::unique_ptr<model::BertClassifier>> ConvertToCollaborative(
-    const model::BertClassifier& source, const CompressOptions& o, CompressReport* report) {
+namespace internal {
+
+absl::StatusOr<LayerDecomposition> DecomposeLayer(const model::BertClassifier& source, int i, int rank,
+                                                  const CompressOptions& o) {
+  LayerDecomposition out;
+  LayerReport& lr = out.report;
+  lr.layer = i;
+  if (rank == 0) return out;
   const model::BertConfig& sc = source.config();
-  if (sc.collaborative.present()) {
-    return absl::InvalidArgumentError("the model is already collaborative; compress the original instead");
-  }
-  ASSIGN_OR_RETURN(std::vector<int> ranks, ResolveRanks(o.spec, sc));
+  const int H = sc.num_attention_heads, dk = sc.head_size(), full = H * dk;
   ASSIGN_OR_RETURN(c10::Device device, model::ParseDevice(o.device));
-  if (o.max_iters < 1) return absl::InvalidArgumentError("max_iters must be at least 1");
-  if (!(o.tol >= 0) || !std::isfinite(o.tol)) return absl::InvalidArgumentError("tol must be a finite number >= 0");
-  const int L = sc.num_hidden_layers, H = sc.num_attention_heads, dk = sc.head_size();
-  const int full = H * dk;
-  if (!o.whitening.empty()) {
-    if (static_cast<int>(o.whitening.size()) != L) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("whitening has ", o.whitening.size(), " layers, the model ", L));
-    }
-    for (int i = 0; i < L; ++i) {
-      for (const at::Tensor* t : {&o.whitening[i].query_factor, &o.whitening[i].key_factor}) {
-        if (!t->defined() || t->dim() != 2 || t->size(0) != sc.hidden_size || t->size(1) != sc.hidden_size) {
-          return absl::InvalidArgumentError(
-              absl::StrCat("whitening of layer ", i, ": factors must be [", sc.hidden_size, ", ", sc.hidden_size, "]"));
-        }
-      }
-    }
+  auto lt = Clock::now();
+  const HeadFactors f = Factors(source.layers()[i], H, dk, device);
+  const bool whiten = !o.whitening.empty();
+  const HeadFactors fw = whiten ? Whiten(f, o.whitening[i]) : f;
+  absl::StatusOr<CpResult> r;
+  if (rank < 0) {
+    // With whitening the search rests on the activation-weighted error.
+    auto found = SearchRank(fw, full, o.spec.max_error, o, o.seed + i, &lr.ranks_tried);
+    if (!found.ok()) return found.status();
+    rank = found->first;
+    r = std::move(found->second);
+  } else {
+    r = Decompose(fw, rank, full, o, o.seed + i);
   }
+  if (!r.ok()) return r.status();
+  if (whiten) RETURN_IF_ERROR(Unwhiten(f, o.whitening[i], &*r, &lr.activation_error));
+  lr.rank = rank;
+  lr.relative_error = r->relative_error;
+  lr.iterations = r->iterations;
+  lr.exact = r->exact;
+  lr.setup_seconds = r->setup_seconds;
+  lr.sweep_seconds = r->sweep_seconds;
+  lr.finish_seconds = r->finish_seconds;
+  lr.extrapolations = r->extrapolations;
+  lr.seconds = SecondsSince(lt);
+  out.cp = std::move(*r);
+  return out;
+}
 
-  ASSIGN_OR_RETURN(const int n_workers, ResolveParallelLayers(o.parallel_layers, L, device.is_cpu()));
-  report->parallel_layers = n_workers;
-  // The work queue: costliest layers first (a rank search, then by rank; ties in layer order), so
-  // that the last layers handed out are the short ones and the workers finish together.
-  auto cost = [&](int i) { return ranks[i] < 0 ? 2 * full : ranks[i]; };
-  std::vector<int> order(L);
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return cost(a) > cost(b); });
+absl::Status ForEachLayer(const std::vector<int>& order, int workers, bool on_cpu, const CompressOptions& o,
+                          const std::function<absl::Status(int)>& fn) {
   const int worker_threads = at::get_num_threads();  // the calling thread's
-
-  std::vector<std::optional<CpResult>> results(L);
-  std::vector<LayerReport> layer_reports(L);
-  std::atomic<int> next{0};
+  std::atomic<size_t> next{0};
   std::mutex mu;
   absl::Status first_error;
-  auto t0 = Clock::now();
+  auto failed = [&](absl::Status s) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (first_error.ok()) first_error = std::move(s);
+  };
   auto worker = [&]() {
     try {
       c10::InferenceMode guard;
       model::SetThisThreadIntraOpThreads(worker_threads);
-      for (int k = next++; k < L; k = next++) {
-        const int i = order[k];
-        if (IsCancelled(o)) {
-          std::lock_guard<std::mutex> lock(mu);
-          if (first_error.ok()) first_error = absl::CancelledError("compression cancelled");
-          return;
-        }
+      for (size_t k = next++; k < order.size(); k = next++) {
+        if (IsCancelled(o)) return failed(absl::CancelledError("compression cancelled"));
         {
           std::lock_guard<std::mutex> lock(mu);
           if (!first_error.ok()) return;
         }
-        LayerReport lr;
-        lr.layer = i;
-        if (ranks[i] == 0) {
-          layer_reports[i] = lr;
-          if (o.on_layer) o.on_layer(lr);
-          continue;
-        }
-        auto lt = Clock::now();
-        const HeadFactors f = Factors(source.layers()[i], H, dk, device);
-        const bool whiten = !o.whitening.empty();
-        const HeadFactors fw = whiten ? Whiten(f, o.whitening[i]) : f;
-        absl::StatusOr<CpResult> r;
-        int rank = ranks[i];
-        if (rank < 0) {
-          // With whitening the search rests on the activation-weighted error.
-          auto found = SearchRank(fw, full, o.spec.max_error, o, o.seed + i, &lr.ranks_tried);
-          if (found.ok()) {
-            rank = found->first;
-            r = std::move(found->second);
-          } else {
-            r = found.status();
-          }
-        } else {
-          r = Decompose(fw, rank, full, o, o.seed + i);
-        }
-        if (r.ok() && whiten) {
-          if (absl::Status s = Unwhiten(f, o.whitening[i], &*r, &lr.activation_error); !s.ok()) r = s;
-        }
-        if (!r.ok()) {
-          std::lock_guard<std::mutex> lock(mu);
-          if (first_error.ok()) {
-            first_error = absl::Status(r.status().code(), absl::StrCat("layer ", i, ": ", r.status().message()));
-          }
-          return;
-        }
-        lr.rank = rank;
-        lr.relative_error = r->relative_error;
-        lr.iterations = r->iterations;
-        lr.exact = r->exact;
-        lr.setup_seconds = r->setup_seconds;
-        lr.sweep_seconds = r->sweep_seconds;
-        lr.finish_seconds = r->finish_seconds;
-        lr.extrapolations = r->extrapolations;
-        lr.seconds = SecondsSince(lt);
-        results[i] = std::move(*r);
-        layer_reports[i] = lr;
-        if (o.on_layer) o.on_layer(lr);
+        if (absl::Status s = fn(order[k]); !s.ok()) return failed(std::move(s));
       }
     } catch (const std::exception& e) {
-      std::lock_guard<std::mutex> lock(mu);
-      if (first_error.ok()) first_error = absl::InternalError(absl::StrCat("compression failed: ", e.what()));
+      failed(absl::InternalError(absl::StrCat("compression failed: ", e.what())));
     }
   };
-  {
-    ScopedSingleThreadedBlas blas(n_workers > 1 && device.is_cpu());
-    std::vector<std::thread> threads;
-    for (int t = 1; t < n_workers; ++t) threads.emplace_back(worker);
-    worker();
-    for (auto& t : threads) t.join();
-  }
-  RETURN_IF_ERROR(first_error);
-  report->decompose_seconds = SecondsSince(t0);
+  ScopedSingleThreadedBlas blas(workers > 1 && on_cpu);
+  std::vector<std::thread> threads;
+  for (int t = 1; t < workers; ++t) threads.emplace_back(worker);
+  worker();
+  for (auto& t : threads) t.join();
+  return first_error;
+}
 
+absl::StatusOr<std::unique_ptr<model::BertClassifier>> AssembleCollaborative(
+    const model::BertClassifier& source, const std::vector<const LayerDecomposition*>& layers,
+    const CompressOptions& o, CompressReport* report) {
+  const model::BertConfig& sc = source.config();
+  const int L = sc.num_hidden_layers, H = sc.num_attention_heads, dk = sc.head_size();
+  if (static_cast<int>(layers.size()) != L) {
+    return absl::InternalError(absl::StrCat("assembling ", layers.size(), " layers for a model of ", L));
+  }
   // The new model: the same tensors, collaborative attention where a rank was chosen.
   model::BertConfig nc = sc;
   nc.collaborative.ranks.clear();
   nc.collaborative.errors.clear();
   bool any_iterative = false;
-  for (const LayerReport& lr : layer_reports) {
-    nc.collaborative.ranks.push_back(lr.rank);
-    nc.collaborative.errors.push_back(lr.relative_error);
-    any_iterative |= lr.rank > 0 && !lr.exact;
+  for (const LayerDecomposition* d : layers) {
+    nc.collaborative.ranks.push_back(d->report.rank);
+    nc.collaborative.errors.push_back(d->report.relative_error);
+    any_iterative |= d->report.rank > 0 && !d->report.exact;
   }
   nc.collaborative.algorithm = any_iterative ? "cp-als" : "exact-block";
   nc.collaborative.source = o.source;
@@ -341,11 +314,11 @@ absl::StatusOr<std::unique_ptr<model::BertClassifier>> ConvertToCollaborative(
     }
     const double scale = 1.0 / std::sqrt(static_cast<double>(dk));
     for (int i = 0; i < L; ++i) {
-      if (!results[i]) continue;
-      const CpResult& r = *results[i];
+      if (!layers[i]->cp) continue;
+      const CpResult& r = *layers[i]->cp;
       model::EncoderLayer& dst = out->layers()[i];
       const model::EncoderLayer& src = source.layers()[i];
-      const int R = layer_reports[i].rank;
+      const int R = layers[i]->report.rank;
       // ExactBlockCp / FactorizedCpAls may pad with zero columns beyond R; keep the first R.
       dst.collab_query_w.copy_(r.query.narrow(1, 0, R).t().to(at::kCPU, at::kFloat));
       dst.collab_key_w.copy_(r.key.narrow(1, 0, R).t().to(at::kCPU, at::kFloat));
@@ -360,12 +333,76 @@ absl::StatusOr<std::unique_ptr<model::BertClassifier>> ConvertToCollaborative(
   }
 
   model::ParamCounts before = model::CountParams(source), after = model::CountParams(*out);
-  report->layers = layer_reports;
+  report->layers.clear();
+  for (const LayerDecomposition* d : layers) report->layers.push_back(d->report);
   report->qk_params_before = before.attention_qk;
   report->qk_params_after = after.attention_qk;
   report->total_params_before = before.total;
   report->total_params_after = after.total;
   return out;
+}
+
+absl::Status CheckConvertible(const model::BertClassifier& source, const CompressOptions& o) {
+  const model::BertConfig& sc = source.config();
+  if (sc.collaborative.present()) {
+    return absl::InvalidArgumentError("the model is already collaborative; compress the original instead");
+  }
+  RETURN_IF_ERROR(model::ParseDevice(o.device).status());
+  if (o.max_iters < 1) return absl::InvalidArgumentError("max_iters must be at least 1");
+  if (!(o.tol >= 0) || !std::isfinite(o.tol)) return absl::InvalidArgumentError("tol must be a finite number >= 0");
+  const int L = sc.num_hidden_layers;
+  if (!o.whitening.empty()) {
+    if (static_cast<int>(o.whitening.size()) != L) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("whitening has ", o.whitening.size(), " layers, the model ", L));
+    }
+    for (int i = 0; i < L; ++i) {
+      for (const at::Tensor* t : {&o.whitening[i].query_factor, &o.whitening[i].key_factor}) {
+        if (!t->defined() || t->dim() != 2 || t->size(0) != sc.hidden_size || t->size(1) != sc.hidden_size) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("whitening of layer ", i, ": factors must be [", sc.hidden_size, ", ", sc.hidden_size, "]"));
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace internal
+
+absl::StatusOr<std::unique_ptr<model::BertClassifier>> ConvertToCollaborative(
+    const model::BertClassifier& source, const CompressOptions& o, CompressReport* report) {
+  RETURN_IF_ERROR(internal::CheckConvertible(source, o));
+  const model::BertConfig& sc = source.config();
+  if (o.spec.kind == RankSpec::Kind::kTargetAgreement || o.spec.kind == RankSpec::Kind::kMaxKl) {
+    return absl::InvalidArgumentError(
+        "a fidelity target needs texts to measure on: use CompressLoadedModel or CompressModelDirectory");
+  }
+  ASSIGN_OR_RETURN(std::vector<int> ranks, ResolveRanks(o.spec, sc));
+  ASSIGN_OR_RETURN(c10::Device device, model::ParseDevice(o.device));
+  const int L = sc.num_hidden_layers, full = sc.hidden_size;
+  ASSIGN_OR_RETURN(const int n_workers, ResolveParallelLayers(o.parallel_layers, L, device.is_cpu()));
+  report->parallel_layers = n_workers;
+  // The work queue: costliest layers first (a rank search, then by rank; ties in layer order), so
+  // that the last layers handed out are the short ones and the workers finish together.
+  auto cost = [&](int i) { return ranks[i] < 0 ? 2 * full : ranks[i]; };
+  std::vector<int> order(L);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return cost(a) > cost(b); });
+
+  std::vector<internal::LayerDecomposition> layers(L);
+  auto t0 = Clock::now();
+  RETURN_IF_ERROR(internal::ForEachLayer(order, n_workers, device.is_cpu(), o, [&](int i) -> absl::Status {
+    absl::StatusOr<internal::LayerDecomposition> d = internal::DecomposeLayer(source, i, ranks[i], o);
+    if (!d.ok()) return absl::Status(d.status().code(), absl::StrCat("layer ", i, ": ", d.status().message()));
+    layers[i] = *std::move(d);
+    if (o.on_layer) o.on_layer(layers[i].report);
+    return absl::OkStatus();
+  }));
+  report->decompose_seconds = SecondsSince(t0);
+  std::vector<const internal::LayerDecomposition*> chosen;
+  for (const auto& d : layers) chosen.push_back(&d);
+  return internal::AssembleCollaborative(source, chosen, o, report);
 }
 
 absl::StatusOr<std::vector<std::string>> ParseCalibrationText(std::string_view bytes, const std::string& name) {
@@ -392,21 +429,14 @@ absl::StatusOr<std::vector<std::string>> ParseCalibrationText(std::string_view b
   return out;
 }
 
-namespace {
-// Texts tokenized once (truncated at min(128, max positions)) and batched in order of length, so
-// each batch pads only to its own longest input (padding the probes to the longest wasted a third).
-struct TextBatch {
-  at::Tensor ids, types, mask;  // int64 [n, S]
-};
-struct TextBatches {
-  std::vector<TextBatch> batches;
-  int64_t truncated = 0;
-};
+namespace internal {
+// (Padding the probes to the longest of all wasted a third of the fidelity step.)
 absl::StatusOr<TextBatches> TokenizeInBatches(const model::BertClassifier& model, const std::string& vocab_dir,
                                               const std::vector<std::string>& texts, const char* what) {
   ASSIGN_OR_RETURN(auto tok, text::BertTokenizer::FromDirectory(vocab_dir));
   const int max_len = std::min(128, model.config().max_position_embeddings);
   TextBatches out;
+  out.texts = static_cast<int64_t>(texts.size());
   std::vector<text::Encoding> enc;
   enc.reserve(texts.size());
   for (size_t i = 0; i < texts.size(); ++i) {
@@ -445,14 +475,65 @@ absl::StatusOr<TextBatches> TokenizeInBatches(const model::BertClassifier& model
   }
   return out;
 }
-}  // namespace
+
+absl::StatusOr<std::vector<at::Tensor>> BatchLogits(const model::BertClassifier& m, const TextBatches& tb,
+                                                    int workers) {
+  const int intra_op = at::get_num_threads();
+  std::vector<at::Tensor> out(tb.batches.size());
+  std::atomic<size_t> next{0};
+  std::mutex mu;
+  absl::Status status;
+  auto work = [&] {
+    try {
+      c10::InferenceMode guard;
+      model::SetThisThreadIntraOpThreads(intra_op);
+      for (size_t i = next++; i < tb.batches.size(); i = next++) {
+        const TextBatch& b = tb.batches[i];
+        out[i] = m.Forward(b.ids, b.types, b.mask).to(at::kDouble);
+      }
+    } catch (const std::exception& e) {
+      std::lock_guard<std::mutex> lock(mu);
+      if (status.ok()) status = absl::InternalError(absl::StrCat("running the texts failed: ", e.what()));
+    }
+  };
+  std::vector<std::thread> threads;
+  for (int t = 1; t < std::min<int>(workers, static_cast<int>(tb.batches.size())); ++t) threads.emplace_back(work);
+  work();
+  for (auto& t : threads) t.join();
+  RETURN_IF_ERROR(status);
+  return out;
+}
+
+absl::StatusOr<FidelityReport> CompareLogits(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b,
+                                             int64_t texts) {
+  FidelityReport f;
+  double kl_sum = 0;
+  int64_t agree = 0;
+  try {
+    c10::InferenceMode guard;
+    for (size_t i = 0; i < a.size(); ++i) {
+      f.max_abs_logit_diff = std::max(f.max_abs_logit_diff, (a[i] - b[i]).abs().max().item<double>());
+      agree += a[i].argmax(1).eq(b[i].argmax(1)).sum().item<int64_t>();
+      at::Tensor lp = at::log_softmax(a[i], 1), lq = at::log_softmax(b[i], 1);
+      kl_sum += (lp.exp() * (lp - lq)).sum().item<double>();
+    }
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("fidelity measurement failed: ", e.what()));
+  }
+  f.probes = static_cast<int>(texts);
+  f.top1_agreement = texts == 0 ? 1.0 : static_cast<double>(agree) / texts;
+  f.mean_kl = texts == 0 ? 0.0 : kl_sum / texts;
+  return f;
+}
+
+}  // namespace internal
 
 absl::StatusOr<CalibrationStats> CollectCalibrationStats(const model::BertClassifier& model,
                                                          const std::string& vocab_dir,
                                                          const std::vector<std::string>& texts) {
   if (texts.empty()) return absl::InvalidArgumentError("calibration: no texts");
   const auto start = Clock::now();
-  ASSIGN_OR_RETURN(TextBatches tb, TokenizeInBatches(model, vocab_dir, texts, "calibration text"));
+  ASSIGN_OR_RETURN(internal::TextBatches tb, internal::TokenizeInBatches(model, vocab_dir, texts, "calibration text"));
   CalibrationStats st;
   st.truncated = tb.truncated;
   const int64_t D = model.config().hidden_size;
@@ -463,7 +544,7 @@ absl::StatusOr<CalibrationStats> CollectCalibrationStats(const model::BertClassi
       st.second_moment.push_back(at::zeros({D, D}, at::kDouble));
       st.mean.push_back(at::zeros({D}, at::kDouble));
     }
-    for (const TextBatch& b : tb.batches) {
+    for (const internal::TextBatch& b : tb.batches) {
       const at::Tensor& ids = b.ids;
       const at::Tensor& mask = b.mask;
       // The non-padding tokens' rows of each layer's input, accumulated in float64.
@@ -525,53 +606,21 @@ absl::StatusOr<FidelityReport> MeasureFidelity(const model::BertClassifier& orig
                                                const std::string& vocab_dir,
                                                const std::vector<std::string>& probes_in) {
   const std::vector<std::string>& probes = probes_in.empty() ? model::BuiltinProbeSentences() : probes_in;
-  ASSIGN_OR_RETURN(TextBatches tb, TokenizeInBatches(original, vocab_dir, probes, "probe"));
-  const std::vector<TextBatch>& batches = tb.batches;
-
+  ASSIGN_OR_RETURN(internal::TextBatches tb, internal::TokenizeInBatches(original, vocab_dir, probes, "probe"));
   // Both models' logits for every batch. When the caller's passes leave CPUs idle (an admin job
   // runs ATen and OpenBLAS single-threaded), the compressed model runs on a second thread at the
   // same time as the original, so the step costs one model's passes instead of two. The thread
   // runs ATen with the caller's intra-op thread count and inherits its scheduling priority.
-  const int intra_op = at::get_num_threads();
-  const bool concurrent = 2 * intra_op <= util::UsableCpus() && util::BlasThreads() <= 1;
-  auto run = [&](const model::BertClassifier& m, std::vector<at::Tensor>* out) -> absl::Status {
-    try {
-      c10::InferenceMode guard;
-      model::SetThisThreadIntraOpThreads(intra_op);
-      for (const TextBatch& b : batches) out->push_back(m.Forward(b.ids, b.types, b.mask).to(at::kDouble));
-    } catch (const std::exception& e) {
-      return absl::InternalError(absl::StrCat("fidelity measurement failed: ", e.what()));
-    }
-    return absl::OkStatus();
-  };
-  std::vector<at::Tensor> a, b;
-  absl::Status b_status;
+  const bool concurrent = 2 * at::get_num_threads() <= util::UsableCpus() && util::BlasThreads() <= 1;
+  absl::StatusOr<std::vector<at::Tensor>> a, b;
   std::thread other;
-  if (concurrent) other = std::thread([&] { b_status = run(compressed, &b); });
-  absl::Status a_status = run(original, &a);
+  if (concurrent) other = std::thread([&] { b = internal::BatchLogits(compressed, tb, 1); });
+  a = internal::BatchLogits(original, tb, 1);
   if (other.joinable()) other.join();
-  if (!concurrent && a_status.ok()) b_status = run(compressed, &b);
-  RETURN_IF_ERROR(a_status);
-  RETURN_IF_ERROR(b_status);
-
-  FidelityReport f;
-  double kl_sum = 0;
-  int64_t agree = 0;
-  try {
-    c10::InferenceMode guard;
-    for (size_t i = 0; i < a.size(); ++i) {
-      f.max_abs_logit_diff = std::max(f.max_abs_logit_diff, (a[i] - b[i]).abs().max().item<double>());
-      agree += a[i].argmax(1).eq(b[i].argmax(1)).sum().item<int64_t>();
-      at::Tensor lp = at::log_softmax(a[i], 1), lq = at::log_softmax(b[i], 1);
-      kl_sum += (lp.exp() * (lp - lq)).sum().item<double>();
-    }
-  } catch (const std::exception& e) {
-    return absl::InternalError(absl::StrCat("fidelity measurement failed: ", e.what()));
-  }
-  f.probes = static_cast<int>(probes.size());
-  f.top1_agreement = probes.empty() ? 1.0 : static_cast<double>(agree) / probes.size();
-  f.mean_kl = probes.empty() ? 0.0 : kl_sum / probes.size();
-  return f;
+  if (!concurrent && a.ok()) b = internal::BatchLogits(compressed, tb, 1);
+  RETURN_IF_ERROR(a.status());
+  RETURN_IF_ERROR(b.status());
+  return internal::CompareLogits(*a, *b, tb.texts);
 }
 
 std::string CompressReport::ToJson() const {
@@ -619,6 +668,34 @@ std::string CompressReport::ToJson() const {
         {"truncated_texts", calibration_truncated},
         {"seconds", calibration_seconds}}},
       {"seconds", seconds}};
+  if (search.ran) {
+    auto fidelity_json = [](const FidelityReport& f) {
+      return nlohmann::json{{"probes", f.probes},
+                            {"top1_agreement", f.top1_agreement},
+                            {"max_abs_logit_diff", f.max_abs_logit_diff},
+                            {"mean_kl", f.mean_kl}};
+    };
+    nlohmann::json trials = nlohmann::json::array();
+    for (const RankSearchReport::Trial& t : search.trials) {
+      trials.push_back({{"ranks", t.ranks},
+                        {"attention_qk", t.qk_params},
+                        {"fidelity", fidelity_json(t.fidelity)},
+                        {"meets", t.meets},
+                        {"seconds", t.seconds}});
+    }
+    j["search"] = {{"target", search.target},
+                   {"texts", search.texts},
+                   {"grid", search.grid},
+                   {"decompositions", search.decompositions},
+                   {"sensitivity_rank", search.sensitivity_rank},
+                   {"sensitivity", search.sensitivity},
+                   {"candidates", search.candidates},
+                   {"trials", trials},
+                   {"time_limited", search.time_limited},
+                   {"decompose_seconds", search.decompose_seconds},
+                   {"sensitivity_seconds", search.sensitivity_seconds},
+                   {"seconds", search.seconds}};
+  }
   return j.dump();
 }
 
@@ -714,7 +791,25 @@ absl::StatusOr<CompressReport> CompressLoadedModel(const model::BertClassifier& 
     report.whitening_note = "caller's statistics";
   }
   auto step_start = Clock::now();
-  ASSIGN_OR_RETURN(auto compressed, ConvertToCollaborative(source, o, &report));
+  std::unique_ptr<model::BertClassifier> compressed;
+  if (o.spec.kind == RankSpec::Kind::kTargetAgreement || o.spec.kind == RankSpec::Kind::kMaxKl) {
+    // The search measures on the same held-out texts as the fidelity step below.
+    ASSIGN_OR_RETURN(std::vector<internal::LayerDecomposition> layers,
+                     internal::SearchRanks(source, in_dir, o.probes, o, &report.search));
+    ASSIGN_OR_RETURN(c10::Device device, model::ParseDevice(o.device));
+    ASSIGN_OR_RETURN(report.parallel_layers,
+                     ResolveParallelLayers(o.parallel_layers, source.config().num_hidden_layers, device.is_cpu()));
+    report.decompose_seconds = report.search.decompose_seconds;
+    std::vector<const internal::LayerDecomposition*> chosen;
+    for (internal::LayerDecomposition& d : layers) {
+      d.report.ranks_tried = static_cast<int>(report.search.grid.size());
+      if (o.on_layer) o.on_layer(d.report);
+      chosen.push_back(&d);
+    }
+    ASSIGN_OR_RETURN(compressed, internal::AssembleCollaborative(source, chosen, o, &report));
+  } else {
+    ASSIGN_OR_RETURN(compressed, ConvertToCollaborative(source, o, &report));
+  }
   try {
     compressed->Prepare(c10::Device(c10::kCPU), c10::kFloat, /*pack_weights=*/false);
   } catch (const std::exception& e) {

@@ -24,12 +24,17 @@ namespace collabserve::compress {
 
 // How the shared key/query dimension D~ is chosen; exactly one applies.
 struct RankSpec {
-  enum class Kind { kRank, kRatio, kPerLayer, kMaxError };
+  enum class Kind { kRank, kRatio, kPerLayer, kMaxError, kTargetAgreement, kMaxKl };
   Kind kind = Kind::kRank;
   int rank = 0;             // kRank: every layer
   double ratio = 0;         // kRatio: D~ = round(N_h·d_k / ratio)
   std::vector<int> ranks;   // kPerLayer: one per layer; 0 leaves that layer standard
   double max_error = 0;     // kMaxError: per layer, the smallest rank with relative error <= this
+  // kTargetAgreement / kMaxKl: the per-layer ranks (a layer may stay standard) with the fewest Q/K
+  // parameters found whose model keeps top-1 agreement >= target_agreement (in (0, 1]), or mean
+  // KL <= max_kl (> 0), on the held-out texts (rank_search.h: how they are searched).
+  double target_agreement = 0;
+  double max_kl = 0;
 };
 
 struct LayerReport {
@@ -53,6 +58,30 @@ struct FidelityReport {
   double top1_agreement = 0;     // fraction of probes whose argmax label is unchanged
   double max_abs_logit_diff = 0;
   double mean_kl = 0;            // mean KL(p_original || p_compressed) of the output distributions
+};
+
+// A fidelity-target search (RankSpec kTargetAgreement / kMaxKl): what it measured and tried.
+struct RankSearchReport {
+  bool ran = false;
+  std::string target;              // "top1_agreement >= 0.99" or "mean_kl <= 0.001"
+  int texts = 0;                   // the held-out texts every trial is measured on
+  std::vector<int> grid;           // the candidate ranks of every layer (besides standard)
+  int decompositions = 0;          // CP-ALS runs (layers x grid)
+  // Per layer: mean KL of the model with only that layer at `sensitivity_rank`, divided by that
+  // layer's squared error there: the proxy KL_l(r) ≈ s_l·e_l(r)² that orders the candidates.
+  int sensitivity_rank = 0;
+  std::vector<double> sensitivity;
+  struct Trial {
+    std::vector<int> ranks;        // 0: standard
+    int64_t qk_params = 0;
+    FidelityReport fidelity;
+    bool meets = false;
+    double seconds = 0;            // since the search began
+  };
+  std::vector<Trial> trials;       // in the order measured
+  int candidates = 0;              // allocations on the path the trials bisect
+  bool time_limited = false;       // stopped at search_seconds with the best verified so far
+  double decompose_seconds = 0, sensitivity_seconds = 0, seconds = 0;
 };
 
 // Activation-aware CP: the score error of head i on a query token x and a key token y is
@@ -137,6 +166,12 @@ struct CompressOptions {
   // Filled from `calibration` by the two functions above; set directly by callers that have
   // their own statistics.
   std::vector<LayerWhitening> whitening;
+  // A fidelity-target search stops after this many seconds: with the cheapest allocation verified
+  // so far (RankSearchReport::time_limited), or DEADLINE_EXCEEDED when none is. <= 0: no limit.
+  double search_seconds = 600;
+  // Progress of a target search (e.g. for an admin job's events): called, from the calling thread,
+  // after each trial.
+  std::function<void(const RankSearchReport::Trial&)> on_trial;
   std::string source;                  // recorded in config.json's collaborative.source
   // Progress (e.g. for an admin job): called after each layer, from the worker that did it.
   std::function<void(const LayerReport&)> on_layer;
@@ -170,6 +205,7 @@ struct CompressReport {
   int64_t calibration_fit_texts = 0, calibration_heldout_texts = 0, calibration_tokens = 0;
   int64_t calibration_truncated = 0;
   double calibration_seconds = 0;
+  RankSearchReport search;      // ran only for a fidelity target
   std::string ToJson() const;   // the report `collabserve-model compress` prints
 };
 
@@ -184,7 +220,8 @@ absl::StatusOr<std::vector<int>> ResolveRanks(const RankSpec& spec, const model:
 // CPU and 1 elsewhere; never more than num_layers, at least 1. INVALID_ARGUMENT for requested < 0.
 absl::StatusOr<int> ResolveParallelLayers(int requested, int num_layers, bool on_cpu);
 
-// Converts `source` (standard layers; already-collaborative layers are refused) into a new
+// Converts `source` (standard layers; already-collaborative layers are refused; a fidelity target,
+// which needs texts to measure on, is INVALID_ARGUMENT: CompressLoadedModel runs it) into a new
 // collaborative classifier. Fills `report->layers` and the parameter counts. Every parameter the
 // two models have in common (embeddings, value/output projections, feed-forward, LayerNorms, head)
 // shares the source's CPU float32 storage instead of being copied: the result costs only its new

@@ -33,4 +33,10 @@ int64_t StandardQkParamsPerLayer(const BertConfig& c) {
   return 2 * (D * D + D);
 }
 
+int64_t CollaborativeQkParamsPerLayer(const BertConfig& c, int rank) {
+  if (rank == 0) return StandardQkParamsPerLayer(c);
+  const int64_t D = c.hidden_size, H = c.num_attention_heads, R = rank;
+  return 2 * D * R + H * R + H * D;
+}
+
 }  // namespace collabserve::model

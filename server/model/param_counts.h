@@ -16,6 +16,9 @@ ParamCounts CountParams(const BertClassifier& model);
 
 // Q/K parameters a standard layer of this config has (for compression ratios).
 int64_t StandardQkParamsPerLayer(const BertConfig& config);
+// Q/K parameters of a collaborative layer at rank R: W~_Q and W~_K [R, D], the mixing [N_h, R] and
+// the content bias [N_h, D]. rank 0: a standard layer's.
+int64_t CollaborativeQkParamsPerLayer(const BertConfig& config, int rank);
 
 // Loads config.json + weights of `dir` (no tokenizer, no device move): for tools and compression.
 absl::StatusOr<std::unique_ptr<BertClassifier>> LoadClassifier(const std::string& dir,

@@ -9,7 +9,8 @@
 //             FILE: {"text", "text_pair"?, "label"?} lines → accuracy; with a reference model, top-1
 //             agreement, mean KL and max |Δ logit| against it
 //   inspect   --model DIR                          → parameter counts, layers, heads, ranks
-//   compress  --model IN --out OUT (--rank R | --ratio X | --ranks r1,... | --max_error E) ...
+//   compress  --model IN --out OUT (--rank R | --ratio X | --ranks r1,... | --max_error E |
+//             --target_agreement A | --max_kl K) [--calibration FILE] ...
 #include <glog/logging.h>
 
 #include <ATen/Parallel.h>
@@ -369,7 +370,8 @@ int Usage() {
                "  predict  --model DIR [--batch_size B] [--device cpu|cuda[:N]]\n"
                "  evaluate --model DIR --data FILE.jsonl [--reference DIR] [--batch_size B]\n"
                "  inspect  --model DIR\n"
-               "  compress --model IN --out OUT (--rank R | --ratio X | --ranks r1,... | --max_error E)\n";
+               "  compress --model IN --out OUT (--rank R | --ratio X | --ranks r1,... | --max_error E |\n"
+               "           --target_agreement A | --max_kl K) [--calibration FILE] [--search_seconds S]\n";
   return 2;
 }
 

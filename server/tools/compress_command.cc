@@ -32,13 +32,16 @@ absl::Status Compress(int argc, char** argv) {
   ASSIGN_OR_RETURN(Flags f, Flags::Parse(argc, argv, 2,
                                          {"model", "out", "rank", "ratio", "ranks", "max_error", "max_iters",
                                           "tol", "seed", "device", "probe", "parallel_layers", "precision",
-                                          "line_search", "init", "calibration", "whiten_damping"}));
+                                          "line_search", "init", "calibration", "whiten_damping", "target_agreement",
+                                          "max_kl", "search_seconds"}));
   if (!f.Has("model") || !f.Has("out")) {
     return absl::InvalidArgumentError("compress: --model IN and --out OUT are required");
   }
-  int specs = f.Has("rank") + f.Has("ratio") + f.Has("ranks") + f.Has("max_error");
+  int specs = f.Has("rank") + f.Has("ratio") + f.Has("ranks") + f.Has("max_error") + f.Has("target_agreement") +
+              f.Has("max_kl");
   if (specs != 1) {
-    return absl::InvalidArgumentError("compress: give exactly one of --rank, --ratio, --ranks, --max_error");
+    return absl::InvalidArgumentError(
+        "compress: give exactly one of --rank, --ratio, --ranks, --max_error, --target_agreement, --max_kl");
   }
   compress::CompressOptions o;
   if (f.Has("rank")) {
@@ -57,10 +60,17 @@ absl::Status Compress(int argc, char** argv) {
       }
       o.spec.ranks.push_back(r);
     }
-  } else {
+  } else if (f.Has("max_error")) {
     o.spec.kind = compress::RankSpec::Kind::kMaxError;
     ASSIGN_OR_RETURN(o.spec.max_error, f.GetDouble("max_error", 0));
+  } else if (f.Has("target_agreement")) {
+    o.spec.kind = compress::RankSpec::Kind::kTargetAgreement;
+    ASSIGN_OR_RETURN(o.spec.target_agreement, f.GetDouble("target_agreement", 0));
+  } else {
+    o.spec.kind = compress::RankSpec::Kind::kMaxKl;
+    ASSIGN_OR_RETURN(o.spec.max_kl, f.GetDouble("max_kl", 0));
   }
+  ASSIGN_OR_RETURN(o.search_seconds, f.GetDouble("search_seconds", o.search_seconds));
   ASSIGN_OR_RETURN(int64_t iters, f.GetInt("max_iters", 100));
   ASSIGN_OR_RETURN(o.tol, f.GetDouble("tol", 1e-5));
   ASSIGN_OR_RETURN(int64_t seed, f.GetInt("seed", 0));
