@@ -28,6 +28,11 @@ ABSL_FLAG(std::string, name, "", "upload: the model name to publish under");
 ABSL_FLAG(int, rank, 0, "upload/compress: shared key/query rank for every layer");
 ABSL_FLAG(double, ratio, 0, "upload/compress: compress the key/query dimension by this factor");
 ABSL_FLAG(double, max_error, 0, "upload/compress: per-layer rank with relative error <= this");
+ABSL_FLAG(double, target_agreement, 0,
+          "upload/compress: the cheapest per-layer ranks found that keep this top-1 agreement on held-out text");
+ABSL_FLAG(double, max_kl, 0, "upload/compress: the cheapest per-layer ranks found that keep mean KL <= this");
+ABSL_FLAG(std::string, calibration, "",
+          "upload/compress: calibration text, one text per line (activation-aware CP; sent as calibration.txt)");
 ABSL_FLAG(double, min_agreement, -1,
           "upload/compress: fail (publish nothing) below this top-1 agreement (-1 = no gate)");
 ABSL_FLAG(bool, wait, false, "upload/compress: follow the job to its end and print the report");
@@ -122,8 +127,16 @@ bool CompressionFromFlags(v1::CompressionSpec* spec, bool* any) {
     spec->set_max_error(absl::GetFlag(FLAGS_max_error));
     ++n;
   }
+  if (absl::GetFlag(FLAGS_target_agreement) > 0) {
+    spec->set_target_agreement(absl::GetFlag(FLAGS_target_agreement));
+    ++n;
+  }
+  if (absl::GetFlag(FLAGS_max_kl) > 0) {
+    spec->set_max_kl(absl::GetFlag(FLAGS_max_kl));
+    ++n;
+  }
   if (n > 1) {
-    Error("give at most one of --rank, --ratio, --max_error");
+    Error("give at most one of --rank, --ratio, --max_error, --target_agreement, --max_kl");
     return false;
   }
   *any = n == 1;
@@ -188,10 +201,16 @@ int Upload(Admin& admin) {
   if (absl::GetFlag(FLAGS_min_agreement) >= 0) header.set_min_agreement(absl::GetFlag(FLAGS_min_agreement));
   header.set_activate(absl::GetFlag(FLAGS_activate));
   // Hash every known file first (the header promises sizes and digests).
-  std::vector<std::string> names;
+  std::vector<std::pair<std::string, std::string>> files;  // name in the upload, local path
+  for (const char* f : kUploadable) files.emplace_back(f, absl::StrCat(dir, "/", f));
+  const std::string calibration = absl::GetFlag(FLAGS_calibration);
+  if (!calibration.empty()) {
+    if (!std::ifstream(calibration)) return Error(absl::StrCat("cannot read --calibration ", calibration));
+    files.emplace_back("calibration.txt", calibration);
+  }
+  std::vector<std::pair<std::string, std::string>> names;
   int64_t total = 0;
-  for (const char* f : kUploadable) {
-    const std::string path = absl::StrCat(dir, "/", f);
+  for (const auto& [f, path] : files) {
     std::ifstream in(path, std::ios::binary);
     if (!in) continue;
     EVP_MD_CTX* md = EVP_MD_CTX_new();
@@ -213,7 +232,7 @@ int Upload(Admin& admin) {
     uf->set_name(f);
     uf->set_size(size);
     uf->set_sha256(absl::BytesToHexString(absl::string_view(reinterpret_cast<char*>(d), len)));
-    names.push_back(f);
+    names.emplace_back(f, path);
     total += size;
   }
   if (names.empty()) return Error(absl::StrCat(dir, " holds none of the checkpoint files"));
@@ -226,8 +245,8 @@ int Upload(Admin& admin) {
   bool ok = writer->Write(req);
   int64_t sent = 0;
   const size_t chunk = static_cast<size_t>(std::max(1, absl::GetFlag(FLAGS_chunk_bytes)));
-  for (const std::string& f : names) {
-    std::ifstream in(absl::StrCat(dir, "/", f), std::ios::binary);
+  for (const auto& [f, path] : names) {
+    std::ifstream in(path, std::ios::binary);
     std::string buf(chunk, '\0');
     int64_t offset = 0;
     while (ok && in) {
@@ -257,7 +276,8 @@ int Upload(Admin& admin) {
 
 int Compress(Admin& admin, const std::vector<std::string>& args) {
   if (args.empty() || args.size() > 2) {
-    std::cerr << "collabctl: compress NAME [SOURCE_VERSION] --rank=R|--ratio=X|--max_error=E\n";
+    std::cerr << "collabctl: compress NAME [SOURCE_VERSION] --rank=R|--ratio=X|--max_error=E|"
+                 "--target_agreement=A|--max_kl=K [--calibration=FILE]\n";
     return 2;
   }
   v1::CompressModelRequest req;
@@ -271,6 +291,14 @@ int Compress(Admin& admin, const std::vector<std::string>& args) {
   if (!CompressionFromFlags(req.mutable_compression(), &compress)) return 2;
   if (absl::GetFlag(FLAGS_min_agreement) >= 0) req.set_min_agreement(absl::GetFlag(FLAGS_min_agreement));
   req.set_activate(absl::GetFlag(FLAGS_activate));
+  if (const std::string file = absl::GetFlag(FLAGS_calibration); !file.empty()) {
+    std::ifstream in(file);
+    if (!in) return Error(absl::StrCat("cannot read --calibration ", file));
+    for (std::string line; std::getline(in, line);) {
+      if (!line.empty() && line.back() == '\r') line.pop_back();
+      if (line.find_first_not_of(" \t") != std::string::npos) req.add_calibration(line);
+    }
+  }
   auto ctx = admin.Context();
   v1::CompressModelResponse resp;
   grpc::Status s = admin.stub()->CompressModel(ctx.get(), req, &resp);

@@ -8,18 +8,21 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <filesystem>
 #include <random>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "server/compress/collaborative.h"
 #include "server/model/config.h"
 #include "server/model/engine.h"
 #include "server/model/threads.h"
+#include "server/service/admin_upload.h"
 #include "server/util/files.h"
 #include "server/util/process_memory.h"
 #include "server/util/status_macros.h"
@@ -79,6 +82,14 @@ compress::RankSpec ToRankSpec(const v1::CompressionSpec& spec) {
       r.kind = compress::RankSpec::Kind::kMaxError;
       r.max_error = spec.max_error();
       break;
+    case v1::CompressionSpec::kTargetAgreement:
+      r.kind = compress::RankSpec::Kind::kTargetAgreement;
+      r.target_agreement = spec.target_agreement();
+      break;
+    case v1::CompressionSpec::kMaxKl:
+      r.kind = compress::RankSpec::Kind::kMaxKl;
+      r.max_kl = spec.max_kl();
+      break;
     case v1::CompressionSpec::SPEC_NOT_SET:
       break;
   }
@@ -127,12 +138,63 @@ absl::Status ParseCompressionSpec(const v1::CompressionSpec& spec, bool* request
             absl::StrCat("compression.max_error must be in (0, 1), got ", spec.max_error()));
       }
       break;
+    case v1::CompressionSpec::kTargetAgreement:
+      if (!(spec.target_agreement() > 0 && spec.target_agreement() <= 1)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("compression.target_agreement must be in (0, 1], got ", spec.target_agreement()));
+      }
+      break;
+    case v1::CompressionSpec::kMaxKl:
+      if (!(spec.max_kl() > 0) || !std::isfinite(spec.max_kl())) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("compression.max_kl must be a finite number > 0, got ", spec.max_kl()));
+      }
+      break;
     case v1::CompressionSpec::SPEC_NOT_SET:
       break;
+  }
+  if (!(spec.search_seconds() >= 0) || !std::isfinite(spec.search_seconds())) {
+    return absl::InvalidArgumentError("compression.search_seconds must be a finite number >= 0");
   }
   if (spec.max_iters() < 0) return absl::InvalidArgumentError("compression.max_iters is negative");
   if (spec.tol() < 0) return absl::InvalidArgumentError("compression.tol is negative");
   return absl::OkStatus();
+}
+
+// Calibration texts as a CompressModel request carries them: each a valid UTF-8 text without NUL
+// bytes, at least compress::kMinCalibrationTexts of them (or none), kMaxCalibrationBytes in all.
+absl::Status ValidateCalibrationTexts(const std::vector<std::string>& texts) {
+  if (texts.empty()) return absl::OkStatus();
+  int64_t bytes = 0;
+  for (size_t i = 0; i < texts.size(); ++i) {
+    bytes += static_cast<int64_t>(texts[i].size());
+    RETURN_IF_ERROR(compress::ParseCalibrationText(texts[i], absl::StrCat("calibration text ", i + 1)).status());
+  }
+  if (bytes > UploadSession::kMaxCalibrationBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("the calibration texts are ", bytes, " bytes; at most ",
+                                                   UploadSession::kMaxCalibrationBytes));
+  }
+  if (texts.size() < static_cast<size_t>(compress::kMinCalibrationTexts)) {
+    return absl::InvalidArgumentError(absl::StrCat("calibration: ", texts.size(), " texts; at least ",
+                                                   compress::kMinCalibrationTexts, " are needed"));
+  }
+  return absl::OkStatus();
+}
+
+// An upload's calibration.txt, parsed (none: empty). INVALID_ARGUMENT naming the file for a binary
+// or non-UTF-8 file, one without text, or fewer than kMinCalibrationTexts texts.
+absl::StatusOr<std::vector<std::string>> ReadCalibrationFile(const std::string& dir) {
+  const std::string path = util::JoinPath(dir, UploadSession::kCalibrationFile);
+  if (!util::FileExists(path)) return std::vector<std::string>{};
+  ASSIGN_OR_RETURN(std::string bytes, util::ReadFile(path, UploadSession::kMaxCalibrationBytes));
+  ASSIGN_OR_RETURN(std::vector<std::string> texts,
+                   compress::ParseCalibrationText(bytes, UploadSession::kCalibrationFile));
+  if (texts.size() < static_cast<size_t>(compress::kMinCalibrationTexts)) {
+    return absl::InvalidArgumentError(absl::StrCat(UploadSession::kCalibrationFile, ": ", texts.size(),
+                                                   " texts; at least ", compress::kMinCalibrationTexts,
+                                                   " are needed"));
+  }
+  return texts;
 }
 
 // ---------------------------------------------------------------------------------------- Job
@@ -239,8 +301,10 @@ absl::StatusOr<std::shared_ptr<Job>> JobManager::Create(const JobSpec& spec) {
   bool compress = false;
   RETURN_IF_ERROR(ParseCompressionSpec(spec.compression, &compress));
   if (spec.kind == v1::Job::COMPRESS && !compress) {
-    return absl::InvalidArgumentError("CompressModel needs a compression spec (rank, ratio, ranks or max_error)");
+    return absl::InvalidArgumentError(
+        "CompressModel needs a compression spec (rank, ratio, ranks, max_error, target_agreement or max_kl)");
   }
+  RETURN_IF_ERROR(ValidateCalibrationTexts(spec.calibration));
   if (spec.has_min_agreement) {
     if (!(spec.min_agreement >= 0 && spec.min_agreement <= 1)) {
       return absl::InvalidArgumentError(
@@ -324,6 +388,7 @@ absl::StatusOr<std::shared_ptr<Job>> JobManager::Create(const JobSpec& spec) {
     jobs_[id] = job;
     // Probes travel beside the Job (they can be long, and GetJob need not repeat them).
     probes_[id] = spec.probes;
+    if (!spec.calibration.empty()) calibration_[id] = spec.calibration;
   }
   if (spec.kind == v1::Job::COMPRESS) {
     job->Record(Event(v1::JobEvent::QUEUED, "queued"));
@@ -538,6 +603,16 @@ absl::Status JobManager::Process(Work& work, repository::ModelRepository* repo) 
   if (spec.kind() == v1::Job::COMPRESS && compress && config.collaborative.present()) {
     return absl::InvalidArgumentError(absl::StrCat(work.input_dir, ": the model is already collaborative"));
   }
+  // The calibration text: an upload's calibration.txt (checked before the checkpoint is loaded, so
+  // a bad one fails the upload at once), or the CompressModel request's texts.
+  std::vector<std::string> calibration;
+  if (compress && spec.kind() == v1::Job::UPLOAD) {
+    ASSIGN_OR_RETURN(calibration, ReadCalibrationFile(work.input_dir));
+  } else if (compress) {
+    absl::MutexLock l(&mu_);
+    auto it = calibration_.find(job.id());
+    if (it != calibration_.end()) calibration = it->second;
+  }
   // One load serves both validation and compression: the engine that accepted the checkpoint is
   // the model CP conversion reads (compression needs it on the CPU in float32).
   std::unique_ptr<model::Engine> engine;
@@ -602,6 +677,25 @@ absl::Status JobManager::Process(Work& work, repository::ModelRepository* repo) 
       auto it = probes_.find(job.id());
       if (it != probes_.end()) o.probes = it->second;
     }
+    if (spec.compression().search_seconds() > 0) o.search_seconds = spec.compression().search_seconds();
+    o.calibration = std::move(calibration);
+    job.Record(Event(v1::JobEvent::CALIBRATED,
+                     !o.calibration.empty()
+                         ? absl::StrFormat("whitening on: %d calibration texts, fitted on the first %.0f%%, "
+                                           "fidelity measured on the rest",
+                                           o.calibration.size(), 100 * o.calibration_fit_fraction)
+                     : spec.kind() == v1::Job::UPLOAD
+                         ? "whitening off: the upload has no calibration.txt (plain weight-space CP)"
+                         : "whitening off: the request has no calibration texts (plain weight-space CP)"));
+    int trials = 0;
+    o.on_trial = [&job, &trials](const compress::RankSearchReport::Trial& t) {
+      job.Record(Event(v1::JobEvent::SEARCH_TRIAL,
+                       absl::StrFormat("search trial %d: ranks [%s], %d Q/K parameters: top-1 agreement %.4f, "
+                                       "mean KL %.4g: %s",
+                                       ++trials, absl::StrJoin(t.ranks, ","), t.qk_params,
+                                       t.fidelity.top1_agreement, t.fidelity.mean_kl,
+                                       t.meets ? "meets the target" : "misses the target")));
+    };
     o.source = spec.kind() == v1::Job::UPLOAD
                    ? absl::StrCat("upload ", spec.model_name(), " job ", job.id())
                    : absl::StrCat(spec.model_name(), "/", spec.source_version());
@@ -639,6 +733,7 @@ absl::Status JobManager::Process(Work& work, repository::ModelRepository* repo) 
       l->set_relative_error(lr.relative_error);
       l->set_iterations(lr.iterations);
       l->set_seconds(lr.seconds);
+      if (lr.activation_error >= 0) l->set_activation_error(lr.activation_error);
     }
     report_proto.set_qk_params_before(report->qk_params_before);
     report_proto.set_qk_params_after(report->qk_params_after);
@@ -653,9 +748,10 @@ absl::Status JobManager::Process(Work& work, repository::ModelRepository* repo) 
     report_proto.set_json(report->ToJson());
     v1::JobEvent e = Event(
         v1::JobEvent::FIDELITY_MEASURED,
-        absl::StrFormat("fidelity on %d probes: top-1 agreement %.4f, max |logit diff| %.4g, "
+        absl::StrFormat("fidelity on %d %s: top-1 agreement %.4f, max |logit diff| %.4g, "
                         "mean KL %.4g",
-                        f->probes(), f->top1_agreement(), f->max_abs_logit_diff(), f->mean_kl()));
+                        f->probes(), report->whitened ? "held-out calibration texts" : "probes",
+                        f->top1_agreement(), f->max_abs_logit_diff(), f->mean_kl()));
     *e.mutable_fidelity() = *f;
     job.Record(e, [&](v1::Job* j) { *j->mutable_report() = report_proto; });
     if (spec.has_min_agreement() && f->top1_agreement() < spec.min_agreement()) {
@@ -743,6 +839,7 @@ void JobManager::Finish(const std::shared_ptr<Job>& job, const absl::Status& sta
 void JobManager::ReleaseLocked(const Job& job) {
   pending_.erase(job.id());
   probes_.erase(job.id());
+  calibration_.erase(job.id());
   const v1::Job j = job.Snapshot(false);
   auto it = reserved_versions_.find(j.model_name());
   if (it != reserved_versions_.end()) {

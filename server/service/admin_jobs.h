@@ -107,6 +107,8 @@ struct JobSpec {
   double min_agreement = 0;
   bool activate = false;
   std::vector<std::string> probes;
+  // COMPRESS: calibration texts (activation-aware CP); an upload brings calibration.txt instead.
+  std::vector<std::string> calibration;
 };
 
 // Thread-safe. The destructor cancels every job, waits for the workers and fails what is queued.
@@ -197,6 +199,7 @@ class JobManager {
   std::map<std::string, std::set<int64_t>> reserved_versions_ ABSL_GUARDED_BY(mu_);
   std::deque<Work> queue_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::vector<std::string>> probes_ ABSL_GUARDED_BY(mu_);  // job -> probes
+  std::map<std::string, std::vector<std::string>> calibration_ ABSL_GUARDED_BY(mu_);  // job -> texts
   std::vector<std::thread> workers_;
   absl::Mutex publish_mu_;
   bool publisher_stopping_ ABSL_GUARDED_BY(publish_mu_) = false;

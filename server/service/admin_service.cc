@@ -371,6 +371,7 @@ grpc::ServerUnaryReactor* AdminService::CompressModel(grpc::CallbackServerContex
   spec.min_agreement = request->min_agreement();
   spec.activate = request->activate();
   spec.probes.assign(request->probes().begin(), request->probes().end());
+  spec.calibration.assign(request->calibration().begin(), request->calibration().end());
   absl::StatusOr<std::shared_ptr<Job>> job = jobs_->Create(spec);
   if (!job.ok()) return Done(context, job.status());
   const v1::Job j = (*job)->Snapshot(false);

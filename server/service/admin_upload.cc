@@ -21,7 +21,8 @@ namespace {
 
 constexpr const char* kKnownFiles[] = {"config.json",         "vocab.txt",
                                        "tokenizer_config.json", "special_tokens_map.json",
-                                       "model.safetensors",   "pytorch_model.bin"};
+                                       "model.safetensors",   "pytorch_model.bin",
+                                       UploadSession::kCalibrationFile};
 
 // A full disk or quota is RESOURCE_EXHAUSTED (as for a compression job's output), anything else
 // INTERNAL.
@@ -67,7 +68,7 @@ absl::Status UploadSession::ValidateHeader(const v1::UploadHeader& header,
       return absl::InvalidArgumentError(absl::StrCat(
           "unknown file '", absl::CHexEscape(name),
           "': an upload holds only config.json, vocab.txt, tokenizer_config.json, "
-          "special_tokens_map.json and model.safetensors or pytorch_model.bin"));
+          "special_tokens_map.json, model.safetensors or pytorch_model.bin, and calibration.txt"));
     }
     if (!names.insert(name).second) {
       return absl::InvalidArgumentError(absl::StrCat("file '", name, "' is listed twice"));
@@ -87,6 +88,16 @@ absl::Status UploadSession::ValidateHeader(const v1::UploadHeader& header,
           absl::StrCat("file '", name, "': sha256 must be 64 hexadecimal digits"));
     }
     if (name == "model.safetensors" || name == "pytorch_model.bin") ++weights;
+    if (name == kCalibrationFile) {
+      if (header.compression().spec_case() == v1::CompressionSpec::SPEC_NOT_SET) {
+        return absl::InvalidArgumentError(
+            "calibration.txt is only read to compress: the upload has no compression request");
+      }
+      if (f.size() > kMaxCalibrationBytes) {
+        return absl::InvalidArgumentError(absl::StrCat("file 'calibration.txt' is ", f.size(),
+                                                       " bytes; at most ", kMaxCalibrationBytes));
+      }
+    }
   }
   for (const char* required : {"config.json", "vocab.txt"}) {
     if (names.count(required) == 0) {

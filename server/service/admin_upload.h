@@ -21,12 +21,17 @@ namespace collabserve::service {
 // (it does not remove them: the staging directory belongs to the job).
 class UploadSession {
  public:
-  // The files an upload may contain (a Hugging Face BERT directory).
+  // The files an upload may contain (a Hugging Face BERT directory, and calibration text for a
+  // compression request).
   static bool IsKnownFile(const std::string& name);
+  static constexpr const char* kCalibrationFile = "calibration.txt";
+  static constexpr int64_t kMaxCalibrationBytes = int64_t{16} << 20;
 
   // Checks the header alone: a valid model name, at least config.json, vocab.txt and exactly one
   // of model.safetensors / pytorch_model.bin, no path separators or "..", no unknown or duplicate
-  // names, sizes >= 0 adding up to at most `max_upload_bytes`, 64-hex-digit SHA-256s.
+  // names, sizes >= 0 adding up to at most `max_upload_bytes`, 64-hex-digit SHA-256s;
+  // calibration.txt only with a compression request and at most kMaxCalibrationBytes (its text is
+  // checked by the job: UTF-8, no NUL byte, enough texts).
   // INVALID_ARGUMENT naming the file and the problem.
   static absl::Status ValidateHeader(const v1::UploadHeader& header, int64_t max_upload_bytes);
 

@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
 #include <vector>
@@ -44,6 +45,16 @@ using ::collabserve::testing::Watch;
 using ::testing::HasSubstr;
 
 constexpr char kToken[] = "s3cret-admin-token";
+
+// One text per line, `n` of them (calibration.txt).
+std::string CalibrationFile(int n) {
+  std::string out;
+  for (int i = 0; i < n; ++i) {
+    out += absl::StrCat("calibration sentence number ", i, " about ", i % 3 == 0 ? "films" : "weather",
+                        " and other things\n");
+  }
+  return out;
+}
 
 std::vector<std::string> Texts() {
   return {"the movie was wonderful", "a dull and tedious evening", "hello world",
@@ -343,6 +354,42 @@ TEST_F(AdminServiceTest, EveryRefusalIsInvalidArgumentAndLeavesNothing) {
     h.mutable_compression()->set_rank(-3);
     cases.push_back({"negative rank", h, files_, "compression.rank"});
   }
+  {
+    v1::UploadHeader h = Header("up");
+    h.mutable_compression()->set_target_agreement(1.5);
+    cases.push_back({"target above 1", h, files_, "compression.target_agreement must be in (0, 1]"});
+  }
+  {
+    v1::UploadHeader h = Header("up");
+    h.mutable_compression()->set_max_kl(-1);
+    cases.push_back({"negative max_kl", h, files_, "compression.max_kl"});
+  }
+  // calibration.txt: only with a compression request, at most 16 MiB, text of >= 16 lines.
+  auto with_calibration = [&](const std::string& what, const std::string& text, const std::string& message,
+                              bool compress = true) {
+    auto files = files_;
+    files["calibration.txt"] = text;
+    v1::UploadHeader h = HeaderFor("up", files);
+    if (compress) h.mutable_compression()->set_rank(8);
+    cases.push_back({what, h, files, message});
+  };
+  with_calibration("calibration without compression", CalibrationFile(20), "only read to compress", false);
+  with_calibration("binary calibration", CalibrationFile(20) + std::string("\0\x01\x02", 3),
+                   "calibration.txt: a NUL byte");
+  with_calibration("empty calibration", "", "calibration.txt: no text lines");
+  with_calibration("calibration of blank lines", "\n \n\t\n", "calibration.txt: no text lines");
+  with_calibration("non-UTF-8 calibration", CalibrationFile(20) + "caf\xe9\n", "line 21 is not valid UTF-8");
+  with_calibration("too little calibration", CalibrationFile(5), "calibration.txt: 5 texts; at least 16");
+  {
+    auto files = files_;
+    files["calibration.txt"] = CalibrationFile(20);
+    v1::UploadHeader h = HeaderFor("up", files);
+    h.mutable_compression()->set_rank(8);
+    for (auto& f : *h.mutable_files()) {
+      if (f.name() == "calibration.txt") f.set_size((16 << 20) + 1);
+    }
+    cases.push_back({"calibration too large", h, files, "'calibration.txt' is 16777217 bytes; at most 16777216"});
+  }
   for (const Case& c : cases) {
     v1::UploadModelResponse r;
     grpc::Status s = Upload(c.header, c.files, &r);
@@ -383,6 +430,111 @@ TEST_F(AdminServiceTest, EveryRefusalIsInvalidArgumentAndLeavesNothing) {
   // The existing model still serves.
   v1::ClassifyResponse cr;
   EXPECT_TRUE(Classify("tiny", std::nullopt, &cr).ok());
+}
+
+TEST_F(AdminServiceTest, UploadWithCalibrationAndATargetSearchesWhitenedRanks) {
+  Start();
+  auto files = files_;
+  files["calibration.txt"] = CalibrationFile(60);
+  v1::UploadHeader h = HeaderFor("cal", files);
+  h.mutable_compression()->set_target_agreement(0.9);
+  h.set_activate(true);
+  v1::UploadModelResponse r;
+  grpc::Status s = Upload(h, files, &r);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  std::vector<v1::WatchJobResponse> events = Watch(admin_stub_.get(), kToken, r.job_id());
+  v1::Job job = GetJob(r.job_id());
+  ASSERT_EQ(job.state(), v1::Job::SUCCEEDED) << job.error();
+  std::vector<std::string> calibrated, trials;
+  for (const auto& e : events) {
+    if (e.event().kind() == v1::JobEvent::CALIBRATED) calibrated.push_back(e.event().message());
+    if (e.event().kind() == v1::JobEvent::SEARCH_TRIAL) trials.push_back(e.event().message());
+  }
+  ASSERT_EQ(calibrated.size(), 1u);
+  EXPECT_THAT(calibrated[0], HasSubstr("whitening on: 60 calibration texts"));
+  ASSERT_FALSE(trials.empty());
+  EXPECT_THAT(trials[0], HasSubstr("search trial 1: ranks ["));
+  auto report = nlohmann::json::parse(job.report().json());
+  EXPECT_TRUE(report["whitening"]["on"].get<bool>());
+  EXPECT_EQ(report["whitening"]["fit_texts"], 48);
+  EXPECT_EQ(report["whitening"]["heldout_texts"], 12);
+  ASSERT_TRUE(report.contains("search"));
+  EXPECT_EQ(report["search"]["texts"], 12);
+  EXPECT_EQ(report["search"]["trials"].size(), trials.size());
+  EXPECT_EQ(job.report().fidelity().probes(), 12);  // measured on the held-out part
+  EXPECT_GE(job.report().fidelity().top1_agreement(), 0.9);
+  for (const auto& l : job.report().layers()) {
+    if (l.rank() > 0) {
+      EXPECT_TRUE(l.has_activation_error());
+    }
+  }
+  // calibration.txt is read, not published.
+  const std::string version_dir = repo_.path() + "/cal/1";
+  ASSERT_TRUE(std::filesystem::exists(version_dir + "/config.json"));
+  EXPECT_FALSE(std::filesystem::exists(version_dir + "/calibration.txt"));
+  v1::ClassifyResponse cr;
+  EXPECT_TRUE(Classify("cal", std::nullopt, &cr).ok());
+  EXPECT_TRUE(StagingEmpty());
+}
+
+TEST_F(AdminServiceTest, WithoutCalibrationTheJobSaysWhiteningIsOff) {
+  Start();
+  v1::UploadHeader h = Header("plain");
+  h.mutable_compression()->set_rank(8);
+  v1::UploadModelResponse r;
+  ASSERT_TRUE(Upload(h, &r).ok());
+  std::vector<v1::WatchJobResponse> events = Watch(admin_stub_.get(), kToken, r.job_id());
+  bool said = false;
+  for (const auto& e : events) {
+    if (e.event().kind() == v1::JobEvent::CALIBRATED) {
+      said = true;
+      EXPECT_THAT(e.event().message(), HasSubstr("whitening off: the upload has no calibration.txt"));
+    }
+  }
+  EXPECT_TRUE(said);
+  v1::Job job = GetJob(r.job_id());
+  ASSERT_EQ(job.state(), v1::Job::SUCCEEDED) << job.error();
+  EXPECT_FALSE(nlohmann::json::parse(job.report().json())["whitening"]["on"].get<bool>());
+  for (const auto& l : job.report().layers()) EXPECT_FALSE(l.has_activation_error());
+}
+
+TEST_F(AdminServiceTest, CompressModelTakesCalibrationTextsAndRefusesBadOnes) {
+  Start();
+  auto compress = [&](const std::vector<std::string>& texts, v1::CompressModelResponse* resp) {
+    grpc::ClientContext ctx;
+    Authorize(&ctx, kToken);
+    v1::CompressModelRequest req;
+    req.set_model_name("tiny");
+    req.mutable_compression()->set_rank(8);
+    for (const auto& t : texts) req.add_calibration(t);
+    return admin_stub_->CompressModel(&ctx, req, resp);
+  };
+  std::vector<std::string> texts;
+  for (int i = 0; i < 20; ++i) texts.push_back(absl::StrCat("a calibration text, number ", i));
+  v1::CompressModelResponse resp;
+  grpc::Status s = compress(texts, &resp);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  v1::Job j = WaitJob(resp.job_id());
+  ASSERT_EQ(j.state(), v1::Job::SUCCEEDED) << j.error();
+  EXPECT_TRUE(nlohmann::json::parse(j.report().json())["whitening"]["on"].get<bool>());
+  EXPECT_EQ(j.report().fidelity().probes(), 4);
+
+  auto refused = [&](std::vector<std::string> bad, const std::string& message) {
+    v1::CompressModelResponse r;
+    grpc::Status st = compress(bad, &r);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << message;
+    EXPECT_THAT(st.error_message(), HasSubstr(message));
+  };
+  auto with = [&](int i, std::string t) {
+    auto b = texts;
+    b[i] = std::move(t);
+    return b;
+  };
+  refused(with(3, std::string("bin\0ary", 7)), "calibration text 4: a NUL byte");
+  // (Invalid UTF-8 cannot travel: protobuf refuses to serialize it into a string field.)
+  refused(with(0, "   "), "calibration text 1: no text lines");
+  refused({texts.begin(), texts.begin() + 3}, "calibration: 3 texts; at least 16");
+  EXPECT_EQ(VersionDirs("tiny"), (std::vector<std::string>{"1", "2"}));
 }
 
 TEST_F(AdminServiceTest, FidelityGateFailsAndPublishesNothing) {

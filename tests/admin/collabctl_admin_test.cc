@@ -28,6 +28,8 @@ ABSL_DECLARE_FLAG(int, rank);
 ABSL_DECLARE_FLAG(double, ratio);
 ABSL_DECLARE_FLAG(bool, wait);
 ABSL_DECLARE_FLAG(std::string, token_file);
+ABSL_DECLARE_FLAG(double, target_agreement);
+ABSL_DECLARE_FLAG(std::string, calibration);
 
 namespace collabserve::client {
 namespace {
@@ -114,8 +116,9 @@ TEST(CollabctlAdminTest, UploadWaitJobsLoadUnload) {
 }
 
 // What an admin does with a fine-tuned model: `collabctl upload` of the trained demo checkpoint at
-// D̃ = D_k/4 (64 of 256), then its accuracy on the committed test split through the Inference API,
-// next to the original's, served beside it.
+// D̃ = D_k/4 (64 of 256), and once more with calibration text and a fidelity target instead of a
+// rank, then their accuracy on the committed test split through the Inference API, next to the
+// original's, served beside them.
 TEST(CollabctlAdminTest, UploadedDemoAtAQuarterRankKeepsItsAccuracyOverGrpc) {
   TempDir repo, tok;
   ASSERT_TRUE(model::WriteDemoCheckpoint(repo.path() + "/demo/1").ok());
@@ -132,6 +135,12 @@ TEST(CollabctlAdminTest, UploadedDemoAtAQuarterRankKeepsItsAccuracyOverGrpc) {
   char* none[] = {nullptr};
   ASSERT_EQ(RunAdminCommand("upload", 0, none, address), 0);
   absl::SetFlag(&FLAGS_rank, 0);
+  absl::SetFlag(&FLAGS_name, "demo-t99");
+  absl::SetFlag(&FLAGS_target_agreement, 0.99);
+  absl::SetFlag(&FLAGS_calibration, SourceDir() + "/tests/data/demo/calibration.txt");
+  ASSERT_EQ(RunAdminCommand("upload", 0, none, address), 0);
+  absl::SetFlag(&FLAGS_target_agreement, 0.0);
+  absl::SetFlag(&FLAGS_calibration, "");
 
   ClientOptions co;
   co.address = address;
@@ -172,6 +181,22 @@ TEST(CollabctlAdminTest, UploadedDemoAtAQuarterRankKeepsItsAccuracyOverGrpc) {
   // and >= 97% of its answers.
   EXPECT_GE(right_compressed / n, right_original / n - 0.01) << right_compressed << " vs " << right_original;
   EXPECT_GE(agree / n, 0.97) << agree << " of " << texts.size();
+
+  // The target search (compress RESULTS section 10: 8.7x fewer Q/K parameters, 99.3% of the test
+  // answers). The target held on the held-out calibration texts by construction; on the test split,
+  // which the search never saw, allow half a point.
+  const std::vector<std::string> targeted = classify("demo-t99");
+  ASSERT_EQ(targeted.size(), texts.size());
+  int agree_t = 0, right_t = 0;
+  for (size_t i = 0; i < texts.size(); ++i) {
+    agree_t += original[i] == targeted[i];
+    right_t += targeted[i] == labels[i];
+  }
+  EXPECT_GE(agree_t / n, 0.985) << agree_t << " of " << texts.size();
+  EXPECT_GE(right_t / n, right_original / n - 0.01);
+  auto before = (*client)->GetModel("demo"), after = (*client)->GetModel("demo-t99");
+  ASSERT_TRUE(before.ok() && after.ok());
+  EXPECT_GE(static_cast<double>(before->parameters().attention_qk()) / after->parameters().attention_qk(), 8.0);
 }
 
 TEST(CollabctlAdminTest, TalksTlsToAnAdminServiceBehindTls) {

@@ -48,7 +48,8 @@ void CheckAccepted(const collabserve::v1::UploadHeader& h, int64_t max_upload_by
   if (h.has_version() && h.version() <= 0) Fail("a non-positive version", std::to_string(h.version()));
   static const std::set<std::string> kKnown = {"config.json",       "vocab.txt",
                                                "tokenizer_config.json", "special_tokens_map.json",
-                                               "model.safetensors", "pytorch_model.bin"};
+                                               "model.safetensors", "pytorch_model.bin",
+                                               "calibration.txt"};
   std::set<std::string> names;
   int64_t total = 0;
   int weights = 0;
@@ -65,6 +66,12 @@ void CheckAccepted(const collabserve::v1::UploadHeader& h, int64_t max_upload_by
     if (f.sha256().size() != 64 || !IsHex(f.sha256())) Fail("a bad sha256", f.sha256());
     if (!UploadSession::IsKnownFile(name)) Fail("a name IsKnownFile refuses", name);
     if (name == "model.safetensors" || name == "pytorch_model.bin") ++weights;
+    if (name == "calibration.txt") {
+      if (h.compression().spec_case() == collabserve::v1::CompressionSpec::SPEC_NOT_SET) {
+        Fail("calibration.txt without a compression request", name);
+      }
+      if (f.size() > (int64_t{16} << 20)) Fail("a calibration.txt above 16 MiB", std::to_string(f.size()));
+    }
   }
   if (names.count("config.json") == 0) Fail("no config.json", model);
   if (names.count("vocab.txt") == 0) Fail("no vocab.txt", model);
