@@ -728,7 +728,7 @@ namespace {
 // Fits the whitening on the first part of o->calibration and, when no probes were given, makes the
 // rest the fidelity probes; records both in the report.
 absl::Status PrepareWhitening(const model::BertClassifier& source, const std::string& vocab_dir,
-                              CompressOptions* o, CompressReport* report) {
+                              CompressOptions* o, CompressReport* report, std::vector<std::string>* fit_out) {
   const int64_t n = static_cast<int64_t>(o->calibration.size());
   if (n < kMinCalibrationTexts) {
     return absl::InvalidArgumentError(absl::StrCat("calibration: ", n, " texts; at least ",
@@ -739,7 +739,8 @@ absl::Status PrepareWhitening(const model::BertClassifier& source, const std::st
   }
   const int64_t fit = std::max<int64_t>(1, std::min<int64_t>(
       n, static_cast<int64_t>(std::ceil(o->calibration_fit_fraction * static_cast<double>(n)))));
-  std::vector<std::string> fit_texts(o->calibration.begin(), o->calibration.begin() + fit);
+  std::vector<std::string>& fit_texts = *fit_out;
+  fit_texts.assign(o->calibration.begin(), o->calibration.begin() + fit);
   auto t = Clock::now();
   ASSIGN_OR_RETURN(CalibrationStats stats, CollectCalibrationStats(source, vocab_dir, fit_texts));
   ASSIGN_OR_RETURN(o->whitening, WhiteningFromStats(stats, o->whiten_damping));
@@ -757,6 +758,54 @@ absl::Status PrepareWhitening(const model::BertClassifier& source, const std::st
                                           o->probes.empty() ? "the built-in probes" : "the given probes");
   }
   return absl::OkStatus();
+}
+
+// ConvertToCollaborative with CompressOptions::whiten_compressed_inputs: layer by layer, each
+// whitened by the statistics of its inputs in the model whose earlier layers are already
+// converted (o->whitening holds the original's; layer 0's is the same either way).
+absl::StatusOr<std::unique_ptr<model::BertClassifier>> ConvertOnCompressedInputs(
+    const model::BertClassifier& source, const std::string& vocab_dir, const std::vector<std::string>& fit_texts,
+    CompressOptions o, CompressReport* report) {
+  RETURN_IF_ERROR(internal::CheckConvertible(source, o));
+  ASSIGN_OR_RETURN(std::vector<int> ranks, ResolveRanks(o.spec, source.config()));
+  const int L = source.config().num_hidden_layers;
+  std::vector<internal::LayerDecomposition> layers(L), standard(L);
+  std::vector<const internal::LayerDecomposition*> chosen(L);
+  for (int i = 0; i < L; ++i) {
+    standard[i].report.layer = i;
+    chosen[i] = &standard[i];
+  }
+  double decompose_seconds = 0;
+  for (int l = 0; l < L; ++l) {
+    if (IsCancelled(o)) return absl::CancelledError("compression cancelled");
+    if (l > 0 && ranks[l] != 0) {
+      auto t = Clock::now();
+      CompressReport scratch;
+      ASSIGN_OR_RETURN(auto partial, internal::AssembleCollaborative(source, chosen, o, &scratch));
+      try {
+        partial->Prepare(c10::Device(c10::kCPU), c10::kFloat, /*pack_weights=*/false);
+      } catch (const std::exception& e) {
+        return absl::InternalError(absl::StrCat("preparing the partly converted model failed: ", e.what()));
+      }
+      ASSIGN_OR_RETURN(CalibrationStats st, CollectCalibrationStats(*partial, vocab_dir, fit_texts));
+      ASSIGN_OR_RETURN(std::vector<LayerWhitening> w, WhiteningFromStats(st, o.whiten_damping));
+      o.whitening[l] = std::move(w[l]);
+      report->calibration_seconds += SecondsSince(t);
+    }
+    auto t = Clock::now();
+    absl::StatusOr<internal::LayerDecomposition> d = [&] {
+      c10::InferenceMode guard;
+      return internal::DecomposeLayer(source, l, ranks[l], o);
+    }();
+    if (!d.ok()) return absl::Status(d.status().code(), absl::StrCat("layer ", l, ": ", d.status().message()));
+    layers[l] = *std::move(d);
+    decompose_seconds += SecondsSince(t);
+    chosen[l] = &layers[l];
+    if (o.on_layer) o.on_layer(layers[l].report);
+  }
+  report->decompose_seconds = decompose_seconds;
+  report->parallel_layers = 1;
+  return internal::AssembleCollaborative(source, chosen, o, report);
 }
 }  // namespace
 
@@ -782,8 +831,15 @@ absl::StatusOr<CompressReport> CompressLoadedModel(const model::BertClassifier& 
   if (o.source.empty()) o.source = in_dir;
   CompressReport report;
   step("convert");
+  const bool target = o.spec.kind == RankSpec::Kind::kTargetAgreement || o.spec.kind == RankSpec::Kind::kMaxKl;
+  if (o.whiten_compressed_inputs && (o.calibration.empty() || target)) {
+    return absl::InvalidArgumentError(
+        "whitening by the compressed model's inputs needs calibration text and a fixed rank spec (not a target)");
+  }
+  std::vector<std::string> fit_texts;
   if (!o.calibration.empty() && o.whitening.empty()) {
-    RETURN_IF_ERROR(PrepareWhitening(source, in_dir, &o, &report));
+    RETURN_IF_ERROR(PrepareWhitening(source, in_dir, &o, &report, &fit_texts));
+    if (o.whiten_compressed_inputs) absl::StrAppend(&report.whitening_note, "; each layer by its inputs in the compressed model");
   } else if (o.whitening.empty()) {
     report.whitening_note = "off: no calibration text (plain weight-space CP)";
   } else {
@@ -792,7 +848,9 @@ absl::StatusOr<CompressReport> CompressLoadedModel(const model::BertClassifier& 
   }
   auto step_start = Clock::now();
   std::unique_ptr<model::BertClassifier> compressed;
-  if (o.spec.kind == RankSpec::Kind::kTargetAgreement || o.spec.kind == RankSpec::Kind::kMaxKl) {
+  if (o.whiten_compressed_inputs && !fit_texts.empty()) {
+    ASSIGN_OR_RETURN(compressed, ConvertOnCompressedInputs(source, in_dir, fit_texts, o, &report));
+  } else if (target) {
     // The search measures on the same held-out texts as the fidelity step below.
     ASSIGN_OR_RETURN(std::vector<internal::LayerDecomposition> layers,
                      internal::SearchRanks(source, in_dir, o.probes, o, &report.search));

@@ -162,6 +162,10 @@ struct CompressOptions {
   std::vector<std::string> calibration;
   double calibration_fit_fraction = 0.8;
   double whiten_damping = 0.01;        // WhiteningFromStats' λ
+  // Whiten layer l by the inputs it gets in the compressed model (layers < l already converted,
+  // one calibration pass per layer) instead of the original's, so each layer's fit accounts for
+  // the drift of those before it. Needs calibration text and a fixed rank spec (not a target).
+  bool whiten_compressed_inputs = false;
   // One per layer: ConvertToCollaborative decomposes each layer whitened by these (empty: plain).
   // Filled from `calibration` by the two functions above; set directly by callers that have
   // their own statistics.

@@ -33,7 +33,7 @@ absl::Status Compress(int argc, char** argv) {
                                          {"model", "out", "rank", "ratio", "ranks", "max_error", "max_iters",
                                           "tol", "seed", "device", "probe", "parallel_layers", "precision",
                                           "line_search", "init", "calibration", "whiten_damping", "target_agreement",
-                                          "max_kl", "search_seconds"}));
+                                          "max_kl", "search_seconds", "whiten_inputs"}));
   if (!f.Has("model") || !f.Has("out")) {
     return absl::InvalidArgumentError("compress: --model IN and --out OUT are required");
   }
@@ -113,6 +113,13 @@ absl::Status Compress(int argc, char** argv) {
     ASSIGN_OR_RETURN(o.calibration, compress::ParseCalibrationText(text, f.Get("calibration")));
   }
   ASSIGN_OR_RETURN(o.whiten_damping, f.GetDouble("whiten_damping", o.whiten_damping));
+  // Whose layer inputs the whitening rests on: the original model's (default) or, layer by layer,
+  // the compressed model's (CompressOptions::whiten_compressed_inputs).
+  const std::string inputs = f.Get("whiten_inputs", "original");
+  if (inputs != "original" && inputs != "compressed") {
+    return absl::InvalidArgumentError(absl::StrCat("--whiten_inputs '", inputs, "' is not original or compressed"));
+  }
+  o.whiten_compressed_inputs = inputs == "compressed";
   if (absl::StartsWith(o.device, "cpu")) {
     const int cpus = util::UsableCpus();
     const int per_layer = par > 0 ? std::max<int>(1, cpus / par) : 1;

@@ -170,6 +170,66 @@ TEST_F(WhiteningTest, StatisticsComeFromTheLayerInputs) {
   EXPECT_THAT(WhiteningFromStats(*st, -1).status().message(), HasSubstr("damping"));
 }
 
+// whiten_compressed_inputs: layer 0 is whitened as before (its inputs do not depend on the
+// compression); layer 1 by the inputs it gets once layer 0 is converted, which this test collects
+// itself from that model and checks against the reported activation error.
+TEST_F(WhiteningTest, CompressedInputsWhitenEachLayerByWhatItGetsInTheCompressedModel) {
+  std::vector<std::string> texts;
+  for (int i = 0; i < 40; ++i) {
+    texts.push_back(std::string(i % 2 ? "a game with levels number " : "a tool to edit text files, version ") +
+                    std::to_string(i));
+  }
+  auto run = [&](bool compressed_inputs, std::vector<int> ranks, const std::string& name) {
+    CompressOptions o;
+    o.spec.kind = RankSpec::Kind::kPerLayer;
+    o.spec.ranks = std::move(ranks);
+    o.calibration = texts;
+    o.calibration_fit_fraction = 1.0;  // every text fits, so both variants see the same ones
+    o.whiten_compressed_inputs = compressed_inputs;
+    o.parallel_layers = 1;  // as the layer-by-layer variant runs: the same arithmetic, bit for bit
+    return CompressLoadedModel(*source_, dir_.path(), dir_.path() + "/" + name, o);
+  };
+  auto load = [&](const std::string& name) {
+    auto c = model::BertConfig::FromFile(dir_.path() + "/" + name + "/config.json");
+    EXPECT_TRUE(c.ok()) << c.status();
+    auto m = model::LoadClassifier(dir_.path() + "/" + name, *c);
+    EXPECT_TRUE(m.ok()) << m.status();
+    (*m)->Prepare(c10::Device(c10::kCPU), c10::kFloat, /*pack_weights=*/false);
+    return *std::move(m);
+  };
+  auto seq = run(true, {8, 8}, "seq");
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  auto orig = run(false, {8, 8}, "orig");
+  ASSERT_TRUE(orig.ok()) << orig.status();
+  auto first = run(false, {8, 0}, "first");  // layer 0 as both convert it, layer 1 standard
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_THAT(seq->whitening_note, HasSubstr("inputs in the compressed model"));
+  auto seq_m = load("seq"), first_m = load("first");
+  c10::InferenceMode guard;
+  EXPECT_TRUE(at::equal(seq_m->layers()[0].collab_query_w, first_m->layers()[0].collab_query_w));
+  EXPECT_NEAR(seq->layers[0].activation_error, orig->layers[0].activation_error, 1e-12);
+  // Layer 1's statistics in the model whose layer 0 is converted.
+  auto st = CollectCalibrationStats(*first_m, dir_.path(), texts);
+  ASSERT_TRUE(st.ok()) << st.status();
+  auto w = WhiteningFromStats(*st, 0.01);
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_NEAR(ActivationError(*seq_m, 1, (*w)[1]), seq->layers[1].activation_error, 1e-4);
+  EXPECT_GT(std::abs(seq->layers[1].activation_error - orig->layers[1].activation_error), 1e-4)
+      << seq->layers[1].activation_error << " " << orig->layers[1].activation_error;
+
+  // Refused without calibration text or with a target.
+  CompressOptions bad;
+  bad.whiten_compressed_inputs = true;
+  bad.spec.rank = 8;
+  auto r = CompressLoadedModel(*source_, dir_.path(), dir_.path() + "/bad", bad);
+  EXPECT_THAT(r.status().message(), HasSubstr("needs calibration text and a fixed rank spec"));
+  bad.calibration = texts;
+  bad.spec.kind = RankSpec::Kind::kTargetAgreement;
+  bad.spec.target_agreement = 0.9;
+  r = CompressLoadedModel(*source_, dir_.path(), dir_.path() + "/bad", bad);
+  EXPECT_THAT(r.status().message(), HasSubstr("needs calibration text and a fixed rank spec"));
+}
+
 TEST(CalibrationTextTest, ParsesLinesAndRefusesWhatIsNotText) {
   auto ok = ParseCalibrationText("one\r\n\n  \ntwo words\n", "c.txt");
   ASSERT_TRUE(ok.ok());
