@@ -161,6 +161,8 @@ absl::Status ParseCompressionSpec(const v1::CompressionSpec& spec, bool* request
   return absl::OkStatus();
 }
 
+namespace {
+
 // Calibration texts as a CompressModel request carries them: each a valid UTF-8 text without NUL
 // bytes, at least compress::kMinCalibrationTexts of them (or none), kMaxCalibrationBytes in all.
 absl::Status ValidateCalibrationTexts(const std::vector<std::string>& texts) {
@@ -196,6 +198,8 @@ absl::StatusOr<std::vector<std::string>> ReadCalibrationFile(const std::string& 
   }
   return texts;
 }
+
+}  // namespace
 
 // ---------------------------------------------------------------------------------------- Job
 
@@ -563,17 +567,196 @@ void JobManager::Run(Work work) {
   if (work.on_validated) work.on_validated(status);
 }
 
+namespace {
+
+absl::Status Cancelled(const Job& job) {
+  return absl::CancelledError(absl::StrCat("job ", job.id(), " was cancelled"));
+}
+
+// Step 1 (an upload): its checksums.
+absl::Status VerifyUpload(Job& job, std::function<absl::Status()>& verify, util::MemoryPhases& memory) {
+  if (!verify) return absl::OkStatus();
+  memory.Begin("verify");
+  job.Record(Event(v1::JobEvent::VALIDATING, "verifying checksums"));
+  RETURN_IF_ERROR(verify());
+  verify = nullptr;
+  return absl::OkStatus();
+}
+
+// Step 2: config.json, which every later step reads. INVALID_ARGUMENT for a bad one, or for a
+// CompressModel of a model that is already collaborative.
+absl::StatusOr<model::BertConfig> ReadConfig(const v1::Job& spec, const std::string& input_dir, bool compress) {
+  absl::StatusOr<model::BertConfig> config = model::BertConfig::FromFile(util::JoinPath(input_dir, "config.json"));
+  if (!config.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("the engine rejects the checkpoint: ", config.status().message()));
+  }
+  if (spec.kind() == v1::Job::COMPRESS && compress && config->collaborative.present()) {
+    return absl::InvalidArgumentError(absl::StrCat(input_dir, ": the model is already collaborative"));
+  }
+  return config;
+}
+
+// Step 3 (an upload): the engine loads the checkpoint to validate it, and the rank spec must
+// resolve for it. Returns the engine when the job compresses (on the CPU, float32, unpacked: the
+// model CP conversion reads, so the checkpoint is read once), else null. Records VALIDATED and
+// tells the uploading client.
+absl::StatusOr<std::unique_ptr<model::Engine>> ValidateUpload(
+    Job& job, const v1::Job& spec, const std::string& input_dir, const model::BertConfig& config, bool compress,
+    const std::string& serving_device, std::function<void(const absl::Status&)>& on_validated,
+    util::MemoryPhases& memory) {
+  memory.Begin("validate");
+  job.Record(Event(v1::JobEvent::VALIDATING, "loading the checkpoint to validate it"));
+  absl::Status valid;
+  std::unique_ptr<model::Engine> engine;
+  {
+    model::EngineOptions eo;
+    eo.device = compress ? "cpu" : serving_device;
+    eo.pack_weights = false;  // validated, converted and measured here, never served
+    absl::StatusOr<std::unique_ptr<model::Engine>> loaded = model::Engine::Load(input_dir, eo);
+    if (!loaded.ok()) {
+      valid = absl::InvalidArgumentError(absl::StrCat("the engine rejects the checkpoint: ", loaded.status().message()));
+    } else if (compress && !(*loaded)->info().collaborative_ranks.empty()) {
+      valid = absl::InvalidArgumentError(
+          "the checkpoint is already collaborative; upload it without a compression request");
+    } else if (compress) {
+      absl::StatusOr<std::vector<int>> ranks = compress::ResolveRanks(ToRankSpec(spec.compression()), config);
+      if (!ranks.ok()) valid = absl::InvalidArgumentError(ranks.status().message());
+    }
+    if (valid.ok() && compress) engine = std::move(*loaded);
+  }  // an engine that only validated is freed here
+  // Give the heap's free pages back to the OS (glibc keeps freed chunks otherwise): loading
+  // leaves ~350 MiB of freed per-tensor copies behind for BERT-base, and an engine that only
+  // validated is gone.
+  util::ReleaseFreedMemory();
+  RETURN_IF_ERROR(valid);
+  job.Record(Event(v1::JobEvent::VALIDATED, "checkpoint accepted"));
+  if (on_validated) {
+    on_validated(absl::OkStatus());
+    on_validated = nullptr;
+  }
+  return engine;
+}
+
+// Step 4 (compression): what the compressor is asked, from the job's spec, probes and calibration
+// text; records CALIBRATED (whitening on or off, and why).
+compress::CompressOptions CompressionOptions(Job& job, const v1::Job& spec, std::vector<std::string> probes,
+                                             std::vector<std::string> calibration, const std::string& device) {
+  compress::CompressOptions o;
+  o.spec = ToRankSpec(spec.compression());
+  if (spec.compression().max_iters() > 0) o.max_iters = spec.compression().max_iters();
+  if (spec.compression().tol() > 0) o.tol = spec.compression().tol();
+  if (spec.compression().search_seconds() > 0) o.search_seconds = spec.compression().search_seconds();
+  o.seed = spec.compression().seed();
+  o.device = device;
+  // Automatic: one layer per CPU, since this worker runs ATen single-threaded. The workers are
+  // this thread's children, so they run at its idle priority and classification preempts them.
+  o.parallel_layers = 0;
+  o.probes = std::move(probes);
+  o.calibration = std::move(calibration);
+  o.source = spec.kind() == v1::Job::UPLOAD ? absl::StrCat("upload ", spec.model_name(), " job ", job.id())
+                                            : absl::StrCat(spec.model_name(), "/", spec.source_version());
+  job.Record(Event(v1::JobEvent::CALIBRATED,
+                   !o.calibration.empty()
+                       ? absl::StrFormat("whitening on: %d calibration texts, fitted on the first %.0f%%, "
+                                         "fidelity measured on the rest",
+                                         o.calibration.size(), 100 * o.calibration_fit_fraction)
+                   : spec.kind() == v1::Job::UPLOAD
+                       ? "whitening off: the upload has no calibration.txt (plain weight-space CP)"
+                       : "whitening off: the request has no calibration texts (plain weight-space CP)"));
+  return o;
+}
+
+v1::CompressionReport ReportProto(const compress::CompressReport& report) {
+  v1::CompressionReport out;
+  for (const compress::LayerReport& lr : report.layers) {
+    v1::LayerResult* l = out.add_layers();
+    l->set_layer(lr.layer);
+    l->set_rank(lr.rank);
+    l->set_relative_error(lr.relative_error);
+    l->set_iterations(lr.iterations);
+    l->set_seconds(lr.seconds);
+    if (lr.activation_error >= 0) l->set_activation_error(lr.activation_error);
+  }
+  out.set_qk_params_before(report.qk_params_before);
+  out.set_qk_params_after(report.qk_params_after);
+  out.set_total_params_before(report.total_params_before);
+  out.set_total_params_after(report.total_params_after);
+  v1::FidelityResult* f = out.mutable_fidelity();
+  f->set_probes(report.fidelity.probes);
+  f->set_top1_agreement(report.fidelity.top1_agreement);
+  f->set_max_abs_logit_diff(report.fidelity.max_abs_logit_diff);
+  f->set_mean_kl(report.fidelity.mean_kl);
+  out.set_seconds(report.seconds);
+  out.set_json(report.ToJson());
+  return out;
+}
+
+// Step 5: compresses `engine`'s model into `out` (LAYER_COMPRESSED per layer, SEARCH_TRIAL per
+// trial of a target search, FIDELITY_MEASURED with the report on the job), then applies the
+// fidelity gate. The engine is freed before it returns.
+absl::Status CompressInto(Job& job, const v1::Job& spec, compress::CompressOptions o,
+                          std::unique_ptr<model::Engine> engine, const std::string& input_dir,
+                          const std::string& out, int num_layers, util::MemoryPhases& memory) {
+  job.Update([&](v1::Job* j) { j->set_num_layers(num_layers); });
+  o.on_layer = [&job, num_layers](const compress::LayerReport& lr) {
+    v1::JobEvent e = Event(v1::JobEvent::LAYER_COMPRESSED,
+                           absl::StrFormat("layer %d of %d compressed: rank %d, error %.4g", lr.layer + 1,
+                                           num_layers, lr.rank, lr.relative_error));
+    e.set_layer(lr.layer);
+    e.set_num_layers(num_layers);
+    e.set_rank(lr.rank);
+    e.set_relative_error(lr.relative_error);
+    job.Record(e, [](v1::Job* j) { j->set_layers_done(j->layers_done() + 1); });
+    // CP-ALS leaves many freed mid-sized buffers in this thread's malloc arena; return them
+    // between layers so they do not add up over the model.
+    util::ReleaseFreedMemory();
+  };
+  int trials = 0;
+  o.on_trial = [&job, &trials](const compress::RankSearchReport::Trial& t) {
+    job.Record(Event(v1::JobEvent::SEARCH_TRIAL,
+                     absl::StrFormat("search trial %d: ranks [%s], %d Q/K parameters: top-1 agreement %.4f, "
+                                     "mean KL %.4g: %s",
+                                     ++trials, absl::StrJoin(t.ranks, ","), t.qk_params, t.fidelity.top1_agreement,
+                                     t.fidelity.mean_kl, t.meets ? "meets the target" : "misses the target")));
+  };
+  o.cancelled = job.cancel_flag();
+  o.on_step = [&memory](const std::string& step) { memory.Begin(step); };
+  absl::StatusOr<compress::CompressReport> report =
+      compress::CompressLoadedModel(engine->classifier(), input_dir, out, o);
+  // The original and the compressed model are gone once the engine is: give their pages back
+  // before the repository loads the published version.
+  engine.reset();
+  util::ReleaseFreedMemory();
+  if (!report.ok()) return job.cancel_requested() ? Cancelled(job) : report.status();
+  const v1::CompressionReport proto = ReportProto(*report);
+  const v1::FidelityResult& f = proto.fidelity();
+  v1::JobEvent e = Event(v1::JobEvent::FIDELITY_MEASURED,
+                         absl::StrFormat("fidelity on %d %s: top-1 agreement %.4f, max |logit diff| %.4g, "
+                                         "mean KL %.4g",
+                                         f.probes(), report->whitened ? "held-out calibration texts" : "probes",
+                                         f.top1_agreement(), f.max_abs_logit_diff(), f.mean_kl()));
+  *e.mutable_fidelity() = f;
+  job.Record(e, [&](v1::Job* j) { *j->mutable_report() = proto; });
+  if (spec.has_min_agreement() && f.top1_agreement() < spec.min_agreement()) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "fidelity gate: top-1 agreement %.4f is below min_agreement %.4f; nothing was published",
+        f.top1_agreement(), spec.min_agreement()));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+// The job's steps in order: verify (upload), read the config, calibration text, validate (upload)
+// or load (CompressModel), compress, publish and load. Each step records its events; the first
+// error ends the job (Run turns it into the job's final state).
 absl::Status JobManager::Process(Work& work, repository::ModelRepository* repo) {
   Job& job = *work.job;
   const v1::Job spec = job.Snapshot(false);
   const repository::ServableId id{spec.model_name(), spec.version()};
   bool compress = false;
   RETURN_IF_ERROR(ParseCompressionSpec(spec.compression(), &compress));
-  const std::string staging = StagingDir(job);
-
-  auto cancelled = [&] {
-    return absl::CancelledError(absl::StrCat("job ", job.id(), " was cancelled"));
-  };
+  auto cancelled = [&] { return Cancelled(job); };
   // Resident memory of each step, logged when the job ends (bench/admin/RESULTS.md).
   util::MemoryPhases memory;
   struct LogMemory {
@@ -585,74 +768,28 @@ absl::Status JobManager::Process(Work& work, repository::ModelRepository* repo) 
   } log_memory{memory, job.id()};
   memory.Begin("received");
 
-  if (spec.kind() == v1::Job::UPLOAD && work.verify) {
-    memory.Begin("verify");
-    job.Record(Event(v1::JobEvent::VALIDATING, "verifying checksums"));
-    RETURN_IF_ERROR(work.verify());
-    work.verify = nullptr;
-  }
+  if (spec.kind() == v1::Job::UPLOAD) RETURN_IF_ERROR(VerifyUpload(job, work.verify, memory));
   if (job.cancel_requested()) return cancelled();
-
-  absl::StatusOr<model::BertConfig> config_or =
-      model::BertConfig::FromFile(util::JoinPath(work.input_dir, "config.json"));
-  if (!config_or.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("the engine rejects the checkpoint: ", config_or.status().message()));
-  }
-  const model::BertConfig& config = *config_or;
-  if (spec.kind() == v1::Job::COMPRESS && compress && config.collaborative.present()) {
-    return absl::InvalidArgumentError(absl::StrCat(work.input_dir, ": the model is already collaborative"));
-  }
+  ASSIGN_OR_RETURN(const model::BertConfig config, ReadConfig(spec, work.input_dir, compress));
   // The calibration text: an upload's calibration.txt (checked before the checkpoint is loaded, so
-  // a bad one fails the upload at once), or the CompressModel request's texts.
-  std::vector<std::string> calibration;
+  // a bad one fails the upload at once), or the CompressModel request's texts; and the probes.
+  std::vector<std::string> calibration, probes;
   if (compress && spec.kind() == v1::Job::UPLOAD) {
     ASSIGN_OR_RETURN(calibration, ReadCalibrationFile(work.input_dir));
-  } else if (compress) {
-    absl::MutexLock l(&mu_);
-    auto it = calibration_.find(job.id());
-    if (it != calibration_.end()) calibration = it->second;
   }
-  // One load serves both validation and compression: the engine that accepted the checkpoint is
-  // the model CP conversion reads (compression needs it on the CPU in float32).
+  {
+    absl::MutexLock l(&mu_);
+    if (auto it = calibration_.find(job.id()); it != calibration_.end()) calibration = it->second;
+    if (auto it = probes_.find(job.id()); it != probes_.end()) probes = it->second;
+  }
   std::unique_ptr<model::Engine> engine;
   if (spec.kind() == v1::Job::UPLOAD) {
-    memory.Begin("validate");
-    job.Record(Event(v1::JobEvent::VALIDATING, "loading the checkpoint to validate it"));
-    absl::Status valid;
-    {
-      model::EngineOptions eo;
-      eo.device = compress ? "cpu" : options_.device;
-      eo.pack_weights = false;  // validated, converted and measured here, never served
-      absl::StatusOr<std::unique_ptr<model::Engine>> loaded = model::Engine::Load(work.input_dir, eo);
-      if (!loaded.ok()) {
-        valid = absl::InvalidArgumentError(
-            absl::StrCat("the engine rejects the checkpoint: ", loaded.status().message()));
-      } else if (compress && !(*loaded)->info().collaborative_ranks.empty()) {
-        valid = absl::InvalidArgumentError(
-            "the checkpoint is already collaborative; upload it without a compression request");
-      } else if (compress) {
-        absl::StatusOr<std::vector<int>> ranks =
-            compress::ResolveRanks(ToRankSpec(spec.compression()), config);
-        if (!ranks.ok()) valid = absl::InvalidArgumentError(ranks.status().message());
-      }
-      if (valid.ok() && compress) engine = std::move(*loaded);
-    }  // an engine that only validated is freed here
-    // Give the heap's free pages back to the OS (glibc keeps freed chunks otherwise): loading
-    // leaves ~350 MiB of freed per-tensor copies behind for BERT-base, and an engine that only
-    // validated is gone.
-    util::ReleaseFreedMemory();
-    if (!valid.ok()) return valid;
-    job.Record(Event(v1::JobEvent::VALIDATED, "checkpoint accepted"));
-    if (work.on_validated) {
-      work.on_validated(absl::OkStatus());
-      work.on_validated = nullptr;
-    }
+    ASSIGN_OR_RETURN(engine, ValidateUpload(job, spec, work.input_dir, config, compress, options_.device,
+                                            work.on_validated, memory));
   }
   if (job.cancel_requested()) return cancelled();
 
   std::string publish_dir = work.input_dir;
-  v1::CompressionReport report_proto;
   if (compress) {
     if (engine == nullptr) {  // COMPRESS: the source version on disk
       memory.Begin("load");
@@ -662,104 +799,11 @@ absl::Status JobManager::Process(Work& work, repository::ModelRepository* repo) 
       util::ReleaseFreedMemory();  // as after validation
       if (job.cancel_requested()) return cancelled();
     }
-    const std::string out = util::JoinPath(staging, "out");
-    compress::CompressOptions o;
-    o.spec = ToRankSpec(spec.compression());
-    if (spec.compression().max_iters() > 0) o.max_iters = spec.compression().max_iters();
-    if (spec.compression().tol() > 0) o.tol = spec.compression().tol();
-    o.seed = spec.compression().seed();
-    o.device = options_.device;
-    // Automatic: one layer per CPU, since this worker runs ATen single-threaded. The workers are
-    // this thread's children, so they run at its idle priority and classification preempts them.
-    o.parallel_layers = 0;
-    {
-      absl::MutexLock l(&mu_);
-      auto it = probes_.find(job.id());
-      if (it != probes_.end()) o.probes = it->second;
-    }
-    if (spec.compression().search_seconds() > 0) o.search_seconds = spec.compression().search_seconds();
-    o.calibration = std::move(calibration);
-    job.Record(Event(v1::JobEvent::CALIBRATED,
-                     !o.calibration.empty()
-                         ? absl::StrFormat("whitening on: %d calibration texts, fitted on the first %.0f%%, "
-                                           "fidelity measured on the rest",
-                                           o.calibration.size(), 100 * o.calibration_fit_fraction)
-                     : spec.kind() == v1::Job::UPLOAD
-                         ? "whitening off: the upload has no calibration.txt (plain weight-space CP)"
-                         : "whitening off: the request has no calibration texts (plain weight-space CP)"));
-    int trials = 0;
-    o.on_trial = [&job, &trials](const compress::RankSearchReport::Trial& t) {
-      job.Record(Event(v1::JobEvent::SEARCH_TRIAL,
-                       absl::StrFormat("search trial %d: ranks [%s], %d Q/K parameters: top-1 agreement %.4f, "
-                                       "mean KL %.4g: %s",
-                                       ++trials, absl::StrJoin(t.ranks, ","), t.qk_params,
-                                       t.fidelity.top1_agreement, t.fidelity.mean_kl,
-                                       t.meets ? "meets the target" : "misses the target")));
-    };
-    o.source = spec.kind() == v1::Job::UPLOAD
-                   ? absl::StrCat("upload ", spec.model_name(), " job ", job.id())
-                   : absl::StrCat(spec.model_name(), "/", spec.source_version());
-    const int num_layers = config.num_hidden_layers;
-    job.Update([&](v1::Job* j) { j->set_num_layers(num_layers); });
-    o.on_layer = [&job, num_layers](const compress::LayerReport& lr) {
-      v1::JobEvent e = Event(v1::JobEvent::LAYER_COMPRESSED,
-                             absl::StrFormat("layer %d of %d compressed: rank %d, error %.4g",
-                                             lr.layer + 1, num_layers, lr.rank, lr.relative_error));
-      e.set_layer(lr.layer);
-      e.set_num_layers(num_layers);
-      e.set_rank(lr.rank);
-      e.set_relative_error(lr.relative_error);
-      job.Record(e, [](v1::Job* j) { j->set_layers_done(j->layers_done() + 1); });
-      // CP-ALS leaves many freed mid-sized buffers in this thread's malloc arena; return them
-      // between layers so they do not add up over the model.
-      util::ReleaseFreedMemory();
-    };
-    o.cancelled = job.cancel_flag();
-    o.on_step = [&memory](const std::string& step) { memory.Begin(step); };
-    absl::StatusOr<compress::CompressReport> report =
-        compress::CompressLoadedModel(engine->classifier(), work.input_dir, out, o);
-    // The original and the compressed model are gone once the engine is: give their pages back
-    // before the repository loads the published version.
-    engine.reset();
-    util::ReleaseFreedMemory();
-    if (!report.ok()) {
-      if (job.cancel_requested()) return cancelled();
-      return report.status();
-    }
-    for (const compress::LayerReport& lr : report->layers) {
-      v1::LayerResult* l = report_proto.add_layers();
-      l->set_layer(lr.layer);
-      l->set_rank(lr.rank);
-      l->set_relative_error(lr.relative_error);
-      l->set_iterations(lr.iterations);
-      l->set_seconds(lr.seconds);
-      if (lr.activation_error >= 0) l->set_activation_error(lr.activation_error);
-    }
-    report_proto.set_qk_params_before(report->qk_params_before);
-    report_proto.set_qk_params_after(report->qk_params_after);
-    report_proto.set_total_params_before(report->total_params_before);
-    report_proto.set_total_params_after(report->total_params_after);
-    v1::FidelityResult* f = report_proto.mutable_fidelity();
-    f->set_probes(report->fidelity.probes);
-    f->set_top1_agreement(report->fidelity.top1_agreement);
-    f->set_max_abs_logit_diff(report->fidelity.max_abs_logit_diff);
-    f->set_mean_kl(report->fidelity.mean_kl);
-    report_proto.set_seconds(report->seconds);
-    report_proto.set_json(report->ToJson());
-    v1::JobEvent e = Event(
-        v1::JobEvent::FIDELITY_MEASURED,
-        absl::StrFormat("fidelity on %d %s: top-1 agreement %.4f, max |logit diff| %.4g, "
-                        "mean KL %.4g",
-                        f->probes(), report->whitened ? "held-out calibration texts" : "probes",
-                        f->top1_agreement(), f->max_abs_logit_diff(), f->mean_kl()));
-    *e.mutable_fidelity() = *f;
-    job.Record(e, [&](v1::Job* j) { *j->mutable_report() = report_proto; });
-    if (spec.has_min_agreement() && f->top1_agreement() < spec.min_agreement()) {
-      return absl::FailedPreconditionError(absl::StrFormat(
-          "fidelity gate: top-1 agreement %.4f is below min_agreement %.4f; nothing was published",
-          f->top1_agreement(), spec.min_agreement()));
-    }
-    publish_dir = out;
+    publish_dir = util::JoinPath(StagingDir(job), "out");
+    compress::CompressOptions o =
+        CompressionOptions(job, spec, std::move(probes), std::move(calibration), options_.device);
+    RETURN_IF_ERROR(CompressInto(job, spec, std::move(o), std::move(engine), work.input_dir, publish_dir,
+                                 config.num_hidden_layers, memory));
   }
 
   {
