@@ -538,24 +538,62 @@ absl::StatusOr<CalibrationStats> CollectCalibrationStats(const model::BertClassi
   st.truncated = tb.truncated;
   const int64_t D = model.config().hidden_size;
   const size_t L = model.layers().size();
+  // The batches run on every CPU the caller's ATen threads leave: worker w takes batches w, w + W,
+  // ..., and the partial sums (float64) are added in worker order, so the result depends on the
+  // texts and the worker count only.
+  const int workers = std::max(1, std::min<int>(util::UsableCpus() / std::max(1, at::get_num_threads()),
+                                                static_cast<int>(tb.batches.size())));
+  const int intra_op = at::get_num_threads();
+  struct Partial {
+    std::vector<at::Tensor> second_moment, mean;
+    int64_t tokens = 0;
+    absl::Status status;
+  };
+  std::vector<Partial> partial(workers);
+  auto work = [&](int w) {
+    Partial& p = partial[w];
+    try {
+      c10::InferenceMode guard;
+      model::SetThisThreadIntraOpThreads(intra_op);
+      for (size_t l = 0; l < L; ++l) {
+        p.second_moment.push_back(at::zeros({D, D}, at::kDouble));
+        p.mean.push_back(at::zeros({D}, at::kDouble));
+      }
+      for (size_t i = w; i < tb.batches.size(); i += workers) {
+        const internal::TextBatch& b = tb.batches[i];
+        // The non-padding tokens' rows of each layer's input.
+        const at::Tensor keep = b.mask.view({-1}).nonzero().squeeze(1);
+        p.tokens += keep.size(0);
+        std::vector<at::Tensor> inputs = model.LayerInputs(b.ids, at::zeros_like(b.ids), b.mask);
+        for (size_t l = 0; l < L; ++l) {
+          at::Tensor x = inputs[l].reshape({-1, D}).index_select(0, keep.to(inputs[l].device()))
+                             .to(at::kCPU, at::kDouble);
+          p.second_moment[l].add_(at::matmul(x.t(), x));
+          p.mean[l].add_(x.sum(0));
+        }
+      }
+    } catch (const std::exception& e) {
+      p.status = absl::InternalError(absl::StrCat("calibration pass failed: ", e.what()));
+    }
+  };
+  {
+    std::vector<std::thread> threads;
+    for (int w = 1; w < workers; ++w) threads.emplace_back(work, w);
+    work(0);
+    for (auto& t : threads) t.join();
+  }
+  for (const Partial& p : partial) RETURN_IF_ERROR(p.status);
   try {
     c10::InferenceMode guard;
-    for (size_t l = 0; l < L; ++l) {
-      st.second_moment.push_back(at::zeros({D, D}, at::kDouble));
-      st.mean.push_back(at::zeros({D}, at::kDouble));
-    }
-    for (const internal::TextBatch& b : tb.batches) {
-      const at::Tensor& ids = b.ids;
-      const at::Tensor& mask = b.mask;
-      // The non-padding tokens' rows of each layer's input, accumulated in float64.
-      const at::Tensor keep = mask.view({-1}).nonzero().squeeze(1);
-      st.tokens += keep.size(0);
-      std::vector<at::Tensor> inputs = model.LayerInputs(ids, at::zeros_like(ids), mask);
+    st.second_moment = partial[0].second_moment;
+    st.mean = partial[0].mean;
+    st.tokens = partial[0].tokens;
+    for (int w = 1; w < workers; ++w) {
       for (size_t l = 0; l < L; ++l) {
-        at::Tensor x = inputs[l].reshape({-1, D}).index_select(0, keep.to(inputs[l].device())).to(at::kCPU, at::kDouble);
-        st.second_moment[l].add_(at::matmul(x.t(), x));
-        st.mean[l].add_(x.sum(0));
+        st.second_moment[l].add_(partial[w].second_moment[l]);
+        st.mean[l].add_(partial[w].mean[l]);
       }
+      st.tokens += partial[w].tokens;
     }
     for (size_t l = 0; l < L; ++l) {
       st.second_moment[l].div_(static_cast<double>(st.tokens));

@@ -20,6 +20,7 @@
 #include "server/model/config.h"
 #include "server/model/param_counts.h"
 #include "server/model/probe_sentences.h"
+#include "tests/compress/compress_test_util.h"
 #include "tests/testing/test_util.h"
 
 namespace collabserve::compress {
@@ -53,12 +54,8 @@ class RankSearchTest : public ::testing::Test {
     m.planted_rank = 8;  // heads that share a subspace, as trained heads do
     m.planted_noise = 0.3;
     ASSERT_TRUE(model::MakeCheckpoint(dir_.path(), m).ok());
-    auto c = model::BertConfig::FromFile(dir_.path() + "/config.json");
-    ASSERT_TRUE(c.ok()) << c.status();
-    auto s = model::LoadClassifier(dir_.path(), *c);
-    ASSERT_TRUE(s.ok()) << s.status();
-    source_ = *std::move(s);
-    source_->Prepare(c10::Device(c10::kCPU), c10::kFloat, /*pack_weights=*/false);
+    source_ = compress_testing::LoadPrepared(dir_.path());
+    ASSERT_NE(source_, nullptr);
     // Held-out texts: the built-in probes and variations of them.
     for (const std::string& p : model::BuiltinProbeSentences()) {
       probes_.push_back(p);
@@ -75,12 +72,9 @@ class RankSearchTest : public ::testing::Test {
 
   // The written model's fidelity on `texts`, measured here.
   FidelityReport Measure(const std::string& name, const std::vector<std::string>& texts) {
-    auto c = model::BertConfig::FromFile(Out(name) + "/config.json");
-    EXPECT_TRUE(c.ok()) << c.status();
-    auto m = model::LoadClassifier(Out(name), *c);
-    EXPECT_TRUE(m.ok()) << m.status();
-    (*m)->Prepare(c10::Device(c10::kCPU), c10::kFloat, /*pack_weights=*/false);
-    auto f = MeasureFidelity(*source_, **m, dir_.path(), texts);
+    auto m = compress_testing::LoadPrepared(Out(name));
+    if (m == nullptr) return {};
+    auto f = MeasureFidelity(*source_, *m, dir_.path(), texts);
     EXPECT_TRUE(f.ok()) << f.status();
     return f.ok() ? *f : FidelityReport{};
   }

@@ -17,6 +17,7 @@
 #include "server/model/param_counts.h"
 #include "server/model/state_dict.h"
 #include "server/text/bert_tokenizer.h"
+#include "tests/compress/compress_test_util.h"
 #include "tests/testing/test_util.h"
 
 namespace collabserve::compress {
@@ -39,15 +40,11 @@ class WhiteningTest : public ::testing::Test {
     m.seed = 5;
     m.preset = "tiny";  // 2 layers, D = 64, 4 heads
     ASSERT_TRUE(model::MakeCheckpoint(dir_.path(), m).ok());
-    auto c = model::BertConfig::FromFile(dir_.path() + "/config.json");
-    ASSERT_TRUE(c.ok()) << c.status();
-    auto s = model::LoadClassifier(dir_.path(), *c);
-    ASSERT_TRUE(s.ok()) << s.status();
-    source_ = *std::move(s);
-    source_->Prepare(c10::Device(c10::kCPU), c10::kFloat, /*pack_weights=*/false);
-    D_ = c->hidden_size;
-    H_ = c->num_attention_heads;
-    dk_ = c->head_size();
+    source_ = compress_testing::LoadPrepared(dir_.path());
+    ASSERT_NE(source_, nullptr);
+    D_ = source_->config().hidden_size;
+    H_ = source_->config().num_attention_heads;
+    dk_ = source_->config().head_size();
   }
 
   // Statistics of inputs x = U diag(s) z with s_j = decay^j: most of the energy in a few directions.
@@ -189,14 +186,7 @@ TEST_F(WhiteningTest, CompressedInputsWhitenEachLayerByWhatItGetsInTheCompressed
     o.parallel_layers = 1;  // as the layer-by-layer variant runs: the same arithmetic, bit for bit
     return CompressLoadedModel(*source_, dir_.path(), dir_.path() + "/" + name, o);
   };
-  auto load = [&](const std::string& name) {
-    auto c = model::BertConfig::FromFile(dir_.path() + "/" + name + "/config.json");
-    EXPECT_TRUE(c.ok()) << c.status();
-    auto m = model::LoadClassifier(dir_.path() + "/" + name, *c);
-    EXPECT_TRUE(m.ok()) << m.status();
-    (*m)->Prepare(c10::Device(c10::kCPU), c10::kFloat, /*pack_weights=*/false);
-    return *std::move(m);
-  };
+  auto load = [&](const std::string& name) { return compress_testing::LoadPrepared(dir_.path() + "/" + name); };
   auto seq = run(true, {8, 8}, "seq");
   ASSERT_TRUE(seq.ok()) << seq.status();
   auto orig = run(false, {8, 8}, "orig");
@@ -205,6 +195,7 @@ TEST_F(WhiteningTest, CompressedInputsWhitenEachLayerByWhatItGetsInTheCompressed
   ASSERT_TRUE(first.ok()) << first.status();
   EXPECT_THAT(seq->whitening_note, HasSubstr("inputs in the compressed model"));
   auto seq_m = load("seq"), first_m = load("first");
+  ASSERT_TRUE(seq_m && first_m);
   c10::InferenceMode guard;
   EXPECT_TRUE(at::equal(seq_m->layers()[0].collab_query_w, first_m->layers()[0].collab_query_w));
   EXPECT_NEAR(seq->layers[0].activation_error, orig->layers[0].activation_error, 1e-12);
