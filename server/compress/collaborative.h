@@ -79,6 +79,7 @@ struct RankSearchReport {
     double seconds = 0;            // since the search began
   };
   std::vector<Trial> trials;       // in the order measured
+  int chosen = -1;                 // the returned allocation's trial
   int candidates = 0;              // allocations on the path the trials bisect
   bool time_limited = false;       // stopped at search_seconds with the best verified so far
   double decompose_seconds = 0, sensitivity_seconds = 0, seconds = 0;

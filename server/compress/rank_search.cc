@@ -243,7 +243,7 @@ absl::StatusOr<std::vector<LayerDecomposition>> SearchRanks(const model::BertCla
     if (o.on_trial) o.on_trial(t);
     return t.meets;
   };
-  int lo = 0, hi = static_cast<int>(path.size()) - 1, found = -1;
+  int lo = 0, hi = static_cast<int>(path.size()) - 1, found = -1, found_trial = -1;
   while (lo <= hi) {
     if (cancelled()) return absl::CancelledError("compression cancelled");
     if (out_of_time()) {
@@ -255,6 +255,7 @@ absl::StatusOr<std::vector<LayerDecomposition>> SearchRanks(const model::BertCla
     ASSIGN_OR_RETURN(bool meets, trial(mid));
     if (meets) {
       found = mid;
+      found_trial = static_cast<int>(rep.trials.size()) - 1;
       hi = mid - 1;
     } else {
       lo = mid + 1;
@@ -268,6 +269,7 @@ absl::StatusOr<std::vector<LayerDecomposition>> SearchRanks(const model::BertCla
         "parameters) reached top-1 agreement %.4f, mean KL %.4g; relax the target or compress with a rank",
         rep.target, rep.texts, last.qk_params, last.fidelity.top1_agreement, last.fidelity.mean_kl));
   }
+  rep.chosen = found_trial;
   std::vector<LayerDecomposition> chosen(L);
   for (int i = 0; i < L; ++i) {
     const int g = path[found][i];

@@ -24,6 +24,7 @@
 #include "server/model/state_dict.h"
 #include "server/text/bert_tokenizer.h"
 #include "server/util/process_env.h"
+#include "tests/compress/compress_test_util.h"
 #include "tests/testing/test_util.h"
 
 namespace collabserve::compress {
@@ -62,12 +63,7 @@ float MaxDiff(const std::vector<std::vector<float>>& a, const std::vector<std::v
   return m;
 }
 
-CompressOptions Rank(int r) {
-  CompressOptions o;
-  o.spec.kind = RankSpec::Kind::kRank;
-  o.spec.rank = r;
-  return o;
-}
+using compress_testing::Rank;
 
 class CollaborativeTest : public ::testing::Test {
  protected:

@@ -8,6 +8,7 @@
 #include <memory>
 #include <string>
 
+#include "server/compress/collaborative.h"
 #include "server/model/bert.h"
 #include "server/model/config.h"
 #include "server/model/param_counts.h"
@@ -24,6 +25,14 @@ inline std::unique_ptr<model::BertClassifier> LoadPrepared(const std::string& di
   if (!m.ok()) return nullptr;
   (*m)->Prepare(c10::Device(c10::kCPU), c10::kFloat, /*pack_weights=*/false);
   return *std::move(m);
+}
+
+// One rank for every layer.
+inline CompressOptions Rank(int r) {
+  CompressOptions o;
+  o.spec.kind = RankSpec::Kind::kRank;
+  o.spec.rank = r;
+  return o;
 }
 
 }  // namespace collabserve::compress::compress_testing

@@ -88,6 +88,8 @@ class RankSearchTest : public ::testing::Test {
       if (t.meets && (best == nullptr || t.qk_params < best->qk_params)) best = &t;
     }
     ASSERT_NE(best, nullptr);
+    ASSERT_GE(r.search.chosen, 0);
+    EXPECT_EQ(&r.search.trials[r.search.chosen], best);
     EXPECT_EQ(r.qk_params_after, best->qk_params);  // the search's parameter count is the model's
     std::vector<int> ranks;
     for (const LayerReport& l : r.layers) ranks.push_back(l.rank);

@@ -26,12 +26,7 @@ namespace {
 using ::testing::HasSubstr;
 using testing::TempDir;
 
-CompressOptions Rank(int r) {
-  CompressOptions o;
-  o.spec.kind = RankSpec::Kind::kRank;
-  o.spec.rank = r;
-  return o;
-}
+using compress_testing::Rank;
 
 class WhiteningTest : public ::testing::Test {
  protected:
