@@ -342,11 +342,19 @@ absl::StatusOr<std::unique_ptr<model::BertClassifier>> AssembleCollaborative(
   return out;
 }
 
+absl::Status ReleasedWeightsError() {
+  return absl::FailedPreconditionError(
+      "the model was prepared for serving and keeps its dense weights only in packed form; load "
+      "it with pack_weights = false (as upload jobs and `collabserve-model compress` do) to "
+      "compress it");
+}
+
 absl::Status CheckConvertible(const model::BertClassifier& source, const CompressOptions& o) {
   const model::BertConfig& sc = source.config();
   if (sc.collaborative.present()) {
     return absl::InvalidArgumentError("the model is already collaborative; compress the original instead");
   }
+  if (source.weights_released()) return ReleasedWeightsError();
   RETURN_IF_ERROR(model::ParseDevice(o.device).status());
   if (o.max_iters < 1) return absl::InvalidArgumentError("max_iters must be at least 1");
   if (!(o.tol >= 0) || !std::isfinite(o.tol)) return absl::InvalidArgumentError("tol must be a finite number >= 0");
@@ -866,6 +874,7 @@ absl::StatusOr<CompressReport> CompressLoadedModel(const model::BertClassifier& 
     return absl::InvalidArgumentError(
         absl::StrCat(in_dir, ": the loaded model must be prepared on the CPU in float32 to compress it"));
   }
+  if (source.weights_released()) return internal::ReleasedWeightsError();
   CompressOptions o = options;
   if (o.source.empty()) o.source = in_dir;
   CompressReport report;

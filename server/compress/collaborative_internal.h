@@ -25,8 +25,11 @@ struct LayerDecomposition {
   std::optional<CpResult> cp;
 };
 
-// The checks ConvertToCollaborative makes before any work: a standard model, a known device,
-// max_iters >= 1, a finite tol >= 0, whitening of the model's shape when set.
+// FAILED_PRECONDITION for a source whose Prepare released its plain weights (a served model).
+absl::Status ReleasedWeightsError();
+
+// The checks ConvertToCollaborative makes before any work: a standard model with its plain
+// weights, a known device, max_iters >= 1, a finite tol >= 0, whitening of the model's shape.
 absl::Status CheckConvertible(const model::BertClassifier& source, const CompressOptions& o);
 
 // Decomposes layer `layer` of `source` at `rank` (0: left standard; -1: the smallest rank whose

@@ -4,12 +4,14 @@
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "server/model/kernels.h"
 #include "server/util/process_env.h"
@@ -67,20 +69,52 @@ bool UsePacking(const c10::Device& device, c10::ScalarType dtype) {
          (mode == GemmMode::kHybrid || mode == GemmMode::kPacked);
 }
 
-// out[T, N] += x[T, K] · w[N, K]^T, in place (out holds the bias, or bias + residual).
-void GemmAccumulate(at::Tensor& out, const at::Tensor& x, const at::Tensor& w) {
-  SgemmFn sgemm = FindSgemm();
-  if (sgemm != nullptr && out.is_cpu() && out.scalar_type() == at::kFloat &&
-      x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && x.is_contiguous() &&
-      w.is_contiguous() && out.is_contiguous()) {
-    const int64_t T = x.size(0), K = x.size(1), N = w.size(0);
-    int status = sgemm('N', 'T', T, N, K, 1.0f, x.data_ptr<float>(), K, w.data_ptr<float>(), K, 1.0f,
-                       out.data_ptr<float>(), N);
-    TORCH_CHECK(status == 0, "dnnl_sgemm failed with status ", status, " for [", T, ", ", K,
-                "] x [", N, ", ", K, "]^T");
+// Columns per block when the sgemm runs on a weight kept only packed: the block is unpacked into
+// a per-thread buffer (K × 512 floats, 1.5-6 MB for BERT-base) right before its product, which
+// reads it from cache. Wide enough that re-reading x once per block costs little next to the
+// product itself.
+constexpr int64_t kUnpackColumns = 512;
+
+// out[:, n0:n1] += x[rows, K] · w[n0:n1, :]^T on the sgemm (one call per its threads, or a
+// single-threaded one inside a ThreadTeam run): on the plain weight when the model has it, else on
+// blocks of columns unpacked from the packed copy. n0 a multiple of PackedWeight::kPanel.
+void SgemmAccumulate(SgemmFn sgemm, const float* x, int64_t ldx, int64_t rows, const DenseWeight& w,
+                     float* out, int64_t ldo, int64_t n0, int64_t n1) {
+  if (n1 <= n0 || rows == 0) return;
+  if (w.plain.defined()) {
+    const int64_t K = w.plain.size(1);
+    const int st = sgemm('N', 'T', rows, n1 - n0, K, 1.0f, x, ldx, w.plain.data_ptr<float>() + n0 * K,
+                         K, 1.0f, out + n0, ldo);
+    TORCH_CHECK(st == 0, "dnnl_sgemm failed with status ", st, " for [", rows, ", ", K, "] x [",
+                n1 - n0, ", ", K, "]^T");
     return;
   }
-  at::addmm_out(out, out, x, w.t());
+  TORCH_CHECK(w.packed != nullptr, "a dense weight has neither its plain nor its packed form");
+  const PackedWeight& p = *w.packed;
+  const int64_t K = p.k();
+  thread_local std::vector<float> block;
+  for (int64_t c0 = n0; c0 < n1; c0 += kUnpackColumns) {
+    const int64_t c1 = std::min(n1, c0 + kUnpackColumns), n = c1 - c0;
+    if (block.size() < static_cast<size_t>(K * n)) block.resize(K * n);
+    p.UnpackColumns(c0, c1, block.data());
+    const int st = sgemm('N', 'N', rows, n, K, 1.0f, x, ldx, block.data(), n, 1.0f, out + c0, ldo);
+    TORCH_CHECK(st == 0, "dnnl_sgemm failed with status ", st, " for [", rows, ", ", K, "] x [", K,
+                ", ", n, "]");
+  }
+}
+
+// out[T, N] += x[T, K] · w[N, K]^T, in place (out holds the bias, or bias + residual).
+void GemmAccumulate(at::Tensor& out, const at::Tensor& x, const DenseWeight& w) {
+  SgemmFn sgemm = FindSgemm();
+  if (sgemm != nullptr && out.is_cpu() && out.scalar_type() == at::kFloat &&
+      x.scalar_type() == at::kFloat && x.is_contiguous() && out.is_contiguous() &&
+      (!w.plain.defined() || (w.plain.scalar_type() == at::kFloat && w.plain.is_contiguous()))) {
+    SgemmAccumulate(sgemm, x.data_ptr<float>(), x.size(1), x.size(0), w, out.data_ptr<float>(),
+                    out.size(1), 0, out.size(1));
+    return;
+  }
+  TORCH_CHECK(w.plain.defined(), "a dense weight kept only packed needs the sgemm");
+  at::addmm_out(out, out, x, w.plain.t());
 }
 
 // Whether a product of `rows` rows with this packed weight (null: none) runs on PackedLinear.
@@ -88,17 +122,17 @@ bool UsePackedLinear(const PackedWeight* packed, int64_t rows) {
   return packed != nullptr &&
          (ChosenGemmMode() == GemmMode::kPacked || rows <= kPackedMaxRows || FindSgemm() == nullptr);
 }
+bool UsePackedLinear(const DenseWeight& w, int64_t rows) { return UsePackedLinear(w.packed.get(), rows); }
 
 // x[T, K] · w[N, K]^T + b (+ residual[T, N]) as one pre-filled output and one accumulating GEMM,
 // or, with a packed weight and few enough rows, one PackedLinear that writes each output once.
-
-at::Tensor Dense(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
-                 const PackedWeight* packed, const at::Tensor& residual = at::Tensor()) {
-  const int64_t T = x.size(0), N = w.size(0);
-  if (UsePackedLinear(packed, T) && x.is_contiguous()) {
+at::Tensor Dense(const at::Tensor& x, const DenseWeight& w, const at::Tensor& b,
+                 const at::Tensor& residual = at::Tensor()) {
+  const int64_t T = x.size(0), N = b.size(0);
+  if (UsePackedLinear(w, T) && x.is_contiguous()) {
     at::Tensor out = at::empty({T, N}, x.options());
     at::Tensor r = residual.defined() ? residual.contiguous() : residual;
-    PackedLinear(x.data_ptr<float>(), x.size(1), T, *packed, b.data_ptr<float>(),
+    PackedLinear(x.data_ptr<float>(), x.size(1), T, *w.packed, b.data_ptr<float>(),
                  r.defined() ? r.data_ptr<float>() : nullptr, N, out.data_ptr<float>(), N);
     return out;
   }
@@ -106,23 +140,23 @@ at::Tensor Dense(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
   // would return the bias parameter itself, which the accumulating GEMM then overwrote.
   at::Tensor out = residual.defined() ? at::add(residual, b)
                                       : b.unsqueeze(0).expand({T, N}).clone(at::MemoryFormat::Contiguous);
-  GemmAccumulate(out, x, w);
+  GemmAccumulate(out, x.contiguous(), w);
   return out;
 }
 
 // out[:, n0:n1] = x · w[n0:n1, :]^T + bias[n0:n1] (+ residual[:, n0:n1]) on the calling thread:
-// PackedLinearColumns when `packed` is given, else the bias (+ residual) written first and one
-// accumulating sgemm over those columns (inside a ThreadTeam run the sgemm is single-threaded).
-// w [N, K] row-major; n0, n1 multiples of PackedWeight::kPanel (or n1 = N).
-void DenseColumns(SgemmFn sgemm, const float* x, int64_t ldx, int64_t rows, const at::Tensor& w,
-                  const PackedWeight* packed, const float* bias, const float* residual,
-                  int64_t ldr, float* out, int64_t ldo, int64_t n0, int64_t n1) {
+// PackedLinearColumns when `packed` (w has its packed form), else the bias (+ residual) written
+// first and the accumulating sgemm over those columns (inside a ThreadTeam run it is
+// single-threaded). n0, n1 multiples of PackedWeight::kPanel (or n1 = N).
+void DenseColumns(SgemmFn sgemm, const float* x, int64_t ldx, int64_t rows, const DenseWeight& w,
+                  bool packed, const float* bias, const float* residual, int64_t ldr, float* out,
+                  int64_t ldo, int64_t n0, int64_t n1) {
   if (n1 <= n0) return;
-  if (packed != nullptr) {
-    PackedLinearColumns(x, ldx, rows, *packed, bias, residual, ldr, out, ldo, n0, n1);
+  if (packed) {
+    PackedLinearColumns(x, ldx, rows, *w.packed, bias, residual, ldr, out, ldo, n0, n1);
     return;
   }
-  const int64_t K = w.size(1), n = n1 - n0;
+  const int64_t n = n1 - n0;
   for (int64_t r = 0; r < rows; ++r) {
     float* o = out + r * ldo + n0;
     if (residual != nullptr) {
@@ -132,10 +166,7 @@ void DenseColumns(SgemmFn sgemm, const float* x, int64_t ldx, int64_t rows, cons
       std::memcpy(o, bias + n0, n * sizeof(float));
     }
   }
-  const int st = sgemm('N', 'T', rows, n, K, 1.0f, x, ldx, w.data_ptr<float>() + n0 * K, K, 1.0f,
-                       out + n0, ldo);
-  TORCH_CHECK(st == 0, "dnnl_sgemm failed with status ", st, " for [", rows, ", ", K, "] x [",
-              n, ", ", K, "]^T");
+  SgemmAccumulate(sgemm, x, ldx, rows, w, out, ldo, n0, n1);
 }
 
 // LayerNorm over the last dimension of x [T, D], in place on the CPU (x is a temporary).
@@ -157,32 +188,107 @@ int64_t SmallAttentionMaxS() {
   return s;
 }
 
-// One (sequence b, head h) of standard self-attention for the queries at the first Sq positions
-// (Sq = S, or 1 for [CLS] alone): q, k and v read in place from the projection p (rows
-// [q/sqrt(dk) | k | v] of ld floats, heads side by side; only the first Sq rows of a sequence's q
-// are read), the [Sq, S] scores in `scores` ([S, S] or larger; cache-resident through mask and
-// softmax), the context written into its slot of ctx [B·Sq, D]. Runs on the calling thread
-// (inside a parallel region the sgemm and softmax do).
-void AttendOneHead(SgemmFn sgemm, const float* p, int64_t ld, const float* mask, int64_t b,
-                   int64_t h, int64_t S, int64_t Sq, int64_t D, int64_t dk, at::Tensor& scores,
+// Where a layer's attention operands sit in a row of its fused projection (EncoderLayer::fused),
+// and how its scores are formed (AttentionHead): one description for standard and collaborative
+// layers, so that both run on the same kernels.
+struct AttentionLayout {
+  int64_t ld = 0;     // floats per projection row
+  int64_t width = 0;  // score width: d_k, or the collaborative rank R
+  int64_t dk = 0;     // value width
+  int64_t q0 = 0, k0 = 0, v0 = 0;  // columns of head 0's query, key and value
+  int64_t head_step = 0;           // query/key column step per head: d_k, or 0 (shared)
+  int64_t content0 = -1;           // column of head 0's content score, or -1 (standard)
+  const float* mixing = nullptr;   // [H, R] (collaborative), 1/sqrt(d_k) folded in
+  float scale = 1.0f;
+};
+
+AttentionLayout LayoutOf(const EncoderLayer& l, int64_t H, int64_t dk) {
+  const int64_t D = H * dk;
+  AttentionLayout a;
+  a.dk = dk;
+  if (l.collaborative) {
+    const int64_t R = l.rank;
+    a.ld = 2 * R + D + H;
+    a.width = R;
+    a.q0 = 0;
+    a.k0 = R;
+    a.v0 = 2 * R;
+    a.content0 = 2 * R + D;
+    a.mixing = l.mixing.data_ptr<float>();
+  } else {
+    a.ld = 3 * D;
+    a.width = dk;
+    a.q0 = 0;
+    a.k0 = D;
+    a.v0 = 2 * D;
+    a.head_step = dk;
+    a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(dk)));
+  }
+  return a;
+}
+
+// One (sequence b, head h) of self-attention for the queries at the first Sq positions (Sq = S,
+// or 1 for [CLS] alone): q, k and v read in place from the projection p (rows of L.ld floats;
+// only the first Sq rows of a sequence's queries are read), the context written into its slot of
+// ctx [B·Sq, D]. Short sequences run on SmallAttention; longer ones compute the [Sq, S] scores in
+// `scores` ([S, S] or larger; cache-resident through mask and softmax) with the sgemm, a
+// collaborative head's mixing applied to a per-thread copy of its queries as it is formed (never
+// a [B, H, S, R] tensor). Runs on the calling thread (inside a parallel region the sgemm and
+// softmax do).
+void AttendOneHead(SgemmFn sgemm, const float* p, const AttentionLayout& L, const float* mask,
+                   int64_t b, int64_t h, int64_t S, int64_t Sq, int64_t D, at::Tensor& scores,
                    float* ctx) {
-  const float* q = p + b * S * ld + h * dk;
-  const float* k = q + D;
-  const float* v = q + 2 * D;
+  const int64_t ld = L.ld, dk = L.dk, width = L.width;
+  const float* row0 = p + b * S * ld;
+  const float* q = row0 + L.q0 + h * L.head_step;
+  const float* k = row0 + L.k0 + h * L.head_step;
+  const float* v = row0 + L.v0 + h * dk;
   float* out = ctx + b * Sq * D + h * dk;
+  const float* m = mask != nullptr ? mask + b * S : nullptr;
+  // The additive term of each key: the padding mask, plus the head's content score.
+  const float* key_add = m;
+  thread_local std::vector<float> add, mixed;
+  if (L.content0 >= 0) {
+    add.resize(S);
+    const float* c = row0 + L.content0 + h;
+    for (int64_t j = 0; j < S; ++j) add[j] = c[j * ld] + (m != nullptr ? m[j] : 0.0f);
+    key_add = add.data();
+  }
+  const float* mix = L.mixing != nullptr ? L.mixing + h * width : nullptr;
   if (S <= SmallAttentionMaxS() && SmallAttentionSupported(S, dk)) {
-    SmallAttention(q, k, v, ld, mask != nullptr ? mask + b * S : nullptr, S, dk, out, D, Sq);
+    AttentionHead a;
+    a.q = q;
+    a.k = k;
+    a.v = v;
+    a.ldq = a.ldk = a.ldv = ld;
+    a.width = width;
+    a.dv = dk;
+    a.key_factor = mix;
+    a.scale = L.scale;
+    a.key_add = key_add;
+    SmallAttention(a, S, Sq, out, D);
     return;
+  }
+  const float* qa = q;
+  int64_t lda = ld;
+  if (mix != nullptr) {
+    mixed.resize(Sq * width);
+    for (int64_t i = 0; i < Sq; ++i) {
+      const float* src = q + i * ld;
+      float* dst = mixed.data() + i * width;
+      for (int64_t d = 0; d < width; ++d) dst[d] = src[d] * mix[d];
+    }
+    qa = mixed.data();
+    lda = width;
   }
   at::Tensor sq = Sq == S ? scores : scores.view(-1).narrow(0, 0, Sq * S).view({Sq, S});
   float* sc = sq.data_ptr<float>();
-  int st = sgemm('N', 'T', Sq, S, dk, 1.0f, q, ld, k, ld, 0.0f, sc, S);
+  int st = sgemm('N', 'T', Sq, S, width, L.scale, qa, lda, k, ld, 0.0f, sc, S);
   TORCH_CHECK(st == 0, "dnnl_sgemm (attention scores) failed with status ", st);
-  if (mask != nullptr) {
-    const float* m = mask + b * S;
+  if (key_add != nullptr) {
     for (int64_t r = 0; r < Sq; ++r) {
       float* row = sc + r * S;
-      for (int64_t j = 0; j < S; ++j) row[j] += m[j];
+      for (int64_t j = 0; j < S; ++j) row[j] += key_add[j];
     }
   }
   at::_softmax_out(sq, sq, -1, false);
@@ -190,12 +296,12 @@ void AttendOneHead(SgemmFn sgemm, const float* p, int64_t ld, const float* mask,
   TORCH_CHECK(st == 0, "dnnl_sgemm (attention context) failed with status ", st);
 }
 
-// Standard self-attention for one layer, fused per (sequence, head) (AttendOneHead) and split
-// over threads by (sequence, head); proj [B·S, 3D] -> ctx [B·Sq, D] (the queries at the first Sq
-// positions of each sequence). Needs the sgemm.
-at::Tensor FusedAttention(SgemmFn sgemm, const at::Tensor& proj, const at::Tensor& mask_add,
-                          int64_t B, int64_t S, int64_t Sq, int64_t H, int64_t dk) {
-  const int64_t D = H * dk;
+// Self-attention for one layer, fused per (sequence, head) (AttendOneHead) and split over threads
+// by (sequence, head); proj [B·S, L.ld] -> ctx [B·Sq, D] (the queries at the first Sq positions of
+// each sequence). Needs the sgemm.
+at::Tensor FusedAttention(SgemmFn sgemm, const at::Tensor& proj, const AttentionLayout& L,
+                          const at::Tensor& mask_add, int64_t B, int64_t S, int64_t Sq, int64_t H) {
+  const int64_t D = H * L.dk;
   at::Tensor ctx = at::empty({B * Sq, D}, proj.options());
   const float* p = proj.data_ptr<float>();
   float* c = ctx.data_ptr<float>();
@@ -206,7 +312,7 @@ at::Tensor FusedAttention(SgemmFn sgemm, const at::Tensor& proj, const at::Tenso
     c10::InferenceMode guard(inference);
     at::Tensor scores = at::empty({S, S}, proj.options());
     for (int64_t i = begin; i < end; ++i) {
-      AttendOneHead(sgemm, p, 3 * D, mask, i / H, i % H, S, Sq, D, dk, scores, c);
+      AttendOneHead(sgemm, p, L, mask, i / H, i % H, S, Sq, D, scores, c);
     }
   });
   return ctx;
@@ -218,26 +324,26 @@ at::Tensor FusedAttention(SgemmFn sgemm, const at::Tensor& proj, const at::Tenso
 // every row; queries for every row when Sq = S, or with Sq = 1 (the [CLS] queries alone) for x's
 // rows b·S only, a matrix of B rows with leading dimension S·D, into proj's rows b·S. x: [B·S, D];
 // x_packed: the same rows already packed (PackRows) for PackedLinearColumnsPacked, or null;
-// packed: the packed fused weight, or null for the sgemm on w; scores: [S, S] scratch.
+// packed: run on w's packed form (else the sgemm); scores: [S, S] scratch.
 void ProjectAndAttendHeads(SgemmFn sgemm, const float* x, const float* x_packed,
-                           const at::Tensor& w, const PackedWeight* packed, const float* bias,
-                           const float* mask, int64_t B, int64_t S, int64_t Sq, int64_t D,
-                           int64_t dk, int64_t h0, int64_t h1, at::Tensor& scores, float* proj,
-                           float* ctx) {
-  const int64_t T = B * S;
+                           const DenseWeight& w, bool packed, const float* bias,
+                           const AttentionLayout& L, const float* mask, int64_t B, int64_t S,
+                           int64_t Sq, int64_t D, int64_t h0, int64_t h1, at::Tensor& scores,
+                           float* proj, float* ctx) {
+  const int64_t T = B * S, dk = L.dk;
   for (int64_t part = 0; part < 3; ++part) {
     const int64_t n0 = part * D + h0 * dk, n1 = part * D + h1 * dk;
     if (part == 0 && Sq != S) {
       DenseColumns(sgemm, x, S * D, B, w, packed, bias, nullptr, 0, proj, S * 3 * D, n0, n1);
     } else if (x_packed != nullptr) {
-      PackedLinearColumnsPacked(x_packed, T, *packed, bias, nullptr, 0, proj, 3 * D, n0, n1);
+      PackedLinearColumnsPacked(x_packed, T, *w.packed, bias, nullptr, 0, proj, 3 * D, n0, n1);
     } else {
       DenseColumns(sgemm, x, D, T, w, packed, bias, nullptr, 0, proj, 3 * D, n0, n1);
     }
   }
   for (int64_t h = h0; h < h1; ++h) {
     for (int64_t b = 0; b < B; ++b) {
-      AttendOneHead(sgemm, proj, 3 * D, mask, b, h, S, Sq, D, dk, scores, ctx);
+      AttendOneHead(sgemm, proj, L, mask, b, h, S, Sq, D, scores, ctx);
     }
   }
 }
@@ -246,11 +352,10 @@ void ProjectAndAttendHeads(SgemmFn sgemm, const float* x, const float* x_packed,
 // head (ProjectAndAttendHeads), so no thread waits for another between the two. For token counts
 // where PackedLinear runs (the pass is short and a thread wake-up per operation is a visible
 // cost). x [B·S, D] -> ctx [B·Sq, D]; Sq = S, or 1 for the [CLS] queries alone.
-at::Tensor ProjectAndAttend(SgemmFn sgemm, const at::Tensor& x, const at::Tensor& fused_w,
-                            const PackedWeight& fused_p, const at::Tensor& fused_b,
-                            const at::Tensor& mask_add, int64_t B, int64_t S, int64_t Sq,
-                            int64_t H, int64_t dk) {
-  const int64_t D = H * dk;
+at::Tensor ProjectAndAttend(SgemmFn sgemm, const at::Tensor& x, const EncoderLayer& l,
+                            const AttentionLayout& L, const at::Tensor& mask_add, int64_t B,
+                            int64_t S, int64_t Sq, int64_t H) {
+  const int64_t D = H * L.dk;
   at::Tensor proj = at::empty({B * S, 3 * D}, x.options());
   at::Tensor ctx = at::empty({B * Sq, D}, x.options());
   const float* mask = mask_add.defined() ? mask_add.data_ptr<float>() : nullptr;  // [B, S]
@@ -258,8 +363,8 @@ at::Tensor ProjectAndAttend(SgemmFn sgemm, const at::Tensor& x, const at::Tensor
   at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
     c10::InferenceMode guard(inference);  // not inherited by OpenMP workers
     at::Tensor scores = at::empty({S, S}, x.options());
-    ProjectAndAttendHeads(sgemm, x.data_ptr<float>(), nullptr, fused_w, &fused_p,
-                          fused_b.data_ptr<float>(), mask, B, S, Sq, D, dk, h0, h1, scores,
+    ProjectAndAttendHeads(sgemm, x.data_ptr<float>(), nullptr, l.fused, /*packed=*/true,
+                          l.fused_b.data_ptr<float>(), L, mask, B, S, Sq, D, h0, h1, scores,
                           proj.data_ptr<float>(), ctx.data_ptr<float>());
   });
   return ctx;
@@ -340,17 +445,26 @@ BertClassifier::BertClassifier(const BertConfig& c) : config_(c) {
 }
 
 void BertClassifier::Prepare(const c10::Device& device, c10::ScalarType dtype, bool pack_weights) {
+  // The tensors built here are parameters (or views of them), never inference tensors, whatever
+  // mode the caller is in: set_data needs that.
+  c10::InferenceMode normal_tensors(false);
   device_ = device;
   dtype_ = dtype;
+  // In place (set_data): the module's own tensors and the layers' handles are one TensorImpl, so
+  // named_parameters() follows and no copy stays behind on the CPU after a move to a GPU.
   auto mv = [&](at::Tensor& t) {
-    if (t.defined()) t = t.to(device, dtype).contiguous();
+    if (!t.defined()) return;
+    at::Tensor moved = t.to(device, dtype).contiguous();
+    if (!moved.is_same(t)) t.set_data(moved);
   };
   for (at::Tensor* t : {&word_emb_, &pos_emb_, &type_emb_, &emb_ln_w_, &emb_ln_b_, &pooler_w_,
                         &pooler_b_, &cls_w_, &cls_b_}) {
     mv(*t);
   }
   const int64_t H = config_.num_attention_heads;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(config_.head_size()));
+  const bool pack = pack_weights && UsePacking(device, dtype);
+  // A dropped parameter keeps its handle (and name) but no storage.
+  auto release = [](at::Tensor& t) { t.set_data(at::empty({0}, t.options())); };
   for (EncoderLayer& l : layers_) {
     for (at::Tensor* t : {&l.query_w, &l.query_b, &l.key_w, &l.key_b, &l.collab_query_w,
                           &l.collab_key_w, &l.mixing, &l.content_bias, &l.value_w, &l.value_b,
@@ -358,23 +472,39 @@ void BertClassifier::Prepare(const c10::Device& device, c10::ScalarType dtype, b
                           &l.inter_b, &l.out_w, &l.out_b, &l.out_ln_w, &l.out_ln_b}) {
       mv(*t);
     }
+    std::vector<at::Tensor*> sections;
     if (l.collaborative) {
-      auto zeros = at::zeros({2 * l.rank}, l.value_b.options());
-      auto zeros_h = at::zeros({H}, l.value_b.options());
-      l.fused_w = at::cat({l.collab_query_w, l.collab_key_w, l.value_w, l.content_bias}, 0).contiguous();
-      l.fused_b = at::cat({zeros, l.value_b, zeros_h}, 0).contiguous();
-      l.mixing_4d = l.mixing.view({1, H, 1, l.rank}).contiguous();
+      sections = {&l.collab_query_w, &l.collab_key_w, &l.value_w, &l.content_bias};
+      auto zeros = at::zeros({l.rank}, l.value_b.options());
+      l.fused_b = at::cat({zeros, zeros, l.value_b, at::zeros({H}, l.value_b.options())}, 0);
     } else {
-      // Fold the 1/sqrt(d_k) score scale into the query projection.
-      l.fused_w = at::cat({l.query_w * scale, l.key_w, l.value_w}, 0).contiguous();
-      l.fused_b = at::cat({l.query_b * scale, l.key_b, l.value_b}, 0).contiguous();
+      sections = {&l.query_w, &l.key_w, &l.value_w};
+      l.fused_b = at::cat({l.query_b, l.key_b, l.value_b}, 0);
     }
-    l.fused_p = l.attn_out_p = l.inter_p = l.out_p = nullptr;
-    if (pack_weights && UsePacking(device, dtype)) {
-      l.fused_p = std::make_shared<const PackedWeight>(l.fused_w);
-      l.attn_out_p = std::make_shared<const PackedWeight>(l.attn_out_w);
-      l.inter_p = std::make_shared<const PackedWeight>(l.inter_w);
-      l.out_p = std::make_shared<const PackedWeight>(l.out_w);
+    std::vector<at::Tensor> parts;
+    for (at::Tensor* t : sections) parts.push_back(*t);
+    at::Tensor fused = at::cat(parts, 0);
+    l.fused = l.attn_out = l.inter = l.out = DenseWeight();
+    if (pack) {
+      l.fused.packed = std::make_shared<const PackedWeight>(fused);
+      l.attn_out.packed = std::make_shared<const PackedWeight>(l.attn_out_w);
+      l.inter.packed = std::make_shared<const PackedWeight>(l.inter_w);
+      l.out.packed = std::make_shared<const PackedWeight>(l.out_w);
+      for (at::Tensor* t : sections) release(*t);
+      for (at::Tensor* t : {&l.attn_out_w, &l.inter_w, &l.out_w}) release(*t);
+      weights_released_ = true;
+    } else {
+      // The sections become views of the fused weight: one copy of each.
+      int64_t row = 0;
+      for (at::Tensor* t : sections) {
+        const int64_t n = t->size(0);
+        t->set_data(fused.narrow(0, row, n));
+        row += n;
+      }
+      l.fused.plain = fused;
+      l.attn_out.plain = l.attn_out_w;
+      l.inter.plain = l.inter_w;
+      l.out.plain = l.out_w;
     }
   }
 }
@@ -425,27 +555,29 @@ at::Tensor BertClassifier::Layer(const EncoderLayer& l, const at::Tensor& h,
   const at::Tensor hq = cls_only ? h.select(1, 0) : h2;
   at::Tensor ctx;
   SgemmFn sgemm = FindSgemm();
-  const bool fused_attention = !l.collaborative && sgemm != nullptr &&
-                               h.scalar_type() == at::kFloat && h.is_cpu();
+  const bool fused_attention = sgemm != nullptr && h.scalar_type() == at::kFloat && h.is_cpu();
   at::Tensor mask2;
   if (fused_attention && mask_add.defined()) mask2 = mask_add.view({B, S}).contiguous();
-  if (fused_attention && UsePackedLinear(l.fused_p.get(), T) && dk % PackedWeight::kPanel == 0 &&
-      h2.is_contiguous()) {
-    ctx = ProjectAndAttend(sgemm, h2, l.fused_w, *l.fused_p, l.fused_b, mask2, B, S, Sq, H, dk);
+  if (fused_attention) {
+    const AttentionLayout L = LayoutOf(l, H, dk);
+    if (!l.collaborative && UsePackedLinear(l.fused, T) && dk % PackedWeight::kPanel == 0 &&
+        h2.is_contiguous()) {
+      ctx = ProjectAndAttend(sgemm, h2, l, L, mask2, B, S, Sq, H);
+    } else {
+      ctx = FusedAttention(sgemm, Dense(h2, l.fused, l.fused_b), L, mask2, B, S, Sq, H);
+    }
   } else {
-    at::Tensor proj = Dense(h2, l.fused_w, l.fused_b, l.fused_p.get());  // [T, *]
-    ctx = fused_attention ? FusedAttention(sgemm, proj, mask2, B, S, Sq, H, dk)
-                          : Attention(l, proj, mask_add, B, S, Sq);
+    ctx = Attention(l, Dense(h2, l.fused, l.fused_b), mask_add, B, S, Sq);
   }
-  auto h1 = LayerNormInPlace(Dense(ctx, l.attn_out_w, l.attn_out_b, l.attn_out_p.get(), hq),
-                             l.attn_ln_w, l.attn_ln_b, config_.layer_norm_eps);
+  auto h1 = LayerNormInPlace(Dense(ctx, l.attn_out, l.attn_out_b, hq), l.attn_ln_w, l.attn_ln_b,
+                             config_.layer_norm_eps);
   at::Tensor inter;
-  if (UsePackedLinear(l.inter_p.get(), Tq) && h1.is_contiguous()) {
+  if (UsePackedLinear(l.inter, Tq) && h1.is_contiguous()) {
     // The intermediate projection and its activation in one parallel region: each thread applies
     // the activation to the columns it has just computed (still in cache; no second wake-up).
-    const int64_t F = l.inter_w.size(0);
+    const PackedWeight& w = *l.inter.packed;
+    const int64_t F = w.n();
     inter = at::empty({Tq, F}, h1.options());
-    const PackedWeight& w = *l.inter_p;
     const bool inference = c10::InferenceMode::is_enabled();
     at::parallel_for(0, w.panels(), PanelGrain(w, Tq), [&](int64_t p0, int64_t p1) {
       c10::InferenceMode guard(inference);  // not inherited by OpenMP workers
@@ -455,13 +587,13 @@ at::Tensor BertClassifier::Layer(const EncoderLayer& l, const at::Tensor& h,
       Activation(inter.narrow(1, n0, n1 - n0));
     });
   } else {
-    inter = Activation(Dense(h1, l.inter_w, l.inter_b, l.inter_p.get()));
+    inter = Activation(Dense(h1, l.inter, l.inter_b));
   }
-  auto out = Dense(inter, l.out_w, l.out_b, l.out_p.get(), h1);
+  auto out = Dense(inter, l.out, l.out_b, h1);
   return LayerNormInPlace(out, l.out_ln_w, l.out_ln_b, config_.layer_norm_eps).view({B, Sq, D});
 }
 
-// The whole encoder in one ThreadTeam run, for standard (not collaborative) layers with the
+// The whole encoder in one ThreadTeam run, standard and collaborative layers alike, with the
 // sgemm. Short passes: each parallel ATen/OpenMP op would wake the other threads and let them go
 // back to sleep (dozens of times per pass at batch 1). Long passes (above kPackedMaxRows tokens,
 // the products on oneDNN's sgemm): oneDNN's own 2-thread split of one product left a core idle
@@ -472,7 +604,10 @@ at::Tensor BertClassifier::Layer(const EncoderLayer& l, const at::Tensor& h,
 // panels and their activation; 1/n of the output panels (+ residual); 1/n of the rows of the
 // LayerNorm; with a barrier after each. Above: the same with 1/n of the rows of every product
 // (all columns), and a barrier between the q/k/v product and the attention, which is split by
-// (sequence, head). Every element is computed by the same kernels as on the per-operation path
+// (sequence, head). A collaborative layer's heads share its query/key projections, so it always
+// has the barrier: first 1/n of the fused projection (panels, or rows above kPackedMaxRows), then
+// its heads' attention (by head when prepacked, else by (sequence, head)); the rest of the layer
+// as a standard one's. Every element is computed by the same kernels as on the per-operation path
 // (PackedLinear bit for bit; the sgemm's blocking may differ with the shape it is given).
 // cls_only: the last layer as in Layer(..., cls_only): keys and values for every row, the rest
 // for the B [CLS] rows (x's rows b·S: leading dimension S·D), and h becomes [B, 1, D].
@@ -486,14 +621,17 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add, boo
       h.scalar_type() != at::kFloat || T > TeamMaxRows() || dk % PackedWeight::kPanel != 0) {
     return false;
   }
+  std::vector<AttentionLayout> layouts;
+  int64_t proj_ld = 0;
   for (const EncoderLayer& l : layers_) {
-    if (l.collaborative) return false;
+    layouts.push_back(LayoutOf(l, H, dk));
+    proj_ld = std::max(proj_ld, layouts.back().ld);
   }
   at::Tensor mask2;
   if (mask_add.defined()) mask2 = mask_add.view({B, S}).contiguous();
   const float* mask = mask2.defined() ? mask2.data_ptr<float>() : nullptr;
   at::Tensor cur = h.contiguous().view({T, D});
-  at::Tensor proj = at::empty({T, 3 * D}, cur.options());
+  at::Tensor proj = at::empty({T, proj_ld}, cur.options());
   at::Tensor ctx = at::empty({T, D}, cur.options());
   at::Tensor mid = at::empty({T, D}, cur.options());
   at::Tensor inter = at::empty({T, F}, cur.options());
@@ -520,8 +658,8 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add, boo
   // every member inside each of its products (three times per layer for the q/k/v parts).
   bool prepacked = !split_rows;
   for (const EncoderLayer& l : layers_) {
-    for (const auto* p : {&l.fused_p, &l.attn_out_p, &l.inter_p, &l.out_p}) {
-      prepacked = prepacked && UsePackedLinear(p->get(), T);
+    for (const DenseWeight* w : {&l.fused, &l.attn_out, &l.inter, &l.out}) {
+      prepacked = prepacked && UsePackedLinear(*w, T);
     }
   }
   at::Tensor xpack, cpack, ipack;  // packed rows of the layer input / mid, of ctx, of inter
@@ -542,6 +680,7 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add, boo
     }
     for (size_t li = 0; li < L; ++li) {
       const EncoderLayer& l = layers_[li];
+      const AttentionLayout& La = layouts[li];
       const float* xp = x.data_ptr<float>();
       const int64_t Sq = queries(li), Tq = B * Sq, ldq = Sq == S ? D : S * D;
       if (prepacked) {
@@ -554,14 +693,34 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add, boo
         float* xk = xpack.data_ptr<float>();
         float* ck = cpack.data_ptr<float>();
         float* ik = ipack.data_ptr<float>();
+        if (l.collaborative) {
+          // The shared query/key projections serve every head: all of the fused projection
+          // first (each member its panels), then each member its heads' attention.
+          int64_t c0, c1;
+          std::tie(c0, c1) = share(La.ld, PackedWeight::kPanel, t, n);
+          team.Step([&] {
+            PackedLinearColumnsPacked(xk, T, *l.fused.packed, l.fused_b.data_ptr<float>(), nullptr, 0,
+                                      proj.data_ptr<float>(), La.ld, c0, c1);
+          });
+          team.Step([&] {
+            for (int64_t hh = h0; hh < h1; ++hh) {
+              for (int64_t b = 0; b < B; ++b) {
+                AttendOneHead(sgemm, proj.data_ptr<float>(), La, mask, b, hh, S, Sq, D, scores,
+                              ctx.data_ptr<float>());
+              }
+            }
+            PackRows(ctx.data_ptr<float>(), D, 0, Tq, h0 * dk, h1 * dk, D, ck);
+          });
+        } else {
+          team.Step([&] {
+            ProjectAndAttendHeads(sgemm, xp, xk, l.fused, /*packed=*/true, l.fused_b.data_ptr<float>(),
+                                  La, mask, B, S, Sq, D, h0, h1, scores, proj.data_ptr<float>(),
+                                  ctx.data_ptr<float>());
+            PackRows(ctx.data_ptr<float>(), D, 0, Tq, h0 * dk, h1 * dk, D, ck);
+          });
+        }
         team.Step([&] {
-          ProjectAndAttendHeads(sgemm, xp, xk, l.fused_w, l.fused_p.get(),
-                                l.fused_b.data_ptr<float>(), mask, B, S, Sq, D, dk, h0, h1, scores,
-                                proj.data_ptr<float>(), ctx.data_ptr<float>());
-          PackRows(ctx.data_ptr<float>(), D, 0, Tq, h0 * dk, h1 * dk, D, ck);
-        });
-        team.Step([&] {
-          PackedLinearColumnsPacked(ck, Tq, *l.attn_out_p, l.attn_out_b.data_ptr<float>(), xp, ldq,
+          PackedLinearColumnsPacked(ck, Tq, *l.attn_out.packed, l.attn_out_b.data_ptr<float>(), xp, ldq,
                                     mid.data_ptr<float>(), D, d0, d1);
         });
         team.Step([&] {
@@ -570,13 +729,13 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add, boo
           PackRows(mid.data_ptr<float>(), D, r0, r1, 0, D, D, xk);
         });
         team.Step([&] {
-          PackedLinearColumnsPacked(xk, Tq, *l.inter_p, l.inter_b.data_ptr<float>(), nullptr, 0,
+          PackedLinearColumnsPacked(xk, Tq, *l.inter.packed, l.inter_b.data_ptr<float>(), nullptr, 0,
                                     inter.data_ptr<float>(), F, f0, f1);
           if (f1 > f0) Activation(inter.narrow(0, 0, Tq).narrow(1, f0, f1 - f0));
           PackRows(inter.data_ptr<float>(), F, 0, Tq, f0, f1, F, ik);
         });
         team.Step([&] {
-          PackedLinearColumnsPacked(ik, Tq, *l.out_p, l.out_b.data_ptr<float>(),
+          PackedLinearColumnsPacked(ik, Tq, *l.out.packed, l.out_b.data_ptr<float>(),
                                     mid.data_ptr<float>(), D, y.data_ptr<float>(), D, d0, d1);
         });
         const bool last = li + 1 == L;
@@ -590,19 +749,17 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add, boo
       }
       // The weights each product of `rows` rows runs on: packed where the per-operation path
       // would use PackedLinear, else the sgemm on the plain weight.
-      auto pick = [&](const std::shared_ptr<const PackedWeight>& p, int64_t rows) {
-        return UsePackedLinear(p.get(), rows) ? p.get() : nullptr;
-      };
+      auto pick = [&](const DenseWeight& w, int64_t rows) { return UsePackedLinear(w, rows); };
       // A product's output [rows, N] for member t: on the sgemm with many rows, its share of the
       // rows (each member packs the whole weight, but only its rows of x); otherwise its share of
       // the columns (whole panels). res: the residual, leading dimension ldr.
-      auto product = [&](const float* in, int64_t ldx, int64_t rows, const at::Tensor& w,
-                         const PackedWeight* p, const at::Tensor& bias, const float* res,
-                         int64_t ldr, float* out, int64_t N) {
-        if (p == nullptr && rows > kPackedMaxRows) {
+      auto product = [&](const float* in, int64_t ldx, int64_t rows, const DenseWeight& w, bool p,
+                         const at::Tensor& bias, const float* res, int64_t ldr, float* out,
+                         int64_t N) {
+        if (!p && rows > kPackedMaxRows) {
           const auto [r0, r1] = share(rows, 1, t, n);
           if (r1 > r0) {
-            DenseColumns(sgemm, in + r0 * ldx, ldx, r1 - r0, w, nullptr, bias.data_ptr<float>(),
+            DenseColumns(sgemm, in + r0 * ldx, ldx, r1 - r0, w, false, bias.data_ptr<float>(),
                          res == nullptr ? nullptr : res + r0 * ldr, ldr, out + r0 * N, N, 0, N);
           }
           return std::make_pair(r0, r1);
@@ -611,12 +768,25 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add, boo
         DenseColumns(sgemm, in, ldx, rows, w, p, bias.data_ptr<float>(), res, ldr, out, N, n0, n1);
         return std::make_pair(int64_t{-1}, int64_t{-1});
       };
-      const PackedWeight* fused_p = pick(l.fused_p, T);
-      if (fused_p == nullptr && split_rows) {
+      const bool fused_packed = pick(l.fused, T);
+      if (l.collaborative) {
+        // Every row's shared query/key projections, values and content scores (a few [CLS]-only
+        // rows would save little), then attention split by (sequence, head).
+        team.Step([&] {
+          product(xp, D, T, l.fused, fused_packed, l.fused_b, nullptr, 0, proj.data_ptr<float>(),
+                  La.ld);
+        });
+        team.Step([&] {
+          const auto [u0, u1] = share(B * H, 1, t, n);
+          for (int64_t u = u0; u < u1; ++u) {
+            AttendOneHead(sgemm, proj.data_ptr<float>(), La, mask, u / H, u % H, S, Sq, D, scores,
+                          ctx.data_ptr<float>());
+          }
+        });
+      } else if (!fused_packed && split_rows) {
         team.Step([&] {
           if (Sq == S) {
-            product(xp, D, T, l.fused_w, nullptr, l.fused_b, nullptr, 0, proj.data_ptr<float>(),
-                    3 * D);
+            product(xp, D, T, l.fused, false, l.fused_b, nullptr, 0, proj.data_ptr<float>(), 3 * D);
             return;
           }
           // Keys and values of every row, queries of the [CLS] rows: each member its share of
@@ -625,32 +795,32 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add, boo
           const float* bias = l.fused_b.data_ptr<float>();
           const auto [r0, r1] = share(T, 1, t, n);
           if (r1 > r0) {
-            DenseColumns(sgemm, xp + r0 * D, D, r1 - r0, l.fused_w, nullptr, bias, nullptr, 0,
+            DenseColumns(sgemm, xp + r0 * D, D, r1 - r0, l.fused, false, bias, nullptr, 0,
                          pr + r0 * 3 * D, 3 * D, D, 3 * D);
           }
           const auto [c0, c1] = share(B, 1, t, n);
           if (c1 > c0) {
-            DenseColumns(sgemm, xp + c0 * ldq, ldq, c1 - c0, l.fused_w, nullptr, bias, nullptr, 0,
+            DenseColumns(sgemm, xp + c0 * ldq, ldq, c1 - c0, l.fused, false, bias, nullptr, 0,
                          pr + c0 * S * 3 * D, S * 3 * D, 0, D);
           }
         });
         team.Step([&] {
           const auto [u0, u1] = share(B * H, 1, t, n);
           for (int64_t u = u0; u < u1; ++u) {
-            AttendOneHead(sgemm, proj.data_ptr<float>(), 3 * D, mask, u / H, u % H, S, Sq, D, dk,
-                          scores, ctx.data_ptr<float>());
+            AttendOneHead(sgemm, proj.data_ptr<float>(), La, mask, u / H, u % H, S, Sq, D, scores,
+                          ctx.data_ptr<float>());
           }
         });
       } else {
         team.Step([&] {
           const auto [h0, h1] = share(H, 1, t, n);
-          ProjectAndAttendHeads(sgemm, xp, nullptr, l.fused_w, fused_p,
-                                l.fused_b.data_ptr<float>(), mask, B, S, Sq, D, dk, h0, h1, scores,
-                                proj.data_ptr<float>(), ctx.data_ptr<float>());
+          ProjectAndAttendHeads(sgemm, xp, nullptr, l.fused, fused_packed, l.fused_b.data_ptr<float>(),
+                                La, mask, B, S, Sq, D, h0, h1, scores, proj.data_ptr<float>(),
+                                ctx.data_ptr<float>());
         });
       }
       team.Step([&] {
-        product(ctx.data_ptr<float>(), D, Tq, l.attn_out_w, pick(l.attn_out_p, Tq), l.attn_out_b,
+        product(ctx.data_ptr<float>(), D, Tq, l.attn_out, pick(l.attn_out, Tq), l.attn_out_b,
                 xp, ldq, mid.data_ptr<float>(), D);
       });
       team.Step([&] {
@@ -659,8 +829,7 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add, boo
                             l.attn_ln_w.data_ptr<float>(), l.attn_ln_b.data_ptr<float>(), eps);
       });
       team.Step([&] {
-        const PackedWeight* p = pick(l.inter_p, Tq);
-        const auto [r0, r1] = product(mid.data_ptr<float>(), D, Tq, l.inter_w, p, l.inter_b,
+        const auto [r0, r1] = product(mid.data_ptr<float>(), D, Tq, l.inter, pick(l.inter, Tq), l.inter_b,
                                       nullptr, 0, inter.data_ptr<float>(), F);
         if (r0 >= 0) {
           if (r1 > r0) Activation(inter.narrow(0, r0, r1 - r0));
@@ -670,7 +839,7 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add, boo
         }
       });
       team.Step([&] {
-        product(inter.data_ptr<float>(), F, Tq, l.out_w, pick(l.out_p, Tq), l.out_b,
+        product(inter.data_ptr<float>(), F, Tq, l.out, pick(l.out, Tq), l.out_b,
                 mid.data_ptr<float>(), D, y.data_ptr<float>(), D);
       });
       team.Step([&] {
@@ -689,7 +858,7 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add, boo
   return true;
 }
 
-// Self-attention with ATen ops (collaborative layers, and standard ones without the sgemm):
+// Self-attention with ATen ops (without the sgemm: CUDA, other dtypes, COLLABSERVE_GEMM=aten):
 // proj [B·S, *] -> ctx [B·Sq, D], for the queries at the first Sq positions of each sequence.
 at::Tensor BertClassifier::Attention(const EncoderLayer& l, const at::Tensor& proj,
                                      const at::Tensor& mask_add, int64_t B, int64_t S,
@@ -704,12 +873,13 @@ at::Tensor BertClassifier::Attention(const EncoderLayer& l, const at::Tensor& pr
     auto kc = p3.narrow(2, R, R).unsqueeze(1);                    // [B, 1, S, R]
     v = p3.narrow(2, 2 * R, D).view({B, S, H, dk}).transpose(1, 2);
     auto content = p3.narrow(2, 2 * R + D, H).transpose(1, 2).unsqueeze(2);  // [B, H, 1, S]
-    scores = at::matmul(qc * l.mixing_4d, kc.transpose(-1, -2));             // [B, H, Sq, S]
+    scores = at::matmul(qc * l.mixing.view({1, H, 1, R}), kc.transpose(-1, -2));  // [B, H, Sq, S]
     scores.add_(content);
   } else {
     // One copy to [3, B, H, S, dk] makes q, k and v contiguous batches of [S, dk] matrices.
     auto qkv = proj.view({B, S, 3, H, dk}).permute({2, 0, 3, 1, 4}).contiguous().view({3, B * H, S, dk});
     scores = at::bmm(qkv[0].narrow(1, 0, Sq), qkv[1].transpose(1, 2)).view({B, H, Sq, S});
+    scores.mul_(1.0 / std::sqrt(static_cast<double>(dk)));
     v = qkv[2].view({B, H, S, dk});
   }
   if (mask_add.defined()) scores.add_(mask_add);
@@ -774,9 +944,9 @@ at::Tensor BertClassifier::Forward(const at::Tensor& input_ids, const at::Tensor
     // wakes for a product of a few rows and then spin-yields (~0.1 s), i.e. through the whole
     // next pass, on one of the cores the pass's ThreadTeam runs on (a third thread at 6.7% of an
     // 8 × 16 pass's samples, and the team members waited for each other at their barriers).
-    at::Tensor pooled = Dense(first.contiguous(), pooler_w_, pooler_b_, nullptr);
+    at::Tensor pooled = Dense(first.contiguous(), DenseWeight{pooler_w_, nullptr}, pooler_b_);
     pooled.tanh_();
-    return Dense(pooled, cls_w_, cls_b_, nullptr);
+    return Dense(pooled, DenseWeight{cls_w_, nullptr}, cls_b_);
   }
   auto pooled = at::tanh(at::linear(first, pooler_w_, pooler_b_));
   return at::linear(pooled, cls_w_, cls_b_).to(at::kCPU, at::kFloat);

@@ -35,6 +35,15 @@ class ParamNode : public torch::nn::Module {
   std::shared_ptr<ParamNode> Child(const std::string& name);
 };
 
+// A dense layer's weight [N, K] (nn.Linear layout) in the forms the forward pass reads: `plain`,
+// and `packed` for PackedLinear (CPU float32 on an AVX-512 CPU). A model prepared for serving
+// keeps only the packed form (plain undefined): products too large for PackedLinear run the
+// sgemm on blocks of columns unpacked on the fly, so the weights are resident once.
+struct DenseWeight {
+  at::Tensor plain;
+  std::shared_ptr<const PackedWeight> packed;
+};
+
 // One encoder layer's tensors (references into the parameter tree) plus the fused forms built by
 // BertClassifier::Prepare.
 struct EncoderLayer {
@@ -47,12 +56,14 @@ struct EncoderLayer {
   at::Tensor value_w, value_b;
   at::Tensor attn_out_w, attn_out_b, attn_ln_w, attn_ln_b;
   at::Tensor inter_w, inter_b, out_w, out_b, out_ln_w, out_ln_b;
-  // Fused input projection: standard [3D, D] = [q/sqrt(dk); k; v];
-  // collaborative [2R + D + H, D] = [W~Q^T; W~K^T; value; content_bias].
-  at::Tensor fused_w, fused_b;
-  at::Tensor mixing_4d;  // [1, H, 1, R]
-  // The four dense weights packed for PackedLinear (CPU float32 on an AVX-512 CPU; null otherwise).
-  std::shared_ptr<const PackedWeight> fused_p, attn_out_p, inter_p, out_p;
+  // The input projection as one product, its rows the parameters stacked (exactly: no scale is
+  // folded in): standard [3D, D] = [query; key; value]; collaborative [2R + D + H, D] =
+  // [W~Q^T; W~K^T; value; content_bias], the content scores v_i·y as H extra columns.
+  DenseWeight fused;
+  at::Tensor fused_b;
+  // The other three dense weights (plain: the parameters themselves, until a served model drops
+  // them).
+  DenseWeight attn_out, inter, out;
 };
 
 class BertClassifier : public ParamNode {
@@ -63,9 +74,17 @@ class BertClassifier : public ParamNode {
 
   const BertConfig& config() const { return config_; }
 
-  // Moves to `device`/`dtype` and builds the fused weights. Call once after loading, before Forward.
-  // pack_weights: also pack the dense weights for PackedLinear when this CPU and mode use it.
+  // Moves to `device`/`dtype` (the parameters themselves, so named_parameters() follows) and
+  // builds the fused weights. Call once after loading, before Forward.
+  // pack_weights: when this CPU and mode use PackedLinear, pack the dense weights for it and drop
+  // their plain tensors (the query/key/value, attention-output and FFN weights become empty in
+  // named_parameters(); weights_released() says so): the served form, one copy of each weight.
+  // Without it, the q/k/v parameters become views of the fused weight: also one copy.
   void Prepare(const c10::Device& device, c10::ScalarType dtype, bool pack_weights = true);
+
+  // True after Prepare dropped the plain dense weights: code that reads parameters (conversion,
+  // saving) must load the model with pack_weights = false instead.
+  bool weights_released() const { return weights_released_; }
 
   // input_ids, token_type_ids: int64 [B, S]; attention_mask: int64 [B, S] of 0/1 or an undefined
   // tensor (no padding). Returns float32 logits [B, num_labels] on the CPU. Call under
@@ -112,6 +131,7 @@ class BertClassifier : public ParamNode {
   std::vector<EncoderLayer> layers_;
   c10::Device device_ = c10::Device(c10::kCPU);
   c10::ScalarType dtype_ = c10::kFloat;
+  bool weights_released_ = false;
 };
 
 }  // namespace collabserve::model

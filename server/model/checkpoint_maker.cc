@@ -54,7 +54,7 @@ absl::Status CalibrateClassifier(BertClassifier& model, const std::string& vocab
     mask[i].narrow(0, 0, ids[i].size()).fill_(1);
   }
   c10::InferenceMode guard;
-  model.Prepare(c10::Device(c10::kCPU), c10::kFloat);
+  model.Prepare(c10::Device(c10::kCPU), c10::kFloat, /*pack_weights=*/false);  // saved next
   at::Tensor logits = model.Forward(input, at::zeros({P, S}, at::kLong), mask);  // [P, C]
   at::Tensor mean = logits.mean(0), std = logits.std(0).clamp_min(1e-6);
   at::Tensor gain = 2.0 / std;

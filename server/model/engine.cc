@@ -190,6 +190,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Load(const std::string& dir,
                                                    config.vocab_size));
   }
   ASSIGN_OR_RETURN(auto model, LoadClassifier(dir, config));
+  const ParamCounts params = CountParams(*model);  // before Prepare drops the plain weights
   try {
     model->Prepare(device, dtype, options.pack_weights);
   } catch (const std::exception& e) {
@@ -208,7 +209,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Load(const std::string& dir,
   info.collaborative_ranks = config.collaborative.ranks;
   info.collaborative_errors = config.collaborative.errors;
   if (config.collaborative.fidelity) info.fidelity_top1_agreement = config.collaborative.fidelity->top1_agreement;
-  info.params = CountParams(*model);
+  info.params = params;
   info.device = device.str();
   info.dtype = options.dtype;
   return std::unique_ptr<Engine>(

@@ -26,9 +26,10 @@ struct EngineOptions {
   std::string device = "cpu";
   // "float32" everywhere; "float16" / "bfloat16" on CUDA only.
   std::string dtype = "float32";
-  // CPU float32 on an AVX-512 CPU: also keep the dense weights packed for PackedLinear (faster up
-  // to 256 tokens; one more copy of the dense weights, ~340 MB for BERT-base). Models that are
-  // only validated, converted or measured (admin jobs) do without.
+  // CPU float32 on an AVX-512 CPU: keep the dense weights only packed for PackedLinear (the
+  // served form: one copy of each weight; products above 256 tokens run the sgemm on blocks
+  // unpacked on the fly). The classifier's plain dense parameters are then released, so models
+  // that are converted or saved (admin jobs, `collabserve-model compress`) load without it.
   bool pack_weights = true;
 };
 

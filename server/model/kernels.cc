@@ -325,11 +325,13 @@ COLLABSERVE_AVX512 inline float HorizontalMax(__m512 v) {
 }
 
 // SmallAttention for NT tiles of 16 keys (S <= 16·NT) and blocks of MR query rows (NT·MR = 16
-// score accumulators, or 8 for NT = 1). kt: the keys transposed, [NT][dk][16] (padding keys 0).
+// score accumulators, or 8 for NT = 1). kt: the keys transposed, [NT][width][16] (padding keys 0),
+// key_factor and scale already applied; mask: the S additive terms, or null.
 template <int NT>
-COLLABSERVE_AVX512 void SmallAttentionTiles(const float* q, const float* kt, const float* v,
-                                            int64_t ld, const float* mask, int64_t S, int64_t dk,
-                                            float* ctx, int64_t ldc, int64_t queries) {
+COLLABSERVE_AVX512 void SmallAttentionTiles(const float* q, int64_t ldq, const float* kt,
+                                            int64_t width, const float* v, int64_t ldv, int64_t dv,
+                                            const float* mask, int64_t S, float* ctx, int64_t ldc,
+                                            int64_t queries) {
   constexpr int MR = NT == 1 ? 8 : 16 / NT;
   // Valid keys of each tile; the mask row, -inf beyond S (so padding keys get probability 0).
   __mmask16 valid[NT];
@@ -350,14 +352,14 @@ COLLABSERVE_AVX512 void SmallAttentionTiles(const float* q, const float* kt, con
 #pragma GCC unroll 4
       for (int j = 0; j < NT; ++j) acc[r][j] = _mm512_setzero_ps();
     }
-    for (int64_t d = 0; d < dk; ++d) {
+    for (int64_t d = 0; d < width; ++d) {
       __m512 kv[NT];
 #pragma GCC unroll 4
-      for (int j = 0; j < NT; ++j) kv[j] = _mm512_loadu_ps(kt + (j * dk + d) * 16);
+      for (int j = 0; j < NT; ++j) kv[j] = _mm512_loadu_ps(kt + (j * width + d) * 16);
 #pragma GCC unroll 16
       for (int r = 0; r < MR; ++r) {
         // Rows past the sequence re-read row i0 (valid memory); their results are dropped.
-        const __m512 qv = _mm512_set1_ps(q[(i0 + (r < rows ? r : 0)) * ld + d]);
+        const __m512 qv = _mm512_set1_ps(q[(i0 + (r < rows ? r : 0)) * ldq + d]);
 #pragma GCC unroll 4
         for (int j = 0; j < NT; ++j) acc[r][j] = _mm512_fmadd_ps(qv, kv[j], acc[r][j]);
       }
@@ -386,15 +388,15 @@ COLLABSERVE_AVX512 void SmallAttentionTiles(const float* q, const float* kt, con
     // ctx rows = probs · v, two rows at a time, 64 columns at a time (8 accumulators).
     for (int r = 0; r < rows; r += 2) {
       const bool two = r + 1 < rows;
-      for (int64_t c0 = 0; c0 < dk; c0 += 64) {
-        const int nz = static_cast<int>(std::min<int64_t>(4, (dk - c0) / 16));
+      for (int64_t c0 = 0; c0 < dv; c0 += 64) {
+        const int nz = static_cast<int>(std::min<int64_t>(4, (dv - c0) / 16));
         __m512 o0[4], o1[4];
 #pragma GCC unroll 4
         for (int c = 0; c < 4; ++c) o0[c] = o1[c] = _mm512_setzero_ps();
         for (int64_t j = 0; j < S; ++j) {
           const __m512 p0 = _mm512_set1_ps(probs[r][j]);
           const __m512 p1 = _mm512_set1_ps(probs[two ? r + 1 : r][j]);
-          const float* vr = v + j * ld + c0;
+          const float* vr = v + j * ldv + c0;
 #pragma GCC unroll 4
           for (int c = 0; c < 4; ++c) {
             if (c < nz) {
@@ -416,26 +418,38 @@ COLLABSERVE_AVX512 void SmallAttentionTiles(const float* q, const float* kt, con
   }
 }
 
-COLLABSERVE_AVX512 void SmallAttentionAvx512(const float* q, const float* k, const float* v,
-                                             int64_t ld, const float* mask, int64_t S, int64_t dk,
-                                             float* ctx, int64_t ldc, int64_t queries) {
+COLLABSERVE_AVX512 void SmallAttentionAvx512(const AttentionHead& a, int64_t S, int64_t queries,
+                                             float* ctx, int64_t ldc) {
   const int nt = static_cast<int>((S + 15) / 16);
-  // The keys transposed into [nt][dk][16] (padding keys 0).
-  alignas(64) float kt[kSmallAttentionMaxS * kSmallAttentionMaxDk];
+  const int64_t width = a.width;
+  // The keys transposed into [nt][width][16] (padding keys 0), each column d scaled by
+  // scale · key_factor[d] as it is copied: the collaborative head's mixing costs nothing in the
+  // score loop. Per thread, grown to the widest head seen (a collaborative rank can exceed d_k).
+  thread_local std::vector<float> buffer;
+  const size_t need = static_cast<size_t>(nt) * 16 * static_cast<size_t>(width);
+  if (buffer.size() < need) buffer.resize(need);
+  float* kt = buffer.data();
   for (int64_t j = 0; j < nt * 16; ++j) {
-    float* dst = kt + (j / 16) * dk * 16 + j % 16;
+    float* dst = kt + (j / 16) * width * 16 + j % 16;
     if (j < S) {
-      const float* src = k + j * ld;
-      for (int64_t d = 0; d < dk; ++d) dst[d * 16] = src[d];
+      const float* src = a.k + j * a.ldk;
+      if (a.key_factor != nullptr) {
+        for (int64_t d = 0; d < width; ++d) dst[d * 16] = src[d] * (a.scale * a.key_factor[d]);
+      } else {
+        for (int64_t d = 0; d < width; ++d) dst[d * 16] = src[d] * a.scale;
+      }
     } else {
-      for (int64_t d = 0; d < dk; ++d) dst[d * 16] = 0.0f;
+      for (int64_t d = 0; d < width; ++d) dst[d * 16] = 0.0f;
     }
   }
+  const float* q = a.q;
+  const float* v = a.v;
+  const float* mask = a.key_add;
   switch (nt) {
-    case 1: SmallAttentionTiles<1>(q, kt, v, ld, mask, S, dk, ctx, ldc, queries); break;
-    case 2: SmallAttentionTiles<2>(q, kt, v, ld, mask, S, dk, ctx, ldc, queries); break;
-    case 3: SmallAttentionTiles<3>(q, kt, v, ld, mask, S, dk, ctx, ldc, queries); break;
-    default: SmallAttentionTiles<4>(q, kt, v, ld, mask, S, dk, ctx, ldc, queries); break;
+    case 1: SmallAttentionTiles<1>(q, a.ldq, kt, width, v, a.ldv, a.dv, mask, S, ctx, ldc, queries); break;
+    case 2: SmallAttentionTiles<2>(q, a.ldq, kt, width, v, a.ldv, a.dv, mask, S, ctx, ldc, queries); break;
+    case 3: SmallAttentionTiles<3>(q, a.ldq, kt, width, v, a.ldv, a.dv, mask, S, ctx, ldc, queries); break;
+    default: SmallAttentionTiles<4>(q, a.ldq, kt, width, v, a.ldv, a.dv, mask, S, ctx, ldc, queries); break;
   }
 }
 
@@ -517,6 +531,26 @@ PackedWeight::PackedWeight(const at::Tensor& w) {
   }
 }
 
+void PackedWeight::UnpackColumns(int64_t n_begin, int64_t n_end, float* out) const {
+  TORCH_CHECK(0 <= n_begin && n_begin <= n_end && n_end <= n_ && n_begin % kPanel == 0,
+              "PackedWeight::UnpackColumns: columns [", n_begin, ", ", n_end, ") of ", n_);
+  const int64_t width = n_end - n_begin;
+  // Row k of the block gathers, panel by panel, runs of up to 32 contiguous floats.
+  for (int64_t p = n_begin / kPanel; p * kPanel < n_end; ++p) {
+    const int64_t c0 = p * kPanel - n_begin, cols = std::min(kPanel, n_end - p * kPanel);
+    const float* src = ptr_ + p * k_ * kPanel;
+    for (int64_t k = 0; k < k_; ++k) {
+      std::copy(src + k * kPanel, src + k * kPanel + cols, out + k * width + c0);
+    }
+  }
+}
+
+at::Tensor PackedWeight::Unpack() const {
+  at::Tensor t = at::empty({k_, n_}, data_.options());
+  UnpackColumns(0, n_, t.data_ptr<float>());
+  return t.t().contiguous();
+}
+
 int64_t PanelGrain(const PackedWeight& w, int64_t rows) {
   const int64_t flops_per_panel = 2 * std::max<int64_t>(1, rows) * std::max<int64_t>(1, w.k()) * kPanel;
   return std::max<int64_t>(1, (int64_t{1} << 20) / flops_per_panel);
@@ -590,19 +624,17 @@ void GeluRowsInPlace(float* x, int64_t ldx, int64_t rows, int64_t c0, int64_t c1
   GeluRowsAvx512(x, ldx, rows, c0, c1);
 }
 
-bool SmallAttentionSupported(int64_t S, int64_t dk) {
-  return PackedLinearSupported() && S >= 1 && S <= kSmallAttentionMaxS && dk >= 16 &&
-         dk % 16 == 0 && dk <= kSmallAttentionMaxDk;
+bool SmallAttentionSupported(int64_t S, int64_t dv) {
+  return PackedLinearSupported() && S >= 1 && S <= kSmallAttentionMaxS && dv >= 16 && dv % 16 == 0;
 }
 
-void SmallAttention(const float* q, const float* k, const float* v, int64_t ld, const float* mask,
-                    int64_t S, int64_t dk, float* ctx, int64_t ldc, int64_t queries) {
-  TORCH_CHECK(SmallAttentionSupported(S, dk), "SmallAttention: S = ", S, ", dk = ", dk,
-              " (want AVX-512F, S in [1, ", kSmallAttentionMaxS, "], dk a multiple of 16 up to ",
-              kSmallAttentionMaxDk, ")");
+void SmallAttention(const AttentionHead& head, int64_t S, int64_t queries, float* ctx, int64_t ldc) {
+  TORCH_CHECK(SmallAttentionSupported(S, head.dv), "SmallAttention: S = ", S, ", dv = ", head.dv,
+              " (want AVX-512F, S in [1, ", kSmallAttentionMaxS, "], dv a positive multiple of 16)");
+  TORCH_CHECK(head.width >= 1, "SmallAttention: score width ", head.width, " (want >= 1)");
   TORCH_CHECK(queries >= 1 && queries <= S, "SmallAttention: queries = ", queries,
               " (want 1 to S = ", S, ")");
-  SmallAttentionAvx512(q, k, v, ld, mask, S, dk, ctx, ldc, queries);
+  SmallAttentionAvx512(head, S, queries, ctx, ldc);
 }
 
 void LayerNormRowsInPlace(float* x, int64_t ldx, int64_t rows, int64_t d, const float* gamma,

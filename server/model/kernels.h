@@ -39,6 +39,15 @@ class PackedWeight {
   // this ~10^4 times.)
   const float* data() const { return ptr_; }
 
+  // Writes w[n_begin:n_end, :] transposed, [K, n_end - n_begin] row-major, into out: the plain
+  // layout a GEMM library reads, one block of columns at a time, so that a model that keeps only
+  // the packed form can still run products on it. n_begin, n_end: as PackedLinearColumns's.
+  void UnpackColumns(int64_t n_begin, int64_t n_end, float* out) const;
+  // The weight as it was given: [N, K], equal to it bit for bit.
+  at::Tensor Unpack() const;
+  // Bytes held (the packed copy, panels padded to kPanel columns).
+  int64_t bytes() const { return panels() * k_ * kPanel * static_cast<int64_t>(sizeof(float)); }
+
  private:
   at::Tensor data_;  // [panels, K, kPanel]
   const float* ptr_ = nullptr;  // data_'s
@@ -88,23 +97,39 @@ void PackedLinearColumnsPacked(const float* packed, int64_t rows, const PackedWe
                                const float* bias, const float* residual, int64_t ldr, float* out,
                                int64_t ldo, int64_t n_begin, int64_t n_end);
 
-// Softmax attention of one head over one short sequence, on the calling thread, all in AVX-512
-// registers: for i < queries, ctx[i, :] = sum_j softmax_j(q_i · k_j + mask[j]) · v_j over j < S,
-// q_i already scaled by 1/sqrt(dk). q: the first `queries` positions (1 <= queries <= S; fewer
-// than S when only the first positions' outputs are wanted, e.g. [CLS] in a classifier's last
-// layer); k, v: S rows of dk floats; leading dimension ld; ctx: `queries` rows, leading dimension
-// ldc; mask: S additive entries, or null. For the short sequences where the per-call costs of an
-// sgemm and an ATen softmax (dozens of them per layer) outweigh the arithmetic. Each row's result
-// depends only on its own query and sequence, bit for bit whatever `queries` is. Requires
-// SmallAttentionSupported(S, dk).
-void SmallAttention(const float* q, const float* k, const float* v, int64_t ld, const float* mask,
-                    int64_t S, int64_t dk, float* ctx, int64_t ldc, int64_t queries);
+// One attention head's operands: for query row i and key j the score is
+//   scale · sum_d q[i, d] · key_factor[d] · k[j, d] + key_add[j]
+// over d < width, and the context row is sum_j softmax_j(score) · v[j, :dv]. Standard heads:
+// width = dk, no key_factor, scale = 1/sqrt(dk), key_add the padding mask. Collaborative heads
+// (Cordonnier et al.): q and k are the shared projections (width = the layer's rank R, the same
+// rows for every head), key_factor the head's mixing row m_i, scale 1 (the checkpoint folds
+// 1/sqrt(dk) into m_i), key_add the mask plus the head's content scores v_i·y_j. Rows are
+// row-major with leading dimensions ldq, ldk, ldv (floats).
+struct AttentionHead {
+  const float* q = nullptr;
+  const float* k = nullptr;
+  const float* v = nullptr;
+  int64_t ldq = 0, ldk = 0, ldv = 0;
+  int64_t width = 0, dv = 0;
+  const float* key_factor = nullptr;  // width factors, or null (all 1)
+  float scale = 1.0f;
+  const float* key_add = nullptr;  // S additive terms, or null
+};
 
-// Whether SmallAttention handles S positions of dk: AVX-512F, 1 <= S <= kSmallAttentionMaxS,
-// dk a positive multiple of 16 up to kSmallAttentionMaxDk.
+// Softmax attention of one head over one short sequence of S positions, on the calling thread,
+// in AVX-512 registers: ctx[i, :dv] for the first `queries` positions (1 <= queries <= S; fewer
+// than S when only the first positions' outputs are wanted, e.g. [CLS] in a classifier's last
+// layer), leading dimension ldc. The keys are copied transposed, with key_factor and scale
+// applied, into a per-thread buffer (S · width floats). For the short sequences where the
+// per-call costs of an sgemm and an ATen softmax (dozens of them per layer) outweigh the
+// arithmetic. Each row's result depends only on its own query and sequence, bit for bit whatever
+// `queries` is. Requires SmallAttentionSupported(S, dv) and width >= 1.
+void SmallAttention(const AttentionHead& head, int64_t S, int64_t queries, float* ctx, int64_t ldc);
+
+// Whether SmallAttention handles S positions with dv-wide values: AVX-512F,
+// 1 <= S <= kSmallAttentionMaxS, dv a positive multiple of 16 (any score width).
 constexpr int64_t kSmallAttentionMaxS = 64;
-constexpr int64_t kSmallAttentionMaxDk = 128;
-bool SmallAttentionSupported(int64_t S, int64_t dk);
+bool SmallAttentionSupported(int64_t S, int64_t dv);
 
 // In place on the columns [c0, c1) of the rows of x [rows, *] (leading dimension ldx), on the
 // calling thread: x = x · (1 + erf(x / sqrt 2)) / 2, the "gelu" of BERT, with ATen's vectorised

@@ -201,6 +201,11 @@ absl::Status SaveWeights(const BertClassifier& model, const std::string& dir, We
   io::DType io_dtype = dtype == WeightDType::kF16    ? io::DType::kF16
                        : dtype == WeightDType::kBF16 ? io::DType::kBF16
                                                      : io::DType::kF32;
+  if (model.weights_released()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(dir, ": the model was prepared for serving and keeps its dense weights only in "
+                          "packed form; load it with pack_weights = false to save it"));
+  }
   std::vector<at::Tensor> keep;
   std::vector<io::TensorToWrite> tensors;
   for (auto& [name, t] : NamedWeights(model)) {

@@ -35,7 +35,8 @@ enum class WeightFormat { kSafetensors, kTorchBin };
 enum class WeightDType { kF32, kF16, kBF16 };
 
 // Writes the model's parameters (their Hugging Face names) as `dir/model.safetensors` or
-// `dir/pytorch_model.bin`, atomically.
+// `dir/pytorch_model.bin`, atomically. FAILED_PRECONDITION for a model whose Prepare released
+// its plain weights (weights_released()).
 absl::Status SaveWeights(const BertClassifier& model, const std::string& dir, WeightFormat format,
                          WeightDType dtype = WeightDType::kF32,
                          const std::map<std::string, std::string>& metadata = {});

@@ -209,8 +209,18 @@ TEST_F(CollaborativeTest, PerLayerRanksAndStandardLayers) {
 // checkpoint again: the result must be the same files as compressing the directory.
 TEST_F(CollaborativeTest, CompressingTheEnginesModelEqualsCompressingTheDirectory) {
   ASSERT_TRUE(CompressModelDirectory(src_.path(), work_ / "from_dir", Rank(24)).ok());
-  auto engine = model::Engine::Load(src_.path());
+  model::EngineOptions unpacked;
+  unpacked.pack_weights = false;  // as upload jobs load it
+  auto engine = model::Engine::Load(src_.path(), unpacked);
   ASSERT_TRUE(engine.ok()) << engine.status();
+  auto logits = [&] {
+    auto preds = (*engine)->Run(Inputs(**engine));
+    EXPECT_TRUE(preds.ok());
+    std::vector<std::vector<float>> got;
+    for (auto& p : *preds) got.push_back(p.logits);
+    return got;
+  };
+  const std::vector<std::vector<float>> before = logits();
   std::vector<std::string> steps;
   CompressOptions o = Rank(24);
   o.on_step = [&steps](const std::string& s) { steps.push_back(s); };
@@ -224,11 +234,8 @@ TEST_F(CollaborativeTest, CompressingTheEnginesModelEqualsCompressingTheDirector
   EXPECT_TRUE(read(work_ / "from_dir/model.safetensors") ==
               read(work_ / "from_engine/model.safetensors"));
   // The engine's model is untouched and still serves the original logits.
-  auto preds = (*engine)->Run(Inputs(**engine));
-  ASSERT_TRUE(preds.ok());
-  std::vector<std::vector<float>> got;
-  for (auto& p : *preds) got.push_back(p.logits);
-  EXPECT_EQ(MaxDiff(got, Logits(src_.path())), 0);
+  EXPECT_EQ(MaxDiff(logits(), before), 0);
+  EXPECT_LT(MaxDiff(before, Logits(src_.path())), 1e-5);  // the served (packed) form
   // A collaborative engine is refused.
   auto collab = model::Engine::Load(work_ / "from_dir");
   ASSERT_TRUE(collab.ok()) << collab.status();
@@ -236,6 +243,16 @@ TEST_F(CollaborativeTest, CompressingTheEnginesModelEqualsCompressingTheDirector
                                               work_ / "again", Rank(8)).status().message()),
               HasSubstr("already collaborative"));
   EXPECT_FALSE(std::filesystem::exists(work_ / "again"));
+  // A served engine keeps its dense weights only packed: refused by name, nothing written (on
+  // CPUs without AVX-512 nothing is packed and the compression runs).
+  auto served = model::Engine::Load(src_.path());
+  ASSERT_TRUE(served.ok()) << served.status();
+  if ((*served)->classifier().weights_released()) {
+    auto refused = CompressLoadedModel((*served)->classifier(), src_.path(), work_ / "served", Rank(8));
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(std::string(refused.status().message()), HasSubstr("pack_weights = false"));
+    EXPECT_FALSE(std::filesystem::exists(work_ / "served"));
+  }
 }
 
 // The compressed model costs only its new attention tensors: everything the conversion leaves
@@ -245,7 +262,7 @@ TEST_F(CollaborativeTest, UnchangedParametersShareTheOriginalsStorage) {
   ASSERT_TRUE(config.ok()) << config.status();
   auto source = model::LoadClassifier(src_.path(), *config);
   ASSERT_TRUE(source.ok()) << source.status();
-  (*source)->Prepare(c10::Device(c10::kCPU), c10::kFloat);
+  (*source)->Prepare(c10::Device(c10::kCPU), c10::kFloat, /*pack_weights=*/false);
   CompressReport report;
   auto out = ConvertToCollaborative(**source, Rank(16), &report);
   ASSERT_TRUE(out.ok()) << out.status();

@@ -6,7 +6,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <fstream>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -14,6 +16,8 @@
 
 #include "server/model/checkpoint_maker.h"
 #include "server/model/engine.h"
+#include "server/model/param_counts.h"
+#include "server/model/state_dict.h"
 #include "server/text/bert_tokenizer.h"
 #include "tests/testing/test_util.h"
 
@@ -79,47 +83,97 @@ struct Case {
 
 class EngineReferenceTest : public ::testing::TestWithParam<Case> {};
 
-TEST_P(EngineReferenceTest, LogitsMatchTheReference) {
-  TempDir dir;
-  ASSERT_TRUE(MakeCheckpoint(dir.path(), GetParam().options).ok());
-  auto engine = Engine::Load(dir.path());
-  ASSERT_TRUE(engine.ok()) << engine.status();
-  auto inputs = MakeInputs(**engine);
-  auto expected = ReferenceLogits(dir.path(), inputs);
-  ASSERT_EQ(expected.size(), inputs.size());
+MakeOptions Opts(std::string preset, WeightFormat f, WeightDType d, std::string act = "gelu", int labels = 2,
+                 std::string problem = "", int layers = 0, int hidden = 0, int heads = 0) {
+  MakeOptions o;
+  o.preset = preset;
+  o.format = f;
+  o.dtype = d;
+  o.hidden_act = act;
+  o.labels = labels;
+  o.problem_type = problem;
+  o.layers = layers;
+  o.hidden = hidden;
+  o.heads = heads;
+  o.seed = 7;
+  return o;
+}
 
-  // One intra-op thread: the per-operation path; two: the ThreadTeam paths where the shape allows
-  // (LibTorch's default here is one thread without OMP_NUM_THREADS).
+// The engine on `dir` against the reference: served (weights packed, plain ones released) and
+// unpacked, with 1 intra-op thread (the per-operation path) and 2 (the ThreadTeam paths where the
+// shape allows; LibTorch's default here is one thread without OMP_NUM_THREADS). The inputs batch
+// to 7 × 182 tokens (> 256: the sgemm products, on blocks unpacked from the packed weights when
+// served) and run alone (<= 256: PackedLinear; <= 64 tokens: SmallAttention).
+void ExpectEngineMatchesReference(const std::string& dir, const std::string& name) {
+  const std::vector<std::vector<float>> expected = [&] {
+    auto engine = Engine::Load(dir);
+    EXPECT_TRUE(engine.ok()) << engine.status();
+    return engine.ok() ? ReferenceLogits(dir, MakeInputs(**engine)) : std::vector<std::vector<float>>{};
+  }();
+  std::vector<std::vector<float>> served;
   const int saved_threads = at::get_num_threads();
-  for (int threads : {1, 2}) {
-    at::set_num_threads(threads);
-    const std::string what = GetParam().name + ", " + std::to_string(threads) + " thread(s)";
-    auto batched = (*engine)->Run(inputs);
-    ASSERT_TRUE(batched.ok()) << batched.status();
-    float max_diff = 0;
-    for (size_t i = 0; i < inputs.size(); ++i) {
-      ASSERT_EQ((*batched)[i].logits.size(), expected[i].size());
-      for (size_t c = 0; c < expected[i].size(); ++c) {
-        max_diff = std::max(max_diff, std::abs((*batched)[i].logits[c] - expected[i][c]));
+  for (bool pack : {true, false}) {
+    EngineOptions eo;
+    eo.pack_weights = pack;
+    auto engine = Engine::Load(dir, eo);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    auto inputs = MakeInputs(**engine);
+    ASSERT_EQ(expected.size(), inputs.size());
+    for (int threads : {1, 2}) {
+      at::set_num_threads(threads);
+      const std::string what =
+          name + (pack ? ", packed" : ", unpacked") + ", " + std::to_string(threads) + " thread(s)";
+      auto batched = (*engine)->Run(inputs);
+      ASSERT_TRUE(batched.ok()) << batched.status();
+      float max_diff = 0, max_vs_served = 0;
+      const bool have_served = served.size() == inputs.size();
+      for (size_t i = 0; i < inputs.size(); ++i) {
+        ASSERT_EQ((*batched)[i].logits.size(), expected[i].size());
+        for (size_t c = 0; c < expected[i].size(); ++c) {
+          max_diff = std::max(max_diff, std::abs((*batched)[i].logits[c] - expected[i][c]));
+          if (have_served) {
+            max_vs_served = std::max(max_vs_served, std::abs((*batched)[i].logits[c] - served[i][c]));
+          }
+        }
+        if (!have_served) served.push_back((*batched)[i].logits);
       }
-    }
-    EXPECT_LT(max_diff, 1e-4) << what;
+      EXPECT_LT(max_diff, 1e-4) << what;
+      EXPECT_LT(max_vs_served, 1e-4) << what << " against the served model, 1 thread";
 
-    // A sequence's logits do not depend on what it is batched with.
-    for (size_t i = 0; i < inputs.size(); ++i) {
-      auto alone = (*engine)->Run(std::vector<TokenizedInput>{inputs[i]});
-      ASSERT_TRUE(alone.ok());
-      for (size_t c = 0; c < expected[i].size(); ++c) {
-        EXPECT_NEAR((*alone)[0].logits[c], (*batched)[i].logits[c], 1e-5) << what << ", input " << i;
+      // A sequence's logits do not depend on what it is batched with (to float rounding: alone,
+      // a sequence of <= 256 tokens runs on PackedLinear, whose summation order differs from the
+      // sgemm's that the batch's products run on; 1.3e-5 on a logit of 4 seen).
+      for (size_t i = 0; i < inputs.size(); ++i) {
+        auto alone = (*engine)->Run(std::vector<TokenizedInput>{inputs[i]});
+        ASSERT_TRUE(alone.ok());
+        for (size_t c = 0; c < expected[i].size(); ++c) {
+          const float x = (*batched)[i].logits[c];
+          EXPECT_NEAR((*alone)[0].logits[c], x, 1e-5 * std::max(1.0f, std::abs(x))) << what << ", input " << i;
+        }
       }
     }
   }
   at::set_num_threads(saved_threads);
 
+  // The logits vary across inputs (the generated weights are not degenerate).
+  float spread = 0;
+  for (size_t i = 1; i < expected.size(); ++i) spread = std::max(spread, std::abs(expected[i][0] - expected[0][0]));
+  EXPECT_GT(spread, 0.05) << name;
+}
+
+TEST_P(EngineReferenceTest, LogitsMatchTheReference) {
+  TempDir dir;
+  ASSERT_TRUE(MakeCheckpoint(dir.path(), GetParam().options).ok());
+  ExpectEngineMatchesReference(dir.path(), GetParam().name);
+
   // On CUDA, where a GPU is present (none on the development machines, where this part does not
   // run): float32 within the same 1e-4 of the reference; float16 and bfloat16 within bounds for
   // half precision (estimates: never run yet).
   if (at::hasCUDA()) {
+    auto cpu = Engine::Load(dir.path());
+    ASSERT_TRUE(cpu.ok()) << cpu.status();
+    auto inputs = MakeInputs(**cpu);
+    auto expected = ReferenceLogits(dir.path(), inputs);
     const std::vector<std::pair<std::string, float>> dtypes = {
         {"float32", 1e-4f}, {"float16", 5e-2f}, {"bfloat16", 2e-1f}};
     for (const auto& [dtype, bound] : dtypes) {
@@ -137,28 +191,77 @@ TEST_P(EngineReferenceTest, LogitsMatchTheReference) {
       EXPECT_LT(max_diff, bound) << GetParam().name << ", cuda " << dtype;
     }
   }
-
-  // The logits vary across inputs (the generated weights are not degenerate).
-  float spread = 0;
-  for (size_t i = 1; i < inputs.size(); ++i) spread = std::max(spread, std::abs(expected[i][0] - expected[0][0]));
-  EXPECT_GT(spread, 0.05);
 }
 
-MakeOptions Opts(std::string preset, WeightFormat f, WeightDType d, std::string act = "gelu", int labels = 2,
-                 std::string problem = "", int layers = 0, int hidden = 0, int heads = 0) {
-  MakeOptions o;
-  o.preset = preset;
-  o.format = f;
-  o.dtype = d;
-  o.hidden_act = act;
-  o.labels = labels;
-  o.problem_type = problem;
-  o.layers = layers;
-  o.hidden = hidden;
-  o.heads = heads;
-  o.seed = 7;
-  return o;
+// A collaborative checkpoint as a compression writes one: `base` with the layers whose entry of
+// `ranks` is non-zero made collaborative, their W~Q, W~K, mixing and content vectors drawn at
+// random (scaled so that attention is peaked and the content scores matter), every other tensor
+// the standard checkpoint's.
+void MakeCollaborativeCheckpoint(const std::string& dir, const MakeOptions& base,
+                                 const std::vector<int>& ranks) {
+  ASSERT_TRUE(MakeCheckpoint(dir, base).ok());
+  auto standard_config = BertConfig::FromFile(dir + "/config.json");
+  ASSERT_TRUE(standard_config.ok()) << standard_config.status();
+  auto standard = LoadClassifier(dir, *standard_config);
+  ASSERT_TRUE(standard.ok()) << standard.status();
+  BertConfig config = *standard_config;
+  config.collaborative.ranks = ranks;
+  config.collaborative.algorithm = "cp-als";
+  config.collaborative.source = "engine_reference_test";
+  BertClassifier m(config);
+  std::map<std::string, at::Tensor> src;
+  for (const auto& item : (*standard)->named_parameters(true)) src[item.key()] = item.value();
+  const double D = config.hidden_size;
+  for (auto& item : m.named_parameters(true)) {
+    const std::string& key = item.key();
+    at::Tensor& t = item.value();
+    if (auto it = src.find(key); it != src.end()) {
+      t.copy_(it->second);
+      continue;
+    }
+    const uint64_t seed = HashSeed(base.seed, key);
+    const double rank = static_cast<double>(t.size(-1));
+    const double stddev = key.find("mixing") != std::string::npos ? 3.0 / std::sqrt(rank) : 1.0 / std::sqrt(D);
+    FillNormal(t.data_ptr<float>(), t.numel(), seed, stddev);
+  }
+  ASSERT_TRUE(SaveWeights(m, dir, WeightFormat::kSafetensors).ok());
+  std::ofstream(dir + "/config.json") << config.ToJson();
 }
+
+struct CollaborativeCase {
+  std::string name;
+  std::string preset;
+  std::vector<int> ranks;
+};
+
+class CollaborativeReferenceTest : public ::testing::TestWithParam<CollaborativeCase> {};
+
+// Collaborative layers on every path (team on prepacked PackedLinear, team with the sgemm by rows,
+// per operation; SmallAttention and the sgemm attention; the [CLS]-only last layer), served and
+// unpacked, against the reference's own evaluation of the paper's formula. Under
+// COLLABSERVE_GEMM=aten (ctest engine_reference_aten_test) the same checks run the ATen path.
+TEST_P(CollaborativeReferenceTest, LogitsMatchTheReference) {
+  TempDir dir;
+  MakeOptions o = Opts(GetParam().preset, WeightFormat::kSafetensors, WeightDType::kF32, "gelu", 3);
+  MakeCollaborativeCheckpoint(dir.path(), o, GetParam().ranks);
+  if (HasFatalFailure()) return;
+  auto engine = Engine::Load(dir.path());
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  EXPECT_EQ((*engine)->info().collaborative_ranks, GetParam().ranks);
+  ExpectEngineMatchesReference(dir.path(), GetParam().name);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Ranks, CollaborativeReferenceTest,
+    ::testing::Values(
+        // mini: 4 layers, 4 heads of d_k = 64 (the team paths).
+        CollaborativeCase{"below_at_above_dk_then_standard", "mini", {24, 64, 100, 0}},
+        CollaborativeCase{"standard_first_last_collaborative", "mini", {0, 200, 0, 37}},
+        CollaborativeCase{"all_collaborative", "mini", {32, 32, 32, 32}},
+        // tiny: 2 layers, 4 heads of d_k = 16 (per-operation path only).
+        CollaborativeCase{"tiny_below_and_above_dk", "tiny", {8, 40}}),
+    [](const auto& info) { return info.param.name; });
+
 
 INSTANTIATE_TEST_SUITE_P(
     Checkpoints, EngineReferenceTest,

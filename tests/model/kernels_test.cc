@@ -170,38 +170,66 @@ TEST(PackedLinearColumnsPacked, PackedInPiecesEqualsPackedLinearBitForBit) {
                c10::Error);
 }
 
-// SmallAttention against the ATen composition it replaces (scores, additive mask, softmax, · v),
-// with strided q/k/v as in the fused projection, a partial key tile, masked positions and one
-// sequence whose keys are all masked (softmax of equal scores: uniform, as in ATen).
+// SmallAttention against the ATen composition it replaces (scale · q diag(f) kᵀ, additive key
+// terms, softmax, · v), with strided q/k/v as in the fused projection, a partial key tile, masked
+// positions and one sequence whose keys are all masked (softmax of equal scores: uniform, as in
+// ATen). Standard heads (width = dv = dk, a scale) and collaborative ones (a score width R below,
+// equal to and above dv, a key factor = the head's mixing row, queries and keys in other columns
+// than the values).
+AttentionHead Head(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const float* factor,
+                   float scale, const float* add) {
+  AttentionHead a;
+  a.q = q.data_ptr<float>();
+  a.k = k.data_ptr<float>();
+  a.v = v.data_ptr<float>();
+  a.ldq = q.stride(0);
+  a.ldk = k.stride(0);
+  a.ldv = v.stride(0);
+  a.width = q.size(1);
+  a.dv = v.size(1);
+  a.key_factor = factor;
+  a.scale = scale;
+  a.key_add = add;
+  return a;
+}
+
 TEST(SmallAttention, EqualsAtenSoftmaxAttention) {
   if (!PackedLinearSupported()) GTEST_SKIP() << "no AVX-512F";
   c10::InferenceMode guard;
   at::manual_seed(8);
-  for (int64_t dk : {16, 64, 128}) {
+  struct Shape { int64_t width, dv; bool collaborative; };
+  for (const Shape& sh : {Shape{16, 16, false}, Shape{64, 64, false}, Shape{128, 128, false},
+                          Shape{24, 64, true}, Shape{64, 64, true}, Shape{200, 64, true},
+                          Shape{7, 32, true}}) {
+    const int64_t width = sh.width, dv = sh.dv;
     for (int64_t S : {1, 5, 16, 17, 33, 48, 64}) {
-      ASSERT_TRUE(SmallAttentionSupported(S, dk));
-      const int64_t ld = 3 * dk + 7;
+      ASSERT_TRUE(SmallAttentionSupported(S, dv));
+      const int64_t ld = 2 * width + dv + 7;
       at::Tensor p = at::randn({S, ld});
-      at::Tensor q = p.narrow(1, 0, dk), k = p.narrow(1, dk, dk), v = p.narrow(1, 2 * dk + 3, dk);
+      at::Tensor q = p.narrow(1, 0, width), k = p.narrow(1, width, width);
+      at::Tensor v = p.narrow(1, 2 * width + 3, dv);
+      at::Tensor factor = at::randn({width});
+      const float scale = sh.collaborative ? 1.0f : 1.0f / std::sqrt(static_cast<float>(width));
+      const float* f = sh.collaborative ? factor.data_ptr<float>() : nullptr;
+      at::Tensor qf = sh.collaborative ? q * factor : q;
       for (int masking = 0; masking < 3; ++masking) {
-        at::Tensor mask = at::zeros({S});
+        at::Tensor mask = sh.collaborative ? at::randn({S}) : at::zeros({S});
         if (masking == 1) mask.narrow(0, S / 2, S - S / 2).fill_(std::numeric_limits<float>::lowest());
         if (masking == 2) mask.fill_(std::numeric_limits<float>::lowest());
-        at::Tensor want = at::matmul(at::_softmax(at::matmul(q, k.t()) + mask, -1, false), v);
-        at::Tensor ctx = at::full({S, dk + 2}, 7.0f);
-        SmallAttention(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), ld,
-                       masking == 0 ? nullptr : mask.data_ptr<float>(), S, dk,
-                       ctx.data_ptr<float>(), dk + 2, S);
-        EXPECT_LT(RelErr(ctx.narrow(1, 0, dk), want), 1e-5) << "S " << S << " dk " << dk << " mask " << masking;
-        EXPECT_TRUE(ctx.narrow(1, dk, 2).eq(7.0f).all().item<bool>());
+        const float* add = masking == 0 && !sh.collaborative ? nullptr : mask.data_ptr<float>();
+        at::Tensor want = at::matmul(at::_softmax(at::matmul(qf, k.t()) * scale + mask, -1, false), v);
+        at::Tensor ctx = at::full({S, dv + 2}, 7.0f);
+        SmallAttention(Head(q, k, v, f, scale, add), S, S, ctx.data_ptr<float>(), dv + 2);
+        const std::string what = "S " + std::to_string(S) + " width " + std::to_string(width) +
+                                 " dv " + std::to_string(dv) + " mask " + std::to_string(masking);
+        EXPECT_LT(RelErr(ctx.narrow(1, 0, dv), want), 1e-5) << what;
+        EXPECT_TRUE(ctx.narrow(1, dv, 2).eq(7.0f).all().item<bool>());
         // Only the first `queries` positions: the same rows bit for bit, nothing written past them.
         for (int64_t queries : {int64_t{1}, (S + 1) / 2}) {
-          at::Tensor part = at::full({S, dk + 2}, 7.0f);
-          SmallAttention(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), ld,
-                         masking == 0 ? nullptr : mask.data_ptr<float>(), S, dk,
-                         part.data_ptr<float>(), dk + 2, queries);
+          at::Tensor part = at::full({S, dv + 2}, 7.0f);
+          SmallAttention(Head(q, k, v, f, scale, add), S, queries, part.data_ptr<float>(), dv + 2);
           EXPECT_TRUE(at::equal(part.narrow(0, 0, queries), ctx.narrow(0, 0, queries)))
-              << "S " << S << " dk " << dk << " mask " << masking << " queries " << queries;
+              << what << " queries " << queries;
           EXPECT_TRUE(part.narrow(0, queries, S - queries).eq(7.0f).all().item<bool>());
         }
       }
@@ -211,13 +239,13 @@ TEST(SmallAttention, EqualsAtenSoftmaxAttention) {
   EXPECT_FALSE(SmallAttentionSupported(16, 24));
   EXPECT_FALSE(SmallAttentionSupported(0, 64));
   at::Tensor x = at::zeros({4, 24});
-  EXPECT_THROW(SmallAttention(x.data_ptr<float>(), x.data_ptr<float>(), x.data_ptr<float>(), 24,
-                              nullptr, 4, 24, x.data_ptr<float>(), 24, 4),
+  EXPECT_THROW(SmallAttention(Head(x, x, x, nullptr, 1.0f, nullptr), 4, 4, x.data_ptr<float>(), 24),
                c10::Error);
   at::Tensor y = at::zeros({4, 48});
   for (int64_t queries : {0, 5}) {
-    EXPECT_THROW(SmallAttention(y.data_ptr<float>(), y.data_ptr<float>() + 16, y.data_ptr<float>() + 32,
-                                48, nullptr, 4, 16, y.data_ptr<float>(), 48, queries),
+    EXPECT_THROW(SmallAttention(Head(y.narrow(1, 0, 16), y.narrow(1, 16, 16), y.narrow(1, 32, 16),
+                                     nullptr, 1.0f, nullptr),
+                                4, queries, y.data_ptr<float>(), 48),
                  c10::Error);
   }
 }
@@ -242,6 +270,25 @@ TEST(PackedWeight, RejectsWhatItCannotPack) {
   c10::InferenceMode guard;
   EXPECT_THROW(PackedWeight(at::zeros({4, 4}, at::kDouble)), c10::Error);
   EXPECT_THROW(PackedWeight(at::zeros({4})), c10::Error);
+}
+
+// A model that keeps only the packed form gets its plain weight back exactly: whole, and in
+// blocks of columns laid out for a GEMM ([K, n] row-major), a partial last panel included.
+TEST(PackedWeight, UnpacksExactly) {
+  c10::InferenceMode guard;
+  at::manual_seed(12);
+  at::Tensor w = at::randn({100, 37});
+  PackedWeight p(w);
+  EXPECT_TRUE(at::equal(p.Unpack(), w));
+  EXPECT_EQ(p.bytes(), 4 * 37 * 32 * 4);
+  for (auto [n0, n1] : {std::pair<int64_t, int64_t>{0, 100}, {32, 64}, {64, 100}, {96, 100}, {32, 32}}) {
+    at::Tensor block = at::full({37, n1 - n0}, 9.0f);
+    p.UnpackColumns(n0, n1, block.data_ptr<float>());
+    EXPECT_TRUE(at::equal(block, w.narrow(0, n0, n1 - n0).t())) << n0 << ".." << n1;
+  }
+  at::Tensor out = at::empty({37 * 100});
+  EXPECT_THROW(p.UnpackColumns(16, 64, out.data_ptr<float>()), c10::Error);
+  EXPECT_THROW(p.UnpackColumns(0, 101, out.data_ptr<float>()), c10::Error);
 }
 
 TEST(LayerNormRowsInPlace, OneColumnGivesTheBias) {
