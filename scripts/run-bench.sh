@@ -36,10 +36,13 @@ section_engine() {
     rm -rf "$MODELS/base"
     "$model_tool" make --out "$MODELS/base" --preset base
   fi
-  if [ ! -f "$MODELS/base-collab384/config.json" ]; then
-    rm -rf "$MODELS/base-collab384"
-    "$model_tool" compress --model "$MODELS/base" --out "$MODELS/base-collab384" --rank 384 >/dev/null
-  fi
+  # D~ = D_k/2 and D_k/4.
+  for r in 384 192; do
+    if [ ! -f "$MODELS/base-collab$r/config.json" ]; then
+      rm -rf "$MODELS/base-collab$r"
+      "$model_tool" compress --model "$MODELS/base" --out "$MODELS/base-collab$r" --rank "$r" >/dev/null
+    fi
+  done
   # Each program's own results stay next to the models (the README's table is made from them).
   local work="$BUILD_DIR/bench-results"
   mkdir -p "$work"
@@ -54,7 +57,7 @@ section_engine() {
     "$PY" "$ROOT/bench/engine/pytorch_bench.py" --model "$MODELS/base" --out "$work/pytorch.tsv" "${pyflags[@]}"
   fi
   node "$ROOT/bench/engine/ort_bench.mjs" --model "$MODELS/base/model.onnx" --out "$work/ort.tsv" "${pyflags[@]}"
-  "$bench" --model="$MODELS/base" --collab_model="$MODELS/base-collab384" \
+  "$bench" --model="$MODELS/base" --collab_model="$MODELS/base-collab384,$MODELS/base-collab192" \
     --pytorch_tsv="$work/pytorch.tsv" --ort_tsv="$work/ort.tsv" \
     --tsv_out="$work/collabserve.tsv" "${flags[@]}"
 }

@@ -9,10 +9,20 @@
 // reported. All sequences of a batch have the same length (no padding); token ids are a fixed
 // function of (b, s) shared with the baselines.
 //
-// Usage: engine_bench --model=DIR [--collab_model=DIR] [--batches=1,8,32] [--seqs=16,128,512]
-//                     [--threads=2] [--budget_s=4] [--min_runs=3] [--max_runs=50]
-//                     [--warmup_batch=8] [--pytorch_tsv=FILE] [--ort_tsv=FILE] [--tsv_out=FILE]
-//                     [--sgemm=2048] [--stream_mb=512]
+// Collaborative models (--collab_model, one or more directories) are measured at each grid point
+// together with the standard one, in --rounds rounds (each model once a round, the order rotated
+// from round to round, --budget_s split over the rounds) so that the machine's drift falls on
+// every model alike; each model's figure is its median round. A second table gives each
+// collaborative model's seq/s as a ratio to the standard model's. --memory=1 (the default) first prints each model's resident memory as served:
+// a fresh process per model (this binary with --rss_child=DIR) loads it as the server does, runs
+// one 8 × 128 call and reports VmRSS, minus the same for a generated tiny model, next to the
+// model's float32 parameter bytes.
+//
+// Usage: engine_bench --model=DIR [--collab_model=DIR[,DIR...]] [--batches=1,8,32]
+//                     [--seqs=16,128,512] [--threads=2] [--budget_s=4] [--min_runs=3]
+//                     [--max_runs=50] [--warmup_batch=8] [--pytorch_tsv=FILE] [--ort_tsv=FILE]
+//                     [--tsv_out=FILE] [--sgemm=2048] [--stream_mb=512] [--memory=1]
+//                     [--rounds=3]
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
@@ -36,14 +46,19 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "server/model/checkpoint_maker.h"
 #include "server/model/engine.h"
 #include "server/util/process_env.h"
+#include "server/util/process_memory.h"
 
 namespace collabserve::model {
 namespace {
 
 struct Flags {
-  std::string model, collab_model, pytorch_tsv, ort_tsv, tsv_out;
+  std::string model, pytorch_tsv, ort_tsv, tsv_out, rss_child;
+  std::vector<std::string> collab_models;
+  int memory = 1;
+  int rounds = 3;
   std::vector<int> batches = {1, 8, 32};
   std::vector<int> seqs = {16, 128, 512};
   int threads = 2;
@@ -76,7 +91,10 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
     std::string name = arg.substr(2, eq - 2), v = arg.substr(eq + 1);
     bool ok = true;
     if (name == "model") f->model = v;
-    else if (name == "collab_model") f->collab_model = v;
+    else if (name == "collab_model") f->collab_models = absl::StrSplit(v, ',', absl::SkipEmpty());
+    else if (name == "rss_child") f->rss_child = v;
+    else if (name == "memory") ok = absl::SimpleAtoi(v, &f->memory);
+    else if (name == "rounds") ok = absl::SimpleAtoi(v, &f->rounds) && f->rounds > 0;
     else if (name == "pytorch_tsv") f->pytorch_tsv = v;
     else if (name == "ort_tsv") f->ort_tsv = v;
     else if (name == "tsv_out") f->tsv_out = v;
@@ -98,7 +116,7 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
       return false;
     }
   }
-  if (f->model.empty()) {
+  if (f->model.empty() && f->rss_child.empty()) {
     std::fprintf(stderr, "engine_bench: --model=DIR is required\n");
     return false;
   }
@@ -292,9 +310,90 @@ std::unique_ptr<Engine> LoadOrDie(const std::string& dir) {
   return std::move(*e);
 }
 
+// --rss_child=DIR: load DIR as the server does, run one call of 8 sequences of min(128,
+// max_length) tokens, give freed memory back, print "rss_bytes N params N".
+int RssChild(const Flags& f) {
+  at::set_num_threads(f.threads);
+  std::unique_ptr<Engine> engine = LoadOrDie(f.rss_child);
+  auto r = engine->Run(MakeInputs(8, std::min(128, engine->info().max_length)));
+  if (!r.ok()) {
+    std::fprintf(stderr, "engine_bench: Run failed: %s\n", r.status().ToString().c_str());
+    return 1;
+  }
+  util::ReleaseFreedMemory();
+  auto m = util::ReadProcessMemory();
+  if (!m.ok()) {
+    std::fprintf(stderr, "engine_bench: %s\n", m.status().ToString().c_str());
+    return 1;
+  }
+  std::printf("rss_bytes %lld params %lld\n", static_cast<long long>(m->rss_bytes),
+              static_cast<long long>(engine->info().params.total));
+  return 0;
+}
+
+struct Resident {
+  int64_t rss_bytes = -1, params = 0;
+};
+
+Resident MeasureResident(const std::string& dir, int threads) {
+  // This binary's path (popen runs a shell, for which /proc/self/exe is the shell).
+  char self[4096];
+  const ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
+  Resident r;
+  if (len <= 0) return r;
+  self[len] = '\0';
+  const std::string cmd = std::string("'") + self + "' --rss_child='" + dir + "' --threads=" + std::to_string(threads);
+  std::FILE* p = popen(cmd.c_str(), "r");
+  if (p == nullptr) return r;
+  long long rss = 0, params = 0;
+  if (std::fscanf(p, "rss_bytes %lld params %lld", &rss, &params) == 2) r = {rss, params};
+  pclose(p);
+  return r;
+}
+
+// The memory table (--memory=1): each model's resident memory as served, in a process of its own.
+void PrintMemory(const Flags& f) {
+  char tmpl[] = "/tmp/engine_bench_tiny_XXXXXX";
+  if (mkdtemp(tmpl) == nullptr) return;
+  const std::string tiny = tmpl;
+  MakeOptions o;
+  o.preset = "tiny";
+  if (!MakeCheckpoint(tiny, o).ok()) return;
+  const Resident base = MeasureResident(tiny, f.threads);
+  std::system(("rm -rf '" + tiny + "'").c_str());
+  std::printf("\nServed memory (VmRSS after load and one 8 x 128 call, minus a tiny model's %.0f MiB):\n",
+              base.rss_bytes / 1048576.0);
+  const char* row = "%-40s | %12s | %12s | %9s | %s\n";
+  std::printf(row, "model", "params MiB", "resident MiB", "/ params", "vs standard: resident saved / params saved");
+  std::vector<std::string> dirs = {f.model};
+  dirs.insert(dirs.end(), f.collab_models.begin(), f.collab_models.end());
+  Resident standard;
+  for (size_t i = 0; i < dirs.size(); ++i) {
+    const Resident r = MeasureResident(dirs[i], f.threads);
+    if (r.rss_bytes < 0 || base.rss_bytes < 0) {
+      std::printf("%-40s | could not be measured\n", dirs[i].c_str());
+      continue;
+    }
+    const double params = 4.0 * r.params, resident = static_cast<double>(r.rss_bytes - base.rss_bytes);
+    if (i == 0) standard = r;
+    std::string saving = "-";
+    if (i > 0 && standard.rss_bytes >= 0) {
+      const double saved = static_cast<double>(standard.rss_bytes - r.rss_bytes);
+      const double param_saved = 4.0 * (standard.params - r.params);
+      saving = Fmt("%.1f", saved / 1048576.0) + " / " + Fmt("%.1f MiB", param_saved / 1048576.0);
+    }
+    std::printf(row, dirs[i].c_str(), Fmt("%.1f", params / 1048576.0).c_str(),
+                Fmt("%.1f", resident / 1048576.0).c_str(), Fmt("%.3fx", resident / params).c_str(),
+                saving.c_str());
+  }
+  std::fflush(stdout);
+}
+
 int Main(int argc, char** argv) {
   Flags f;
   if (!ParseFlags(argc, argv, &f)) return 2;
+  if (!f.rss_child.empty()) return RssChild(f);
+  if (f.memory) PrintMemory(f);
 
   // Process settings (what the server's main should set too). Threads: ATen's intra-op pool (OpenMP here)
   // and OpenBLAS's own pthreads pool, both to --threads.
@@ -309,8 +408,9 @@ int Main(int argc, char** argv) {
   auto openblas_config = reinterpret_cast<GetConfig>(dlsym(RTLD_DEFAULT, "openblas_get_config"));
 
   std::unique_ptr<Engine> engine = LoadOrDie(f.model);
-  std::unique_ptr<Engine> collab;
-  if (!f.collab_model.empty()) collab = LoadOrDie(f.collab_model);
+  std::vector<std::unique_ptr<Engine>> collabs;
+  for (const std::string& dir : f.collab_models) collabs.push_back(LoadOrDie(dir));
+  const Engine* collab = collabs.empty() ? nullptr : collabs[0].get();
 
   double loadavg[1] = {0};
   getloadavg(loadavg, 1);
@@ -324,7 +424,8 @@ int Main(int argc, char** argv) {
   std::printf("model: %d layers, hidden %d, %d heads, FFN %d, %zu labels", info.num_layers,
               info.hidden_size, info.num_heads, info.intermediate_size, info.labels.size());
   if (collab && !collab->info().collaborative_ranks.empty()) {
-    std::printf("; collaborative column: rank %d", collab->info().collaborative_ranks[0]);
+    std::printf("; collaborative column: rank %d (%s)", collab->info().collaborative_ranks[0],
+                f.collab_models[0].c_str());
   }
   std::printf("\n");
   double peak = f.sgemm > 0 ? SgemmPeak(f.sgemm) : 0;
@@ -346,6 +447,12 @@ int Main(int argc, char** argv) {
     std::fprintf(tsv, "# batch\tseq\tcollabserve_seq_per_s\truns\tcpu_ms_per_seq\tcollab_seq_per_s\n");
   }
 
+  struct CollabRow {
+    int batch, seq;
+    Point standard;
+    std::vector<Point> collab;
+  };
+  std::vector<CollabRow> collab_rows;
   const char* row = "%5s %5s | %11s %9s | %9s %9s | %8s | %8s %6s | %7s %7s %7s %8s | %5s %4s\n";
   std::printf("\n");
   std::printf(row, "batch", "seq", "collabserve", "collab", "PyTorch", "ORT", "vs best", "GFLOP/s",
@@ -361,9 +468,28 @@ int Main(int argc, char** argv) {
         std::printf("%5d %5d | longer than the model's max_length %d: skipped\n", b, s, info.max_length);
         continue;
       }
-      Point p = Measure(*engine, b, s, f);
-      Point pc;
-      if (collab) pc = Measure(*collab, b, s, f);
+      // Model 0 the standard one, then the collaborative ones; round r starts at model r.
+      std::vector<const Engine*> models = {engine.get()};
+      for (const auto& c : collabs) models.push_back(c.get());
+      std::vector<std::vector<Point>> rounds(models.size());
+      Flags per_round = f;
+      per_round.budget_s = f.budget_s / f.rounds;
+      per_round.min_runs = std::max(1, f.min_runs / f.rounds);
+      for (int r = 0; r < f.rounds; ++r) {
+        for (size_t i = 0; i < models.size(); ++i) {
+          const size_t m = (i + r) % models.size();
+          rounds[m].push_back(Measure(*models[m], b, s, per_round));
+        }
+      }
+      auto median_round = [](std::vector<Point> v) {
+        std::sort(v.begin(), v.end(), [](const Point& x, const Point& y) { return x.seq_per_s < y.seq_per_s; });
+        return v[v.size() / 2];
+      };
+      const Point p = median_round(rounds[0]);
+      std::vector<Point> pcs;
+      for (size_t m = 1; m < models.size(); ++m) pcs.push_back(median_round(rounds[m]));
+      const Point pc = pcs.empty() ? Point() : pcs[0];
+      collab_rows.push_back({b, s, p, pcs});
       std::vector<Baseline> found;
       std::string cells[4] = {"-", "-", "-", "-"};  // PyTorch seq/s, ORT seq/s, PyTorch CPU, ORT CPU
       int i = 0;
@@ -402,6 +528,22 @@ int Main(int argc, char** argv) {
     }
   }
   if (tsv) std::fclose(tsv);
+  if (!collabs.empty()) {
+    std::printf("\nCollaborative models against the standard one (seq/s, same run, median of %d interleaved rounds):\n", f.rounds);
+    std::printf("%5s %5s | %9s", "batch", "seq", "standard");
+    for (const auto& c : collabs) {
+      const auto& ranks = c->info().collaborative_ranks;
+      std::printf(" | %16s", ("rank " + (ranks.empty() ? std::string("-") : std::to_string(ranks[0]))).c_str());
+    }
+    std::printf("\n");
+    for (const CollabRow& r : collab_rows) {
+      std::printf("%5d %5d | %9.2f", r.batch, r.seq, r.standard.seq_per_s);
+      for (const Point& c : r.collab) {
+        std::printf(" | %7.2f (%5.2fx)", c.seq_per_s, c.seq_per_s / r.standard.seq_per_s);
+      }
+      std::printf("\n");
+    }
+  }
   getloadavg(loadavg, 1);
   std::printf("\nmedians of timed runs after one warm-up. vs best baseline = collabserve seq/s / max(PyTorch, ORT);"
               "\nGFLOP/s (the FLOPs collabserve computes: its last layer for [CLS] only, see ForwardFlops), %%peak"
