@@ -13,6 +13,9 @@
 #   BENCH_API (callback|threads: collabctl bench's workers)  INPUTS_PER_REQUEST (1: inputs per
 #   Classify call; with N, "conc" counts calls and N x conc inputs are in flight)  OUT (also write the table there, as
 #   Markdown)  RECORDS (keep every run's raw figures there, TSV)
+#   COLLAB_RANK (empty: off; R: also serve the model compressed at rank R as "bench-collab", and in
+#   batching mode measure it at every concurrency right after the original, alternating which goes
+#   first, as mode "batching-collab"; the summary then compares the two)
 # The raw ceiling does not depend on the server's settings: it is the best of one stream with THREADS
 # intra-op threads and THREADS concurrent single-threaded streams (and BATCH_THREADS streams with
 # THREADS / BATCH_THREADS each when that is another split), at batch sizes up to MAX_BATCH.
@@ -64,6 +67,11 @@ records=${RECORDS:-$work/records.tsv}
 ticks=$(getconf CLK_TCK)
 
 "$BUILD_DIR/bin/collabserve-model" make --out "$work/repo/bench/1" --preset "$PRESET" >/dev/null
+COLLAB_RANK=${COLLAB_RANK:-}
+if [[ -n $COLLAB_RANK ]]; then
+  "$BUILD_DIR/bin/collabserve-model" compress --model "$work/repo/bench/1" \
+    --out "$work/repo/bench-collab/1" --rank "$COLLAB_RANK" >/dev/null
+fi
 
 # RAW_BATCHES: the batch sizes the raw ceiling tries (its best is the ceiling); default 1..16 and
 # MAX_BATCH. On a large model the best is MAX_BATCH; fewer sizes leave time for more repeats.
@@ -126,13 +134,23 @@ for rep in $(seq 1 "$REPEATS"); do
   fi
   for mode in $MODES; do
     if [[ $mode == batching ]]; then start_server --max_batch_size="$MAX_BATCH"; else start_server --max_batch_size=1; fi
-    # Warm the connection and the model up.
-    "$BUILD_DIR/bin/collabctl" --address=127.0.0.1:"$port" bench --model=bench --concurrency=2 \
-      --duration_s=1 --input_tokens="$TOKENS" >/dev/null
+    # The models this mode measures: the original, and in batching mode its compressed form.
+    models=(bench)
+    [[ -n $COLLAB_RANK && $mode == batching ]] && models=(bench bench-collab)
+    # Warm the connection and the models up.
+    for model in "${models[@]}"; do
+      "$BUILD_DIR/bin/collabctl" --address=127.0.0.1:"$port" bench --model="$model" --concurrency=2 \
+        --duration_s=1 --input_tokens="$TOKENS" >/dev/null
+    done
     for c in $CONCURRENCY; do
+     order=("${models[@]}")
+     ((rep % 2 == 0 && ${#models[@]} > 1)) && order=(bench-collab bench)
+     for model in "${order[@]}"; do
+      label=$mode
+      [[ $model == bench-collab ]] && label=$mode-collab
       cpu0=$(server_cpu_s)
       read -r bs0 bc0 is0 qs0 qc0 <<<"$(scrape)"
-      line=$("$BUILD_DIR/bin/collabctl" --address=127.0.0.1:"$port" bench --model=bench \
+      line=$("$BUILD_DIR/bin/collabctl" --address=127.0.0.1:"$port" bench --model="$model" \
         --concurrency="$c" --duration_s="$DURATION_S" --input_tokens="$TOKENS" --deadline_ms=60000 \
         --bench_api="$BENCH_API" --inputs_per_request="$INPUTS_PER_REQUEST")
       cpu1=$(server_cpu_s)
@@ -142,9 +160,10 @@ for rep in $(seq 1 "$REPEATS"); do
         -v qc1="$qc1" 'BEGIN {bc = bc1 - bc0; qc = qc1 - qc0;
         printf "server_cpu_s=%.3f batch_mean=%.2f busy_s=%.3f queue_mean_ms=%.3f", c1 - c0,
         (bc > 0 ? (bs1 - bs0) / bc : 0), is1 - is0, (qc > 0 ? 1000 * (qs1 - qs0) / qc : 0)}')
-      printf '%s\t%s\t%s\t%s %s load=%s\n' "$mode" "$rep" "$c" "$line" "$extra" \
+      printf '%s\t%s\t%s\t%s %s load=%s\n' "$label" "$rep" "$c" "$line" "$extra" \
         "$(cut -d' ' -f1 /proc/loadavg)" >>"$records"
-      echo "  $mode c=$c: $line $extra"
+      echo "  $label c=$c: $line $extra"
+     done
     done
     stop_server
   done

@@ -131,6 +131,26 @@ def main():
                      (", ".join(str(r[0]) for r in rows if r[2] >= 0.9 and r[3] <= bound) or "none") +
                      "; within the p99 bound up to concurrency " +
                      (str(max((r[0] for r in rows if r[3] <= bound), default=0)) or "none") + ".")
+    # The compressed model against its original (COLLAB_RANK): at each concurrency the median over
+    # the repeats of collab / original inputs/s, each repeat's pair measured back to back.
+    pairs = []
+    for (mode, conc), ps in points.items():
+        if mode != "batching-collab" or ("batching", conc) not in points:
+            continue
+        orig = {p["rep"]: p["inputs_per_s"] for p in points[("batching", conc)]}
+        ratios = [p["inputs_per_s"] / orig[p["rep"]] for p in ps if orig.get(p["rep"])]
+        if ratios:
+            pairs.append((conc, median([orig[r] for r in orig]), median([p["inputs_per_s"] for p in ps]),
+                          median(ratios)))
+    if pairs:
+        lines.append("")
+        lines.append("Compressed model (batching-collab) against the original, same server, "
+                     "measured back to back in each repeat:")
+        lines.append("")
+        lines.append("| conc | original inputs/s | compressed inputs/s | compressed / original |")
+        lines.append("|---:|---:|---:|---:|")
+        for conc, o_ips, c_ips, r in sorted(pairs):
+            lines.append(f"| {conc} | {o_ips:.0f} | {c_ips:.0f} | {r:.2f} |")
     loads = [p["load"] for ps in points.values() for p in ps if "load" in p]
     if loads:
         lines.append("")

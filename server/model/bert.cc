@@ -193,6 +193,7 @@ int64_t SmallAttentionMaxS() {
 // layers, so that both run on the same kernels.
 struct AttentionLayout {
   int64_t ld = 0;     // floats per projection row
+  int64_t fused_n = 0;  // columns the fused product writes (then the content scores, if any)
   int64_t width = 0;  // score width: d_k, or the collaborative rank R
   int64_t dk = 0;     // value width
   int64_t q0 = 0, k0 = 0, v0 = 0;  // columns of head 0's query, key and value
@@ -202,6 +203,13 @@ struct AttentionLayout {
   float scale = 1.0f;
 };
 
+// Scratch for AttendOneHead with S positions and scores `width` wide: the [S, S] scores, the mixed
+// queries [S, width] and S key terms. Allocated per parallel region (not kept per thread), so a
+// served model holds nothing between calls.
+at::Tensor AttentionScratch(int64_t S, int64_t width, const at::TensorOptions& options) {
+  return at::empty({S * S + S * width + S}, options);
+}
+
 AttentionLayout LayoutOf(const EncoderLayer& l, int64_t H, int64_t dk) {
   const int64_t D = H * dk;
   AttentionLayout a;
@@ -209,6 +217,7 @@ AttentionLayout LayoutOf(const EncoderLayer& l, int64_t H, int64_t dk) {
   if (l.collaborative) {
     const int64_t R = l.rank;
     a.ld = 2 * R + D + H;
+    a.fused_n = 2 * R + D;
     a.width = R;
     a.q0 = 0;
     a.k0 = R;
@@ -217,6 +226,7 @@ AttentionLayout LayoutOf(const EncoderLayer& l, int64_t H, int64_t dk) {
     a.mixing = l.mixing.data_ptr<float>();
   } else {
     a.ld = 3 * D;
+    a.fused_n = 3 * D;
     a.width = dk;
     a.q0 = 0;
     a.k0 = D;
@@ -230,13 +240,13 @@ AttentionLayout LayoutOf(const EncoderLayer& l, int64_t H, int64_t dk) {
 // One (sequence b, head h) of self-attention for the queries at the first Sq positions (Sq = S,
 // or 1 for [CLS] alone): q, k and v read in place from the projection p (rows of L.ld floats;
 // only the first Sq rows of a sequence's queries are read), the context written into its slot of
-// ctx [B·Sq, D]. Short sequences run on SmallAttention; longer ones compute the [Sq, S] scores in
-// `scores` ([S, S] or larger; cache-resident through mask and softmax) with the sgemm, a
-// collaborative head's mixing applied to a per-thread copy of its queries as it is formed (never
-// a [B, H, S, R] tensor). Runs on the calling thread (inside a parallel region the sgemm and
-// softmax do).
+// ctx [B·Sq, D]. Short sequences run on SmallAttention; longer ones compute the [Sq, S] scores
+// with the sgemm (cache-resident through mask and softmax), a collaborative head's mixing applied
+// to a copy of its queries as it is formed (never a [B, H, S, R] tensor). scratch:
+// AttentionScratch(S, L.width) or larger. Runs on the calling thread (inside a parallel region the
+// sgemm and softmax do).
 void AttendOneHead(SgemmFn sgemm, const float* p, const AttentionLayout& L, const float* mask,
-                   int64_t b, int64_t h, int64_t S, int64_t Sq, int64_t D, at::Tensor& scores,
+                   int64_t b, int64_t h, int64_t S, int64_t Sq, int64_t D, at::Tensor& scratch,
                    float* ctx) {
   const int64_t ld = L.ld, dk = L.dk, width = L.width;
   const float* row0 = p + b * S * ld;
@@ -245,14 +255,15 @@ void AttendOneHead(SgemmFn sgemm, const float* p, const AttentionLayout& L, cons
   const float* v = row0 + L.v0 + h * dk;
   float* out = ctx + b * Sq * D + h * dk;
   const float* m = mask != nullptr ? mask + b * S : nullptr;
+  float* sc = scratch.data_ptr<float>();
+  float* mixed = sc + S * S;
+  float* add = mixed + S * width;
   // The additive term of each key: the padding mask, plus the head's content score.
   const float* key_add = m;
-  thread_local std::vector<float> add, mixed;
   if (L.content0 >= 0) {
-    add.resize(S);
     const float* c = row0 + L.content0 + h;
     for (int64_t j = 0; j < S; ++j) add[j] = c[j * ld] + (m != nullptr ? m[j] : 0.0f);
-    key_add = add.data();
+    key_add = add;
   }
   const float* mix = L.mixing != nullptr ? L.mixing + h * width : nullptr;
   if (S <= SmallAttentionMaxS() && SmallAttentionSupported(S, dk)) {
@@ -272,17 +283,15 @@ void AttendOneHead(SgemmFn sgemm, const float* p, const AttentionLayout& L, cons
   const float* qa = q;
   int64_t lda = ld;
   if (mix != nullptr) {
-    mixed.resize(Sq * width);
     for (int64_t i = 0; i < Sq; ++i) {
       const float* src = q + i * ld;
-      float* dst = mixed.data() + i * width;
+      float* dst = mixed + i * width;
       for (int64_t d = 0; d < width; ++d) dst[d] = src[d] * mix[d];
     }
-    qa = mixed.data();
+    qa = mixed;
     lda = width;
   }
-  at::Tensor sq = Sq == S ? scores : scores.view(-1).narrow(0, 0, Sq * S).view({Sq, S});
-  float* sc = sq.data_ptr<float>();
+  at::Tensor sq = scratch.narrow(0, 0, Sq * S).view({Sq, S});
   int st = sgemm('N', 'T', Sq, S, width, L.scale, qa, lda, k, ld, 0.0f, sc, S);
   TORCH_CHECK(st == 0, "dnnl_sgemm (attention scores) failed with status ", st);
   if (key_add != nullptr) {
@@ -310,12 +319,44 @@ at::Tensor FusedAttention(SgemmFn sgemm, const at::Tensor& proj, const Attention
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
     // OpenMP workers do not inherit the caller's InferenceMode (thread-local).
     c10::InferenceMode guard(inference);
-    at::Tensor scores = at::empty({S, S}, proj.options());
+    at::Tensor scratch = AttentionScratch(S, L.width, proj.options());
     for (int64_t i = begin; i < end; ++i) {
-      AttendOneHead(sgemm, p, L, mask, i / H, i % H, S, Sq, D, scores, c);
+      AttendOneHead(sgemm, p, L, mask, i / H, i % H, S, Sq, D, scratch, c);
     }
   });
   return ctx;
+}
+
+// A collaborative layer's content scores for the rows [r0, r1) of x (leading dimension ldx) into
+// their columns of proj (rows of L.ld): x · content_bias^T, on the calling thread's sgemm.
+void ContentScores(SgemmFn sgemm, const EncoderLayer& l, const AttentionLayout& L, const float* x,
+                   int64_t ldx, int64_t r0, int64_t r1, float* proj) {
+  if (r1 <= r0) return;
+  DenseColumns(sgemm, x + r0 * ldx, ldx, r1 - r0, l.content, /*packed=*/false,
+               l.fused_b.data_ptr<float>() + L.fused_n, nullptr, 0, proj + r0 * L.ld + L.fused_n, L.ld,
+               0, L.ld - L.fused_n);
+}
+
+// The input projection of layer l for x [T, D], [T, L.ld]: the fused product and, for a
+// collaborative layer, its content scores beside it.
+at::Tensor Project(SgemmFn sgemm, const EncoderLayer& l, const AttentionLayout& L, const at::Tensor& x) {
+  if (!l.collaborative) return Dense(x, l.fused, l.fused_b);
+  if (sgemm == nullptr || !x.is_cpu() || x.scalar_type() != at::kFloat) {
+    return at::cat({at::linear(x, l.fused.plain, l.fused_b.narrow(0, 0, L.fused_n)),
+                    at::linear(x, l.content.plain)}, 1);
+  }
+  const at::Tensor xc = x.contiguous();
+  const int64_t T = xc.size(0), D = xc.size(1);
+  at::Tensor proj = at::empty({T, L.ld}, x.options());
+  float* p = proj.data_ptr<float>();
+  const float* b = l.fused_b.data_ptr<float>();
+  if (UsePackedLinear(l.fused, T)) {
+    PackedLinear(xc.data_ptr<float>(), D, T, *l.fused.packed, b, nullptr, 0, p, L.ld);
+  } else {
+    DenseColumns(sgemm, xc.data_ptr<float>(), D, T, l.fused, false, b, nullptr, 0, p, L.ld, 0, L.fused_n);
+  }
+  ContentScores(sgemm, l, L, xc.data_ptr<float>(), D, 0, T, p);
+  return proj;
 }
 
 // Heads [h0, h1) of a standard layer, on the calling thread: their q, k and v columns of the
@@ -324,11 +365,11 @@ at::Tensor FusedAttention(SgemmFn sgemm, const at::Tensor& proj, const Attention
 // every row; queries for every row when Sq = S, or with Sq = 1 (the [CLS] queries alone) for x's
 // rows b·S only, a matrix of B rows with leading dimension S·D, into proj's rows b·S. x: [B·S, D];
 // x_packed: the same rows already packed (PackRows) for PackedLinearColumnsPacked, or null;
-// packed: run on w's packed form (else the sgemm); scores: [S, S] scratch.
+// packed: run on w's packed form (else the sgemm); scratch: AttentionScratch(S, L.width).
 void ProjectAndAttendHeads(SgemmFn sgemm, const float* x, const float* x_packed,
                            const DenseWeight& w, bool packed, const float* bias,
                            const AttentionLayout& L, const float* mask, int64_t B, int64_t S,
-                           int64_t Sq, int64_t D, int64_t h0, int64_t h1, at::Tensor& scores,
+                           int64_t Sq, int64_t D, int64_t h0, int64_t h1, at::Tensor& scratch,
                            float* proj, float* ctx) {
   const int64_t T = B * S, dk = L.dk;
   for (int64_t part = 0; part < 3; ++part) {
@@ -343,7 +384,7 @@ void ProjectAndAttendHeads(SgemmFn sgemm, const float* x, const float* x_packed,
   }
   for (int64_t h = h0; h < h1; ++h) {
     for (int64_t b = 0; b < B; ++b) {
-      AttendOneHead(sgemm, proj, L, mask, b, h, S, Sq, D, scores, ctx);
+      AttendOneHead(sgemm, proj, L, mask, b, h, S, Sq, D, scratch, ctx);
     }
   }
 }
@@ -362,9 +403,9 @@ at::Tensor ProjectAndAttend(SgemmFn sgemm, const at::Tensor& x, const EncoderLay
   const bool inference = c10::InferenceMode::is_enabled();
   at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
     c10::InferenceMode guard(inference);  // not inherited by OpenMP workers
-    at::Tensor scores = at::empty({S, S}, x.options());
+    at::Tensor scratch = AttentionScratch(S, L.width, x.options());
     ProjectAndAttendHeads(sgemm, x.data_ptr<float>(), nullptr, l.fused, /*packed=*/true,
-                          l.fused_b.data_ptr<float>(), L, mask, B, S, Sq, D, h0, h1, scores,
+                          l.fused_b.data_ptr<float>(), L, mask, B, S, Sq, D, h0, h1, scratch,
                           proj.data_ptr<float>(), ctx.data_ptr<float>());
   });
   return ctx;
@@ -474,7 +515,7 @@ void BertClassifier::Prepare(const c10::Device& device, c10::ScalarType dtype, b
     }
     std::vector<at::Tensor*> sections;
     if (l.collaborative) {
-      sections = {&l.collab_query_w, &l.collab_key_w, &l.value_w, &l.content_bias};
+      sections = {&l.collab_query_w, &l.collab_key_w, &l.value_w};
       auto zeros = at::zeros({l.rank}, l.value_b.options());
       l.fused_b = at::cat({zeros, zeros, l.value_b, at::zeros({H}, l.value_b.options())}, 0);
     } else {
@@ -484,7 +525,8 @@ void BertClassifier::Prepare(const c10::Device& device, c10::ScalarType dtype, b
     std::vector<at::Tensor> parts;
     for (at::Tensor* t : sections) parts.push_back(*t);
     at::Tensor fused = at::cat(parts, 0);
-    l.fused = l.attn_out = l.inter = l.out = DenseWeight();
+    l.fused = l.attn_out = l.inter = l.out = l.content = DenseWeight();
+    if (l.collaborative) l.content.plain = l.content_bias;
     if (pack) {
       l.fused.packed = std::make_shared<const PackedWeight>(fused);
       l.attn_out.packed = std::make_shared<const PackedWeight>(l.attn_out_w);
@@ -564,10 +606,10 @@ at::Tensor BertClassifier::Layer(const EncoderLayer& l, const at::Tensor& h,
         h2.is_contiguous()) {
       ctx = ProjectAndAttend(sgemm, h2, l, L, mask2, B, S, Sq, H);
     } else {
-      ctx = FusedAttention(sgemm, Dense(h2, l.fused, l.fused_b), L, mask2, B, S, Sq, H);
+      ctx = FusedAttention(sgemm, Project(sgemm, l, L, h2), L, mask2, B, S, Sq, H);
     }
   } else {
-    ctx = Attention(l, Dense(h2, l.fused, l.fused_b), mask_add, B, S, Sq);
+    ctx = Attention(l, Project(nullptr, l, LayoutOf(l, H, dk), h2), mask_add, B, S, Sq);
   }
   auto h1 = LayerNormInPlace(Dense(ctx, l.attn_out, l.attn_out_b, hq), l.attn_ln_w, l.attn_ln_b,
                              config_.layer_norm_eps);
@@ -670,7 +712,9 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add, boo
   }
   const bool ran = ThreadTeam::Shared().TryRun(n, [&](int t, int n) {
     ThreadTeam& team = ThreadTeam::Shared();
-    at::Tensor scores = at::empty({S, S}, cur.options());
+    int64_t width = 0;
+    for (const AttentionLayout& La : layouts) width = std::max(width, La.width);
+    at::Tensor scores = AttentionScratch(S, width, cur.options());
     at::Tensor x = cur, y = next;  // this layer's input and output (swapped after each layer)
     if (prepacked) {
       const std::pair<int64_t, int64_t> rows = share(T, kPackedRowTile, t, n);
@@ -696,11 +740,13 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add, boo
         if (l.collaborative) {
           // The shared query/key projections serve every head: all of the fused projection
           // first (each member its panels), then each member its heads' attention.
-          int64_t c0, c1;
-          std::tie(c0, c1) = share(La.ld, PackedWeight::kPanel, t, n);
+          int64_t c0, c1, q0, q1;
+          std::tie(c0, c1) = share(La.fused_n, PackedWeight::kPanel, t, n);
+          std::tie(q0, q1) = share(T, 1, t, n);
           team.Step([&] {
             PackedLinearColumnsPacked(xk, T, *l.fused.packed, l.fused_b.data_ptr<float>(), nullptr, 0,
                                       proj.data_ptr<float>(), La.ld, c0, c1);
+            ContentScores(sgemm, l, La, xp, D, q0, q1, proj.data_ptr<float>());
           });
           team.Step([&] {
             for (int64_t hh = h0; hh < h1; ++hh) {
@@ -753,28 +799,32 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add, boo
       // A product's output [rows, N] for member t: on the sgemm with many rows, its share of the
       // rows (each member packs the whole weight, but only its rows of x); otherwise its share of
       // the columns (whole panels). res: the residual, leading dimension ldr.
+      // out: leading dimension ldo (0: N).
       auto product = [&](const float* in, int64_t ldx, int64_t rows, const DenseWeight& w, bool p,
                          const at::Tensor& bias, const float* res, int64_t ldr, float* out,
-                         int64_t N) {
+                         int64_t N, int64_t ldo = 0) {
+        if (ldo == 0) ldo = N;
         if (!p && rows > kPackedMaxRows) {
           const auto [r0, r1] = share(rows, 1, t, n);
           if (r1 > r0) {
             DenseColumns(sgemm, in + r0 * ldx, ldx, r1 - r0, w, false, bias.data_ptr<float>(),
-                         res == nullptr ? nullptr : res + r0 * ldr, ldr, out + r0 * N, N, 0, N);
+                         res == nullptr ? nullptr : res + r0 * ldr, ldr, out + r0 * ldo, ldo, 0, N);
           }
           return std::make_pair(r0, r1);
         }
         const auto [n0, n1] = share(N, PackedWeight::kPanel, t, n);
-        DenseColumns(sgemm, in, ldx, rows, w, p, bias.data_ptr<float>(), res, ldr, out, N, n0, n1);
+        DenseColumns(sgemm, in, ldx, rows, w, p, bias.data_ptr<float>(), res, ldr, out, ldo, n0, n1);
         return std::make_pair(int64_t{-1}, int64_t{-1});
       };
       const bool fused_packed = pick(l.fused, T);
       if (l.collaborative) {
-        // Every row's shared query/key projections, values and content scores (a few [CLS]-only
-        // rows would save little), then attention split by (sequence, head).
+        // Every row's shared query/key projections, values and content scores (each member its
+        // share; a few [CLS]-only rows would save little), then attention by (sequence, head).
         team.Step([&] {
           product(xp, D, T, l.fused, fused_packed, l.fused_b, nullptr, 0, proj.data_ptr<float>(),
-                  La.ld);
+                  La.fused_n, La.ld);
+          const auto [r0, r1] = share(T, 1, t, n);
+          ContentScores(sgemm, l, La, xp, D, r0, r1, proj.data_ptr<float>());
         });
         team.Step([&] {
           const auto [u0, u1] = share(B * H, 1, t, n);

@@ -142,13 +142,13 @@ void ExpectEngineMatchesReference(const std::string& dir, const std::string& nam
 
       // A sequence's logits do not depend on what it is batched with (to float rounding: alone,
       // a sequence of <= 256 tokens runs on PackedLinear, whose summation order differs from the
-      // sgemm's that the batch's products run on; 1.3e-5 on a logit of 4 seen).
+      // sgemm's that the batch's products run on; up to 1.3e-5 seen on the collaborative models).
       for (size_t i = 0; i < inputs.size(); ++i) {
         auto alone = (*engine)->Run(std::vector<TokenizedInput>{inputs[i]});
         ASSERT_TRUE(alone.ok());
         for (size_t c = 0; c < expected[i].size(); ++c) {
           const float x = (*batched)[i].logits[c];
-          EXPECT_NEAR((*alone)[0].logits[c], x, 1e-5 * std::max(1.0f, std::abs(x))) << what << ", input " << i;
+          EXPECT_NEAR((*alone)[0].logits[c], x, 3e-5 * std::max(1.0f, std::abs(x))) << what << ", input " << i;
         }
       }
     }

@@ -119,6 +119,48 @@ TEST_F(EngineTest, UnpackedWeightsGiveTheSameLogits) {
   }
 }
 
+// Each weight is held once. Served (packed where this CPU uses PackedLinear), the plain dense
+// weights are released: the parameter counts are the model's all the same, and what would read
+// the released tensors says so by name instead of reading empty ones. Unpacked, the query, key and
+// value parameters are views of the fused projection, not copies.
+TEST_F(EngineTest, WeightsAreHeldOnce) {
+  EngineOptions unpacked;
+  unpacked.pack_weights = false;
+  auto served = Engine::Load(dir_.path());
+  auto plain = Engine::Load(dir_.path(), unpacked);
+  ASSERT_TRUE(served.ok()) << served.status();
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  const ParamCounts& a = (*served)->info().params;
+  const ParamCounts& b = (*plain)->info().params;
+  EXPECT_EQ(a.total, b.total);
+  EXPECT_EQ(a.attention_qk, b.attention_qk);
+  EXPECT_EQ(a.ffn, b.ffn);
+  EXPECT_EQ(b.total, CountParams((*plain)->classifier()).total);
+  const BertClassifier& m = (*plain)->classifier();
+  EXPECT_FALSE(m.weights_released());
+  for (const EncoderLayer& l : m.layers()) {
+    ASSERT_TRUE(l.fused.plain.defined());
+    for (const at::Tensor* t : {&l.query_w, &l.key_w, &l.value_w}) {
+      EXPECT_TRUE(t->storage().is_alias_of(l.fused.plain.storage()));
+    }
+  }
+  const BertClassifier& s = (*served)->classifier();
+  if (!s.weights_released()) GTEST_SKIP() << "this CPU does not pack (no AVX-512F)";
+  for (const EncoderLayer& l : s.layers()) {
+    EXPECT_FALSE(l.fused.plain.defined());
+    EXPECT_NE(l.fused.packed, nullptr);
+    for (const at::Tensor* t : {&l.query_w, &l.key_w, &l.value_w, &l.attn_out_w, &l.inter_w, &l.out_w}) {
+      EXPECT_EQ(t->numel(), 0);
+    }
+    EXPECT_GT(l.query_b.numel(), 0);  // biases and LayerNorms stay
+  }
+  TempDir out;
+  absl::Status saved = SaveWeights(s, out.path(), WeightFormat::kSafetensors);
+  EXPECT_EQ(saved.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(Msg(saved), HasSubstr("pack_weights = false"));
+  EXPECT_FALSE(std::filesystem::exists(out / "model.safetensors"));
+}
+
 TEST_F(EngineTest, RejectsBadInputs) {
   auto engine = Engine::Load(dir_.path());
   ASSERT_TRUE(engine.ok());
