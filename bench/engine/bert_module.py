@@ -5,6 +5,8 @@ reference in tests/reference/bert_reference.py. It is the "PyTorch eager" baseli
 bench/engine and the graph exported to ONNX for the ONNX Runtime baseline.
 
 Standard (non-collaborative) checkpoints with hidden_act gelu only: that is what the bench uses.
+`load(..., sdpa=True)` computes attention with torch's fused scaled_dot_product_attention
+(torch >= 2.0), what Hugging Face's "sdpa" attention does: the GPU baseline.
 """
 import math
 import os
@@ -19,9 +21,9 @@ import bert_reference  # noqa: E402  (sets torch's thread count to 1: callers se
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, D, H):
+    def __init__(self, D, H, sdpa=False):
         super().__init__()
-        self.H, self.dk = H, D // H
+        self.H, self.dk, self.sdpa = H, D // H, sdpa
         self.query, self.key, self.value = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, D)
 
     def heads(self, x):
@@ -29,6 +31,10 @@ class SelfAttention(nn.Module):
 
     def forward(self, h, ext_mask):
         q, k, v = self.heads(self.query(h)), self.heads(self.key(h)), self.heads(self.value(h))
+        if self.sdpa:
+            ctx = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=ext_mask)
+            ctx = ctx.permute(0, 2, 1, 3).contiguous()
+            return ctx.view(ctx.size(0), ctx.size(1), -1)
         scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.dk) + ext_mask
         probs = torch.softmax(scores, dim=-1)
         ctx = torch.matmul(probs, v).permute(0, 2, 1, 3).contiguous()
@@ -36,9 +42,9 @@ class SelfAttention(nn.Module):
 
 
 class Layer(nn.Module):
-    def __init__(self, D, H, F, eps):
+    def __init__(self, D, H, F, eps, sdpa=False):
         super().__init__()
-        self.self_attn = SelfAttention(D, H)
+        self.self_attn = SelfAttention(D, H, sdpa)
         self.attn_out = nn.Linear(D, D)
         self.attn_ln = nn.LayerNorm(D, eps=eps)
         self.inter = nn.Linear(D, F)
@@ -51,7 +57,7 @@ class Layer(nn.Module):
 
 
 class BertClassifier(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, sdpa=False):
         super().__init__()
         D, H, F = cfg["hidden_size"], cfg["num_attention_heads"], cfg["intermediate_size"]
         eps = cfg.get("layer_norm_eps", 1e-12)
@@ -59,7 +65,7 @@ class BertClassifier(nn.Module):
         self.pos = nn.Embedding(cfg["max_position_embeddings"], D)
         self.token_type = nn.Embedding(cfg.get("type_vocab_size", 2), D)
         self.emb_ln = nn.LayerNorm(D, eps=eps)
-        self.layers = nn.ModuleList(Layer(D, H, F, eps) for _ in range(cfg["num_hidden_layers"]))
+        self.layers = nn.ModuleList(Layer(D, H, F, eps, sdpa) for _ in range(cfg["num_hidden_layers"]))
         self.pooler = nn.Linear(D, D)
         self.classifier = nn.Linear(D, len(cfg.get("id2label", {})) or cfg.get("num_labels", 2))
 
@@ -72,12 +78,14 @@ class BertClassifier(nn.Module):
         return self.classifier(torch.tanh(self.pooler(h[:, 0])))
 
 
-def load(model_dir):
+def load(model_dir, sdpa=False):
     """Returns (module in eval mode, the bert_reference.Reference it was loaded from)."""
     ref = bert_reference.Reference(model_dir)
     if any(ref.ranks) or ref.cfg.get("hidden_act", "gelu") != "gelu":
         raise SystemExit(f"{model_dir}: bert_module handles standard gelu checkpoints only")
-    m = BertClassifier(ref.cfg)
+    if sdpa and not hasattr(nn.functional, "scaled_dot_product_attention"):
+        raise SystemExit(f"torch {torch.__version__} has no scaled_dot_product_attention (needs >= 2.0)")
+    m = BertClassifier(ref.cfg, sdpa)
     w = ref.w
     e = "bert.embeddings"
 

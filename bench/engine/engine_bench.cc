@@ -22,7 +22,9 @@
 //                     [--seqs=16,128,512] [--threads=2] [--budget_s=4] [--min_runs=3]
 //                     [--max_runs=50] [--warmup_batch=8] [--pytorch_tsv=FILE] [--ort_tsv=FILE]
 //                     [--tsv_out=FILE] [--sgemm=2048] [--stream_mb=512] [--memory=1]
-//                     [--rounds=3]
+//                     [--rounds=3] [--device=cpu|cuda[:N]] [--dtype=float32|float16|bfloat16]
+// On a GPU (--device=cuda) the timings include copying the logits back (Run returns them on the
+// CPU, which waits for the GPU), and the memory table is skipped.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
@@ -59,6 +61,7 @@ struct Flags {
   std::vector<std::string> collab_models;
   int memory = 1;
   int rounds = 3;
+  std::string device = "cpu", dtype = "float32";
   std::vector<int> batches = {1, 8, 32};
   std::vector<int> seqs = {16, 128, 512};
   int threads = 2;
@@ -95,6 +98,8 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
     else if (name == "rss_child") f->rss_child = v;
     else if (name == "memory") ok = absl::SimpleAtoi(v, &f->memory);
     else if (name == "rounds") ok = absl::SimpleAtoi(v, &f->rounds) && f->rounds > 0;
+    else if (name == "device") f->device = v;
+    else if (name == "dtype") f->dtype = v;
     else if (name == "pytorch_tsv") f->pytorch_tsv = v;
     else if (name == "ort_tsv") f->ort_tsv = v;
     else if (name == "tsv_out") f->tsv_out = v;
@@ -301,8 +306,11 @@ std::string Fmt(const char* fmt, double v) {
   return buf;
 }
 
-std::unique_ptr<Engine> LoadOrDie(const std::string& dir) {
-  auto e = Engine::Load(dir);
+std::unique_ptr<Engine> LoadOrDie(const std::string& dir, const Flags& f) {
+  EngineOptions o;
+  o.device = f.device;
+  o.dtype = f.dtype;
+  auto e = Engine::Load(dir, o);
   if (!e.ok()) {
     std::fprintf(stderr, "engine_bench: %s\n", e.status().ToString().c_str());
     std::exit(1);
@@ -314,7 +322,7 @@ std::unique_ptr<Engine> LoadOrDie(const std::string& dir) {
 // max_length) tokens, give freed memory back, print "rss_bytes N params N".
 int RssChild(const Flags& f) {
   at::set_num_threads(f.threads);
-  std::unique_ptr<Engine> engine = LoadOrDie(f.rss_child);
+  std::unique_ptr<Engine> engine = LoadOrDie(f.rss_child, f);
   auto r = engine->Run(MakeInputs(8, std::min(128, engine->info().max_length)));
   if (!r.ok()) {
     std::fprintf(stderr, "engine_bench: Run failed: %s\n", r.status().ToString().c_str());
@@ -393,7 +401,7 @@ int Main(int argc, char** argv) {
   Flags f;
   if (!ParseFlags(argc, argv, &f)) return 2;
   if (!f.rss_child.empty()) return RssChild(f);
-  if (f.memory) PrintMemory(f);
+  if (f.memory && f.device == "cpu") PrintMemory(f);
 
   // Process settings (what the server's main should set too). Threads: ATen's intra-op pool (OpenMP here)
   // and OpenBLAS's own pthreads pool, both to --threads.
@@ -407,9 +415,9 @@ int Main(int argc, char** argv) {
   using GetConfig = char* (*)();
   auto openblas_config = reinterpret_cast<GetConfig>(dlsym(RTLD_DEFAULT, "openblas_get_config"));
 
-  std::unique_ptr<Engine> engine = LoadOrDie(f.model);
+  std::unique_ptr<Engine> engine = LoadOrDie(f.model, f);
   std::vector<std::unique_ptr<Engine>> collabs;
-  for (const std::string& dir : f.collab_models) collabs.push_back(LoadOrDie(dir));
+  for (const std::string& dir : f.collab_models) collabs.push_back(LoadOrDie(dir, f));
   const Engine* collab = collabs.empty() ? nullptr : collabs[0].get();
 
   double loadavg[1] = {0};
@@ -421,6 +429,7 @@ int Main(int argc, char** argv) {
               std::getenv("OMP_WAIT_POLICY") ? std::getenv("OMP_WAIT_POLICY") : "(unset)",
               sysconf(_SC_NPROCESSORS_ONLN), loadavg[0]);
   const ModelInfo& info = engine->info();
+  std::printf("device %s, dtype %s\n", info.device.c_str(), info.dtype.c_str());
   std::printf("model: %d layers, hidden %d, %d heads, FFN %d, %zu labels", info.num_layers,
               info.hidden_size, info.num_heads, info.intermediate_size, info.labels.size());
   if (collab && !collab->info().collaborative_ranks.empty()) {

@@ -4,12 +4,15 @@
 usage: pytorch_bench.py --model DIR --out FILE.tsv [--batches 1,8,32] [--seqs 16,128,512]
                         [--threads 2] [--budget_s 4] [--min_runs 3] [--max_runs 50]
                         [--warmup_batch 8] [--export_onnx FILE.onnx]
+                        [--device cpu|cuda[:N]] [--dtype float32|float16|bfloat16] [--sdpa]
 
 Loads DIR with bert_module (checked against tests/reference/bert_reference.py first: logits within
 1e-4), then for each grid point runs one warm-up forward and timed forwards under
 torch.inference_mode until --budget_s is spent (at least --min_runs, at most --max_runs), and writes
 "batch<TAB>seq<TAB>median seq/s<TAB>runs<TAB>median CPU ms per sequence" lines. The timing policy
-and inputs equal engine_bench's.
+and inputs equal engine_bench's. On CUDA every timed forward ends with torch.cuda.synchronize()
+(as engine_bench's copy of the logits to the CPU does), TF32 is off for float32, and --sdpa uses
+torch's fused attention.
 """
 import argparse
 import os
@@ -44,9 +47,12 @@ def main():
     ap.add_argument("--max_runs", type=int, default=50)
     ap.add_argument("--warmup_batch", type=int, default=8)
     ap.add_argument("--export_onnx")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    ap.add_argument("--sdpa", action="store_true")
     a = ap.parse_args()
 
-    model, ref = bert_module.load(a.model)
+    model, ref = bert_module.load(a.model, sdpa=a.sdpa)
     torch.set_num_threads(a.threads)
     with torch.inference_mode():
         ids, types, mask = bert_module.make_inputs(2, 24)
@@ -66,19 +72,32 @@ def main():
                                         "attention_mask": axes, "logits": {0: "batch"}})
         print(f"pytorch_bench: exported {a.export_onnx}", file=sys.stderr)
 
-    print(f"pytorch_bench: torch {torch.__version__}, get_num_threads()={torch.get_num_threads()}",
-          file=sys.stderr)
+    device, dtype = torch.device(a.device), getattr(torch, a.dtype)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    model = model.to(device=device, dtype=dtype)
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    print(f"pytorch_bench: torch {torch.__version__}, get_num_threads()={torch.get_num_threads()}, "
+          f"{device} {a.dtype}{', sdpa' if a.sdpa else ''}", file=sys.stderr)
     with open(a.out, "w") as out, torch.inference_mode():
         out.write("# batch\tseq\tpytorch_seq_per_s\truns\tcpu_ms_per_seq\n")
         for b in a.batches:
             for s in a.seqs:
-                ids, types, mask = bert_module.make_inputs(b, s)
-                w = min(b, a.warmup_batch)
+                ids, types, mask = (t.to(device) for t in bert_module.make_inputs(b, s))
+                w = min(b, a.warmup_batch) if not cuda else b  # a GPU warms up on the full shape
                 model(ids[:w], types[:w], mask[:w])  # warm-up
+                sync()
                 times, cpu = [], []
                 while len(times) < a.max_runs and (len(times) < a.min_runs or sum(times) < a.budget_s):
                     t0, c0 = time.perf_counter(), time.process_time()
                     model(ids, types, mask)
+                    sync()
                     times.append(time.perf_counter() - t0)
                     cpu.append(time.process_time() - c0)
                 n, med, cpu_med = len(times), median(times), median(cpu)

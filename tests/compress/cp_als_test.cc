@@ -299,6 +299,29 @@ TEST(FactorizedCpAlsTest, DeterministicForASeed) {
   EXPECT_FALSE(at::equal(first->query, second->query));
 }
 
+// On a GPU (none on the development machines: scripts/gpu-check.sh runs this there) the same
+// factors give the same decomposition as on the CPU from the same seed: the same error, and the
+// same T-hat (the factors themselves may differ in sign where the SVDs do).
+TEST(FactorizedCpAlsTest, CudaAgreesWithTheCpu) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no GPU";
+  const Factors f = RandomFactors(71);
+  for (auto precision : {CpAlsOptions::Precision::kFloat64, CpAlsOptions::Precision::kFloat32}) {
+    CpAlsOptions options = Options(12, 30);
+    options.precision = precision;
+    auto cpu = FactorizedCpAls(f.P, f.Q, options);
+    auto gpu = FactorizedCpAls(f.P.to(at::kCUDA), f.Q.to(at::kCUDA), options);
+    ASSERT_TRUE(cpu.ok()) << cpu.status();
+    ASSERT_TRUE(gpu.ok()) << gpu.status();
+    const double tol = precision == CpAlsOptions::Precision::kFloat64 ? 1e-6 : 1e-4;
+    EXPECT_NEAR(gpu->relative_error, cpu->relative_error, tol);
+    at::Tensor a = Reconstruct(cpu->mixing.to(at::kDouble), cpu->query.to(at::kCPU, at::kDouble),
+                               cpu->key.to(at::kCPU, at::kDouble));
+    at::Tensor b = Reconstruct(gpu->mixing.to(at::kCPU, at::kDouble), gpu->query.to(at::kCPU, at::kDouble),
+                               gpu->key.to(at::kCPU, at::kDouble));
+    EXPECT_LT(DenseRelativeError(a, b), 100 * tol);
+  }
+}
+
 TEST(FactorizedCpAlsTest, Float32AgreesWithFloat64) {
   const Factors f = RandomFactors(91);
   CpAlsOptions options = Options(12, 50);

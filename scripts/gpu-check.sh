@@ -1,0 +1,214 @@
+#!/usr/bin/env bash
+# The GPU path in one command: builds the engine, the compression, collabserve-model, the engine
+# and CP tests and the engine bench without gRPC (-DCOLLABSERVE_WITH_GRPC=OFF) against the LibTorch
+# of the Python that has torch, runs the parity tests, measures the engine against PyTorch eager on
+# the same weights and inputs, times the compression, and prints one summary table.
+#
+#   scripts/gpu-check.sh [--device cuda|cpu] [--quick] [--jobs N] [--build-dir DIR]
+#
+#   --device cuda (default when torch sees a GPU): the CUDA parity tests (float32 within 1e-4 of the
+#            Python reference, float16 / bfloat16 within the bounds engine_reference_test states,
+#            standard and collaborative models), the bench on the GPU in float16 and float32
+#            (TF32 off) against PyTorch eager with scaled-dot-product attention, batch
+#            {1, 8, 32, 128} x sequence {16, 128, 512}, standard and D~ = D_k/2, D_k/4, and the
+#            BERT-base compression at D~ = 384 with --device cuda.
+#   --device cpu: the same steps on the CPU, on fewer points (batch {1, 8} x sequence {16, 128}).
+#   --quick: the mini model (4 x 256) on batch {1, 2} x sequence {16}, the reference tests only:
+#            what `make test` runs (ctest gpu_check_cpu) so that this script cannot rot.
+#
+# Environment: OUT (where results go; default BUILD_DIR/gpu-check), PYTHON (an interpreter with
+# torch; default: the first of python3, /usr/bin/python3 that imports it). Uses ccache when present
+# (the default build dir, build-gpu-check/, sits beside build/ so that the cache's relative paths
+# match and the objects the normal build compiled are reused).
+# Needs: CMake >= 3.18, a C++17 compiler, abseil, nlohmann-json, glog and GoogleTest where CMake
+# finds them (scripts/install-deps.sh installs them on Debian), and torch in PYTHON. Exit status:
+# non-zero when a step fails; the summary says which.
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+
+device= quick=0 jobs=$(nproc) build_dir=
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --device) device=$2; shift 2 ;;
+    --device=*) device=${1#*=}; shift ;;
+    --quick) quick=1; shift ;;
+    --jobs) jobs=$2; shift 2 ;;
+    --jobs=*) jobs=${1#*=}; shift ;;
+    --build-dir) build_dir=$2; shift 2 ;;
+    --build-dir=*) build_dir=${1#*=}; shift ;;
+    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    *) echo "gpu-check: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+  esac
+done
+
+log() { echo "gpu-check: $*" >&2; }
+
+# --- the Python with torch, and what its torch is ---------------------------------------------
+if [ -z "${PYTHON:-}" ]; then
+  for p in python3 /usr/bin/python3; do
+    if command -v "$p" >/dev/null && "$p" -c 'import torch' 2>/dev/null; then PYTHON=$(command -v "$p"); break; fi
+  done
+fi
+[ -n "${PYTHON:-}" ] || { log "no Python with torch found (set PYTHON)"; exit 1; }
+read -r torch_version cuda_ok torch_cmake torch_abi <<<"$("$PYTHON" -c '
+import torch
+print(torch.__version__, int(torch.cuda.is_available()), torch.utils.cmake_prefix_path,
+      int(torch._C._GLIBCXX_USE_CXX11_ABI))')"
+if [ -z "$device" ]; then
+  device=cpu
+  [ "$cuda_ok" = 1 ] && device=cuda
+fi
+case "$device" in
+  cpu) ;;
+  cuda|cuda:*) [ "$cuda_ok" = 1 ] || { log "--device $device, but torch $torch_version sees no GPU"; exit 1; } ;;
+  *) log "--device must be cpu or cuda[:N], not '$device'"; exit 2 ;;
+esac
+
+build_dir=${build_dir:-$ROOT/build-gpu-check}
+OUT=${OUT:-$build_dir/gpu-check}
+mkdir -p "$OUT"
+summary=$OUT/summary.md
+status=()  # "step: ok|FAILED" lines for the summary
+run_step() {  # name, command...: runs it with its output in $OUT/<name>.log; records the outcome
+  local name=$1; shift
+  log "$name ..."
+  local t0=$SECONDS
+  if "$@" >"$OUT/$name.log" 2>&1; then
+    status+=("| $name | ok | $((SECONDS - t0)) s |")
+  else
+    status+=("| $name | **FAILED** (see $name.log) | $((SECONDS - t0)) s |")
+    tail -20 "$OUT/$name.log" >&2
+    return 1
+  fi
+}
+failed=0
+
+# --- configure and build --------------------------------------------------------------------
+cmake_args=(-S "$ROOT" -B "$build_dir" -DCMAKE_BUILD_TYPE=Release -DCOLLABSERVE_WITH_GRPC=OFF
+            -DCOLLABSERVE_BUILD_TESTS=ON -DCOLLABSERVE_BUILD_BENCH=ON)
+command -v ninja >/dev/null && cmake_args+=(-G Ninja)
+# The wheel's LibTorch when it ships one (pip wheels do); else the system's (Debian's python3-torch
+# has none under the Python package: its LibTorch is libtorch-dev's).
+if [ -f "$torch_cmake/Torch/TorchConfig.cmake" ]; then
+  cmake_args+=(-DCMAKE_PREFIX_PATH="$torch_cmake")
+  # The C++ libraries linked beside LibTorch must use its std::string ABI.
+  cmake_args+=(-DCMAKE_CXX_FLAGS="-D_GLIBCXX_USE_CXX11_ABI=$torch_abi")
+fi
+if [ -f "$build_dir/CMakeCache.txt" ] && grep -q "^COLLABSERVE_WITH_GRPC:BOOL=ON" "$build_dir/CMakeCache.txt"; then
+  log "$build_dir is a full (gRPC) build: reusing it as it is"
+elif ! run_step configure cmake "${cmake_args[@]}"; then
+  failed=1
+fi
+targets=(collabserve-model engine_bench engine_reference_test)
+[ $quick = 1 ] || targets+=(engine_test kernels_test cp_als_test collaborative_test)
+[ $failed = 0 ] && { run_step build cmake --build "$build_dir" -j "$jobs" --target "${targets[@]}" || failed=1; }
+bin=$build_dir/bin
+tests=$build_dir/tests
+
+# --- parity tests -----------------------------------------------------------------------------
+export COLLABSERVE_SOURCE_DIR=$ROOT COLLABSERVE_PYTHON=$PYTHON
+if [ $failed = 0 ]; then
+  if [ $quick = 1 ]; then
+    run_step tests "$tests/engine_reference_test" || failed=1
+  else
+    # On a GPU engine_reference_test adds its CUDA blocks (float32 / float16 / bfloat16 against the
+    # reference, standard and collaborative); cp_als_test and collaborative_test compare CP-ALS on
+    # the device with the CPU at the same seed where a GPU is present.
+    for t in engine_reference_test engine_test kernels_test cp_als_test collaborative_test; do
+      run_step "test-$t" "$tests/$t" || failed=1
+    done
+  fi
+fi
+
+# --- models -----------------------------------------------------------------------------------
+models=$build_dir/gpu-check-models
+preset=base batches=1,8,32,128 seqs=16,128,512 dtypes="float16 float32" budget=3
+[ "$device" = cpu ] && { batches=1,8; seqs=16,128; dtypes=float32; }
+if [ $quick = 1 ]; then preset=mini batches=1,2 seqs=16 dtypes=float32 budget=0.2; fi
+# D~ = D_k/2 and D_k/4 of the preset's 12 x 64 (base) or 4 x 64 (mini) heads.
+if [ "$preset" = base ]; then ranks="384 192"; else ranks="128 64"; fi
+if [ $failed = 0 ]; then
+  mkdir -p "$models"
+  [ -f "$models/$preset/config.json" ] || run_step make-model \
+    "$bin/collabserve-model" make --out "$models/$preset" --preset "$preset" || failed=1
+  for r in $ranks; do
+    if [ ! -f "$models/$preset-$r/config.json" ]; then
+      run_step "compress-$r" "$bin/collabserve-model" compress --model "$models/$preset" \
+        --out "$models/$preset-$r" --rank "$r" || failed=1
+    fi
+  done
+fi
+
+# --- the compression on the device, timed -----------------------------------------------------
+first_rank=${ranks%% *}
+compress_on_device() {  # the JSON report alone into compress-on-DEVICE.json
+  rm -rf "$models/$preset-$first_rank-$device"
+  "$bin/collabserve-model" compress --model "$models/$preset" --out "$models/$preset-$first_rank-$device" \
+    --rank "$first_rank" --device "$device" >"$OUT/compress-on-$device.json"
+}
+if [ $failed = 0 ]; then
+  run_step "compress-on-$device" compress_on_device || failed=1
+fi
+
+# --- engine against PyTorch eager -------------------------------------------------------------
+collab_dirs=
+for r in $ranks; do collab_dirs+="${collab_dirs:+,}$models/$preset-$r"; done
+threads=$(nproc)
+[ "$device" = cpu ] && threads=2
+if [ $failed = 0 ]; then
+  sdpa=()
+  "$PYTHON" -c 'import torch.nn.functional as F; F.scaled_dot_product_attention' 2>/dev/null && sdpa=(--sdpa)
+  for dt in $dtypes; do
+    run_step "pytorch-$dt" env OMP_NUM_THREADS=$threads "$PYTHON" "$ROOT/bench/engine/pytorch_bench.py" \
+      --model "$models/$preset" --out "$OUT/pytorch-$dt.tsv" --device "$device" --dtype "$dt" \
+      --batches "$batches" --seqs "$seqs" --threads "$threads" --budget_s "$budget" "${sdpa[@]}" || failed=1
+    run_step "engine-$dt" env OMP_NUM_THREADS=$threads OMP_WAIT_POLICY=PASSIVE "$bin/engine_bench" \
+      --model="$models/$preset" --collab_model="$collab_dirs" --device="$device" --dtype="$dt" \
+      --batches="$batches" --seqs="$seqs" --threads="$threads" --budget_s="$budget" --rounds=1 \
+      --pytorch_tsv="$OUT/pytorch-$dt.tsv" --tsv_out="$OUT/engine-$dt.tsv" --sgemm=0 --stream_mb=0 \
+      --memory=0 || failed=1
+  done
+fi
+
+# --- summary ----------------------------------------------------------------------------------
+{
+  echo "# collabserve GPU check ($device, $(date -u +'%Y-%m-%d %H:%M UTC'))"
+  echo
+  echo "torch $torch_version ($PYTHON), CUDA available: $cuda_ok, C++11 ABI: $torch_abi; model preset $preset"
+  [ "$device" != cpu ] && command -v nvidia-smi >/dev/null && \
+    echo "GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -1)"
+  echo
+  echo "| step | result | time |"
+  echo "|---|---|---|"
+  printf '%s\n' "${status[@]}"
+  echo
+  grep -h '^\[ cuda' "$OUT"/test-engine_reference_test.log 2>/dev/null | sed 's/^/    /' || true
+  for dt in $dtypes; do
+    [ -f "$OUT/engine-$dt.tsv" ] || continue
+    echo
+    echo "Engine vs PyTorch eager, $dt, seq/s (collaborative: D~ = ${first_rank}; every model in engine-$dt.log):"
+    echo
+    echo "| batch x seq | collabserve | PyTorch | ratio | D~ = $first_rank | / standard |"
+    echo "|---|---|---|---|---|---|"
+    awk -F'\t' 'NR == FNR { if ($1 !~ /^#/) py[$1 "x" $2] = $3; next }
+      $1 !~ /^#/ { k = $1 "x" $2; p = (k in py) ? py[k] : 0;
+        r = ($3 > 0) ? $6 / $3 : 0;
+        printf "| %s x %s | %.2f | %s | %s | %.2f | %.2fx |\n", $1, $2, $3,
+          (p ? sprintf("%.2f", p) : "-"), (p ? sprintf("%.2fx", $3 / p) : "-"), $6, r }' \
+      "$OUT/pytorch-$dt.tsv" "$OUT/engine-$dt.tsv"
+  done
+  if [ -f "$OUT/compress-on-$device.json" ]; then
+    echo
+    "$PYTHON" - "$OUT/compress-on-$device.json" "$first_rank" "$device" <<'PYEOF'
+import json, sys
+r = json.load(open(sys.argv[1]))
+print(f"Compression at D~ = {sys.argv[2]} on {sys.argv[3]}: {r.get('seconds', 0):.2f} s in all, "
+      f"{r.get('decompose_seconds', 0):.2f} s of CP-ALS, top-1 agreement "
+      f"{r.get('fidelity', {}).get('top1_agreement', float('nan')):.3f}")
+PYEOF
+  fi
+} >"$summary"
+cat "$summary"
+log "results in $OUT"
+exit $failed
