@@ -4,7 +4,8 @@
 # of the Python that has torch, runs the parity tests, measures the engine against PyTorch eager on
 # the same weights and inputs, times the compression, and prints one summary table.
 #
-#   scripts/gpu-check.sh [--device cuda|cpu] [--quick] [--jobs N] [--build-dir DIR]
+#   scripts/gpu-check.sh [--device cuda|cpu] [--quick] [--jobs N] [--build-dir DIR] [--deps DIR]
+#   scripts/gpu-check.sh --pack-deps DIR
 #
 #   --device cuda (default when torch sees a GPU): the CUDA parity tests (float32 within 1e-4 of the
 #            Python reference, float16 / bfloat16 within the bounds engine_reference_test states,
@@ -15,6 +16,12 @@
 #   --device cpu: the same steps on the CPU, on fewer points (batch {1, 8} x sequence {16, 128}).
 #   --quick: the mini model (4 x 256) on batch {1, 2} x sequence {16}, the reference tests only:
 #            what `make test` runs (ctest gpu_check_cpu) so that this script cannot rot.
+#   --pack-deps DIR: on a Debian machine with the project's packages (scripts/install-deps.sh),
+#            copies what the build needs besides LibTorch (abseil, glog + gflags + libunwind,
+#            GoogleTest, nlohmann-json: headers, libraries, CMake package files; ~10 MB) into DIR,
+#            laid out as under /usr, and stops. For a GPU machine whose image has PyTorch but none of
+#            these (carry DIR there).
+#   --deps DIR: a folder made by --pack-deps: found by CMake first, its libraries on the run path.
 #
 # Environment: OUT (where results go; default BUILD_DIR/gpu-check), PYTHON (an interpreter with
 # torch; default: the first of python3, /usr/bin/python3 that imports it). Uses ccache when present
@@ -27,7 +34,7 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 
-device= quick=0 jobs=$(nproc) build_dir=
+device= quick=0 jobs=$(nproc) build_dir= deps= pack_deps=
 while [ $# -gt 0 ]; do
   case "$1" in
     --device) device=$2; shift 2 ;;
@@ -37,12 +44,37 @@ while [ $# -gt 0 ]; do
     --jobs=*) jobs=${1#*=}; shift ;;
     --build-dir) build_dir=$2; shift 2 ;;
     --build-dir=*) build_dir=${1#*=}; shift ;;
+    --deps) deps=$2; shift 2 ;;
+    --deps=*) deps=${1#*=}; shift ;;
+    --pack-deps) pack_deps=$2; shift 2 ;;
+    --pack-deps=*) pack_deps=${1#*=}; shift ;;
     -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
     *) echo "gpu-check: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
 
 log() { echo "gpu-check: $*" >&2; }
+multiarch=$( (gcc -print-multiarch || c++ -print-multiarch) 2>/dev/null || echo x86_64-linux-gnu)
+[ -n "$multiarch" ] || multiarch=x86_64-linux-gnu
+
+# --- --pack-deps: the non-torch C++ dependencies, for a machine that lacks them -------------
+if [ -n "$pack_deps" ]; then
+  lib=/usr/lib/$multiarch
+  paths=(/usr/include/absl /usr/include/gtest /usr/include/gmock /usr/include/glog /usr/include/gflags
+         /usr/include/nlohmann "$lib/cmake/absl" "$lib/cmake/GTest" "$lib/cmake/glog" "$lib/cmake/gflags"
+         /usr/share/cmake/nlohmann_json)
+  shopt -s nullglob
+  paths+=("$lib"/libabsl_*.so* "$lib"/libgtest*.a "$lib"/libgmock*.a "$lib"/libglog* "$lib"/libgflags*
+          "$lib"/libunwind.so*)
+  for p in "${paths[@]}"; do
+    [ -e "$p" ] || { log "--pack-deps: $p is missing (run scripts/install-deps.sh)"; exit 1; }
+  done
+  mkdir -p "$pack_deps"
+  pack_deps=$(cd "$pack_deps" && pwd)
+  (cd / && cp -a --parents "${paths[@]#/}" "$pack_deps")  # relative: cp --parents rejects /usr/... here
+  log "packed $(du -sh "$pack_deps" | cut -f1) into $pack_deps (use it with --deps $pack_deps)"
+  exit 0
+fi
 
 # --- the Python with torch, and what its torch is ---------------------------------------------
 if [ -z "${PYTHON:-}" ]; then
@@ -90,8 +122,20 @@ cmake_args=(-S "$ROOT" -B "$build_dir" -DCMAKE_BUILD_TYPE=Release -DCOLLABSERVE_
 command -v ninja >/dev/null && cmake_args+=(-G Ninja)
 # The wheel's LibTorch when it ships one (pip wheels do); else the system's (Debian's python3-torch
 # has none under the Python package: its LibTorch is libtorch-dev's).
+prefixes=
+if [ -n "$deps" ]; then
+  [ -d "$deps/usr/include/absl" ] || { log "--deps $deps: not a folder made by --pack-deps"; exit 2; }
+  deps=$(cd "$deps" && pwd)
+  prefixes="$deps/usr"
+  export LD_LIBRARY_PATH="$deps/usr/lib/$multiarch${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  # Debian builds these libraries with the C++11 std::string ABI.
+  [ "$torch_abi" = 1 ] || log "warning: torch uses the pre-C++11 ABI; the packed libraries will not link"
+fi
 if [ -f "$torch_cmake/Torch/TorchConfig.cmake" ]; then
-  cmake_args+=(-DCMAKE_PREFIX_PATH="$torch_cmake")
+  prefixes="${prefixes:+$prefixes;}$torch_cmake"
+fi
+[ -n "$prefixes" ] && cmake_args+=(-DCMAKE_PREFIX_PATH="$prefixes")
+if [ -f "$torch_cmake/Torch/TorchConfig.cmake" ]; then
   # The C++ libraries linked beside LibTorch must use its std::string ABI.
   cmake_args+=(-DCMAKE_CXX_FLAGS="-D_GLIBCXX_USE_CXX11_ABI=$torch_abi")
 fi
