@@ -22,7 +22,7 @@
 //                     [--seqs=16,128,512] [--threads=2] [--budget_s=4] [--min_runs=3]
 //                     [--max_runs=50] [--warmup_batch=8] [--pytorch_tsv=FILE] [--ort_tsv=FILE]
 //                     [--tsv_out=FILE] [--sgemm=2048] [--stream_mb=512] [--memory=1]
-//                     [--rounds=3] [--device=cpu|cuda[:N]] [--dtype=float32|float16|bfloat16]
+//                     [--rounds=5] [--device=cpu|cuda[:N]] [--dtype=float32|float16|bfloat16]
 // On a GPU (--device=cuda) the timings include copying the logits back (Run returns them on the
 // CPU, which waits for the GPU), and the memory table is skipped.
 #include <ATen/ATen.h>
@@ -60,7 +60,7 @@ struct Flags {
   std::string model, pytorch_tsv, ort_tsv, tsv_out, rss_child;
   std::vector<std::string> collab_models;
   int memory = 1;
-  int rounds = 3;
+  int rounds = 5;
   std::string device = "cpu", dtype = "float32";
   std::vector<int> batches = {1, 8, 32};
   std::vector<int> seqs = {16, 128, 512};
