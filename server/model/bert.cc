@@ -223,7 +223,8 @@ AttentionLayout LayoutOf(const EncoderLayer& l, int64_t H, int64_t dk) {
     a.k0 = R;
     a.v0 = 2 * R;
     a.content0 = 2 * R + D;
-    a.mixing = l.mixing.data_ptr<float>();
+    // Read by the CPU float32 kernels only; the ATen path (CUDA, half types) uses the tensor.
+    if (l.mixing.is_cpu() && l.mixing.scalar_type() == at::kFloat) a.mixing = l.mixing.data_ptr<float>();
   } else {
     a.ld = 3 * D;
     a.fused_n = 3 * D;

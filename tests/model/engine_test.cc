@@ -424,6 +424,37 @@ TEST(EngineClsOnlyTest, CollaborativeLayersToo) {
   ExpectClsOnlyForwardEqualsFullEncoder(m, "collaborative");
 }
 
+// The path CUDA's float16 / bfloat16 take (ATen ops on another dtype), run on the CPU in bfloat16:
+// standard and collaborative layers, padded; within bfloat16's rounding of the float32 logits.
+TEST(EngineDtypeTest, CollaborativeLayersInBfloat16FollowFloat32) {
+  BertConfig c;
+  c.vocab_size = 20000;
+  c.hidden_size = 128;
+  c.num_attention_heads = 2;
+  c.num_hidden_layers = 3;
+  c.intermediate_size = 256;
+  c.max_position_embeddings = 128;
+  c.id2label = {"a", "b", "c"};
+  c.collaborative.ranks = {24, 0, 40};
+  BertClassifier f32(c), bf16(c);
+  {
+    c10::InferenceMode guard;
+    at::manual_seed(6);
+    for (auto& p : f32.named_parameters()) p.value().normal_(0.0, 0.1);
+    auto src = f32.named_parameters();
+    for (auto& p : bf16.named_parameters()) p.value().copy_(src[p.key()]);
+  }
+  f32.Prepare(c10::Device(c10::kCPU), at::kFloat, /*pack_weights=*/false);
+  bf16.Prepare(c10::Device(c10::kCPU), at::kBFloat16, /*pack_weights=*/false);
+  c10::InferenceMode guard;
+  auto [ids, types, mask] = PaddedBatch({12, 30, 7}, c.vocab_size);
+  at::Tensor want = f32.Forward(ids, types, mask);
+  at::Tensor got = bf16.Forward(ids, types, mask).to(at::kFloat);
+  ASSERT_EQ(got.sizes(), want.sizes());
+  EXPECT_GT(want.abs().max().item<double>(), 1e-2);
+  EXPECT_LT((got - want).abs().max().item<double>(), 0.1 * std::max(1.0, want.abs().max().item<double>()));
+}
+
 TEST(CheckpointMakerTest, IsDeterministic) {
   TempDir a, b;
   MakeOptions o;
