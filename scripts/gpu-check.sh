@@ -133,12 +133,10 @@ if [ -n "$deps" ]; then
 fi
 if [ -f "$torch_cmake/Torch/TorchConfig.cmake" ]; then
   prefixes="${prefixes:+$prefixes;}$torch_cmake"
-fi
-[ -n "$prefixes" ] && cmake_args+=(-DCMAKE_PREFIX_PATH="$prefixes")
-if [ -f "$torch_cmake/Torch/TorchConfig.cmake" ]; then
   # The C++ libraries linked beside LibTorch must use its std::string ABI.
   cmake_args+=(-DCMAKE_CXX_FLAGS="-D_GLIBCXX_USE_CXX11_ABI=$torch_abi")
 fi
+[ -n "$prefixes" ] && cmake_args+=(-DCMAKE_PREFIX_PATH="$prefixes")
 if [ -f "$build_dir/CMakeCache.txt" ] && grep -q "^COLLABSERVE_WITH_GRPC:BOOL=ON" "$build_dir/CMakeCache.txt"; then
   log "$build_dir is a full (gRPC) build: reusing it as it is"
 elif ! run_step configure cmake "${cmake_args[@]}"; then

@@ -664,11 +664,13 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add, boo
       h.scalar_type() != at::kFloat || T > TeamMaxRows() || dk % PackedWeight::kPanel != 0) {
     return false;
   }
+  // Each layer's layout; the widest projection row and score width size the shared buffers.
   std::vector<AttentionLayout> layouts;
-  int64_t proj_ld = 0;
+  int64_t proj_ld = 0, width = 0;
   for (const EncoderLayer& l : layers_) {
     layouts.push_back(LayoutOf(l, H, dk));
     proj_ld = std::max(proj_ld, layouts.back().ld);
+    width = std::max(width, layouts.back().width);
   }
   at::Tensor mask2;
   if (mask_add.defined()) mask2 = mask_add.view({B, S}).contiguous();
@@ -713,8 +715,6 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add, boo
   }
   const bool ran = ThreadTeam::Shared().TryRun(n, [&](int t, int n) {
     ThreadTeam& team = ThreadTeam::Shared();
-    int64_t width = 0;
-    for (const AttentionLayout& La : layouts) width = std::max(width, La.width);
     at::Tensor scores = AttentionScratch(S, width, cur.options());
     at::Tensor x = cur, y = next;  // this layer's input and output (swapped after each layer)
     if (prepacked) {

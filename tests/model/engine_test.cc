@@ -404,7 +404,9 @@ TEST(EngineClsOnlyTest, ForwardEqualsThePoolerOnTheFullEncoderOutput) {
   ExpectClsOnlyForwardEqualsFullEncoder(engine->classifier(), "mini");
 }
 
-TEST(EngineClsOnlyTest, CollaborativeLayersToo) {
+// A small model whose last layer is collaborative, with a standard one between (its weights are
+// the test's to set).
+BertConfig SmallCollaborativeConfig() {
   BertConfig c;
   c.vocab_size = 20000;
   c.hidden_size = 128;
@@ -413,8 +415,12 @@ TEST(EngineClsOnlyTest, CollaborativeLayersToo) {
   c.intermediate_size = 256;
   c.max_position_embeddings = 128;
   c.id2label = {"a", "b", "c"};
-  c.collaborative.ranks = {24, 0, 40};  // the last layer collaborative, one standard between
-  BertClassifier m(c);
+  c.collaborative.ranks = {24, 0, 40};
+  return c;
+}
+
+TEST(EngineClsOnlyTest, CollaborativeLayersToo) {
+  BertClassifier m(SmallCollaborativeConfig());
   {
     c10::InferenceMode guard;
     at::manual_seed(5);
@@ -427,15 +433,7 @@ TEST(EngineClsOnlyTest, CollaborativeLayersToo) {
 // The path CUDA's float16 / bfloat16 take (ATen ops on another dtype), run on the CPU in bfloat16:
 // standard and collaborative layers, padded; within bfloat16's rounding of the float32 logits.
 TEST(EngineDtypeTest, CollaborativeLayersInBfloat16FollowFloat32) {
-  BertConfig c;
-  c.vocab_size = 20000;
-  c.hidden_size = 128;
-  c.num_attention_heads = 2;
-  c.num_hidden_layers = 3;
-  c.intermediate_size = 256;
-  c.max_position_embeddings = 128;
-  c.id2label = {"a", "b", "c"};
-  c.collaborative.ranks = {24, 0, 40};
+  const BertConfig c = SmallCollaborativeConfig();
   BertClassifier f32(c), bf16(c);
   {
     c10::InferenceMode guard;
