@@ -122,10 +122,8 @@ class BertClassifier : public ParamNode {
                     const at::Tensor& attention_mask, bool cls_only) const;
   at::Tensor Layer(const EncoderLayer& l, const at::Tensor& h, const at::Tensor& mask_add,
                    bool cls_only) const;
-  at::Tensor Attention(const EncoderLayer& l, const at::Tensor& proj, const at::Tensor& mask_add,
-                       int64_t B, int64_t S, int64_t Sq) const;
   at::Tensor Activation(const at::Tensor& x) const;
-  // Every layer in one ThreadTeam run (see bert.cc); false when that path does not apply (then h
+  // Every layer in one ThreadTeam run (encoder_team.cc); false when that path does not apply (then h
   // is unchanged). cls_only as in Encode.
   bool EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add, bool cls_only) const;
 

@@ -1,0 +1,230 @@
+#include "server/model/attention_ops.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
+
+#include <cmath>
+
+#include "server/model/kernels.h"
+
+namespace collabserve::model::internal {
+namespace {
+
+// Up to this many positions a head's attention runs on SmallAttention (registers only) instead
+// of two sgemm calls and an ATen softmax, whose fixed costs dominate short sequences. Default
+// kSmallAttentionMaxS; COLLABSERVE_SMALL_ATTENTION_MAX_S=N lowers it (0: off; A/B measurements).
+int64_t SmallAttentionMaxS() {
+  static const int64_t s = util::EnvInt64("COLLABSERVE_SMALL_ATTENTION_MAX_S", kSmallAttentionMaxS);
+  return s;
+}
+
+}  // namespace
+
+at::Tensor AttentionScratch(int64_t S, int64_t width, const at::TensorOptions& options) {
+  return at::empty({S * S + S * width + S}, options);
+}
+
+AttentionLayout LayoutOf(const EncoderLayer& l, int64_t H, int64_t dk) {
+  const int64_t D = H * dk;
+  AttentionLayout a;
+  a.dk = dk;
+  if (l.collaborative) {
+    const int64_t R = l.rank;
+    a.ld = 2 * R + D + H;
+    a.fused_n = 2 * R + D;
+    a.width = R;
+    a.q0 = 0;
+    a.k0 = R;
+    a.v0 = 2 * R;
+    a.content0 = 2 * R + D;
+    // Read by the CPU float32 kernels only; the ATen path (CUDA, half types) uses the tensor.
+    if (l.mixing.is_cpu() && l.mixing.scalar_type() == at::kFloat) a.mixing = l.mixing.data_ptr<float>();
+  } else {
+    a.ld = 3 * D;
+    a.fused_n = 3 * D;
+    a.width = dk;
+    a.q0 = 0;
+    a.k0 = D;
+    a.v0 = 2 * D;
+    a.head_step = dk;
+    a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(dk)));
+  }
+  return a;
+}
+
+void AttendOneHead(SgemmFn sgemm, const float* p, const AttentionLayout& L, const float* mask,
+                   int64_t b, int64_t h, int64_t S, int64_t Sq, int64_t D, at::Tensor& scratch,
+                   float* ctx) {
+  const int64_t ld = L.ld, dk = L.dk, width = L.width;
+  const float* row0 = p + b * S * ld;
+  const float* q = row0 + L.q0 + h * L.head_step;
+  const float* k = row0 + L.k0 + h * L.head_step;
+  const float* v = row0 + L.v0 + h * dk;
+  float* out = ctx + b * Sq * D + h * dk;
+  const float* m = mask != nullptr ? mask + b * S : nullptr;
+  float* sc = scratch.data_ptr<float>();
+  float* mixed = sc + S * S;
+  float* add = mixed + S * width;
+  // The additive term of each key: the padding mask, plus the head's content score.
+  const float* key_add = m;
+  if (L.content0 >= 0) {
+    const float* c = row0 + L.content0 + h;
+    for (int64_t j = 0; j < S; ++j) add[j] = c[j * ld] + (m != nullptr ? m[j] : 0.0f);
+    key_add = add;
+  }
+  const float* mix = L.mixing != nullptr ? L.mixing + h * width : nullptr;
+  if (S <= SmallAttentionMaxS() && SmallAttentionSupported(S, dk)) {
+    AttentionHead a;
+    a.q = q;
+    a.k = k;
+    a.v = v;
+    a.ldq = a.ldk = a.ldv = ld;
+    a.width = width;
+    a.dv = dk;
+    a.key_factor = mix;
+    a.scale = L.scale;
+    a.key_add = key_add;
+    SmallAttention(a, S, Sq, out, D);
+    return;
+  }
+  const float* qa = q;
+  int64_t lda = ld;
+  if (mix != nullptr) {
+    for (int64_t i = 0; i < Sq; ++i) {
+      const float* src = q + i * ld;
+      float* dst = mixed + i * width;
+      for (int64_t d = 0; d < width; ++d) dst[d] = src[d] * mix[d];
+    }
+    qa = mixed;
+    lda = width;
+  }
+  at::Tensor sq = scratch.narrow(0, 0, Sq * S).view({Sq, S});
+  int st = sgemm('N', 'T', Sq, S, width, L.scale, qa, lda, k, ld, 0.0f, sc, S);
+  TORCH_CHECK(st == 0, "dnnl_sgemm (attention scores) failed with status ", st);
+  if (key_add != nullptr) {
+    for (int64_t r = 0; r < Sq; ++r) {
+      float* row = sc + r * S;
+      for (int64_t j = 0; j < S; ++j) row[j] += key_add[j];
+    }
+  }
+  at::_softmax_out(sq, sq, -1, false);
+  st = sgemm('N', 'N', Sq, dk, S, 1.0f, sc, S, v, ld, 0.0f, out, D);
+  TORCH_CHECK(st == 0, "dnnl_sgemm (attention context) failed with status ", st);
+}
+
+at::Tensor FusedAttention(SgemmFn sgemm, const at::Tensor& proj, const AttentionLayout& L,
+                          const at::Tensor& mask_add, int64_t B, int64_t S, int64_t Sq, int64_t H) {
+  const int64_t D = H * L.dk;
+  at::Tensor ctx = at::empty({B * Sq, D}, proj.options());
+  const float* p = proj.data_ptr<float>();
+  float* c = ctx.data_ptr<float>();
+  const float* mask = mask_add.defined() ? mask_add.data_ptr<float>() : nullptr;  // [B, S]
+  const bool inference = c10::InferenceMode::is_enabled();
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    // OpenMP workers do not inherit the caller's InferenceMode (thread-local).
+    c10::InferenceMode guard(inference);
+    at::Tensor scratch = AttentionScratch(S, L.width, proj.options());
+    for (int64_t i = begin; i < end; ++i) {
+      AttendOneHead(sgemm, p, L, mask, i / H, i % H, S, Sq, D, scratch, c);
+    }
+  });
+  return ctx;
+}
+
+void ContentScores(SgemmFn sgemm, const EncoderLayer& l, const AttentionLayout& L, const float* x,
+                   int64_t ldx, int64_t r0, int64_t r1, float* proj) {
+  if (r1 <= r0) return;
+  DenseColumns(sgemm, x + r0 * ldx, ldx, r1 - r0, l.content, /*packed=*/false,
+               l.fused_b.data_ptr<float>() + L.fused_n, nullptr, 0, proj + r0 * L.ld + L.fused_n, L.ld,
+               0, L.ld - L.fused_n);
+}
+
+at::Tensor Project(SgemmFn sgemm, const EncoderLayer& l, const AttentionLayout& L, const at::Tensor& x) {
+  if (!l.collaborative) return Dense(x, l.fused, l.fused_b);
+  if (sgemm == nullptr || !x.is_cpu() || x.scalar_type() != at::kFloat) {
+    return at::cat({at::linear(x, l.fused.plain, l.fused_b.narrow(0, 0, L.fused_n)),
+                    at::linear(x, l.content.plain)}, 1);
+  }
+  const at::Tensor xc = x.contiguous();
+  const int64_t T = xc.size(0), D = xc.size(1);
+  at::Tensor proj = at::empty({T, L.ld}, x.options());
+  float* p = proj.data_ptr<float>();
+  const float* b = l.fused_b.data_ptr<float>();
+  if (UsePackedLinear(l.fused, T)) {
+    PackedLinear(xc.data_ptr<float>(), D, T, *l.fused.packed, b, nullptr, 0, p, L.ld);
+  } else {
+    DenseColumns(sgemm, xc.data_ptr<float>(), D, T, l.fused, false, b, nullptr, 0, p, L.ld, 0, L.fused_n);
+  }
+  ContentScores(sgemm, l, L, xc.data_ptr<float>(), D, 0, T, p);
+  return proj;
+}
+
+void ProjectAndAttendHeads(SgemmFn sgemm, const float* x, const float* x_packed,
+                           const DenseWeight& w, bool packed, const float* bias,
+                           const AttentionLayout& L, const float* mask, int64_t B, int64_t S,
+                           int64_t Sq, int64_t D, int64_t h0, int64_t h1, at::Tensor& scratch,
+                           float* proj, float* ctx) {
+  const int64_t T = B * S, dk = L.dk;
+  for (int64_t part = 0; part < 3; ++part) {
+    const int64_t n0 = part * D + h0 * dk, n1 = part * D + h1 * dk;
+    if (part == 0 && Sq != S) {
+      DenseColumns(sgemm, x, S * D, B, w, packed, bias, nullptr, 0, proj, S * 3 * D, n0, n1);
+    } else if (x_packed != nullptr) {
+      PackedLinearColumnsPacked(x_packed, T, *w.packed, bias, nullptr, 0, proj, 3 * D, n0, n1);
+    } else {
+      DenseColumns(sgemm, x, D, T, w, packed, bias, nullptr, 0, proj, 3 * D, n0, n1);
+    }
+  }
+  for (int64_t h = h0; h < h1; ++h) {
+    for (int64_t b = 0; b < B; ++b) {
+      AttendOneHead(sgemm, proj, L, mask, b, h, S, Sq, D, scratch, ctx);
+    }
+  }
+}
+
+at::Tensor ProjectAndAttend(SgemmFn sgemm, const at::Tensor& x, const EncoderLayer& l,
+                            const AttentionLayout& L, const at::Tensor& mask_add, int64_t B,
+                            int64_t S, int64_t Sq, int64_t H) {
+  const int64_t D = H * L.dk;
+  at::Tensor proj = at::empty({B * S, 3 * D}, x.options());
+  at::Tensor ctx = at::empty({B * Sq, D}, x.options());
+  const float* mask = mask_add.defined() ? mask_add.data_ptr<float>() : nullptr;  // [B, S]
+  const bool inference = c10::InferenceMode::is_enabled();
+  at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
+    c10::InferenceMode guard(inference);  // not inherited by OpenMP workers
+    at::Tensor scratch = AttentionScratch(S, L.width, x.options());
+    ProjectAndAttendHeads(sgemm, x.data_ptr<float>(), nullptr, l.fused, /*packed=*/true,
+                          l.fused_b.data_ptr<float>(), L, mask, B, S, Sq, D, h0, h1, scratch,
+                          proj.data_ptr<float>(), ctx.data_ptr<float>());
+  });
+  return ctx;
+}
+
+at::Tensor AtenAttention(const EncoderLayer& l, const at::Tensor& proj, const at::Tensor& mask_add,
+                         int64_t B, int64_t S, int64_t Sq, int64_t H, int64_t dk) {
+  const int64_t D = H * dk;
+  at::Tensor scores, v;
+  if (l.collaborative) {
+    const int64_t R = l.rank;
+    auto p3 = proj.view({B, S, -1});
+    auto qc = p3.narrow(2, 0, R).narrow(1, 0, Sq).unsqueeze(1);  // [B, 1, Sq, R]
+    auto kc = p3.narrow(2, R, R).unsqueeze(1);                    // [B, 1, S, R]
+    v = p3.narrow(2, 2 * R, D).view({B, S, H, dk}).transpose(1, 2);
+    auto content = p3.narrow(2, 2 * R + D, H).transpose(1, 2).unsqueeze(2);  // [B, H, 1, S]
+    scores = at::matmul(qc * l.mixing.view({1, H, 1, R}), kc.transpose(-1, -2));  // [B, H, Sq, S]
+    scores.add_(content);
+  } else {
+    // One copy to [3, B, H, S, dk] makes q, k and v contiguous batches of [S, dk] matrices.
+    auto qkv = proj.view({B, S, 3, H, dk}).permute({2, 0, 3, 1, 4}).contiguous().view({3, B * H, S, dk});
+    scores = at::bmm(qkv[0].narrow(1, 0, Sq), qkv[1].transpose(1, 2)).view({B, H, Sq, S});
+    scores.mul_(1.0 / std::sqrt(static_cast<double>(dk)));
+    v = qkv[2].view({B, H, S, dk});
+  }
+  if (mask_add.defined()) scores.add_(mask_add);
+  auto probs = at::_softmax(scores, -1, false);
+  // [B, H, Sq, dk] -> [B, Sq, H, dk] = [B·Sq, D].
+  return at::matmul(probs, v).transpose(1, 2).reshape({B * Sq, D});
+}
+
+}  // namespace collabserve::model::internal

@@ -1,0 +1,95 @@
+// Self-attention on the CPU float32 kernels (SmallAttention, oneDNN's sgemm) for standard and
+// collaborative layers alike, and with ATen ops for every other device and dtype. Internal to the
+// engine (server/model): the per-operation path (BertClassifier::Layer, bert.cc) and the ThreadTeam
+// path (encoder_team.cc) run the same per-head kernel, AttendOneHead.
+#ifndef COLLABSERVE_SERVER_MODEL_ATTENTION_OPS_H_
+#define COLLABSERVE_SERVER_MODEL_ATTENTION_OPS_H_
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+#include "server/model/bert.h"
+#include "server/model/dense_ops.h"
+
+namespace collabserve::model::internal {
+
+// Where a layer's attention operands sit in a row of its fused projection (EncoderLayer::fused),
+// and how its scores are formed (AttentionHead): one description for standard and collaborative
+// layers, so that both run on the same kernels.
+struct AttentionLayout {
+  int64_t ld = 0;     // floats per projection row
+  int64_t fused_n = 0;  // columns the fused product writes (then the content scores, if any)
+  int64_t width = 0;  // score width: d_k, or the collaborative rank R
+  int64_t dk = 0;     // value width
+  int64_t q0 = 0, k0 = 0, v0 = 0;  // columns of head 0's query, key and value
+  int64_t head_step = 0;           // query/key column step per head: d_k, or 0 (shared)
+  int64_t content0 = -1;           // column of head 0's content score, or -1 (standard)
+  const float* mixing = nullptr;   // [H, R] (collaborative), 1/sqrt(d_k) folded in
+  float scale = 1.0f;
+};
+
+// Scratch for AttendOneHead with S positions and scores `width` wide: the [S, S] scores, the mixed
+// queries [S, width] and S key terms. Allocated per parallel region (not kept per thread), so a
+// served model holds nothing between calls.
+at::Tensor AttentionScratch(int64_t S, int64_t width, const at::TensorOptions& options);
+
+// The layout of layer l's attention, H heads of d_k (its mixing pointer only for CPU float32).
+AttentionLayout LayoutOf(const EncoderLayer& l, int64_t H, int64_t dk);
+
+// One (sequence b, head h) of self-attention for the queries at the first Sq positions (Sq = S,
+// or 1 for [CLS] alone): q, k and v read in place from the projection p (rows of L.ld floats;
+// only the first Sq rows of a sequence's queries are read), the context written into its slot of
+// ctx [B·Sq, D]. Short sequences run on SmallAttention; longer ones compute the [Sq, S] scores
+// with the sgemm (cache-resident through mask and softmax), a collaborative head's mixing applied
+// to a copy of its queries as it is formed (never a [B, H, S, R] tensor). scratch:
+// AttentionScratch(S, L.width) or larger. Runs on the calling thread (inside a parallel region the
+// sgemm and softmax do).
+void AttendOneHead(SgemmFn sgemm, const float* p, const AttentionLayout& L, const float* mask,
+                   int64_t b, int64_t h, int64_t S, int64_t Sq, int64_t D, at::Tensor& scratch,
+                   float* ctx);
+
+// Self-attention for one layer, fused per (sequence, head) (AttendOneHead) and split over threads
+// by (sequence, head); proj [B·S, L.ld] -> ctx [B·Sq, D] (the queries at the first Sq positions of
+// each sequence). Needs the sgemm.
+at::Tensor FusedAttention(SgemmFn sgemm, const at::Tensor& proj, const AttentionLayout& L,
+                          const at::Tensor& mask_add, int64_t B, int64_t S, int64_t Sq, int64_t H);
+
+// A collaborative layer's content scores for the rows [r0, r1) of x (leading dimension ldx) into
+// their columns of proj (rows of L.ld): x · content_bias^T, on the calling thread's sgemm.
+void ContentScores(SgemmFn sgemm, const EncoderLayer& l, const AttentionLayout& L, const float* x,
+                   int64_t ldx, int64_t r0, int64_t r1, float* proj);
+
+// The input projection of layer l for x [T, D], [T, L.ld]: the fused product and, for a
+// collaborative layer, its content scores beside it.
+at::Tensor Project(SgemmFn sgemm, const EncoderLayer& l, const AttentionLayout& L, const at::Tensor& x);
+
+// Heads [h0, h1) of a standard layer, on the calling thread: their q, k and v columns of the
+// fused projection into proj [B·S, 3D] (whole panels when dk is a multiple of the panel width),
+// then their attention for every sequence into ctx [B·Sq, D]. Keys and values are projected for
+// every row; queries for every row when Sq = S, or with Sq = 1 (the [CLS] queries alone) for x's
+// rows b·S only, a matrix of B rows with leading dimension S·D, into proj's rows b·S. x: [B·S, D];
+// x_packed: the same rows already packed (PackRows) for PackedLinearColumnsPacked, or null;
+// packed: run on w's packed form (else the sgemm); scratch: AttentionScratch(S, L.width).
+void ProjectAndAttendHeads(SgemmFn sgemm, const float* x, const float* x_packed,
+                           const DenseWeight& w, bool packed, const float* bias,
+                           const AttentionLayout& L, const float* mask, int64_t B, int64_t S,
+                           int64_t Sq, int64_t D, int64_t h0, int64_t h1, at::Tensor& scratch,
+                           float* proj, float* ctx);
+
+// The q/k/v projection and the attention of a standard layer in one parallel region, split by
+// head (ProjectAndAttendHeads), so no thread waits for another between the two. For token counts
+// where PackedLinear runs (the pass is short and a thread wake-up per operation is a visible
+// cost). x [B·S, D] -> ctx [B·Sq, D]; Sq = S, or 1 for the [CLS] queries alone.
+at::Tensor ProjectAndAttend(SgemmFn sgemm, const at::Tensor& x, const EncoderLayer& l,
+                            const AttentionLayout& L, const at::Tensor& mask_add, int64_t B,
+                            int64_t S, int64_t Sq, int64_t H);
+
+// Self-attention with ATen ops for layer l (without the sgemm: CUDA, half types,
+// COLLABSERVE_GEMM=aten): proj [B·S, *] -> ctx [B·Sq, D], for the queries at the first Sq positions of each sequence.
+at::Tensor AtenAttention(const EncoderLayer& l, const at::Tensor& proj, const at::Tensor& mask_add,
+                         int64_t B, int64_t S, int64_t Sq, int64_t H, int64_t dk);
+
+}  // namespace collabserve::model::internal
+
+#endif  // COLLABSERVE_SERVER_MODEL_ATTENTION_OPS_H_

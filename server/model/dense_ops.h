@@ -1,0 +1,55 @@
+// The encoder's dense products and LayerNorm on the CPU float32 kernels (PackedLinear, oneDNN's
+// sgemm) or ATen, whichever this build, the device and COLLABSERVE_GEMM choose. Internal to the
+// engine (server/model): bert.cc, attention_ops.cc and encoder_team.cc share it.
+#ifndef COLLABSERVE_SERVER_MODEL_DENSE_OPS_H_
+#define COLLABSERVE_SERVER_MODEL_DENSE_OPS_H_
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include <cstdint>
+
+#include "server/model/bert.h"
+#include "server/util/process_env.h"
+
+namespace collabserve::model::internal {
+
+// oneDNN's row-major SGEMM (dnnl_sgemm), or null when the engine runs on ATen alone.
+using SgemmFn = util::DnnlSgemmFn;
+
+// Up to this many rows a product with a packed weight runs on PackedLinear; above, on the sgemm.
+inline constexpr int64_t kPackedMaxRows = 256;
+
+// The sgemm, looked up once; null with COLLABSERVE_GEMM=aten or when LibTorch hides its oneDNN.
+SgemmFn FindSgemm();
+
+// Whether Prepare packs the dense weights for PackedLinear on this device and dtype.
+bool UsePacking(const c10::Device& device, c10::ScalarType dtype);
+
+// Whether a product of `rows` rows with this packed weight (null: none) runs on PackedLinear.
+bool UsePackedLinear(const PackedWeight* packed, int64_t rows);
+bool UsePackedLinear(const DenseWeight& w, int64_t rows);
+
+// out[:, n0:n1] += x[rows, K] · w[n0:n1, :]^T on the sgemm: on the plain weight when the model has
+// it, else on blocks of columns unpacked from the packed copy. n0 a multiple of PackedWeight::kPanel.
+void SgemmAccumulate(SgemmFn sgemm, const float* x, int64_t ldx, int64_t rows, const DenseWeight& w,
+                     float* out, int64_t ldo, int64_t n0, int64_t n1);
+
+// x[T, K] · w[N, K]^T + b (+ residual[T, N]): PackedLinear when it applies, else one pre-filled
+// output and one accumulating GEMM (the sgemm, or ATen's addmm).
+at::Tensor Dense(const at::Tensor& x, const DenseWeight& w, const at::Tensor& b,
+                 const at::Tensor& residual = at::Tensor());
+
+// out[:, n0:n1] = x · w[n0:n1, :]^T + bias[n0:n1] (+ residual[:, n0:n1]) on the calling thread:
+// PackedLinearColumns when `packed`, else the accumulating sgemm. n0, n1 multiples of
+// PackedWeight::kPanel (or n1 = N).
+void DenseColumns(SgemmFn sgemm, const float* x, int64_t ldx, int64_t rows, const DenseWeight& w,
+                  bool packed, const float* bias, const float* residual, int64_t ldr, float* out,
+                  int64_t ldo, int64_t n0, int64_t n1);
+
+// LayerNorm over the last dimension of x [T, D], in place on the CPU (x is a temporary).
+at::Tensor LayerNormInPlace(at::Tensor x, const at::Tensor& w, const at::Tensor& b, double eps);
+
+}  // namespace collabserve::model::internal
+
+#endif  // COLLABSERVE_SERVER_MODEL_DENSE_OPS_H_

@@ -1,0 +1,318 @@
+// The ThreadTeam path of the encoder: every layer of a CPU float32 pass in one team run
+// (BertClassifier::EncodeOnTeam). bert.cc says when it runs; attention_ops.h and dense_ops.h hold
+// the kernels it shares with the per-operation path.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "server/model/attention_ops.h"
+#include "server/model/bert.h"
+#include "server/model/dense_ops.h"
+#include "server/model/kernels.h"
+#include "server/model/threads.h"
+#include "server/util/process_env.h"
+
+namespace collabserve::model {
+
+using internal::AttendOneHead;
+using internal::AttentionLayout;
+using internal::AttentionScratch;
+using internal::ContentScores;
+using internal::DenseColumns;
+using internal::FindSgemm;
+using internal::kPackedMaxRows;
+using internal::LayoutOf;
+using internal::ProjectAndAttendHeads;
+using internal::SgemmFn;
+using internal::UsePackedLinear;
+
+namespace {
+
+// Up to this many tokens per pass the encoder runs in one ThreadTeam run (EncodeOnTeam); above,
+// the per-operation path. No limit unless COLLABSERVE_TEAM_MAX_ROWS=N sets one (A/B measurements:
+// 256 gives the engine before the team served long passes).
+int64_t TeamMaxRows() {
+  static const int64_t rows = util::EnvInt64("COLLABSERVE_TEAM_MAX_ROWS", int64_t{1} << 40);
+  return rows;
+}
+
+}  // namespace
+
+// The whole encoder in one ThreadTeam run, standard and collaborative layers alike, with the
+// sgemm. Short passes: each parallel ATen/OpenMP op would wake the other threads and let them go
+// back to sleep (dozens of times per pass at batch 1). Long passes (above kPackedMaxRows tokens,
+// the products on oneDNN's sgemm): oneDNN's own 2-thread split of one product left a core idle
+// (CPU 147-166% of 2 cores); here every member runs a single-threaded sgemm on its own share.
+// Member t of n takes, per layer, up to kPackedMaxRows tokens: the q/k/v columns and attention of
+// heads [t·H/n, (t+1)·H/n) (no wait between the two, as in ProjectAndAttend); 1/n of the output
+// projection's panels (+ residual); 1/n of the rows of the LayerNorm; 1/n of the intermediate
+// panels and their activation; 1/n of the output panels (+ residual); 1/n of the rows of the
+// LayerNorm; with a barrier after each. Above: the same with 1/n of the rows of every product
+// (all columns), and a barrier between the q/k/v product and the attention, which is split by
+// (sequence, head). A collaborative layer's heads share its query/key projections, so it always
+// has the barrier: first 1/n of the fused projection (panels, or rows above kPackedMaxRows), then
+// its heads' attention (by head when prepacked, else by (sequence, head)); the rest of the layer
+// as a standard one's. Every element is computed by the same kernels as on the per-operation path
+// (PackedLinear bit for bit; the sgemm's blocking may differ with the shape it is given).
+// cls_only: the last layer as in Layer(..., cls_only): keys and values for every row, the rest
+// for the B [CLS] rows (x's rows b·S: leading dimension S·D), and h becomes [B, 1, D].
+bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add, bool cls_only) const {
+  const int n = at::get_num_threads();
+  const int64_t B = h.size(0), S = h.size(1), D = config_.hidden_size, T = B * S;
+  const int64_t H = config_.num_attention_heads, dk = config_.head_size();
+  const int64_t F = config_.intermediate_size;
+  SgemmFn sgemm = FindSgemm();
+  if (n <= 1 || at::in_parallel_region() || sgemm == nullptr || !h.is_cpu() ||
+      h.scalar_type() != at::kFloat || T > TeamMaxRows() || dk % PackedWeight::kPanel != 0) {
+    return false;
+  }
+  // Each layer's layout; the widest projection row and score width size the shared buffers.
+  std::vector<AttentionLayout> layouts;
+  int64_t proj_ld = 0, width = 0;
+  for (const EncoderLayer& l : layers_) {
+    layouts.push_back(LayoutOf(l, H, dk));
+    proj_ld = std::max(proj_ld, layouts.back().ld);
+    width = std::max(width, layouts.back().width);
+  }
+  at::Tensor mask2;
+  if (mask_add.defined()) mask2 = mask_add.view({B, S}).contiguous();
+  const float* mask = mask2.defined() ? mask2.data_ptr<float>() : nullptr;
+  at::Tensor cur = h.contiguous().view({T, D});
+  at::Tensor proj = at::empty({T, proj_ld}, cur.options());
+  at::Tensor ctx = at::empty({T, D}, cur.options());
+  at::Tensor mid = at::empty({T, D}, cur.options());
+  at::Tensor inter = at::empty({T, F}, cur.options());
+  at::Tensor next = at::empty({T, D}, cur.options());
+  const float eps = static_cast<float>(config_.layer_norm_eps);
+  // [begin, end) of `count` units for member t of n, in whole multiples of `unit`.
+  auto share = [](int64_t count, int64_t unit, int t, int n) {
+    const int64_t units = (count + unit - 1) / unit;
+    const int64_t b = units * t / n, e = units * (t + 1) / n;
+    return std::make_pair(std::min(count, b * unit), std::min(count, e * unit));
+  };
+  // Per layer: the query positions per sequence (Sq), the rows after the attention (Tq = B·Sq) and
+  // the leading dimension of those rows in the layer's input x (the residual).
+  const size_t L = layers_.size();
+  auto queries = [&](size_t li) { return cls_only && li + 1 == L ? int64_t{1} : S; };
+  // Above kPackedMaxRows tokens the products run on the sgemm, each member on its share of the
+  // rows (and all columns): each packs the whole weight but only its rows of x, and the rows of x
+  // (up to 16384 × 3072 floats here) outgrow the weight. Splitting the columns instead (each member
+  // reading all of x) was slower there (8 × 512: 2.07 vs 2.27 seq/s, 32 × 512: 2.17 vs 2.72).
+  const bool split_rows = T > kPackedMaxRows;
+  // When every product runs on PackedLinear, each activation a product reads is packed once, by
+  // the members together, in the step that produces it (each its rows after a LayerNorm, or its
+  // columns = k range after the q/k/v + attention and the intermediate product), instead of by
+  // every member inside each of its products (three times per layer for the q/k/v parts).
+  bool prepacked = !split_rows;
+  for (const EncoderLayer& l : layers_) {
+    for (const DenseWeight* w : {&l.fused, &l.attn_out, &l.inter, &l.out}) {
+      prepacked = prepacked && UsePackedLinear(*w, T);
+    }
+  }
+  at::Tensor xpack, cpack, ipack;  // packed rows of the layer input / mid, of ctx, of inter
+  if (prepacked) {
+    xpack = at::empty({PackedRowsSize(T, D)}, cur.options());
+    cpack = at::empty({PackedRowsSize(T, D)}, cur.options());
+    ipack = at::empty({PackedRowsSize(T, F)}, cur.options());
+  }
+  const bool ran = ThreadTeam::Shared().TryRun(n, [&](int t, int n) {
+    ThreadTeam& team = ThreadTeam::Shared();
+    at::Tensor scores = AttentionScratch(S, width, cur.options());
+    at::Tensor x = cur, y = next;  // this layer's input and output (swapped after each layer)
+    if (prepacked) {
+      const std::pair<int64_t, int64_t> rows = share(T, kPackedRowTile, t, n);
+      team.Step([&] {
+        PackRows(cur.data_ptr<float>(), D, rows.first, rows.second, 0, D, D, xpack.data_ptr<float>());
+      });
+    }
+    for (size_t li = 0; li < L; ++li) {
+      const EncoderLayer& l = layers_[li];
+      const AttentionLayout& La = layouts[li];
+      const float* xp = x.data_ptr<float>();
+      const int64_t Sq = queries(li), Tq = B * Sq, ldq = Sq == S ? D : S * D;
+      if (prepacked) {
+        // (Plain variables, not structured bindings: C++17 lambdas cannot capture those.)
+        int64_t h0, h1, r0, r1, d0, d1, f0, f1;
+        std::tie(h0, h1) = share(H, 1, t, n);
+        std::tie(r0, r1) = share(Tq, kPackedRowTile, t, n);
+        std::tie(d0, d1) = share(D, PackedWeight::kPanel, t, n);
+        std::tie(f0, f1) = share(F, PackedWeight::kPanel, t, n);
+        float* xk = xpack.data_ptr<float>();
+        float* ck = cpack.data_ptr<float>();
+        float* ik = ipack.data_ptr<float>();
+        if (l.collaborative) {
+          // The shared query/key projections serve every head: all of the fused projection
+          // first (each member its panels), then each member its heads' attention.
+          int64_t c0, c1, q0, q1;
+          std::tie(c0, c1) = share(La.fused_n, PackedWeight::kPanel, t, n);
+          std::tie(q0, q1) = share(T, 1, t, n);
+          team.Step([&] {
+            PackedLinearColumnsPacked(xk, T, *l.fused.packed, l.fused_b.data_ptr<float>(), nullptr, 0,
+                                      proj.data_ptr<float>(), La.ld, c0, c1);
+            ContentScores(sgemm, l, La, xp, D, q0, q1, proj.data_ptr<float>());
+          });
+          team.Step([&] {
+            for (int64_t hh = h0; hh < h1; ++hh) {
+              for (int64_t b = 0; b < B; ++b) {
+                AttendOneHead(sgemm, proj.data_ptr<float>(), La, mask, b, hh, S, Sq, D, scores,
+                              ctx.data_ptr<float>());
+              }
+            }
+            PackRows(ctx.data_ptr<float>(), D, 0, Tq, h0 * dk, h1 * dk, D, ck);
+          });
+        } else {
+          team.Step([&] {
+            ProjectAndAttendHeads(sgemm, xp, xk, l.fused, /*packed=*/true, l.fused_b.data_ptr<float>(),
+                                  La, mask, B, S, Sq, D, h0, h1, scores, proj.data_ptr<float>(),
+                                  ctx.data_ptr<float>());
+            PackRows(ctx.data_ptr<float>(), D, 0, Tq, h0 * dk, h1 * dk, D, ck);
+          });
+        }
+        team.Step([&] {
+          PackedLinearColumnsPacked(ck, Tq, *l.attn_out.packed, l.attn_out_b.data_ptr<float>(), xp, ldq,
+                                    mid.data_ptr<float>(), D, d0, d1);
+        });
+        team.Step([&] {
+          LayerNormRowsInPlace(mid.data_ptr<float>() + r0 * D, D, r1 - r0, D,
+                               l.attn_ln_w.data_ptr<float>(), l.attn_ln_b.data_ptr<float>(), eps);
+          PackRows(mid.data_ptr<float>(), D, r0, r1, 0, D, D, xk);
+        });
+        team.Step([&] {
+          PackedLinearColumnsPacked(xk, Tq, *l.inter.packed, l.inter_b.data_ptr<float>(), nullptr, 0,
+                                    inter.data_ptr<float>(), F, f0, f1);
+          if (f1 > f0) Activation(inter.narrow(0, 0, Tq).narrow(1, f0, f1 - f0));
+          PackRows(inter.data_ptr<float>(), F, 0, Tq, f0, f1, F, ik);
+        });
+        team.Step([&] {
+          PackedLinearColumnsPacked(ik, Tq, *l.out.packed, l.out_b.data_ptr<float>(),
+                                    mid.data_ptr<float>(), D, y.data_ptr<float>(), D, d0, d1);
+        });
+        const bool last = li + 1 == L;
+        team.Step([&] {
+          LayerNormRowsInPlace(y.data_ptr<float>() + r0 * D, D, r1 - r0, D,
+                               l.out_ln_w.data_ptr<float>(), l.out_ln_b.data_ptr<float>(), eps);
+          if (!last) PackRows(y.data_ptr<float>(), D, r0, r1, 0, D, D, xk);
+        });
+        std::swap(x, y);
+        continue;
+      }
+      // The weights each product of `rows` rows runs on: packed where the per-operation path
+      // would use PackedLinear, else the sgemm on the plain weight.
+      auto pick = [&](const DenseWeight& w, int64_t rows) { return UsePackedLinear(w, rows); };
+      // A product's output [rows, N] for member t: on the sgemm with many rows, its share of the
+      // rows (each member packs the whole weight, but only its rows of x); otherwise its share of
+      // the columns (whole panels). res: the residual, leading dimension ldr.
+      // out: leading dimension ldo (0: N).
+      auto product = [&](const float* in, int64_t ldx, int64_t rows, const DenseWeight& w, bool p,
+                         const at::Tensor& bias, const float* res, int64_t ldr, float* out,
+                         int64_t N, int64_t ldo = 0) {
+        if (ldo == 0) ldo = N;
+        if (!p && rows > kPackedMaxRows) {
+          const auto [r0, r1] = share(rows, 1, t, n);
+          if (r1 > r0) {
+            DenseColumns(sgemm, in + r0 * ldx, ldx, r1 - r0, w, false, bias.data_ptr<float>(),
+                         res == nullptr ? nullptr : res + r0 * ldr, ldr, out + r0 * ldo, ldo, 0, N);
+          }
+          return std::make_pair(r0, r1);
+        }
+        const auto [n0, n1] = share(N, PackedWeight::kPanel, t, n);
+        DenseColumns(sgemm, in, ldx, rows, w, p, bias.data_ptr<float>(), res, ldr, out, ldo, n0, n1);
+        return std::make_pair(int64_t{-1}, int64_t{-1});
+      };
+      const bool fused_packed = pick(l.fused, T);
+      if (l.collaborative) {
+        // Every row's shared query/key projections, values and content scores (each member its
+        // share; a few [CLS]-only rows would save little), then attention by (sequence, head).
+        team.Step([&] {
+          product(xp, D, T, l.fused, fused_packed, l.fused_b, nullptr, 0, proj.data_ptr<float>(),
+                  La.fused_n, La.ld);
+          const auto [r0, r1] = share(T, 1, t, n);
+          ContentScores(sgemm, l, La, xp, D, r0, r1, proj.data_ptr<float>());
+        });
+        team.Step([&] {
+          const auto [u0, u1] = share(B * H, 1, t, n);
+          for (int64_t u = u0; u < u1; ++u) {
+            AttendOneHead(sgemm, proj.data_ptr<float>(), La, mask, u / H, u % H, S, Sq, D, scores,
+                          ctx.data_ptr<float>());
+          }
+        });
+      } else if (!fused_packed && split_rows) {
+        team.Step([&] {
+          if (Sq == S) {
+            product(xp, D, T, l.fused, false, l.fused_b, nullptr, 0, proj.data_ptr<float>(), 3 * D);
+            return;
+          }
+          // Keys and values of every row, queries of the [CLS] rows: each member its share of
+          // both (rows of the sgemm).
+          float* pr = proj.data_ptr<float>();
+          const float* bias = l.fused_b.data_ptr<float>();
+          const auto [r0, r1] = share(T, 1, t, n);
+          if (r1 > r0) {
+            DenseColumns(sgemm, xp + r0 * D, D, r1 - r0, l.fused, false, bias, nullptr, 0,
+                         pr + r0 * 3 * D, 3 * D, D, 3 * D);
+          }
+          const auto [c0, c1] = share(B, 1, t, n);
+          if (c1 > c0) {
+            DenseColumns(sgemm, xp + c0 * ldq, ldq, c1 - c0, l.fused, false, bias, nullptr, 0,
+                         pr + c0 * S * 3 * D, S * 3 * D, 0, D);
+          }
+        });
+        team.Step([&] {
+          const auto [u0, u1] = share(B * H, 1, t, n);
+          for (int64_t u = u0; u < u1; ++u) {
+            AttendOneHead(sgemm, proj.data_ptr<float>(), La, mask, u / H, u % H, S, Sq, D, scores,
+                          ctx.data_ptr<float>());
+          }
+        });
+      } else {
+        team.Step([&] {
+          const auto [h0, h1] = share(H, 1, t, n);
+          ProjectAndAttendHeads(sgemm, xp, nullptr, l.fused, fused_packed, l.fused_b.data_ptr<float>(),
+                                La, mask, B, S, Sq, D, h0, h1, scores, proj.data_ptr<float>(),
+                                ctx.data_ptr<float>());
+        });
+      }
+      team.Step([&] {
+        product(ctx.data_ptr<float>(), D, Tq, l.attn_out, pick(l.attn_out, Tq), l.attn_out_b,
+                xp, ldq, mid.data_ptr<float>(), D);
+      });
+      team.Step([&] {
+        const auto [r0, r1] = share(Tq, 1, t, n);
+        LayerNormRowsInPlace(mid.data_ptr<float>() + r0 * D, D, r1 - r0, D,
+                            l.attn_ln_w.data_ptr<float>(), l.attn_ln_b.data_ptr<float>(), eps);
+      });
+      team.Step([&] {
+        const auto [r0, r1] = product(mid.data_ptr<float>(), D, Tq, l.inter, pick(l.inter, Tq), l.inter_b,
+                                      nullptr, 0, inter.data_ptr<float>(), F);
+        if (r0 >= 0) {
+          if (r1 > r0) Activation(inter.narrow(0, r0, r1 - r0));
+        } else {
+          const auto [n0, n1] = share(F, PackedWeight::kPanel, t, n);
+          if (n1 > n0) Activation(inter.narrow(0, 0, Tq).narrow(1, n0, n1 - n0));
+        }
+      });
+      team.Step([&] {
+        product(inter.data_ptr<float>(), F, Tq, l.out, pick(l.out, Tq), l.out_b,
+                mid.data_ptr<float>(), D, y.data_ptr<float>(), D);
+      });
+      team.Step([&] {
+        const auto [r0, r1] = share(Tq, 1, t, n);
+        LayerNormRowsInPlace(y.data_ptr<float>() + r0 * D, D, r1 - r0, D,
+                            l.out_ln_w.data_ptr<float>(), l.out_ln_b.data_ptr<float>(), eps);
+      });
+      std::swap(x, y);
+    }
+  });
+  if (!ran) return false;
+  // After an even number of layers the result is back in `cur`'s buffer, else in `next`'s; with
+  // cls_only, in its first B rows.
+  const at::Tensor& out = L % 2 == 0 ? cur : next;
+  h = cls_only && L > 0 ? out.narrow(0, 0, B).view({B, 1, D}) : out.view({B, S, D});
+  return true;
+}
+
+}  // namespace collabserve::model
