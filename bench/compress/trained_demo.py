@@ -7,12 +7,13 @@ probes are the calibration texts) and once activation-aware (`--calibration`: fi
 calibration texts, fidelity probes the other 20%). Prints one markdown table: Q/K and total
 parameters, test accuracy, top-1 agreement and mean KL against the original, seconds.
 
-Then, for each --targets value, `--target_agreement A --calibration` (per-layer ranks searched on
-the held-out calibration texts) and, to show what the search buys, the best uniform whitened rank
-at no more Q/K parameters than the target's allocation and the next rank up.
+Then, for each --targets value `--target_agreement A --calibration` and each --max_kls value
+`--max_kl K --calibration` (per-layer ranks searched on the held-out calibration texts) and, to show
+what the search buys, the best uniform whitened rank at no more Q/K parameters than the target's
+allocation and the next rank up.
 
 usage: bench/compress/trained_demo.py [--build build] [--ranks 128,64,32,16] [--model DIR]
-         [--data FILE] [--targets 0.99] [--extra_flags "--max_iters 100"]
+         [--data FILE] [--targets 0.99] [--max_kls 1e-3,3e-3] [--extra_flags "--max_iters 100"]
 """
 import argparse
 import json
@@ -41,6 +42,7 @@ def main():
     ap.add_argument("--ranks", default="128,64,32,16")
     ap.add_argument("--modes", default="plain,whitened", help="plain, whitened or both")
     ap.add_argument("--targets", default="0.99", help="--target_agreement values (comma-separated; empty: none)")
+    ap.add_argument("--max_kls", default="1e-3,3e-3", help="--max_kl values (comma-separated; empty: none)")
     ap.add_argument("--extra_flags", default="")
     ap.add_argument("--json", default="", help="also write the rows here")
     a = ap.parse_args()
@@ -79,15 +81,17 @@ def main():
                 extra = ["--probe", a.probe] if mode == "plain" else ["--calibration", a.probe]
                 label = f"D_k/{D_k // r}" if D_k % r == 0 else str(r)
                 rows.append(compress_row(tmp, f"r{r}-{mode}", label, mode, ["--rank", str(r)] + extra))
-        for t in [x for x in a.targets.split(",") if x]:
-            row = compress_row(tmp, f"t{t}", f"target {t}", "target",
-                               ["--target_agreement", t, "--calibration", a.probe])
+        targets = [("target_agreement", t, f"target {t}") for t in a.targets.split(",") if t]
+        targets += [("max_kl", k, f"max KL {k}") for k in a.max_kls.split(",") if k]
+        for flag, value, label in targets:
+            row = compress_row(tmp, f"t{flag}{value}", label, "target",
+                               [f"--{flag}", value, "--calibration", a.probe])
             rows.append(row)
             # The best uniform rank at no more Q/K parameters than the target's allocation, and the
             # next one up, both whitened: what the search has to beat.
             r_eq = max(r for r in range(1, D_k + 1) if qk_at(r) <= row["qk"])
             for r in (r_eq, r_eq + 1):
-                rows.append(compress_row(tmp, f"u{t}-{r}", f"uniform {r}", "whitened",
+                rows.append(compress_row(tmp, f"u{flag}{value}-{r}", f"uniform {r}", "whitened",
                                          ["--rank", str(r), "--calibration", a.probe]))
     n = ev["examples"]
     print(f"Trained demo model ({base['layers']} layers, {base['heads']} heads, D_k = {D_k}), "
@@ -110,6 +114,7 @@ def main():
         s = x.get("search")
         if s:
             print(f"\n{x['label']}: {s['target']} on {s['texts']} held-out calibration texts; grid {s['grid']}; "
+                  f"KL exponents {[round(p, 2) for p in s['kl_exponent']]} (ranks {s['sensitivity_ranks']}); "
                   f"{s['decompositions']} decompositions in {s['decompose_seconds']:.1f} s, sensitivities "
                   f"{s['sensitivity_seconds']:.1f} s, {len(s['trials'])} trials of {s['candidates']} candidates, "
                   f"search {s['seconds']:.1f} s; trials (ranks: held-out agreement): "

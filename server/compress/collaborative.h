@@ -67,10 +67,14 @@ struct RankSearchReport {
   int texts = 0;                   // the held-out texts every trial is measured on
   std::vector<int> grid;           // the candidate ranks of every layer (besides standard)
   int decompositions = 0;          // CP-ALS runs (layers x grid)
-  // Per layer: mean KL of the model with only that layer at `sensitivity_rank`, divided by that
-  // layer's squared error there: the proxy KL_l(r) ≈ s_l·e_l(r)² that orders the candidates.
-  int sensitivity_rank = 0;
-  std::vector<double> sensitivity;
+  // Per layer: the mean KL of the model with only that layer compressed, at each of
+  // `sensitivity_ranks` (the grid ranks nearest N_h·d_k/8 and N_h·d_k/16), and the exponent p_l of
+  // the proxy KL_l(r) = layer_kl[l][0]·(e_l(r)/e_l(first rank))^p_l fitted through them (e: the
+  // layer's activation-weighted error, or its weight error without calibration) that orders the
+  // candidates.
+  std::vector<int> sensitivity_ranks;
+  std::vector<std::vector<double>> layer_kl;
+  std::vector<double> kl_exponent;
   struct Trial {
     std::vector<int> ranks;        // 0: standard
     int64_t qk_params = 0;

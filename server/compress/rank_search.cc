@@ -4,10 +4,12 @@
 // parameters where they buy nothing. The search:
 //  1. decomposes every layer at every rank of a geometric grid (steps of √2 from N_h·d_k/2 down to
 //     N_h·d_k/64; a layer may also stay standard), whitened when calibration statistics are set;
-//  2. measures each layer's sensitivity once: the mean KL of the model with that layer alone at
-//     the grid rank nearest N_h·d_k/8, over its squared error e there, giving the proxy
-//     KL_l(r) ≈ s_l·e_l(r)² (the score perturbation is proportional to the activation-weighted
-//     error e and the KL is quadratic in a small perturbation);
+//  2. measures each layer's KL curve: the mean KL of the model with that layer alone at the grid
+//     ranks nearest N_h·d_k/8 and N_h·d_k/16, giving the proxy KL_l(r) ≈ K_l·(e_l(r)/e_l)^p_l
+//     through both points, e the layer's (activation-weighted) error at a rank. The exponent
+//     differs by layer: on the trained demo KL/e² rose 3-6x from rank 32 to 12 in two layers and
+//     fell 1.5x in the other two (bench/compress/RESULTS.md, section 11), so one point and p = 2
+//     misjudged which layer a rank buys the most in;
 //  3. orders the allocations by a greedy walk on each layer's lower convex hull of (Q/K parameters,
 //     proxy KL): from every layer at its cheapest point, each step raises the layer whose next hull
 //     point removes the most proxy KL per parameter, so the walk visits allocations of rising cost
@@ -64,6 +66,17 @@ std::vector<int> Grid(int full) {
 
 // The error that drives a layer's score perturbation: activation-weighted when whitened.
 double DrivingError(const LayerReport& r) { return r.activation_error >= 0 ? r.activation_error : r.relative_error; }
+
+// The exponent p of KL ∝ e^p through a layer's measurements (errors[k], kl[k]), the first at the
+// higher rank: 2 (a small score perturbation's KL is quadratic in it) when there is one point or
+// the two cannot fix it (no KL, errors not falling with the rank); else clamped to [1, 8].
+double KlExponent(const std::vector<double>& errors, const std::vector<double>& kl) {
+  constexpr double kQuadratic = 2.0;
+  if (errors.size() < 2 || kl[0] <= 0 || kl[1] <= 0 || errors[0] <= 0 || errors[1] <= errors[0] * (1 + 1e-9)) {
+    return kQuadratic;
+  }
+  return std::clamp(std::log(kl[1] / kl[0]) / std::log(errors[1] / errors[0]), 1.0, 8.0);
+}
 
 // One point of a layer's options: grid index (-1: standard), parameters, proxy KL.
 struct Option {
@@ -167,31 +180,48 @@ absl::StatusOr<std::vector<LayerDecomposition>> SearchRanks(const model::BertCla
     return CompareLogits(reference, logits, tb.texts);
   };
 
-  // 2. Sensitivities at the grid rank nearest full/8.
-  int g_ref = 0;
-  for (int g = 0; g < G; ++g) {
-    if (std::abs(grid[g] - full / 8.0) < std::abs(grid[g_ref] - full / 8.0)) g_ref = g;
-  }
-  rep.sensitivity_rank = grid[g_ref];
+  // 2. Each layer's KL curve from two measurements (one when the grid has a single rank near both).
+  auto nearest = [&](double r) {
+    int best = 0;
+    for (int g = 0; g < G; ++g) {
+      if (std::abs(grid[g] - r) < std::abs(grid[best] - r)) best = g;
+    }
+    return best;
+  };
+  std::vector<int> g_points = {nearest(full / 8.0)};
+  if (nearest(full / 16.0) != g_points[0]) g_points.push_back(nearest(full / 16.0));
+  for (int g : g_points) rep.sensitivity_ranks.push_back(grid[g]);
   const auto ts = Clock::now();
+  std::vector<double> coefficient(L), reference_error(L);
   for (int i = 0; i < L; ++i) {
-    if (cancelled()) return absl::CancelledError("compression cancelled");
-    if (out_of_time()) return deadline("while measuring the layers' sensitivities");
-    std::vector<int> alloc(L, -1);
-    alloc[i] = g_ref;
-    ASSIGN_OR_RETURN(FidelityReport f, measure(alloc));
-    const double e = DrivingError(table[i][g_ref].report);
-    rep.sensitivity.push_back(e > 0 ? f.mean_kl / (e * e) : 0.0);
+    std::vector<double> kl;
+    for (int g : g_points) {
+      if (cancelled()) return absl::CancelledError("compression cancelled");
+      if (out_of_time()) return deadline("while measuring the layers' sensitivities");
+      std::vector<int> alloc(L, -1);
+      alloc[i] = g;
+      ASSIGN_OR_RETURN(FidelityReport f, measure(alloc));
+      kl.push_back(f.mean_kl);
+    }
+    std::vector<double> errors;
+    for (int g : g_points) errors.push_back(DrivingError(table[i][g].report));
+    rep.kl_exponent.push_back(KlExponent(errors, kl));
+    rep.layer_kl.push_back(kl);
+    coefficient[i] = kl[0];
+    reference_error[i] = errors[0];
   }
   rep.sensitivity_seconds = SecondsSince(ts);
+  auto proxy = [&](int i, double e) {
+    if (reference_error[i] <= 0) return e > 0 ? coefficient[i] : 0.0;
+    return coefficient[i] * std::pow(e / reference_error[i], rep.kl_exponent[i]);
+  };
 
   // 3. The walk: per layer, its hull from the cheapest grid rank up to standard.
   std::vector<std::vector<Option>> hulls(L);
   for (int i = 0; i < L; ++i) {
     std::vector<Option> pts;
     for (int g = G - 1; g >= 0; --g) {
-      const double e = DrivingError(table[i][g].report);
-      pts.push_back({g, model::CollaborativeQkParamsPerLayer(cfg, grid[g]), rep.sensitivity[i] * e * e});
+      pts.push_back({g, model::CollaborativeQkParamsPerLayer(cfg, grid[g]), proxy(i, DrivingError(table[i][g].report))});
     }
     pts.push_back({-1, model::StandardQkParamsPerLayer(cfg), 0.0});
     hulls[i] = LowerHull(std::move(pts));

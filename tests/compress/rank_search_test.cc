@@ -146,8 +146,16 @@ TEST_F(RankSearchTest, TheReportSaysWhatWasSearched) {
   EXPECT_EQ(s.grid.back(), 1);
   EXPECT_TRUE(std::is_sorted(s.grid.rbegin(), s.grid.rend()));
   EXPECT_EQ(s.decompositions, 3 * static_cast<int>(s.grid.size()));
-  EXPECT_EQ(s.sensitivity.size(), 3u);
-  EXPECT_EQ(s.sensitivity_rank, 8);
+  // Each layer's KL measured at the grid ranks nearest 64 / 8 and 64 / 16, and the proxy's exponent.
+  EXPECT_EQ(s.sensitivity_ranks, (std::vector<int>{8, 4}));
+  ASSERT_EQ(s.layer_kl.size(), 3u);
+  ASSERT_EQ(s.kl_exponent.size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_EQ(s.layer_kl[i].size(), 2u);
+    EXPECT_GE(s.layer_kl[i][1], s.layer_kl[i][0]) << "layer " << i << ": a lower rank, no lower KL";
+    EXPECT_GE(s.kl_exponent[i], 1.0);
+    EXPECT_LE(s.kl_exponent[i], 8.0);
+  }
   EXPECT_GE(s.candidates, static_cast<int>(s.trials.size()));
   EXPECT_FALSE(s.time_limited);
   // Bisection: at most ceil(log2(candidates + 1)) trials.
