@@ -5,6 +5,8 @@ JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 PORT ?= 8500
 METRICS_PORT ?= 9090
+# Extra collabserve flags for `make run`, e.g. ARGS=--admin_token_file=/tmp/admin.token
+ARGS ?=
 # One compiler cache per machine, shared by every checkout: BASEDIR makes paths relative so a fresh
 # clone elsewhere (CI) hits the cache too.
 export CCACHE_DIR ?= $(HOME)/.cache/collabserve-ccache
@@ -50,7 +52,7 @@ test-tsan: deps
 	JOBS=$(JOBS) scripts/sanitizer-tests.sh tsan
 
 run: build
-	scripts/run-demo.sh $(BUILD_DIR) $(PORT) $(METRICS_PORT)
+	scripts/run-demo.sh $(BUILD_DIR) $(PORT) $(METRICS_PORT) $(ARGS)
 
 bench: build
 	scripts/run-bench.sh $(BUILD_DIR)
