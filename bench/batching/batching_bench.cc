@@ -21,10 +21,13 @@
 #include "absl/strings/numbers.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "bench/bench_util.h"
 #include "server/batching/batch_scheduler.h"
 
 namespace collabserve::batching {
 namespace {
+
+using bench::Median;
 
 struct Flags {
   int tasks = 20000;
@@ -37,29 +40,15 @@ struct Flags {
 };
 
 bool ParseFlags(int argc, char** argv, Flags* flags) {
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    bool matched = false, ok = true;
-    auto flag = [&](const char* name, int* value) {
-      const std::string prefix = std::string("--") + name + "=";
-      if (matched || arg.rfind(prefix, 0) != 0) return;
-      matched = true;
-      ok = absl::SimpleAtoi(arg.substr(prefix.size()), value) && *value > 0;
-    };
-    flag("tasks", &flags->tasks);
-    flag("repeats", &flags->repeats);
-    flag("ns_per_token", &flags->ns_per_token);
-    flag("overhead_tasks", &flags->overhead_tasks);
-    flag("max_batch_size", &flags->max_batch_size);
-    flag("max_batch_tokens", &flags->max_batch_tokens);
-    flag("max_queue_size", &flags->max_queue_size);
-    if (!matched || !ok) {
-      std::fprintf(stderr, "batching_bench: bad flag %s (flags take positive integers)\n",
-                   arg.c_str());
-      return false;
-    }
-  }
-  return true;
+  return bench::FlagSet("batching_bench")
+      .Int("tasks", &flags->tasks, 1)
+      .Int("repeats", &flags->repeats, 1)
+      .Int("ns_per_token", &flags->ns_per_token, 1)
+      .Int("overhead_tasks", &flags->overhead_tasks, 1)
+      .Int("max_batch_size", &flags->max_batch_size, 1)
+      .Int("max_batch_tokens", &flags->max_batch_tokens, 1)
+      .Int("max_queue_size", &flags->max_queue_size, 1)
+      .Parse(argc, argv);
 }
 
 class SimTask : public BatchTask {
@@ -148,12 +137,6 @@ RunResult Run(const std::vector<int64_t>& sizes, const Flags& flags, bool length
   result.seconds = absl::ToDoubleSeconds(absl::Now() - start);
   result.stats = scheduler->stats();
   return result;
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 == 1 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
 struct Summary {

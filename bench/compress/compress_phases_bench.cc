@@ -33,45 +33,20 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "bench/bench_util.h"
 #include "server/compress/collaborative.h"
+#include "server/util/process_env.h"
 
 namespace collabserve::compress {
 namespace {
 
+using bench::CpuSeconds;
+using bench::LoadAverage;
+using bench::Median;
+using util::BlasThreads;
+using util::SetBlasThreads;
+
 using Clock = std::chrono::steady_clock;
-
-double Median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-std::string LoadAverage() {
-  std::ifstream in("/proc/loadavg");
-  std::string one, five, fifteen;
-  in >> one >> five >> fifteen;
-  return one + " " + five + " " + fifteen;
-}
-
-// User + system CPU seconds of this process, all threads: steadier than wall time on a loaded
-// machine.
-double CpuSeconds() {
-  rusage usage{};
-  getrusage(RUSAGE_SELF, &usage);
-  return usage.ru_utime.tv_sec + usage.ru_stime.tv_sec +
-         1e-6 * (usage.ru_utime.tv_usec + usage.ru_stime.tv_usec);
-}
-
-int BlasThreads() {
-  using Fn = int (*)();
-  auto fn = reinterpret_cast<Fn>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
-  return fn ? fn() : -1;
-}
-void SetBlasThreads(int n) {
-  using Fn = void (*)(int);
-  if (auto fn = reinterpret_cast<Fn>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) fn(n);
-}
 
 struct Flags {
   std::string model, scratch, configs = "serial,parallel";
@@ -79,41 +54,21 @@ struct Flags {
 };
 
 bool ParseFlags(int argc, char** argv, Flags* flags) {
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    auto value_of = [&](const char* name, std::string* value) {
-      const std::string prefix = std::string("--") + name + "=";
-      if (arg.rfind(prefix, 0) != 0) return false;
-      *value = arg.substr(prefix.size());
-      return true;
-    };
-    std::string v;
-    bool ok = true;
-    if (value_of("model", &v)) {
-      flags->model = v;
-    } else if (value_of("scratch", &v)) {
-      flags->scratch = v;
-    } else if (value_of("configs", &v)) {
-      flags->configs = v;
-    } else if (value_of("rank", &v)) {
-      ok = absl::SimpleAtoi(v, &flags->rank);
-    } else if (value_of("repeats", &v)) {
-      ok = absl::SimpleAtoi(v, &flags->repeats);
-    } else if (value_of("threads", &v)) {
-      ok = absl::SimpleAtoi(v, &flags->threads);
-    } else {
-      ok = false;
-    }
-    if (!ok) {
-      std::fprintf(stderr, "compress_phases_bench: bad flag %s\n", argv[i]);
-      return false;
-    }
+  if (!bench::FlagSet("compress_phases_bench")
+           .String("model", &flags->model)
+           .String("scratch", &flags->scratch)
+           .String("configs", &flags->configs)
+           .Int("rank", &flags->rank, 1)
+           .Int("repeats", &flags->repeats, 1)
+           .Int("threads", &flags->threads, 1)
+           .Parse(argc, argv)) {
+    return false;
   }
   if (flags->model.empty() || flags->scratch.empty()) {
     std::fprintf(stderr, "compress_phases_bench: --model=DIR and --scratch=DIR are required\n");
     return false;
   }
-  return flags->repeats >= 1 && flags->rank >= 1 && flags->threads >= 1;
+  return true;
 }
 
 int Run(const Flags& flags) {

@@ -38,10 +38,15 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "bench/bench_util.h"
 #include "server/compress/cp_als.h"
 
 namespace collabserve::compress {
 namespace {
+
+using bench::CpuSeconds;
+using bench::LoadAverage;
+using bench::Median;
 
 constexpr int64_t kHeads = 12, kDim = 768, kHeadSize = 64;
 
@@ -64,72 +69,28 @@ struct Flags {
 };
 
 bool ParseFlags(int argc, char** argv, Flags* flags) {
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i];
-    auto value_of = [&](const char* name, std::string* value) {
-      std::string prefix = std::string("--") + name + "=";
-      if (arg.rfind(prefix, 0) != 0) return false;
-      *value = arg.substr(prefix.size());
-      return true;
-    };
-    std::string v;
-    bool ok = true;
-    if (value_of("iters", &v)) {
-      ok = absl::SimpleAtoi(v, &flags->iters);
-    } else if (value_of("dense_iters", &v)) {
-      ok = absl::SimpleAtoi(v, &flags->dense_iters);
-    } else if (value_of("repeats", &v)) {
-      ok = absl::SimpleAtoi(v, &flags->repeats);
-    } else if (value_of("shared_dim", &v)) {
-      ok = absl::SimpleAtoi(v, &flags->shared_dim);
-    } else if (value_of("noise", &v)) {
-      ok = absl::SimpleAtod(v, &flags->noise);
-    } else if (value_of("layers", &v)) {
-      ok = absl::SimpleAtoi(v, &flags->layers);
-    } else if (value_of("threads", &v)) {
-      ok = absl::SimpleAtoi(v, &flags->threads);
-    } else if (value_of("ranks", &v)) {
-      flags->ranks.clear();
-      for (absl::string_view part : absl::StrSplit(v, ',')) {
-        int r = 0;
-        ok = ok && absl::SimpleAtoi(part, &r);
-        flags->ranks.push_back(r);
-      }
-    } else if (value_of("dense_repeats", &v)) {
-      ok = absl::SimpleAtoi(v, &flags->dense_repeats);
-    } else if (value_of("model_tol", &v)) {
-      ok = absl::SimpleAtod(v, &flags->model_tol);
-    } else if (value_of("precisions", &v)) {
-      flags->precisions.clear();
-      for (absl::string_view part : absl::StrSplit(v, ',')) {
-        if (part == "f64") {
-          flags->precisions.push_back(CpAlsOptions::Precision::kFloat64);
-        } else if (part == "f32") {
-          flags->precisions.push_back(CpAlsOptions::Precision::kFloat32);
-        } else {
-          ok = false;
-        }
-      }
-    } else if (value_of("kinds", &v)) {
-      flags->kinds.clear();
-      for (absl::string_view part : absl::StrSplit(v, ',')) {
-        ok = ok && (part == "random" || part == "planted");
-        flags->kinds.emplace_back(part);
-      }
-    } else if (arg == "--skip_dense") {
-      flags->skip_dense = true;
-    } else if (arg == "--model_only") {
-      flags->model_only = true;
-    } else {
-      ok = false;
-    }
-    if (!ok) {
-      std::fprintf(stderr, "cp_bench: bad flag %s\n", argv[i]);
-      return false;
-    }
+  std::vector<std::string> precisions = {"f64", "f32"};
+  bench::FlagSet f("cp_bench");
+  f.Int("iters", &flags->iters, 1)
+      .Int("dense_iters", &flags->dense_iters, 2)
+      .Int("repeats", &flags->repeats, 1)
+      .Int("shared_dim", &flags->shared_dim, 1)
+      .Double("noise", &flags->noise, 0)
+      .Int("layers", &flags->layers, 0)
+      .Int("threads", &flags->threads, 1)
+      .Ints("ranks", &flags->ranks, 0)
+      .Int("dense_repeats", &flags->dense_repeats, 1)
+      .Double("model_tol", &flags->model_tol, 0)
+      .Strings("precisions", &precisions, {"f64", "f32"})
+      .Strings("kinds", &flags->kinds, {"random", "planted"})
+      .Bool("skip_dense", &flags->skip_dense)
+      .Bool("model_only", &flags->model_only);
+  if (!f.Parse(argc, argv)) return false;
+  flags->precisions.clear();
+  for (const std::string& p : precisions) {
+    flags->precisions.push_back(p == "f64" ? CpAlsOptions::Precision::kFloat64 : CpAlsOptions::Precision::kFloat32);
   }
-  return flags->repeats >= 1 && flags->iters >= 1 && flags->dense_iters >= 2 &&
-         flags->dense_repeats >= 1 && flags->model_tol >= 0;
+  return true;
 }
 
 at::Tensor Randn(at::IntArrayRef shape, uint64_t seed) {
@@ -159,27 +120,6 @@ Layer PlantedLayer(uint64_t seed, int shared_dim, double noise) {
     return signal + Randn({kHeads, kDim, kHeadSize}, s + 2) * (noise * entry_scale);
   };
   return {draw(seed), draw(seed + 10)};
-}
-
-// User + system CPU seconds of this process, all threads.
-double CpuSeconds() {
-  rusage usage{};
-  getrusage(RUSAGE_SELF, &usage);
-  return usage.ru_utime.tv_sec + usage.ru_stime.tv_sec +
-         1e-6 * (usage.ru_utime.tv_usec + usage.ru_stime.tv_usec);
-}
-
-std::string LoadAverage() {
-  std::ifstream in("/proc/loadavg");
-  std::string one, five, fifteen;
-  in >> one >> five >> fifteen;
-  return one + " " + five + " " + fifteen;
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 const char* InitName(CpAlsOptions::Init init) {

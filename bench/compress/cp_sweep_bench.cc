@@ -28,10 +28,16 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "bench/bench_util.h"
 #include "server/compress/cp_als.h"
+#include "server/util/process_env.h"
 
 namespace collabserve::compress {
 namespace {
+
+using bench::LoadAverage;
+using bench::Median;
+using util::SetBlasThreads;
 
 constexpr int64_t kHeads = 12, kDim = 768, kHeadSize = 64;
 using Clock = std::chrono::steady_clock;
@@ -48,70 +54,20 @@ struct Flags {
 };
 
 bool ParseFlags(int argc, char** argv, Flags* flags) {
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    auto value_of = [&](const char* name, std::string* value) {
-      const std::string prefix = std::string("--") + name + "=";
-      if (arg.rfind(prefix, 0) != 0) return false;
-      *value = arg.substr(prefix.size());
-      return true;
-    };
-    std::string v;
-    bool ok = true;
-    if (value_of("sweeps", &v)) {
-      ok = absl::SimpleAtoi(v, &flags->sweeps);
-    } else if (value_of("dense_sweeps", &v)) {
-      ok = absl::SimpleAtoi(v, &flags->dense_sweeps);
-    } else if (value_of("repeats", &v)) {
-      ok = absl::SimpleAtoi(v, &flags->repeats);
-    } else if (value_of("layers", &v)) {
-      ok = absl::SimpleAtoi(v, &flags->layers);
-    } else if (value_of("model_iters", &v)) {
-      ok = absl::SimpleAtoi(v, &flags->model_iters);
-    } else if (value_of("threads", &v)) {
-      ok = absl::SimpleAtoi(v, &flags->threads);
-    } else if (value_of("ranks", &v)) {
-      flags->ranks.clear();
-      for (absl::string_view part : absl::StrSplit(v, ',')) {
-        int r = 0;
-        ok = ok && absl::SimpleAtoi(part, &r) && r > 0;
-        flags->ranks.push_back(r);
-      }
-    } else if (arg == "--skip_dense") {
-      flags->skip_dense = true;
-    } else {
-      ok = false;
-    }
-    if (!ok) {
-      std::fprintf(stderr, "cp_sweep_bench: bad flag %s\n", argv[i]);
-      return false;
-    }
-  }
-  return flags->repeats >= 1 && flags->sweeps >= 1 && flags->dense_sweeps >= 1 &&
-         flags->threads >= 1 && flags->layers >= 0 && flags->model_iters >= 1;
+  return bench::FlagSet("cp_sweep_bench")
+      .Int("sweeps", &flags->sweeps, 1)
+      .Int("dense_sweeps", &flags->dense_sweeps, 1)
+      .Int("repeats", &flags->repeats, 1)
+      .Int("layers", &flags->layers, 0)
+      .Int("model_iters", &flags->model_iters, 1)
+      .Int("threads", &flags->threads, 1)
+      .Ints("ranks", &flags->ranks)
+      .Bool("skip_dense", &flags->skip_dense)
+      .Parse(argc, argv);
 }
 
 double Seconds(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-std::string LoadAverage() {
-  std::ifstream in("/proc/loadavg");
-  std::string one, five, fifteen;
-  in >> one >> five >> fifteen;
-  return one + " " + five + " " + fifteen;
-}
-
-// OpenBLAS keeps its own thread pool, which at::set_num_threads does not touch.
-void SetBlasThreads(int n) {
-  using Fn = void (*)(int);
-  if (auto fn = reinterpret_cast<Fn>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) fn(n);
 }
 
 CpResult MustRun(absl::StatusOr<CpResult> result) {

@@ -48,6 +48,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "bench/bench_util.h"
 #include "server/model/checkpoint_maker.h"
 #include "server/model/engine.h"
 #include "server/util/process_env.h"
@@ -55,6 +56,9 @@
 
 namespace collabserve::model {
 namespace {
+
+using bench::CpuSeconds;
+using bench::Median;
 
 struct Flags {
   std::string model, pytorch_tsv, ort_tsv, tsv_out, rss_child;
@@ -73,54 +77,32 @@ struct Flags {
   int warmup_batch = 8;
 };
 
-bool ParseInts(const std::string& v, std::vector<int>* out) {
-  out->clear();
-  for (absl::string_view part : absl::StrSplit(v, ',')) {
-    int x = 0;
-    if (!absl::SimpleAtoi(part, &x) || x <= 0) return false;
-    out->push_back(x);
-  }
-  return !out->empty();
-}
-
 bool ParseFlags(int argc, char** argv, Flags* f) {
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i];
-    size_t eq = arg.find('=');
-    if (arg.rfind("--", 0) != 0 || eq == std::string::npos) {
-      std::fprintf(stderr, "engine_bench: '%s' is not --name=value\n", arg.c_str());
-      return false;
-    }
-    std::string name = arg.substr(2, eq - 2), v = arg.substr(eq + 1);
-    bool ok = true;
-    if (name == "model") f->model = v;
-    else if (name == "collab_model") f->collab_models = absl::StrSplit(v, ',', absl::SkipEmpty());
-    else if (name == "rss_child") f->rss_child = v;
-    else if (name == "memory") ok = absl::SimpleAtoi(v, &f->memory);
-    else if (name == "rounds") ok = absl::SimpleAtoi(v, &f->rounds) && f->rounds > 0;
-    else if (name == "device") f->device = v;
-    else if (name == "dtype") f->dtype = v;
-    else if (name == "pytorch_tsv") f->pytorch_tsv = v;
-    else if (name == "ort_tsv") f->ort_tsv = v;
-    else if (name == "tsv_out") f->tsv_out = v;
-    else if (name == "batches") ok = ParseInts(v, &f->batches);
-    else if (name == "seqs") ok = ParseInts(v, &f->seqs);
-    else if (name == "threads") ok = absl::SimpleAtoi(v, &f->threads) && f->threads > 0;
-    else if (name == "budget_s") ok = absl::SimpleAtod(v, &f->budget_s) && f->budget_s >= 0;
-    else if (name == "min_runs") ok = absl::SimpleAtoi(v, &f->min_runs) && f->min_runs > 0;
-    else if (name == "max_runs") ok = absl::SimpleAtoi(v, &f->max_runs) && f->max_runs > 0;
-    else if (name == "warmup_batch") ok = absl::SimpleAtoi(v, &f->warmup_batch) && f->warmup_batch > 0;
-    else if (name == "sgemm") ok = absl::SimpleAtoi(v, &f->sgemm) && f->sgemm >= 0;
-    else if (name == "stream_mb") ok = absl::SimpleAtoi(v, &f->stream_mb) && f->stream_mb >= 0;
-    else {
-      std::fprintf(stderr, "engine_bench: unknown flag --%s\n", name.c_str());
-      return false;
-    }
-    if (!ok) {
-      std::fprintf(stderr, "engine_bench: bad value for --%s: '%s'\n", name.c_str(), v.c_str());
-      return false;
-    }
+  std::string collab;
+  if (!bench::FlagSet("engine_bench")
+           .String("model", &f->model)
+           .String("collab_model", &collab)
+           .String("rss_child", &f->rss_child)
+           .Int("memory", &f->memory)
+           .Int("rounds", &f->rounds, 1)
+           .String("device", &f->device)
+           .String("dtype", &f->dtype)
+           .String("pytorch_tsv", &f->pytorch_tsv)
+           .String("ort_tsv", &f->ort_tsv)
+           .String("tsv_out", &f->tsv_out)
+           .Ints("batches", &f->batches)
+           .Ints("seqs", &f->seqs)
+           .Int("threads", &f->threads, 1)
+           .Double("budget_s", &f->budget_s, 0)
+           .Int("min_runs", &f->min_runs, 1)
+           .Int("max_runs", &f->max_runs, 1)
+           .Int("warmup_batch", &f->warmup_batch, 1)
+           .Int("sgemm", &f->sgemm, 0)
+           .Int("stream_mb", &f->stream_mb, 0)
+           .Parse(argc, argv)) {
+    return false;
   }
+  f->collab_models = absl::StrSplit(collab, ',', absl::SkipEmpty());
   if (f->model.empty() && f->rss_child.empty()) {
     std::fprintf(stderr, "engine_bench: --model=DIR is required\n");
     return false;
@@ -130,18 +112,6 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
 
 double Now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-double CpuSeconds() {
-  rusage u{};
-  getrusage(RUSAGE_SELF, &u);
-  return u.ru_utime.tv_sec + u.ru_stime.tv_sec + 1e-6 * (u.ru_utime.tv_usec + u.ru_stime.tv_usec);
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 // The inputs every implementation in the bench uses (pytorch_bench.py and ort_bench.mjs compute
