@@ -28,6 +28,7 @@
 #include "server/model/engine.h"
 #include "server/service/admin_server.h"
 #include "server/service/server.h"
+#include "tests/admin/admin_server_fixture.h"
 #include "tests/admin/admin_test_util.h"
 #include "tests/service/test_util.h"
 
@@ -37,8 +38,6 @@ namespace {
 using ::collabserve::testing::Authorize;
 using ::collabserve::testing::Eventually;
 using ::collabserve::testing::HeaderFor;
-using ::collabserve::testing::MakeTinyModel;
-using ::collabserve::testing::ReadDir;
 using ::collabserve::testing::Sha256Hex;
 using ::collabserve::testing::TempDir;
 using ::collabserve::testing::Watch;
@@ -61,46 +60,15 @@ std::vector<std::string> Texts() {
           "compression should not change this much"};
 }
 
-class AdminServiceTest : public ::testing::Test {
+class AdminServiceTest : public testing::AdminServerTest {
  protected:
-  void SetUp() override {
-    MakeTinyModel(repo_.path() + "/tiny/1", 1);
-    model::MakeOptions mo;
-    mo.preset = "tiny";
-    mo.seed = 7;
-    mo.label_names = {"negative", "positive"};
-    ASSERT_TRUE(model::MakeCheckpoint(src_.path() + "/m", mo).ok());
-    files_ = ReadDir(src_.path() + "/m");
-  }
-  void TearDown() override {
-    if (admin_) admin_->Shutdown();
-    if (server_) server_->Shutdown();
-  }
+  AdminServiceTest() : AdminServerTest(kToken, /*upload_seed=*/7) {}
 
   void Start(AdminServerOptions ao = {}) {
-    ServerOptions o;
-    o.host = "127.0.0.1";
-    o.port = 0;
-    o.metrics_port = -1;
-    o.model_repository = repo_.path();
-    o.poll_interval = absl::ZeroDuration();
-    o.drain_timeout = absl::Seconds(5);
+    ServerOptions o = LocalServerOptions();
     o.servable.batching.max_queue_delay_micros = 200;
-    o.torch_version = "test";
-    ao.token = kToken;
     if (ao.service.max_upload_bytes == (int64_t{2} << 30)) ao.service.max_upload_bytes = 64 << 20;
-    auto admin = AdminServer::Create(ao, &o);
-    ASSERT_TRUE(admin.ok()) << admin.status();
-    admin_ = std::move(*admin);
-    server_ = std::make_unique<Server>(o);
-    ASSERT_TRUE(server_->Start().ok());
-    ASSERT_TRUE(admin_->Start(server_.get()).ok());
-    auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", server_->port()),
-                                       grpc::InsecureChannelCredentials());
-    inference_ = v1::Inference::NewStub(channel);
-    const int admin_port = admin_->port() >= 0 ? admin_->port() : server_->port();
-    admin_stub_ = v1::Admin::NewStub(grpc::CreateChannel(absl::StrCat("127.0.0.1:", admin_port),
-                                                         grpc::InsecureChannelCredentials()));
+    StartServer(o, ao);
   }
 
   v1::UploadHeader Header(const std::string& model) { return HeaderFor(model, files_); }
@@ -128,14 +96,6 @@ class AdminServiceTest : public ::testing::Test {
   v1::Job WaitJob(const std::string& id) {
     Watch(admin_stub_.get(), kToken, id);
     return GetJob(id);
-  }
-
-  std::vector<v1::Job> ListJobs() {
-    grpc::ClientContext ctx;
-    Authorize(&ctx, kToken);
-    v1::ListJobsResponse resp;
-    EXPECT_TRUE(admin_stub_->ListJobs(&ctx, v1::ListJobsRequest(), &resp).ok());
-    return {resp.jobs().begin(), resp.jobs().end()};
   }
 
   grpc::Status Classify(const std::string& model, std::optional<int64_t> version,
@@ -166,12 +126,6 @@ class AdminServiceTest : public ::testing::Test {
     return !std::filesystem::exists(dir) || std::filesystem::is_empty(dir);
   }
 
-  TempDir repo_, src_;
-  std::map<std::string, std::string> files_;
-  std::unique_ptr<AdminServer> admin_;
-  std::unique_ptr<Server> server_;
-  std::unique_ptr<v1::Inference::Stub> inference_;
-  std::unique_ptr<v1::Admin::Stub> admin_stub_;
 };
 
 TEST_F(AdminServiceTest, UploadCompressClassifyMatchesOfflineCompress) {

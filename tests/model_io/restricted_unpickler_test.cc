@@ -4,21 +4,12 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/model_io/test_helpers.h"
 
 namespace collabserve::model::io {
 namespace {
 
 using ::testing::HasSubstr;
-
-#define EXPECT_INVALID(status, text)                                \
-  do {                                                              \
-    absl::Status s_ = (status);                                     \
-    EXPECT_EQ(s_.code(), absl::StatusCode::kInvalidArgument) << s_; \
-    EXPECT_THAT(std::string(s_.message()), HasSubstr(text));        \
-  } while (0)
-
-// Bytes of a literal that may contain NULs.
-#define B(lit) std::string(lit, sizeof(lit) - 1)
 
 std::string Str(const std::string& s) {  // BINUNICODE
   std::string out = "X";

@@ -32,13 +32,6 @@ absl::Status ParseError(const std::string& header, size_t data_bytes) {
   return ParseSafetensors(File(header, data_bytes), "model.safetensors").status();
 }
 
-#define EXPECT_INVALID(status, text)                                     \
-  do {                                                                   \
-    absl::Status s_ = (status);                                          \
-    EXPECT_EQ(s_.code(), absl::StatusCode::kInvalidArgument) << s_;      \
-    EXPECT_THAT(std::string(s_.message()), HasSubstr(text));             \
-  } while (0)
-
 TEST(SafetensorsTest, RoundTripsEveryDTypeShapeAndMetadata) {
   auto t = MakeFormulaTensors("layer.0");
   const std::string path = TempPath("all.safetensors");

@@ -1,5 +1,6 @@
-// Helpers shared by the model_io tests: temporary files, fixture paths, element access with dtype
-// conversion, and the value formula the torch cross-checks use.
+// Helpers shared by the model_io tests: the INVALID_ARGUMENT check, byte literals, temporary files,
+// fixture paths, element access with dtype conversion, and the value formula the torch cross-checks
+// use.
 #ifndef COLLABSERVE_TESTS_MODEL_IO_TEST_HELPERS_H_
 #define COLLABSERVE_TESTS_MODEL_IO_TEST_HELPERS_H_
 
@@ -14,8 +15,20 @@
 #include <string>
 #include <vector>
 
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/model/io/checkpoint.h"
+
+// Expects `status` to be INVALID_ARGUMENT with `text` in its message.
+#define EXPECT_INVALID(status, text)                                                     \
+  do {                                                                                   \
+    absl::Status s_ = (status);                                                          \
+    EXPECT_EQ(s_.code(), absl::StatusCode::kInvalidArgument) << s_;                      \
+    EXPECT_THAT(std::string(s_.message()), ::testing::HasSubstr(text));                  \
+  } while (0)
+
+// The bytes of a string literal that may contain NULs.
+#define B(lit) std::string(lit, sizeof(lit) - 1)
 
 namespace collabserve::model::io::testing {
 

@@ -25,15 +25,6 @@ using testing::SourcePath;
 using testing::TempPath;
 using testing::Values;
 
-#define EXPECT_INVALID(status, text)                                \
-  do {                                                              \
-    absl::Status s_ = (status);                                     \
-    EXPECT_EQ(s_.code(), absl::StatusCode::kInvalidArgument) << s_; \
-    EXPECT_THAT(std::string(s_.message()), HasSubstr(text));        \
-  } while (0)
-
-#define B(lit) std::string(lit, sizeof(lit) - 1)
-
 std::string Fixture(const std::string& name) { return SourcePath("tests/data/model_io/" + name); }
 
 std::vector<double> Range(int n, double scale, double shift = 0) {

@@ -12,13 +12,6 @@ namespace {
 
 using ::testing::HasSubstr;
 
-#define EXPECT_INVALID(status, text)                                \
-  do {                                                              \
-    absl::Status s_ = (status);                                     \
-    EXPECT_EQ(s_.code(), absl::StatusCode::kInvalidArgument) << s_; \
-    EXPECT_THAT(std::string(s_.message()), HasSubstr(text));        \
-  } while (0)
-
 absl::StatusOr<ZipArchive> OpenString(std::string bytes) {
   return ZipArchive::Open(BytesOfString(std::make_shared<const std::string>(std::move(bytes))), "x.bin");
 }

@@ -18,6 +18,7 @@
 #include "server/model/checkpoint_maker.h"
 #include "server/service/admin_server.h"
 #include "server/service/server.h"
+#include "tests/admin/admin_server_fixture.h"
 #include "tests/admin/admin_test_util.h"
 #include "tests/overload/overload_test_util.h"
 #include "tests/service/test_util.h"
@@ -29,67 +30,22 @@ using ::collabserve::testing::Authorize;
 using ::collabserve::testing::ClassifyRequestFor;
 using ::collabserve::testing::Eventually;
 using ::collabserve::testing::HeaderFor;
-using ::collabserve::testing::MakeTinyModel;
-using ::collabserve::testing::ReadDir;
-using ::collabserve::testing::TempDir;
 using ::testing::HasSubstr;
 
 constexpr char kToken[] = "overload-test-token";
 
-class StalledUploadTest : public ::testing::Test {
+class StalledUploadTest : public testing::AdminServerTest {
  protected:
-  void SetUp() override {
-    MakeTinyModel(repo_.path() + "/tiny/1", 1);
-    model::MakeOptions mo;
-    mo.preset = "tiny";
-    mo.seed = 3;
-    mo.label_names = {"negative", "positive"};
-    ASSERT_TRUE(model::MakeCheckpoint(src_.path() + "/m", mo).ok());
-    files_ = ReadDir(src_.path() + "/m");
-  }
-  void TearDown() override {
-    if (admin_) admin_->Shutdown();
-    if (server_) server_->Shutdown();
-  }
+  StalledUploadTest() : AdminServerTest(kToken, /*upload_seed=*/3) {}
 
   // own_admin_port: the Admin service on its own port (--admin_port) instead of the inference one.
   void Start(absl::Duration upload_idle_timeout, bool own_admin_port = false) {
-    ServerOptions o;
-    o.host = "127.0.0.1";
-    o.port = 0;
-    o.metrics_port = -1;
-    o.model_repository = repo_.path();
-    o.poll_interval = absl::ZeroDuration();
-    o.drain_timeout = absl::Seconds(5);
-    o.torch_version = "test";
+    ServerOptions o = LocalServerOptions();
     o.upload_idle_timeout = upload_idle_timeout;
     AdminServerOptions ao;
-    ao.token = kToken;
     ao.service.max_upload_bytes = 64 << 20;
     ao.own_port = own_admin_port;
-    ao.host = "127.0.0.1";
-    auto admin = AdminServer::Create(ao, &o);
-    ASSERT_TRUE(admin.ok()) << admin.status();
-    admin_ = std::move(*admin);
-    server_ = std::make_unique<Server>(o);
-    ASSERT_TRUE(server_->Start().ok());
-    ASSERT_TRUE(admin_->Start(server_.get()).ok());
-    auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", server_->port()),
-                                       grpc::InsecureChannelCredentials());
-    inference_ = v1::Inference::NewStub(channel);
-    admin_stub_ = v1::Admin::NewStub(
-        own_admin_port ? grpc::CreateChannel(absl::StrCat("127.0.0.1:", admin_->port()),
-                                             grpc::InsecureChannelCredentials())
-                       : channel);
-  }
-
-  std::vector<v1::Job> ListJobs() {
-    grpc::ClientContext ctx;
-    Authorize(&ctx, kToken);
-    v1::ListJobsResponse resp;
-    grpc::Status s = admin_stub_->ListJobs(&ctx, v1::ListJobsRequest(), &resp);
-    EXPECT_TRUE(s.ok()) << s.error_message();
-    return {resp.jobs().begin(), resp.jobs().end()};
+    StartServer(o, ao);
   }
 
   // Entries under the repository's staging directory (uploads being received or processed).
@@ -156,12 +112,6 @@ class StalledUploadTest : public ::testing::Test {
     ExpectServing();
   }
 
-  TempDir repo_, src_;
-  std::map<std::string, std::string> files_;
-  std::unique_ptr<AdminServer> admin_;
-  std::unique_ptr<Server> server_;
-  std::unique_ptr<v1::Inference::Stub> inference_;
-  std::unique_ptr<v1::Admin::Stub> admin_stub_;
 };
 
 TEST_F(StalledUploadTest, UploadThatStopsSendingIsEndedAndItsStagingRemoved) {
