@@ -753,7 +753,6 @@ absl::Status CompressInto(Job& job, const v1::Job& spec, compress::CompressOptio
 absl::Status JobManager::Process(Work& work, repository::ModelRepository* repo) {
   Job& job = *work.job;
   const v1::Job spec = job.Snapshot(false);
-  const repository::ServableId id{spec.model_name(), spec.version()};
   bool compress = false;
   RETURN_IF_ERROR(ParseCompressionSpec(spec.compression(), &compress));
   auto cancelled = [&] { return Cancelled(job); };
@@ -812,8 +811,14 @@ absl::Status JobManager::Process(Work& work, repository::ModelRepository* repo) 
     job.committing_ = true;
   }
   memory.Begin("publish+load");
+  return PublishAndLoad(job, spec, publish_dir, repo);
+}
+
+absl::Status JobManager::PublishAndLoad(Job& job, const v1::Job& spec, const std::string& dir,
+                                        repository::ModelRepository* repo) {
+  const repository::ServableId id{spec.model_name(), spec.version()};
   absl::Status published;
-  RunAtServerPriority([&] { published = repo->Publish(publish_dir, id, spec.activate()); });
+  RunAtServerPriority([&] { published = repo->Publish(dir, id, spec.activate()); });
   if (!IsDir(util::JoinPath(util::JoinPath(repo->root(), id.model), absl::StrCat(id.version)))) {
     return published.ok() ? absl::InternalError("publish reported success but the version is missing")
                           : published;

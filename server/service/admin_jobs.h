@@ -181,6 +181,10 @@ class JobManager {
   void Run(Work work);
   // The pipeline after validation; returns how the job ended (OK: published).
   absl::Status Process(Work& work, repository::ModelRepository* repo);
+  // The last step: publishes `dir` as the job's version (one atomic rename into the repository, at
+  // the server's priority), records PUBLISHED, and with spec.activate() LOADED once it serves.
+  absl::Status PublishAndLoad(Job& job, const v1::Job& spec, const std::string& dir,
+                              repository::ModelRepository* repo);
   // Ends `job` with `status` (OK = succeeded, CANCELLED = cancelled, else failed): the final event,
   // metrics, staging removed, slot and version released. Only the first call has an effect.
   void Finish(const std::shared_ptr<Job>& job, const absl::Status& status);
