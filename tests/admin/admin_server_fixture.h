@@ -24,6 +24,7 @@
 #include "server/service/server.h"
 #include "tests/admin/admin_test_util.h"
 #include "tests/service/test_util.h"
+#include "tests/service/local_server_options.h"
 
 namespace collabserve::testing {
 
@@ -50,12 +51,7 @@ class AdminServerTest : public ::testing::Test {
   // The server's options for this test: the repository, 127.0.0.1 on a free port, no metrics, no
   // polling, a 5 s drain.
   service::ServerOptions LocalServerOptions() const {
-    service::ServerOptions o;
-    o.host = "127.0.0.1";
-    o.port = 0;
-    o.metrics_port = -1;
-    o.model_repository = repo_.path();
-    o.poll_interval = absl::ZeroDuration();
+    service::ServerOptions o = ::collabserve::testing::LocalServerOptions(repo_.path());
     o.drain_timeout = absl::Seconds(5);
     o.torch_version = "test";
     return o;

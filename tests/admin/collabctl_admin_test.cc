@@ -21,6 +21,7 @@
 #include "server/service/server.h"
 #include "server/util/files.h"
 #include "tests/service/test_util.h"
+#include "tests/service/local_server_options.h"
 
 ABSL_DECLARE_FLAG(std::string, dir);
 ABSL_DECLARE_FLAG(std::string, name);
@@ -40,12 +41,7 @@ using ::collabserve::testing::TempDir;
 
 // An in-process server on 127.0.0.1:<any port> for `repo`, without metrics or polling.
 service::ServerOptions ServerOptionsFor(const std::string& repo) {
-  service::ServerOptions o;
-  o.host = "127.0.0.1";
-  o.port = 0;
-  o.metrics_port = -1;
-  o.model_repository = repo;
-  o.poll_interval = absl::ZeroDuration();
+  service::ServerOptions o = testing::LocalServerOptions(repo);
   o.drain_timeout = absl::Seconds(5);
   return o;
 }

@@ -19,6 +19,7 @@
 #include "server/service/model_servable.h"
 #include "server/service/server.h"
 #include "tests/service/test_util.h"
+#include "tests/service/local_server_options.h"
 
 namespace collabserve::client {
 namespace {
@@ -55,12 +56,7 @@ class ClientRetryTest : public ::testing::Test {
   }
 
   void Start() {
-    service::ServerOptions o;
-    o.host = "127.0.0.1";
-    o.port = 0;
-    o.metrics_port = -1;
-    o.model_repository = repo_.path();
-    o.poll_interval = absl::ZeroDuration();
+    service::ServerOptions o = testing::LocalServerOptions(repo_.path());
     o.servable.batching.max_batch_size = 1;
     o.servable.batching.max_queue_size = 1;
     o.servable.batching.max_queue_delay_micros = 500;
@@ -186,12 +182,7 @@ TEST(ClientRetryDeadlineTest, BadRetryOptionsAreRejected) {
 TEST(BenchAgainstServerTest, EveryRequestIsAnsweredWithEitherApi) {
   TempDir repo;
   MakeTinyModel(repo.path() + "/tiny/1", 1);
-  service::ServerOptions o;
-  o.host = "127.0.0.1";
-  o.port = 0;
-  o.metrics_port = -1;
-  o.model_repository = repo.path();
-  o.poll_interval = absl::ZeroDuration();
+  service::ServerOptions o = testing::LocalServerOptions(repo.path());
   service::Server server(o);
   absl::Status s = server.Start();
   ASSERT_TRUE(s.ok()) << s;

@@ -25,6 +25,7 @@
 #include "server/service/server.h"
 #include "server/text/bert_tokenizer.h"
 #include "tests/service/test_util.h"
+#include "tests/service/local_server_options.h"
 
 namespace collabserve::service {
 namespace {
@@ -152,13 +153,9 @@ class KServeTest : public ::testing::Test {
   }
 
   ServerOptions Options() {
-    ServerOptions o;
-    o.host = "127.0.0.1";
-    o.port = 0;
+    ServerOptions o = testing::LocalServerOptions(repo_.path());
     o.metrics_host = "127.0.0.1";
     o.metrics_port = 0;
-    o.model_repository = repo_.path();
-    o.poll_interval = absl::ZeroDuration();
     o.versions_to_keep = 2;
     o.drain_timeout = absl::Seconds(20);
     o.servable.batching.max_queue_delay_micros = 500;

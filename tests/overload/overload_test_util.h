@@ -24,6 +24,7 @@
 #include "server/service/server.h"
 #include "server/util/process_memory.h"
 #include "tests/service/test_util.h"
+#include "tests/service/local_server_options.h"
 
 namespace collabserve::testing {
 
@@ -59,12 +60,7 @@ class OverloadServer {
   }
 
   service::ServerOptions Options() {
-    service::ServerOptions o;
-    o.host = "127.0.0.1";
-    o.port = 0;
-    o.metrics_port = -1;
-    o.model_repository = repo_.path();
-    o.poll_interval = absl::ZeroDuration();
+    service::ServerOptions o = testing::LocalServerOptions(repo_.path());
     o.drain_timeout = absl::Seconds(10);
     o.servable.batching.max_queue_delay_micros = 500;
     o.servable.before_batch_hook = [this] { gate_.Pass(); };
