@@ -53,13 +53,17 @@ bool UsePacking(const c10::Device& device, c10::ScalarType dtype) {
          (mode == GemmMode::kHybrid || mode == GemmMode::kPacked);
 }
 
+namespace {
+
 // Columns per block when the sgemm runs on a weight kept only packed: the block is unpacked into
 // a per-thread buffer (K × 512 floats, 1.5-6 MB for BERT-base) right before its product, which
 // reads it from cache. Wide enough that re-reading x once per block costs little next to the
 // product itself.
 constexpr int64_t kUnpackColumns = 512;
 
-// One sgemm call (on its own threads, or single-threaded inside a ThreadTeam run) per block.
+// out[:, n0:n1] += x[rows, K] · w[n0:n1, :]^T on the sgemm (one call on its own threads, or
+// single-threaded inside a ThreadTeam run): on the plain weight when the model has it, else on
+// blocks of columns unpacked from the packed copy. n0 a multiple of PackedWeight::kPanel.
 void SgemmAccumulate(SgemmFn sgemm, const float* x, int64_t ldx, int64_t rows, const DenseWeight& w,
                      float* out, int64_t ldo, int64_t n0, int64_t n1) {
   if (n1 <= n0 || rows == 0) return;
@@ -85,8 +89,6 @@ void SgemmAccumulate(SgemmFn sgemm, const float* x, int64_t ldx, int64_t rows, c
   }
 }
 
-namespace {
-
 // out[T, N] += x[T, K] · w[N, K]^T, in place (out holds the bias, or bias + residual).
 void GemmAccumulate(at::Tensor& out, const at::Tensor& x, const DenseWeight& w) {
   SgemmFn sgemm = FindSgemm();
@@ -103,11 +105,10 @@ void GemmAccumulate(at::Tensor& out, const at::Tensor& x, const DenseWeight& w) 
 
 }  // namespace
 
-bool UsePackedLinear(const PackedWeight* packed, int64_t rows) {
-  return packed != nullptr &&
+bool UsePackedLinear(const DenseWeight& w, int64_t rows) {
+  return w.packed != nullptr &&
          (ChosenGemmMode() == GemmMode::kPacked || rows <= kPackedMaxRows || FindSgemm() == nullptr);
 }
-bool UsePackedLinear(const DenseWeight& w, int64_t rows) { return UsePackedLinear(w.packed.get(), rows); }
 
 at::Tensor Dense(const at::Tensor& x, const DenseWeight& w, const at::Tensor& b,
                  const at::Tensor& residual) {

@@ -26,14 +26,8 @@ SgemmFn FindSgemm();
 // Whether Prepare packs the dense weights for PackedLinear on this device and dtype.
 bool UsePacking(const c10::Device& device, c10::ScalarType dtype);
 
-// Whether a product of `rows` rows with this packed weight (null: none) runs on PackedLinear.
-bool UsePackedLinear(const PackedWeight* packed, int64_t rows);
+// Whether a product of `rows` rows with w runs on PackedLinear (w has its packed form).
 bool UsePackedLinear(const DenseWeight& w, int64_t rows);
-
-// out[:, n0:n1] += x[rows, K] · w[n0:n1, :]^T on the sgemm: on the plain weight when the model has
-// it, else on blocks of columns unpacked from the packed copy. n0 a multiple of PackedWeight::kPanel.
-void SgemmAccumulate(SgemmFn sgemm, const float* x, int64_t ldx, int64_t rows, const DenseWeight& w,
-                     float* out, int64_t ldo, int64_t n0, int64_t n1);
 
 // x[T, K] · w[N, K]^T + b (+ residual[T, N]): PackedLinear when it applies, else one pre-filled
 // output and one accumulating GEMM (the sgemm, or ATen's addmm).

@@ -48,10 +48,9 @@ class AdminServerTest : public ::testing::Test {
     if (server_) server_->Shutdown();
   }
 
-  // The server's options for this test: the repository, 127.0.0.1 on a free port, no metrics, no
-  // polling, a 5 s drain.
-  service::ServerOptions LocalServerOptions() const {
-    service::ServerOptions o = ::collabserve::testing::LocalServerOptions(repo_.path());
+  // The server's options for this test: LocalServerOptions of the repository, a 5 s drain.
+  service::ServerOptions Options() const {
+    service::ServerOptions o = LocalServerOptions(repo_.path());
     o.drain_timeout = absl::Seconds(5);
     o.torch_version = "test";
     return o;

@@ -65,7 +65,7 @@ class AdminServiceTest : public testing::AdminServerTest {
   AdminServiceTest() : AdminServerTest(kToken, /*upload_seed=*/7) {}
 
   void Start(AdminServerOptions ao = {}) {
-    ServerOptions o = LocalServerOptions();
+    ServerOptions o = Options();
     o.servable.batching.max_queue_delay_micros = 200;
     if (ao.service.max_upload_bytes == (int64_t{2} << 30)) ao.service.max_upload_bytes = 64 << 20;
     StartServer(o, ao);

@@ -44,6 +44,18 @@ class EngineTest : public ::testing::Test {
     o.label_names = {"neg", "pos", "mixed"};
     ASSERT_TRUE(MakeCheckpoint(dir_.path(), o).ok());
   }
+  // The checkpoint loaded as served (packed where this CPU uses PackedLinear) and with its plain
+  // weights (pack_weights = false).
+  void LoadServedAndPlain(std::unique_ptr<Engine>* served, std::unique_ptr<Engine>* plain) {
+    EngineOptions unpacked;
+    unpacked.pack_weights = false;
+    auto a = Engine::Load(dir_.path());
+    auto b = Engine::Load(dir_.path(), unpacked);
+    ASSERT_TRUE(a.ok()) << a.status();
+    ASSERT_TRUE(b.ok()) << b.status();
+    *served = std::move(*a);
+    *plain = std::move(*b);
+  }
   // Rewrites model.safetensors through `edit` (name → tensor map of float32 tensors).
   void EditWeights(const std::function<void(std::map<std::string, at::Tensor>&)>& edit) {
     auto ckpt = io::ReadCheckpointFile(dir_ / "model.safetensors");
@@ -96,20 +108,16 @@ TEST_F(EngineTest, PredictionsAreDistributions) {
 // Whether the dense weights are packed for PackedLinear (where this CPU uses it) is a memory / speed
 // trade only: the logits are the same.
 TEST_F(EngineTest, UnpackedWeightsGiveTheSameLogits) {
-  EngineOptions unpacked;
-  unpacked.pack_weights = false;
-  auto a = Engine::Load(dir_.path());
-  auto b = Engine::Load(dir_.path(), unpacked);
-  ASSERT_TRUE(a.ok()) << a.status();
-  ASSERT_TRUE(b.ok()) << b.status();
+  std::unique_ptr<Engine> a, b;
+  ASSERT_NO_FATAL_FAILURE(LoadServedAndPlain(&a, &b));
   std::vector<TokenizedInput> inputs;
   for (const char* text : {"hello world", "a somewhat longer sentence about the weather today"}) {
-    auto e = (*a)->tokenizer().Encode(text, std::nullopt, 0, true);
+    auto e = a->tokenizer().Encode(text, std::nullopt, 0, true);
     ASSERT_TRUE(e.ok());
     inputs.push_back({e->input_ids, e->token_type_ids});
   }
-  auto pa = (*a)->Run(inputs);
-  auto pb = (*b)->Run(inputs);
+  auto pa = a->Run(inputs);
+  auto pb = b->Run(inputs);
   ASSERT_TRUE(pa.ok() && pb.ok());
   for (size_t i = 0; i < inputs.size(); ++i) {
     ASSERT_EQ((*pa)[i].logits.size(), (*pb)[i].logits.size());
@@ -124,19 +132,15 @@ TEST_F(EngineTest, UnpackedWeightsGiveTheSameLogits) {
 // the released tensors says so by name instead of reading empty ones. Unpacked, the query, key and
 // value parameters are views of the fused projection, not copies.
 TEST_F(EngineTest, WeightsAreHeldOnce) {
-  EngineOptions unpacked;
-  unpacked.pack_weights = false;
-  auto served = Engine::Load(dir_.path());
-  auto plain = Engine::Load(dir_.path(), unpacked);
-  ASSERT_TRUE(served.ok()) << served.status();
-  ASSERT_TRUE(plain.ok()) << plain.status();
-  const ParamCounts& a = (*served)->info().params;
-  const ParamCounts& b = (*plain)->info().params;
+  std::unique_ptr<Engine> served, plain;
+  ASSERT_NO_FATAL_FAILURE(LoadServedAndPlain(&served, &plain));
+  const ParamCounts& a = served->info().params;
+  const ParamCounts& b = plain->info().params;
   EXPECT_EQ(a.total, b.total);
   EXPECT_EQ(a.attention_qk, b.attention_qk);
   EXPECT_EQ(a.ffn, b.ffn);
-  EXPECT_EQ(b.total, CountParams((*plain)->classifier()).total);
-  const BertClassifier& m = (*plain)->classifier();
+  EXPECT_EQ(b.total, CountParams(plain->classifier()).total);
+  const BertClassifier& m = plain->classifier();
   EXPECT_FALSE(m.weights_released());
   for (const EncoderLayer& l : m.layers()) {
     ASSERT_TRUE(l.fused.plain.defined());
@@ -144,7 +148,7 @@ TEST_F(EngineTest, WeightsAreHeldOnce) {
       EXPECT_TRUE(t->storage().is_alias_of(l.fused.plain.storage()));
     }
   }
-  const BertClassifier& s = (*served)->classifier();
+  const BertClassifier& s = served->classifier();
   if (!s.weights_released()) GTEST_SKIP() << "this CPU does not pack (no AVX-512F)";
   for (const EncoderLayer& l : s.layers()) {
     EXPECT_FALSE(l.fused.plain.defined());

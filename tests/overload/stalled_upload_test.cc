@@ -40,7 +40,7 @@ class StalledUploadTest : public testing::AdminServerTest {
 
   // own_admin_port: the Admin service on its own port (--admin_port) instead of the inference one.
   void Start(absl::Duration upload_idle_timeout, bool own_admin_port = false) {
-    ServerOptions o = LocalServerOptions();
+    ServerOptions o = Options();
     o.upload_idle_timeout = upload_idle_timeout;
     AdminServerOptions ao;
     ao.service.max_upload_bytes = 64 << 20;
