@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "server/model/kernels.h"
@@ -11,18 +12,60 @@
 namespace collabserve::model::internal {
 namespace {
 
-// Up to this many positions a head's attention runs on SmallAttention (registers only) instead
-// of two sgemm calls and an ATen softmax, whose fixed costs dominate short sequences. Default
-// kSmallAttentionMaxS; COLLABSERVE_SMALL_ATTENTION_MAX_S=N lowers it (0: off; A/B measurements).
+// Up to this many positions a head's attention keeps its scores in registers (kernels.h:
+// Attention) instead of forming them on the micro-kernel. Default kSmallAttentionDefaultMaxS;
+// COLLABSERVE_SMALL_ATTENTION_MAX_S=N lowers it (0: off; A/B measurements).
 int64_t SmallAttentionMaxS() {
-  static const int64_t s = util::EnvInt64("COLLABSERVE_SMALL_ATTENTION_MAX_S", kSmallAttentionMaxS);
+  static const int64_t s = util::EnvInt64("COLLABSERVE_SMALL_ATTENTION_MAX_S", kSmallAttentionDefaultMaxS);
   return s;
+}
+
+// Whether attention runs on the AVX-512 kernel (kernels.h: Attention) rather than on the sgemm
+// and ATen's softmax: wherever AVX-512F is, unless COLLABSERVE_ATTENTION=sgemm pins the sgemm
+// (A/B measurements, and the tests of the path CPUs without AVX-512 take).
+bool UseAttentionKernel() {
+  static const bool use = PackedLinearSupported() && util::EnvString("COLLABSERVE_ATTENTION") != "sgemm";
+  return use;
+}
+
+// One head on the sgemm: the [Sq, S] scores (a collaborative head's mixing applied to a copy of
+// its queries), the key terms added, ATen's softmax, the context. work: S·S + S·width floats.
+void SgemmHead(SgemmFn sgemm, const float* q, const float* k, const float* v, const AttentionLayout& L,
+               const float* mix, const float* key_add, int64_t S, int64_t Sq, float* out, int64_t D,
+               at::Tensor& scratch, int64_t work_offset) {
+  const int64_t ld = L.ld, width = L.width;
+  float* sc = scratch.data_ptr<float>() + work_offset;
+  float* mixed = sc + S * S;
+  const float* qa = q;
+  int64_t lda = ld;
+  if (mix != nullptr) {
+    for (int64_t i = 0; i < Sq; ++i) {
+      const float* src = q + i * ld;
+      float* dst = mixed + i * width;
+      for (int64_t d = 0; d < width; ++d) dst[d] = src[d] * mix[d];
+    }
+    qa = mixed;
+    lda = width;
+  }
+  at::Tensor sq = scratch.narrow(0, work_offset, Sq * S).view({Sq, S});
+  int st = sgemm('N', 'T', Sq, S, width, L.scale, qa, lda, k, ld, 0.0f, sc, S);
+  TORCH_CHECK(st == 0, "dnnl_sgemm (attention scores) failed with status ", st);
+  if (key_add != nullptr) {
+    for (int64_t r = 0; r < Sq; ++r) {
+      float* row = sc + r * S;
+      for (int64_t j = 0; j < S; ++j) row[j] += key_add[j];
+    }
+  }
+  at::_softmax_out(sq, sq, -1, false);
+  st = sgemm('N', 'N', Sq, L.dk, S, 1.0f, sc, S, v, ld, 0.0f, out, D);
+  TORCH_CHECK(st == 0, "dnnl_sgemm (attention context) failed with status ", st);
 }
 
 }  // namespace
 
-at::Tensor AttentionScratch(int64_t S, int64_t width, const at::TensorOptions& options) {
-  return at::empty({S * S + S * width + S}, options);
+at::Tensor AttentionScratch(int64_t S, int64_t width, int64_t dk, const at::TensorOptions& options) {
+  const int64_t work = std::max(AttentionWorkSize(S, S, width, dk), S * S + S * width);
+  return at::empty({S + PackedKeysSize(S, width) + PackedRowsSize(S, width) + work}, options);
 }
 
 AttentionLayout LayoutOf(const EncoderLayer& l, int64_t H, int64_t dk) {
@@ -53,64 +96,66 @@ AttentionLayout LayoutOf(const EncoderLayer& l, int64_t H, int64_t dk) {
   return a;
 }
 
-void AttendOneHead(SgemmFn sgemm, const float* p, const AttentionLayout& L, const float* mask,
-                   int64_t b, int64_t h, int64_t S, int64_t Sq, int64_t D, at::Tensor& scratch,
-                   float* ctx) {
+void AttendHeads(SgemmFn sgemm, const float* p, const AttentionLayout& L, const float* mask,
+                 int64_t b, int64_t h0, int64_t h1, int64_t S, int64_t Sq, int64_t D,
+                 at::Tensor& scratch, float* ctx) {
+  if (h1 <= h0) return;
   const int64_t ld = L.ld, dk = L.dk, width = L.width;
   const float* row0 = p + b * S * ld;
-  const float* q = row0 + L.q0 + h * L.head_step;
-  const float* k = row0 + L.k0 + h * L.head_step;
-  const float* v = row0 + L.v0 + h * dk;
-  float* out = ctx + b * Sq * D + h * dk;
   const float* m = mask != nullptr ? mask + b * S : nullptr;
-  float* sc = scratch.data_ptr<float>();
-  float* mixed = sc + S * S;
-  float* add = mixed + S * width;
-  // The additive term of each key: the padding mask, plus the head's content score.
-  const float* key_add = m;
-  if (L.content0 >= 0) {
-    const float* c = row0 + L.content0 + h;
-    for (int64_t j = 0; j < S; ++j) add[j] = c[j * ld] + (m != nullptr ? m[j] : 0.0f);
-    key_add = add;
-  }
-  const float* mix = L.mixing != nullptr ? L.mixing + h * width : nullptr;
-  if (S <= SmallAttentionMaxS() && SmallAttentionSupported(S, dk)) {
+  float* add = scratch.data_ptr<float>();
+  float* keys = add + S;
+  float* queries = keys + PackedKeysSize(S, width);
+  const int64_t work_offset = S + PackedKeysSize(S, width) + PackedRowsSize(S, width);
+  float* work = add + work_offset;
+  const bool kernel = UseAttentionKernel();
+  // A collaborative layer's heads share their keys and queries (head_step 0): packed once for all
+  // of them (the queries where the kernel's micro-kernel form reads them packed).
+  const bool shared = L.head_step == 0;
+  const bool shared_queries = kernel && shared && !AttentionInRegisters(S, dk, SmallAttentionMaxS());
+  if (kernel && shared) PackKeys(row0 + L.k0, ld, S, width, keys);
+  if (shared_queries) PackRows(row0 + L.q0, ld, 0, Sq, 0, width, width, queries);
+  for (int64_t h = h0; h < h1; ++h) {
+    const float* q = row0 + L.q0 + h * L.head_step;
+    const float* k = row0 + L.k0 + h * L.head_step;
+    const float* v = row0 + L.v0 + h * dk;
+    float* out = ctx + b * Sq * D + h * dk;
+    // The additive term of each key: the padding mask, plus the head's content score.
+    const float* key_add = m;
+    if (L.content0 >= 0) {
+      const float* c = row0 + L.content0 + h;
+      for (int64_t j = 0; j < S; ++j) add[j] = c[j * ld] + (m != nullptr ? m[j] : 0.0f);
+      key_add = add;
+    }
+    const float* mix = L.mixing != nullptr ? L.mixing + h * width : nullptr;
+    if (!kernel) {
+      SgemmHead(sgemm, q, k, v, L, mix, key_add, S, Sq, out, D, scratch, work_offset);
+      continue;
+    }
+    if (!shared) PackKeys(k, ld, S, width, keys);
     AttentionHead a;
     a.q = q;
-    a.k = k;
+    a.keys = keys;
     a.v = v;
-    a.ldq = a.ldk = a.ldv = ld;
+    a.ldq = a.ldv = ld;
     a.width = width;
     a.dv = dk;
-    a.key_factor = mix;
+    a.query_factor = mix;
     a.scale = L.scale;
     a.key_add = key_add;
-    SmallAttention(a, S, Sq, out, D);
-    return;
+    a.packed_q = shared_queries ? queries : nullptr;
+    Attention(a, S, Sq, out, D, work, SmallAttentionMaxS());
   }
-  const float* qa = q;
-  int64_t lda = ld;
-  if (mix != nullptr) {
-    for (int64_t i = 0; i < Sq; ++i) {
-      const float* src = q + i * ld;
-      float* dst = mixed + i * width;
-      for (int64_t d = 0; d < width; ++d) dst[d] = src[d] * mix[d];
-    }
-    qa = mixed;
-    lda = width;
+}
+
+void AttendUnits(SgemmFn sgemm, const float* p, const AttentionLayout& L, const float* mask,
+                 int64_t u0, int64_t u1, int64_t H, int64_t S, int64_t Sq, int64_t D,
+                 at::Tensor& scratch, float* ctx) {
+  for (int64_t u = u0; u < u1;) {
+    const int64_t b = u / H, h0 = u % H, h1 = std::min(H, h0 + (u1 - u));
+    AttendHeads(sgemm, p, L, mask, b, h0, h1, S, Sq, D, scratch, ctx);
+    u += h1 - h0;
   }
-  at::Tensor sq = scratch.narrow(0, 0, Sq * S).view({Sq, S});
-  int st = sgemm('N', 'T', Sq, S, width, L.scale, qa, lda, k, ld, 0.0f, sc, S);
-  TORCH_CHECK(st == 0, "dnnl_sgemm (attention scores) failed with status ", st);
-  if (key_add != nullptr) {
-    for (int64_t r = 0; r < Sq; ++r) {
-      float* row = sc + r * S;
-      for (int64_t j = 0; j < S; ++j) row[j] += key_add[j];
-    }
-  }
-  at::_softmax_out(sq, sq, -1, false);
-  st = sgemm('N', 'N', Sq, dk, S, 1.0f, sc, S, v, ld, 0.0f, out, D);
-  TORCH_CHECK(st == 0, "dnnl_sgemm (attention context) failed with status ", st);
 }
 
 at::Tensor FusedAttention(SgemmFn sgemm, const at::Tensor& proj, const AttentionLayout& L,
@@ -124,10 +169,8 @@ at::Tensor FusedAttention(SgemmFn sgemm, const at::Tensor& proj, const Attention
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
     // OpenMP workers do not inherit the caller's InferenceMode (thread-local).
     c10::InferenceMode guard(inference);
-    at::Tensor scratch = AttentionScratch(S, L.width, proj.options());
-    for (int64_t i = begin; i < end; ++i) {
-      AttendOneHead(sgemm, p, L, mask, i / H, i % H, S, Sq, D, scratch, c);
-    }
+    at::Tensor scratch = AttentionScratch(S, L.width, L.dk, proj.options());
+    AttendUnits(sgemm, p, L, mask, begin, end, H, S, Sq, D, scratch, c);
   });
   return ctx;
 }
@@ -176,11 +219,7 @@ void ProjectAndAttendHeads(SgemmFn sgemm, const float* x, const float* x_packed,
       DenseColumns(sgemm, x, D, T, w, packed, bias, nullptr, 0, proj, 3 * D, n0, n1);
     }
   }
-  for (int64_t h = h0; h < h1; ++h) {
-    for (int64_t b = 0; b < B; ++b) {
-      AttendOneHead(sgemm, proj, L, mask, b, h, S, Sq, D, scratch, ctx);
-    }
-  }
+  for (int64_t b = 0; b < B; ++b) AttendHeads(sgemm, proj, L, mask, b, h0, h1, S, Sq, D, scratch, ctx);
 }
 
 at::Tensor ProjectAndAttend(SgemmFn sgemm, const at::Tensor& x, const EncoderLayer& l,
@@ -193,7 +232,7 @@ at::Tensor ProjectAndAttend(SgemmFn sgemm, const at::Tensor& x, const EncoderLay
   const bool inference = c10::InferenceMode::is_enabled();
   at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
     c10::InferenceMode guard(inference);  // not inherited by OpenMP workers
-    at::Tensor scratch = AttentionScratch(S, L.width, x.options());
+    at::Tensor scratch = AttentionScratch(S, L.width, L.dk, x.options());
     ProjectAndAttendHeads(sgemm, x.data_ptr<float>(), nullptr, l.fused, /*packed=*/true,
                           l.fused_b.data_ptr<float>(), L, mask, B, S, Sq, D, h0, h1, scratch,
                           proj.data_ptr<float>(), ctx.data_ptr<float>());

@@ -1,7 +1,7 @@
-// Self-attention on the CPU float32 kernels (SmallAttention, oneDNN's sgemm) for standard and
-// collaborative layers alike, and with ATen ops for every other device and dtype. Internal to the
-// engine (server/model): the per-operation path (BertClassifier::Layer, bert.cc) and the ThreadTeam
-// path (encoder_team.cc) run the same per-head kernel, AttendOneHead.
+// Self-attention on the CPU float32 kernels (kernels.h's Attention, or oneDNN's sgemm without
+// AVX-512) for standard and collaborative layers alike, and with ATen ops for every other device
+// and dtype. Internal to the engine (server/model): the per-operation path (BertClassifier::Layer,
+// bert.cc) and the ThreadTeam path (encoder_team.cc) run the same per-sequence code, AttendHeads.
 #ifndef COLLABSERVE_SERVER_MODEL_ATTENTION_OPS_H_
 #define COLLABSERVE_SERVER_MODEL_ATTENTION_OPS_H_
 
@@ -29,27 +29,35 @@ struct AttentionLayout {
   float scale = 1.0f;
 };
 
-// Scratch for AttendOneHead with S positions and scores `width` wide: the [S, S] scores, the mixed
-// queries [S, width] and S key terms. Allocated per parallel region (not kept per thread), so a
-// served model holds nothing between calls.
-at::Tensor AttentionScratch(int64_t S, int64_t width, const at::TensorOptions& options);
+// Scratch for AttendHeads with S positions, scores `width` wide and dk-wide values: the key
+// terms, the packed keys and the attention kernel's work space (or the sgemm path's [S, S] scores
+// and mixed queries). Allocated per parallel region (not kept per thread), so a served model holds
+// nothing between calls.
+at::Tensor AttentionScratch(int64_t S, int64_t width, int64_t dk, const at::TensorOptions& options);
 
 // The layout of layer l's attention, H heads of d_k (its mixing pointer only for CPU float32).
 AttentionLayout LayoutOf(const EncoderLayer& l, int64_t H, int64_t dk);
 
-// One (sequence b, head h) of self-attention for the queries at the first Sq positions (Sq = S,
-// or 1 for [CLS] alone): q, k and v read in place from the projection p (rows of L.ld floats;
+// Heads [h0, h1) of sequence b of self-attention for the queries at the first Sq positions (Sq =
+// S, or 1 for [CLS] alone): q, k and v read in place from the projection p (rows of L.ld floats;
 // only the first Sq rows of a sequence's queries are read), the context written into its slot of
-// ctx [B·Sq, D]. Short sequences run on SmallAttention; longer ones compute the [Sq, S] scores
-// with the sgemm (cache-resident through mask and softmax), a collaborative head's mixing applied
-// to a copy of its queries as it is formed (never a [B, H, S, R] tensor). scratch:
-// AttentionScratch(S, L.width) or larger. Runs on the calling thread (inside a parallel region the
-// sgemm and softmax do).
-void AttendOneHead(SgemmFn sgemm, const float* p, const AttentionLayout& L, const float* mask,
-                   int64_t b, int64_t h, int64_t S, int64_t Sq, int64_t D, at::Tensor& scratch,
-                   float* ctx);
+// ctx [B·Sq, D]. With AVX-512 on the attention kernel (kernels.h: Attention), the keys packed once
+// for all the heads of a collaborative layer (they share them) and once per head of a standard
+// one; else (or under COLLABSERVE_ATTENTION=sgemm) the [Sq, S] scores on the sgemm, the mixing of a
+// collaborative head applied to a copy of its queries, and ATen's softmax. Never a [B, H, S, R]
+// tensor. scratch: AttentionScratch(S, L.width, L.dk) or larger. Runs on the calling thread
+// (inside a parallel region the sgemm and softmax do).
+void AttendHeads(SgemmFn sgemm, const float* p, const AttentionLayout& L, const float* mask,
+                 int64_t b, int64_t h0, int64_t h1, int64_t S, int64_t Sq, int64_t D,
+                 at::Tensor& scratch, float* ctx);
 
-// Self-attention for one layer, fused per (sequence, head) (AttendOneHead) and split over threads
+// AttendHeads for the units [u0, u1) of B·H, unit u = (sequence u / H, head u % H): a share of a
+// layer's (sequence, head) pairs, each sequence's heads together.
+void AttendUnits(SgemmFn sgemm, const float* p, const AttentionLayout& L, const float* mask,
+                 int64_t u0, int64_t u1, int64_t H, int64_t S, int64_t Sq, int64_t D,
+                 at::Tensor& scratch, float* ctx);
+
+// Self-attention for one layer, fused per (sequence, head) (AttendHeads) and split over threads
 // by (sequence, head); proj [B·S, L.ld] -> ctx [B·Sq, D] (the queries at the first Sq positions of
 // each sequence). Needs the sgemm.
 at::Tensor FusedAttention(SgemmFn sgemm, const at::Tensor& proj, const AttentionLayout& L,
@@ -70,7 +78,7 @@ at::Tensor Project(SgemmFn sgemm, const EncoderLayer& l, const AttentionLayout& 
 // every row; queries for every row when Sq = S, or with Sq = 1 (the [CLS] queries alone) for x's
 // rows b·S only, a matrix of B rows with leading dimension S·D, into proj's rows b·S. x: [B·S, D];
 // x_packed: the same rows already packed (PackRows) for PackedLinearColumnsPacked, or null;
-// packed: run on w's packed form (else the sgemm); scratch: AttentionScratch(S, L.width).
+// packed: run on w's packed form (else the sgemm); scratch: AttentionScratch(S, L.width, L.dk).
 void ProjectAndAttendHeads(SgemmFn sgemm, const float* x, const float* x_packed,
                            const DenseWeight& w, bool packed, const float* bias,
                            const AttentionLayout& L, const float* mask, int64_t B, int64_t S,

@@ -18,7 +18,8 @@
 
 namespace collabserve::model {
 
-using internal::AttendOneHead;
+using internal::AttendHeads;
+using internal::AttendUnits;
 using internal::AttentionLayout;
 using internal::AttentionScratch;
 using internal::ContentScores;
@@ -121,7 +122,7 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add, boo
   }
   const bool ran = ThreadTeam::Shared().TryRun(n, [&](int t, int n) {
     ThreadTeam& team = ThreadTeam::Shared();
-    at::Tensor scores = AttentionScratch(S, width, cur.options());
+    at::Tensor scores = AttentionScratch(S, width, dk, cur.options());
     at::Tensor x = cur, y = next;  // this layer's input and output (swapped after each layer)
     if (prepacked) {
       const std::pair<int64_t, int64_t> rows = share(T, kPackedRowTile, t, n);
@@ -156,11 +157,9 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add, boo
             ContentScores(sgemm, l, La, xp, D, q0, q1, proj.data_ptr<float>());
           });
           team.Step([&] {
-            for (int64_t hh = h0; hh < h1; ++hh) {
-              for (int64_t b = 0; b < B; ++b) {
-                AttendOneHead(sgemm, proj.data_ptr<float>(), La, mask, b, hh, S, Sq, D, scores,
-                              ctx.data_ptr<float>());
-              }
+            for (int64_t b = 0; b < B; ++b) {
+              AttendHeads(sgemm, proj.data_ptr<float>(), La, mask, b, h0, h1, S, Sq, D, scores,
+                          ctx.data_ptr<float>());
             }
             PackRows(ctx.data_ptr<float>(), D, 0, Tq, h0 * dk, h1 * dk, D, ck);
           });
@@ -235,10 +234,8 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add, boo
         });
         team.Step([&] {
           const auto [u0, u1] = share(B * H, 1, t, n);
-          for (int64_t u = u0; u < u1; ++u) {
-            AttendOneHead(sgemm, proj.data_ptr<float>(), La, mask, u / H, u % H, S, Sq, D, scores,
-                          ctx.data_ptr<float>());
-          }
+          AttendUnits(sgemm, proj.data_ptr<float>(), La, mask, u0, u1, H, S, Sq, D, scores,
+                      ctx.data_ptr<float>());
         });
       } else if (!fused_packed && split_rows) {
         team.Step([&] {
@@ -263,10 +260,8 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add, boo
         });
         team.Step([&] {
           const auto [u0, u1] = share(B * H, 1, t, n);
-          for (int64_t u = u0; u < u1; ++u) {
-            AttendOneHead(sgemm, proj.data_ptr<float>(), La, mask, u / H, u % H, S, Sq, D, scores,
-                          ctx.data_ptr<float>());
-          }
+          AttendUnits(sgemm, proj.data_ptr<float>(), La, mask, u0, u1, H, S, Sq, D, scores,
+                      ctx.data_ptr<float>());
         });
       } else {
         team.Step([&] {

@@ -131,29 +131,34 @@ constexpr int64_t kRowSplitMinRows = 256;
 
 static_assert(kMr == kPackedRowTile, "the packed-rows layout is the micro-kernel's");
 
-// The packed-rows layout (kernels.h): rows [r0, r1) × columns [k0, k1) of x into dst (K columns).
+// The packed-rows layout (kernels.h) with tiles of TW rows: rows [r0, r1) × columns [k0, k1) of x
+// into dst (K columns); row r, column k at dst[(r / TW) · K · TW + k · TW + r % TW]. TW = kMr: the
+// micro-kernel's rows; TW = kPanel: keys in panels (PackKeys).
+template <int64_t TW>
 void PackRowsScalar(const float* x, int64_t ldx, int64_t r0, int64_t r1, int64_t k0, int64_t k1,
                     int64_t K, float* dst) {
   for (int64_t r = r0; r < r1; ++r) {
     const float* src = x + r * ldx;
-    float* d = dst + (r / kMr) * K * kMr + r % kMr;
-    for (int64_t k = k0; k < k1; ++k) d[k * kMr] = src[k];
+    float* d = dst + (r / TW) * K * TW + r % TW;
+    for (int64_t k = k0; k < k1; ++k) d[k * TW] = src[k];
   }
 }
 
-// The same; whole tiles of 8 rows go through 8 × 8 transposes in ymm registers (one load per row,
-// one contiguous 256-byte store), the rest element by element.
+// The same; whole groups of 8 rows go through 8 × 8 transposes in ymm registers (one load per
+// row, eight 32-byte stores), the rest element by element.
+template <int64_t TW>
 COLLABSERVE_AVX512 void PackRowsAvx512(const float* x, int64_t ldx, int64_t r0, int64_t r1,
                                        int64_t k0, int64_t k1, int64_t K, float* dst) {
+  static_assert(TW % 8 == 0, "groups of 8 rows");
   int64_t r = r0;
-  if (r % kMr != 0) {
-    const int64_t head = std::min(r1, (r / kMr + 1) * kMr);
-    PackRowsScalar(x, ldx, r, head, k0, k1, K, dst);
+  if (r % 8 != 0) {
+    const int64_t head = std::min(r1, (r / 8 + 1) * 8);
+    PackRowsScalar<TW>(x, ldx, r, head, k0, k1, K, dst);
     r = head;
   }
-  for (; r + kMr <= r1; r += kMr) {
+  for (; r + 8 <= r1; r += 8) {
     const float* s = x + r * ldx;
-    float* d = dst + (r / kMr) * K * kMr;
+    float* d = dst + (r / TW) * K * TW + r % TW;
     int64_t k = k0;
     for (; k + 8 <= k1; k += 8) {
       const __m256 a0 = _mm256_loadu_ps(s + k), a1 = _mm256_loadu_ps(s + ldx + k);
@@ -172,19 +177,19 @@ COLLABSERVE_AVX512 void PackRowsAvx512(const float* x, int64_t ldx, int64_t r0, 
       const __m256 u5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
       const __m256 u6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
       const __m256 u7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
-      float* o = d + k * kMr;
-      _mm256_storeu_ps(o + 0 * kMr, _mm256_permute2f128_ps(u0, u4, 0x20));
-      _mm256_storeu_ps(o + 1 * kMr, _mm256_permute2f128_ps(u1, u5, 0x20));
-      _mm256_storeu_ps(o + 2 * kMr, _mm256_permute2f128_ps(u2, u6, 0x20));
-      _mm256_storeu_ps(o + 3 * kMr, _mm256_permute2f128_ps(u3, u7, 0x20));
-      _mm256_storeu_ps(o + 4 * kMr, _mm256_permute2f128_ps(u0, u4, 0x31));
-      _mm256_storeu_ps(o + 5 * kMr, _mm256_permute2f128_ps(u1, u5, 0x31));
-      _mm256_storeu_ps(o + 6 * kMr, _mm256_permute2f128_ps(u2, u6, 0x31));
-      _mm256_storeu_ps(o + 7 * kMr, _mm256_permute2f128_ps(u3, u7, 0x31));
+      float* o = d + k * TW;
+      _mm256_storeu_ps(o + 0 * TW, _mm256_permute2f128_ps(u0, u4, 0x20));
+      _mm256_storeu_ps(o + 1 * TW, _mm256_permute2f128_ps(u1, u5, 0x20));
+      _mm256_storeu_ps(o + 2 * TW, _mm256_permute2f128_ps(u2, u6, 0x20));
+      _mm256_storeu_ps(o + 3 * TW, _mm256_permute2f128_ps(u3, u7, 0x20));
+      _mm256_storeu_ps(o + 4 * TW, _mm256_permute2f128_ps(u0, u4, 0x31));
+      _mm256_storeu_ps(o + 5 * TW, _mm256_permute2f128_ps(u1, u5, 0x31));
+      _mm256_storeu_ps(o + 6 * TW, _mm256_permute2f128_ps(u2, u6, 0x31));
+      _mm256_storeu_ps(o + 7 * TW, _mm256_permute2f128_ps(u3, u7, 0x31));
     }
-    if (k < k1) PackRowsScalar(x, ldx, r, r + kMr, k, k1, K, dst);
+    if (k < k1) PackRowsScalar<TW>(x, ldx, r, r + 8, k, k1, K, dst);
   }
-  if (r < r1) PackRowsScalar(x, ldx, r, r1, k0, k1, K, dst);
+  if (r < r1) PackRowsScalar<TW>(x, ldx, r, r1, k0, k1, K, dst);
 }
 
 // Rows [m0, m_end) (at most kMc of them, m0 a multiple of kMr) × the panels [p0, p1) of out, with
@@ -247,7 +252,7 @@ COLLABSERVE_AVX512 void LinearPanels(const float* x, int64_t ldx, int64_t rows,
   const bool stream = rows <= kStreamMaxRows;
   for (int64_t m0 = 0; m0 < rows; m0 += kMc) {
     const int64_t m_end = std::min(rows, m0 + kMc);
-    PackRowsAvx512(x + m0 * ldx, ldx, 0, m_end - m0, 0, K, K, apack.data());
+    PackRowsAvx512<kMr>(x + m0 * ldx, ldx, 0, m_end - m0, 0, K, K, apack.data());
     PanelsOnPacked(apack.data(), m0, m_end, w, bias, residual, ldr, out, ldo, p0, p1, stream);
   }
 }
@@ -324,11 +329,11 @@ COLLABSERVE_AVX512 inline float HorizontalMax(__m512 v) {
   return _mm_cvtss_f32(x);
 }
 
-// SmallAttention for NT tiles of 16 keys (S <= 16·NT) and blocks of MR query rows (NT·MR = 16
-// score accumulators, or 8 for NT = 1). kt: the keys transposed, [NT][width][16] (padding keys 0),
-// key_factor and scale already applied; mask: the S additive terms, or null.
+// Attention in registers for NT tiles of 16 keys (S <= 16·NT) and blocks of MR query rows (NT·MR =
+// 16 score accumulators, or 8 for NT = 1). q: the queries, factors and scale applied; keys: packed
+// (PackKeys: tile j is half j % 2 of panel j / 2); mask: the S additive terms, or null.
 template <int NT>
-COLLABSERVE_AVX512 void SmallAttentionTiles(const float* q, int64_t ldq, const float* kt,
+COLLABSERVE_AVX512 void SmallAttentionTiles(const float* q, int64_t ldq, const float* keys,
                                             int64_t width, const float* v, int64_t ldv, int64_t dv,
                                             const float* mask, int64_t S, float* ctx, int64_t ldc,
                                             int64_t queries) {
@@ -355,7 +360,7 @@ COLLABSERVE_AVX512 void SmallAttentionTiles(const float* q, int64_t ldq, const f
     for (int64_t d = 0; d < width; ++d) {
       __m512 kv[NT];
 #pragma GCC unroll 4
-      for (int j = 0; j < NT; ++j) kv[j] = _mm512_loadu_ps(kt + (j * width + d) * 16);
+      for (int j = 0; j < NT; ++j) kv[j] = _mm512_loadu_ps(keys + ((j >> 1) * width + d) * kPanel + (j & 1) * 16);
 #pragma GCC unroll 16
       for (int r = 0; r < MR; ++r) {
         // Rows past the sequence re-read row i0 (valid memory); their results are dropped.
@@ -418,39 +423,159 @@ COLLABSERVE_AVX512 void SmallAttentionTiles(const float* q, int64_t ldq, const f
   }
 }
 
+// Where Attention's work space goes: the query factors, the queries (premixed rows, or packed
+// tiles for the micro-kernel), the [queries, S] scores, the probabilities packed, the values packed.
+struct AttentionWork {
+  float* factors;
+  float* queries;
+  float* scores;
+  float* probs;
+  float* values;
+};
+
+int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+AttentionWork CarveAttentionWork(float* work, int64_t S, int64_t queries, int64_t width, int64_t dv) {
+  AttentionWork w;
+  const int64_t rows = RoundUp(queries, kMr);
+  w.factors = work;
+  w.queries = w.factors + RoundUp(width, 16);
+  w.scores = w.queries + rows * width;
+  w.probs = w.scores + queries * S;
+  w.values = w.probs + rows * S;
+  return w;
+}
+
+// The query factors of a head: query_factor[d] · scale (scale alone without factors).
+void QueryFactors(const AttentionHead& a, float* g) {
+  for (int64_t d = 0; d < a.width; ++d) g[d] = a.query_factor != nullptr ? a.query_factor[d] * a.scale : a.scale;
+}
+
 COLLABSERVE_AVX512 void SmallAttentionAvx512(const AttentionHead& a, int64_t S, int64_t queries,
-                                             float* ctx, int64_t ldc) {
+                                             float* ctx, int64_t ldc, const AttentionWork& w) {
   const int nt = static_cast<int>((S + 15) / 16);
   const int64_t width = a.width;
-  // The keys transposed into [nt][width][16] (padding keys 0), each column d scaled by
-  // scale · key_factor[d] as it is copied: the collaborative head's mixing costs nothing in the
-  // score loop. Per thread, grown to the widest head seen (a collaborative rank can exceed d_k).
-  thread_local std::vector<float> buffer;
-  const size_t need = static_cast<size_t>(nt) * 16 * static_cast<size_t>(width);
-  if (buffer.size() < need) buffer.resize(need);
-  float* kt = buffer.data();
-  for (int64_t j = 0; j < nt * 16; ++j) {
-    float* dst = kt + (j / 16) * width * 16 + j % 16;
-    if (j < S) {
-      const float* src = a.k + j * a.ldk;
-      if (a.key_factor != nullptr) {
-        for (int64_t d = 0; d < width; ++d) dst[d * 16] = src[d] * (a.scale * a.key_factor[d]);
-      } else {
-        for (int64_t d = 0; d < width; ++d) dst[d * 16] = src[d] * a.scale;
-      }
-    } else {
-      for (int64_t d = 0; d < width; ++d) dst[d * 16] = 0.0f;
+  // The queries with their factors applied, [queries][width].
+  const float* g = w.factors;
+  float* q = w.queries;
+  for (int64_t i = 0; i < queries; ++i) {
+    const float* src = a.q + i * a.ldq;
+    float* dst = q + i * width;
+    int64_t d = 0;
+    for (; d + 16 <= width; d += 16) {
+      _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_loadu_ps(src + d), _mm512_loadu_ps(g + d)));
     }
+    for (; d < width; ++d) dst[d] = src[d] * g[d];
   }
-  const float* q = a.q;
   const float* v = a.v;
   const float* mask = a.key_add;
   switch (nt) {
-    case 1: SmallAttentionTiles<1>(q, a.ldq, kt, width, v, a.ldv, a.dv, mask, S, ctx, ldc, queries); break;
-    case 2: SmallAttentionTiles<2>(q, a.ldq, kt, width, v, a.ldv, a.dv, mask, S, ctx, ldc, queries); break;
-    case 3: SmallAttentionTiles<3>(q, a.ldq, kt, width, v, a.ldv, a.dv, mask, S, ctx, ldc, queries); break;
-    default: SmallAttentionTiles<4>(q, a.ldq, kt, width, v, a.ldv, a.dv, mask, S, ctx, ldc, queries); break;
+    case 1: SmallAttentionTiles<1>(q, width, a.keys, width, v, a.ldv, a.dv, mask, S, ctx, ldc, queries); break;
+    case 2: SmallAttentionTiles<2>(q, width, a.keys, width, v, a.ldv, a.dv, mask, S, ctx, ldc, queries); break;
+    case 3: SmallAttentionTiles<3>(q, width, a.keys, width, v, a.ldv, a.dv, mask, S, ctx, ldc, queries); break;
+    default: SmallAttentionTiles<4>(q, width, a.keys, width, v, a.ldv, a.dv, mask, S, ctx, ldc, queries); break;
   }
+}
+
+// Masks of the valid columns of a 32-wide panel with `valid` of them.
+inline std::pair<__mmask16, __mmask16> PanelMasks(int64_t valid) {
+  const __mmask16 mk0 = valid >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << valid) - 1);
+  const __mmask16 mk1 = valid >= 32  ? 0xFFFF
+                        : valid > 16 ? static_cast<__mmask16>((1u << (valid - 16)) - 1)
+                                     : 0;
+  return {mk0, mk1};
+}
+
+// In place over the first S entries of each of `rows` rows (leading dimension ld): the softmax.
+// Lane j % 16 of a chunk accumulates key j, so keys past a sequence's own (probability 0) change
+// neither the maximum nor the sum.
+COLLABSERVE_AVX512 void SoftmaxRowsAvx512(float* x, int64_t ld, int64_t rows, int64_t S) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = x + r * ld;
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < S; j += 16) {
+      const __mmask16 m = S - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (S - j)) - 1);
+      mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, row + j));
+    }
+    const __m512 top = _mm512_set1_ps(HorizontalMax(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < S; j += 16) {
+      const __mmask16 m = S - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (S - j)) - 1);
+      const __m512 e = _mm512_maskz_mov_ps(m, Exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + j), top)));
+      _mm512_mask_storeu_ps(row + j, m, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / HorizontalSum(sum));
+    for (int64_t j = 0; j < S; j += 16) {
+      const __mmask16 m = S - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (S - j)) - 1);
+      _mm512_mask_storeu_ps(row + j, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + j), inv));
+    }
+  }
+}
+
+// Attention on the micro-kernel: scores = (queries · factors) keysᵀ + key terms, one k block of
+// the whole width (so a score is summed in d order whatever S and `queries` are); softmax; context
+// = probabilities · values, one k block of all S keys (a padding key adds an exact 0).
+COLLABSERVE_AVX512 void PanelAttentionAvx512(const AttentionHead& a, int64_t S, int64_t queries,
+                                             float* ctx, int64_t ldc, const AttentionWork& w) {
+  const int64_t width = a.width, dv = a.dv;
+  const int64_t tiles = (queries + kMr - 1) / kMr;
+  // The queries packed in tiles of kMr rows (the last one's missing rows zero unless the caller
+  // packed them), factors applied.
+  const float* packed_q = a.packed_q;
+  if (packed_q == nullptr) {
+    if (queries % kMr != 0) std::fill_n(w.queries + (tiles - 1) * width * kMr, width * kMr, 0.0f);
+    PackRowsAvx512<kMr>(a.q, a.ldq, 0, queries, 0, width, width, w.queries);
+    packed_q = w.queries;
+  }
+  for (int64_t t = 0; t < tiles; ++t) {
+    const float* src = packed_q + t * width * kMr;
+    float* tile = w.queries + t * width * kMr;
+    for (int64_t d = 0; d < width; ++d) {
+      _mm256_storeu_ps(tile + d * kMr, _mm256_mul_ps(_mm256_loadu_ps(src + d * kMr), _mm256_set1_ps(w.factors[d])));
+    }
+  }
+  // Scores, [queries, S]: the key panels in turn, every query tile against each.
+  const int64_t key_panels = (S + kPanel - 1) / kPanel;
+  for (int64_t p = 0; p < key_panels; ++p) {
+    const auto [mk0, mk1] = PanelMasks(std::min(kPanel, S - p * kPanel));
+    const float* bp = a.keys + p * width * kPanel;
+    const float* add = a.key_add != nullptr ? a.key_add + p * kPanel : nullptr;
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int m = static_cast<int>(std::min<int64_t>(kMr, queries - t * kMr));
+      kKernels[m](width, w.queries + t * width * kMr, bp, w.scores + t * kMr * S + p * kPanel, S, true,
+                  add, nullptr, 0, mk0, mk1, t == 0 ? 1 : 0);
+    }
+  }
+  SoftmaxRowsAvx512(w.scores, S, queries, S);
+  if (queries % kMr != 0) std::fill_n(w.probs + (tiles - 1) * S * kMr, S * kMr, 0.0f);
+  PackRowsAvx512<kMr>(w.scores, S, 0, queries, 0, S, S, w.probs);
+  // The values in panels of 32 columns, [S][32] each (missing columns zero); then the context.
+  const int64_t value_panels = (dv + kPanel - 1) / kPanel;
+  for (int64_t c = 0; c < value_panels; ++c) {
+    const auto [mk0, mk1] = PanelMasks(std::min(kPanel, dv - c * kPanel));
+    float* vp = w.values + c * S * kPanel;
+    for (int64_t j = 0; j < S; ++j) {
+      const float* src = a.v + j * a.ldv + c * kPanel;
+      _mm512_storeu_ps(vp + j * kPanel, _mm512_maskz_loadu_ps(mk0, src));
+      _mm512_storeu_ps(vp + j * kPanel + 16, _mm512_maskz_loadu_ps(mk1, src + 16));
+    }
+  }
+  for (int64_t c = 0; c < value_panels; ++c) {
+    const auto [mk0, mk1] = PanelMasks(std::min(kPanel, dv - c * kPanel));
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int m = static_cast<int>(std::min<int64_t>(kMr, queries - t * kMr));
+      kKernels[m](S, w.probs + t * S * kMr, w.values + c * S * kPanel, ctx + t * kMr * ldc + c * kPanel, ldc,
+                  true, nullptr, nullptr, 0, mk0, mk1, t == 0 ? 1 : 0);
+    }
+  }
+}
+
+// Keys as rows packed in tiles of kPanel (the padding keys of the last panel 0).
+COLLABSERVE_AVX512 void PackKeysAvx512(const float* k, int64_t ldk, int64_t S, int64_t width, float* packed) {
+  const int64_t n = S % kPanel;
+  if (n != 0) std::fill_n(packed + (S / kPanel) * width * kPanel, width * kPanel, 0.0f);
+  PackRowsAvx512<kPanel>(k, ldk, 0, S, 0, width, width, packed);
 }
 
 // Lane-wise partial sums (independent lanes, so the compiler vectorises without reordering any
@@ -598,9 +723,9 @@ void PackRows(const float* x, int64_t ldx, int64_t r0, int64_t r1, int64_t k0, i
               ") of ", K, ", rows from ", r0);
   if (r1 <= r0 || k1 == k0) return;
   if (PackedLinearSupported()) {
-    PackRowsAvx512(x, ldx, r0, r1, k0, k1, K, packed);
+    PackRowsAvx512<kMr>(x, ldx, r0, r1, k0, k1, K, packed);
   } else {
-    PackRowsScalar(x, ldx, r0, r1, k0, k1, K, packed);
+    PackRowsScalar<kMr>(x, ldx, r0, r1, k0, k1, K, packed);
   }
 }
 
@@ -624,17 +749,37 @@ void GeluRowsInPlace(float* x, int64_t ldx, int64_t rows, int64_t c0, int64_t c1
   GeluRowsAvx512(x, ldx, rows, c0, c1);
 }
 
-bool SmallAttentionSupported(int64_t S, int64_t dv) {
-  return PackedLinearSupported() && S >= 1 && S <= kSmallAttentionMaxS && dv >= 16 && dv % 16 == 0;
+int64_t PackedKeysSize(int64_t S, int64_t width) { return RoundUp(S, kPanel) * width; }
+
+void PackKeys(const float* k, int64_t ldk, int64_t S, int64_t width, float* packed) {
+  TORCH_CHECK(PackedLinearSupported(), "PackKeys needs AVX-512F");
+  TORCH_CHECK(S >= 1 && width >= 1, "PackKeys: S = ", S, ", width = ", width, " (want both >= 1)");
+  PackKeysAvx512(k, ldk, S, width, packed);
 }
 
-void SmallAttention(const AttentionHead& head, int64_t S, int64_t queries, float* ctx, int64_t ldc) {
-  TORCH_CHECK(SmallAttentionSupported(S, head.dv), "SmallAttention: S = ", S, ", dv = ", head.dv,
-              " (want AVX-512F, S in [1, ", kSmallAttentionMaxS, "], dv a positive multiple of 16)");
-  TORCH_CHECK(head.width >= 1, "SmallAttention: score width ", head.width, " (want >= 1)");
-  TORCH_CHECK(queries >= 1 && queries <= S, "SmallAttention: queries = ", queries,
-              " (want 1 to S = ", S, ")");
-  SmallAttentionAvx512(head, S, queries, ctx, ldc);
+bool AttentionInRegisters(int64_t S, int64_t dv, int64_t small_max_s) {
+  return S <= std::min(small_max_s, kSmallAttentionMaxS) && dv % 16 == 0;
+}
+
+int64_t AttentionWorkSize(int64_t S, int64_t queries, int64_t width, int64_t dv) {
+  const int64_t rows = RoundUp(queries, kMr);
+  return RoundUp(width, 16) + rows * width + queries * S + rows * S + RoundUp(dv, kPanel) * S;
+}
+
+void Attention(const AttentionHead& head, int64_t S, int64_t queries, float* ctx, int64_t ldc,
+               float* work, int64_t small_max_s) {
+  TORCH_CHECK(PackedLinearSupported(), "Attention needs AVX-512F");
+  TORCH_CHECK(head.width >= 1 && head.dv >= 1, "Attention: score width ", head.width, ", value width ",
+              head.dv, " (want both >= 1)");
+  TORCH_CHECK(S >= 1 && queries >= 1 && queries <= S, "Attention: S = ", S, ", queries = ", queries,
+              " (want 1 <= queries <= S)");
+  const AttentionWork w = CarveAttentionWork(work, S, queries, head.width, head.dv);
+  QueryFactors(head, w.factors);
+  if (AttentionInRegisters(S, head.dv, small_max_s)) {
+    SmallAttentionAvx512(head, S, queries, ctx, ldc, w);
+  } else {
+    PanelAttentionAvx512(head, S, queries, ctx, ldc, w);
+  }
 }
 
 void LayerNormRowsInPlace(float* x, int64_t ldx, int64_t rows, int64_t d, const float* gamma,

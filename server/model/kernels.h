@@ -97,39 +97,67 @@ void PackedLinearColumnsPacked(const float* packed, int64_t rows, const PackedWe
                                const float* bias, const float* residual, int64_t ldr, float* out,
                                int64_t ldo, int64_t n_begin, int64_t n_end);
 
+// Keys packed for the attention kernels: panels of kPanel keys, each [width][kPanel] (key j of
+// panel p at packed[(p · width + d) · kPanel + j % kPanel]), padding keys 0. A collaborative layer's
+// heads share their keys, so one packing serves all of them.
+int64_t PackedKeysSize(int64_t S, int64_t width);
+// k: S rows of `width` floats, leading dimension ldk. Requires PackedLinearSupported().
+void PackKeys(const float* k, int64_t ldk, int64_t S, int64_t width, float* packed);
+
+// Up to this many positions (and dv a multiple of 16) Attention can keep a head's scores in
+// AVX-512 registers; above, it forms them on PackedLinear's micro-kernel. By default it does so up
+// to kSmallAttentionDefaultMaxS: one core, 12 heads of one sequence (attention_bench), the
+// registers were ahead at 32 positions (150 vs 137 GFLOP/s, d_k 64) and level at 48, the
+// micro-kernel ahead at 64 (159 vs 137; width 384: 187 vs 181).
+constexpr int64_t kSmallAttentionMaxS = 64;
+constexpr int64_t kSmallAttentionDefaultMaxS = 48;
+
 // One attention head's operands: for query row i and key j the score is
-//   scale · sum_d q[i, d] · key_factor[d] · k[j, d] + key_add[j]
-// over d < width, and the context row is sum_j softmax_j(score) · v[j, :dv]. Standard heads:
-// width = dk, no key_factor, scale = 1/sqrt(dk), key_add the padding mask. Collaborative heads
-// (Cordonnier et al.): q and k are the shared projections (width = the layer's rank R, the same
-// rows for every head), key_factor the head's mixing row m_i, scale 1 (the checkpoint folds
-// 1/sqrt(dk) into m_i), key_add the mask plus the head's content scores v_i·y_j. Rows are
-// row-major with leading dimensions ldq, ldk, ldv (floats).
+//   sum_d (q[i, d] · query_factor[d] · scale) · k[j, d] + key_add[j]
+// over d < width (the products summed in d order), and the context row is
+// sum_j softmax_j(score) · v[j, :dv]. Standard heads: width = dk, no query_factor,
+// scale = 1/sqrt(dk), key_add the padding mask. Collaborative heads (Cordonnier et al.): q and k
+// are the shared projections (width = the layer's rank R, the same rows for every head),
+// query_factor the head's mixing row m_i, scale 1 (the checkpoint folds 1/sqrt(dk) into m_i),
+// key_add the mask plus the head's content scores v_i·y_j. q and v are row-major with leading
+// dimensions ldq and ldv (floats); the keys are packed (PackKeys).
 struct AttentionHead {
   const float* q = nullptr;
-  const float* k = nullptr;
+  const float* keys = nullptr;  // PackKeys of the S keys, `width` wide
   const float* v = nullptr;
-  int64_t ldq = 0, ldk = 0, ldv = 0;
+  int64_t ldq = 0, ldv = 0;
   int64_t width = 0, dv = 0;
-  const float* key_factor = nullptr;  // width factors, or null (all 1)
+  const float* query_factor = nullptr;  // width factors, or null (all 1)
   float scale = 1.0f;
   const float* key_add = nullptr;  // S additive terms, or null
+  // The queries already packed (PackRows, K = width, no factors applied), or null. The micro-kernel
+  // form reads them instead of packing q: the heads of a collaborative layer share their queries.
+  const float* packed_q = nullptr;
 };
 
-// Softmax attention of one head over one short sequence of S positions, on the calling thread,
-// in AVX-512 registers: ctx[i, :dv] for the first `queries` positions (1 <= queries <= S; fewer
-// than S when only the first positions' outputs are wanted, e.g. [CLS] in a classifier's last
-// layer), leading dimension ldc. The keys are copied transposed, with key_factor and scale
-// applied, into a per-thread buffer (S · width floats). For the short sequences where the
-// per-call costs of an sgemm and an ATen softmax (dozens of them per layer) outweigh the
-// arithmetic. Each row's result depends only on its own query and sequence, bit for bit whatever
-// `queries` is. Requires SmallAttentionSupported(S, dv) and width >= 1.
-void SmallAttention(const AttentionHead& head, int64_t S, int64_t queries, float* ctx, int64_t ldc);
+// Whether Attention keeps the scores in registers for S positions, dv-wide values and small_max_s
+// (else it takes the micro-kernel form, which reads AttentionHead::packed_q).
+bool AttentionInRegisters(int64_t S, int64_t dv, int64_t small_max_s = kSmallAttentionDefaultMaxS);
 
-// Whether SmallAttention handles S positions with dv-wide values: AVX-512F,
-// 1 <= S <= kSmallAttentionMaxS, dv a positive multiple of 16 (any score width).
-constexpr int64_t kSmallAttentionMaxS = 64;
-bool SmallAttentionSupported(int64_t S, int64_t dv);
+
+// Floats of work space Attention needs for S positions, `queries` query rows, scores `width`
+// wide and dv-wide values.
+int64_t AttentionWorkSize(int64_t S, int64_t queries, int64_t width, int64_t dv);
+
+// Softmax attention of one head over one sequence of S positions, on the calling thread:
+// ctx[i, :dv] for the first `queries` positions (1 <= queries <= S; fewer than S when only the
+// first positions' outputs are wanted, e.g. [CLS] in a classifier's last layer), leading dimension
+// ldc. Up to small_max_s positions (at most kSmallAttentionMaxS, dv a multiple of 16) in registers:
+// the per-call costs of an sgemm and an ATen softmax outweigh the arithmetic there. Above, the
+// [queries, S] scores on PackedLinear's micro-kernel (queries packed with their factors applied,
+// the key terms added as the scores are written), an AVX-512 softmax, and the context on the
+// micro-kernel again (the probabilities and the values packed for it): no sgemm, no ATen op. Each
+// row's result depends only on its own query and sequence, bit for bit whatever `queries` is, and
+// is the same whatever padding keys (key_add lowest(), or -inf) follow the sequence's own.
+// work: AttentionWorkSize(S, queries, width, dv) floats. Requires PackedLinearSupported(),
+// width >= 1, dv >= 1.
+void Attention(const AttentionHead& head, int64_t S, int64_t queries, float* ctx, int64_t ldc,
+               float* work, int64_t small_max_s = kSmallAttentionDefaultMaxS);
 
 // In place on the columns [c0, c1) of the rows of x [rows, *] (leading dimension ldx), on the
 // calling thread: x = x · (1 + erf(x / sqrt 2)) / 2, the "gelu" of BERT, with ATen's vectorised

@@ -170,44 +170,64 @@ TEST(PackedLinearColumnsPacked, PackedInPiecesEqualsPackedLinearBitForBit) {
                c10::Error);
 }
 
-// SmallAttention against the ATen composition it replaces (scale · q diag(f) kᵀ, additive key
-// terms, softmax, · v), with strided q/k/v as in the fused projection, a partial key tile, masked
+TEST(PackKeys, PanelsOf32KeysPaddedWithZeros) {
+  if (!PackedLinearSupported()) GTEST_SKIP() << "no AVX-512F";
+  for (int64_t S : {1, 8, 31, 32, 45, 77}) {
+    const int64_t width = 13, ld = width + 3;
+    at::Tensor k = at::randn({S, ld});
+    std::vector<float> packed(PackedKeysSize(S, width), 7.0f);
+    ASSERT_EQ(static_cast<int64_t>(packed.size()), (S + 31) / 32 * 32 * width);
+    PackKeys(k.data_ptr<float>(), ld, S, width, packed.data());
+    for (int64_t j = 0; j < (S + 31) / 32 * 32; ++j) {
+      for (int64_t d = 0; d < width; ++d) {
+        const float want = j < S ? k[j][d].item<float>() : 0.0f;
+        ASSERT_EQ(packed[((j / 32) * width + d) * 32 + j % 32], want) << "S " << S << " key " << j << " d " << d;
+      }
+    }
+  }
+}
+
+// Attention against the ATen composition it replaces (scale · q diag(f) kᵀ, additive key terms,
+// softmax, · v), with strided q/k/v as in the fused projection, partial key panels, masked
 // positions and one sequence whose keys are all masked (softmax of equal scores: uniform, as in
 // ATen). Standard heads (width = dv = dk, a scale) and collaborative ones (a score width R below,
-// equal to and above dv, a key factor = the head's mixing row, queries and keys in other columns
-// than the values).
-AttentionHead Head(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const float* factor,
+// equal to and above dv, a query factor = the head's mixing row, queries and keys in other columns
+// than the values); value widths that are and are not multiples of 16 and 32. Both kernels (scores
+// in registers up to 64 positions, on the micro-kernel above) for every S where both run: they
+// sum in the same order, so they agree bit for bit.
+AttentionHead Head(const at::Tensor& q, const float* keys, const at::Tensor& v, const float* factor,
                    float scale, const float* add) {
   AttentionHead a;
   a.q = q.data_ptr<float>();
-  a.k = k.data_ptr<float>();
+  a.keys = keys;
   a.v = v.data_ptr<float>();
   a.ldq = q.stride(0);
-  a.ldk = k.stride(0);
   a.ldv = v.stride(0);
   a.width = q.size(1);
   a.dv = v.size(1);
-  a.key_factor = factor;
+  a.query_factor = factor;
   a.scale = scale;
   a.key_add = add;
   return a;
 }
 
-TEST(SmallAttention, EqualsAtenSoftmaxAttention) {
+TEST(Attention, EqualsAtenSoftmaxAttention) {
   if (!PackedLinearSupported()) GTEST_SKIP() << "no AVX-512F";
   c10::InferenceMode guard;
   at::manual_seed(8);
   struct Shape { int64_t width, dv; bool collaborative; };
   for (const Shape& sh : {Shape{16, 16, false}, Shape{64, 64, false}, Shape{128, 128, false},
                           Shape{24, 64, true}, Shape{64, 64, true}, Shape{200, 64, true},
-                          Shape{7, 32, true}}) {
+                          Shape{7, 32, true}, Shape{40, 40, false}, Shape{33, 72, true}}) {
     const int64_t width = sh.width, dv = sh.dv;
-    for (int64_t S : {1, 5, 16, 17, 33, 48, 64}) {
-      ASSERT_TRUE(SmallAttentionSupported(S, dv));
+    for (int64_t S : {1, 5, 16, 17, 33, 48, 64, 65, 100, 128, 200}) {
       const int64_t ld = 2 * width + dv + 7;
       at::Tensor p = at::randn({S, ld});
       at::Tensor q = p.narrow(1, 0, width), k = p.narrow(1, width, width);
       at::Tensor v = p.narrow(1, 2 * width + 3, dv);
+      std::vector<float> keys(PackedKeysSize(S, width));
+      PackKeys(k.data_ptr<float>(), ld, S, width, keys.data());
+      std::vector<float> work(AttentionWorkSize(S, S, width, dv));
       at::Tensor factor = at::randn({width});
       const float scale = sh.collaborative ? 1.0f : 1.0f / std::sqrt(static_cast<float>(width));
       const float* f = sh.collaborative ? factor.data_ptr<float>() : nullptr;
@@ -218,34 +238,68 @@ TEST(SmallAttention, EqualsAtenSoftmaxAttention) {
         if (masking == 2) mask.fill_(std::numeric_limits<float>::lowest());
         const float* add = masking == 0 && !sh.collaborative ? nullptr : mask.data_ptr<float>();
         at::Tensor want = at::matmul(at::_softmax(at::matmul(qf, k.t()) * scale + mask, -1, false), v);
-        at::Tensor ctx = at::full({S, dv + 2}, 7.0f);
-        SmallAttention(Head(q, k, v, f, scale, add), S, S, ctx.data_ptr<float>(), dv + 2);
+        const AttentionHead head = Head(q, keys.data(), v, f, scale, add);
         const std::string what = "S " + std::to_string(S) + " width " + std::to_string(width) +
                                  " dv " + std::to_string(dv) + " mask " + std::to_string(masking);
+        at::Tensor ctx = at::full({S, dv + 2}, 7.0f);
+        Attention(head, S, S, ctx.data_ptr<float>(), dv + 2, work.data(), kSmallAttentionMaxS);
         EXPECT_LT(RelErr(ctx.narrow(1, 0, dv), want), 1e-5) << what;
-        EXPECT_TRUE(ctx.narrow(1, dv, 2).eq(7.0f).all().item<bool>());
+        EXPECT_TRUE(ctx.narrow(1, dv, 2).eq(7.0f).all().item<bool>()) << what;
+        // The micro-kernel form (small_max_s 0) where the register form ran: the same bits.
+        if (S <= kSmallAttentionMaxS) {
+          at::Tensor panel = at::full({S, dv + 2}, 7.0f);
+          Attention(head, S, S, panel.data_ptr<float>(), dv + 2, work.data(), 0);
+          EXPECT_TRUE(at::equal(panel, ctx)) << what << " (micro-kernel form)";
+        }
+        // The queries packed by the caller (as a collaborative layer's heads share them): the
+        // micro-kernel form reads them, the same bits.
+        {
+          std::vector<float> packed_q(PackedRowsSize(S, width));
+          PackRows(q.data_ptr<float>(), ld, 0, S, 0, width, width, packed_q.data());
+          AttentionHead with = head;
+          with.packed_q = packed_q.data();
+          at::Tensor from_packed = at::full({S, dv + 2}, 7.0f);
+          Attention(with, S, S, from_packed.data_ptr<float>(), dv + 2, work.data(), 0);
+          EXPECT_TRUE(at::equal(from_packed, ctx)) << what << " (queries packed by the caller)";
+        }
         // Only the first `queries` positions: the same rows bit for bit, nothing written past them.
         for (int64_t queries : {int64_t{1}, (S + 1) / 2}) {
           at::Tensor part = at::full({S, dv + 2}, 7.0f);
-          SmallAttention(Head(q, k, v, f, scale, add), S, queries, part.data_ptr<float>(), dv + 2);
+          Attention(head, S, queries, part.data_ptr<float>(), dv + 2, work.data(), kSmallAttentionMaxS);
           EXPECT_TRUE(at::equal(part.narrow(0, 0, queries), ctx.narrow(0, 0, queries)))
               << what << " queries " << queries;
           EXPECT_TRUE(part.narrow(0, queries, S - queries).eq(7.0f).all().item<bool>());
         }
+        // Padding keys after the sequence's own (key terms lowest(), as a padded batch's mask has
+        // them): its rows do not change, bit for bit, in either form (unless all its own keys are
+        // masked too: then the padding keys count as much as they do).
+        if (add != nullptr && (masking == 0 || (masking == 1 && S > 1))) {
+          const int64_t P = S + 37;
+          at::Tensor pp = at::randn({P, ld});
+          pp.narrow(0, 0, S).copy_(p);
+          std::vector<float> pkeys(PackedKeysSize(P, width));
+          PackKeys(pp.data_ptr<float>() + width, ld, P, width, pkeys.data());
+          at::Tensor padd = at::full({P}, std::numeric_limits<float>::lowest());
+          padd.narrow(0, 0, S).copy_(mask);
+          std::vector<float> pwork(AttentionWorkSize(P, S, width, dv));
+          AttentionHead ph = Head(pp.narrow(1, 0, width), pkeys.data(), pp.narrow(1, 2 * width + 3, dv), f,
+                                  scale, padd.data_ptr<float>());
+          for (int64_t small : {kSmallAttentionMaxS, int64_t{0}}) {
+            at::Tensor padded = at::full({S, dv + 2}, 7.0f);
+            Attention(ph, P, S, padded.data_ptr<float>(), dv + 2, pwork.data(), small);
+            EXPECT_TRUE(at::equal(padded, ctx)) << what << " padded to " << P << ", small_max_s " << small;
+          }
+        }
       }
     }
   }
-  EXPECT_FALSE(SmallAttentionSupported(kSmallAttentionMaxS + 1, 64));
-  EXPECT_FALSE(SmallAttentionSupported(16, 24));
-  EXPECT_FALSE(SmallAttentionSupported(0, 64));
   at::Tensor x = at::zeros({4, 24});
-  EXPECT_THROW(SmallAttention(Head(x, x, x, nullptr, 1.0f, nullptr), 4, 4, x.data_ptr<float>(), 24),
-               c10::Error);
-  at::Tensor y = at::zeros({4, 48});
+  std::vector<float> keys(PackedKeysSize(4, 24)), work(AttentionWorkSize(4, 4, 24, 24));
+  AttentionHead empty = Head(x.narrow(1, 0, 0), keys.data(), x, nullptr, 1.0f, nullptr);
+  EXPECT_THROW(Attention(empty, 4, 4, x.data_ptr<float>(), 24, work.data()), c10::Error);
   for (int64_t queries : {0, 5}) {
-    EXPECT_THROW(SmallAttention(Head(y.narrow(1, 0, 16), y.narrow(1, 16, 16), y.narrow(1, 32, 16),
-                                     nullptr, 1.0f, nullptr),
-                                4, queries, y.data_ptr<float>(), 48),
+    EXPECT_THROW(Attention(Head(x, keys.data(), x, nullptr, 1.0f, nullptr), 4, queries,
+                           x.data_ptr<float>(), 24, work.data()),
                  c10::Error);
   }
 }
