@@ -91,6 +91,7 @@ int Main(int argc, char** argv) {
         mixing = at::randn({H, width}).mul_(0.125);
         L.mixing = mixing.data_ptr<float>();
       }
+      L.fused_n = L.ld;
       at::Tensor proj = at::randn({S, L.ld});
       at::Tensor ctx = at::empty({S, D});
       at::Tensor scratch = internal::AttentionScratch(S, width, dk, proj.options());

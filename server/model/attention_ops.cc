@@ -75,6 +75,7 @@ AttentionLayout LayoutOf(const EncoderLayer& l, int64_t H, int64_t dk) {
   if (l.collaborative) {
     const int64_t R = l.rank;
     a.ld = 2 * R + D + H;
+    a.fused_n = 2 * R + D;
     a.width = R;
     a.q0 = 0;
     a.k0 = R;
@@ -84,6 +85,7 @@ AttentionLayout LayoutOf(const EncoderLayer& l, int64_t H, int64_t dk) {
     if (l.mixing.is_cpu() && l.mixing.scalar_type() == at::kFloat) a.mixing = l.mixing.data_ptr<float>();
   } else {
     a.ld = 3 * D;
+    a.fused_n = 3 * D;
     a.width = dk;
     a.q0 = 0;
     a.k0 = D;
@@ -171,6 +173,40 @@ at::Tensor FusedAttention(SgemmFn sgemm, const at::Tensor& proj, const Attention
     AttendUnits(sgemm, p, L, mask, begin, end, H, S, Sq, D, scratch, c);
   });
   return ctx;
+}
+
+void ContentScores(SgemmFn sgemm, const EncoderLayer& l, const AttentionLayout& L, const float* x,
+                   int64_t ldx, int64_t r0, int64_t r1, float* proj) {
+  if (r1 <= r0) return;
+  if (PackedLinearSupported()) {
+    // (The content scores have no bias: fused_b's last H entries are zeros.)
+    NarrowProduct(x + r0 * ldx, ldx, r1 - r0, l.content.plain.data_ptr<float>(), L.ld - L.fused_n,
+                  l.content.plain.size(1), proj + r0 * L.ld + L.fused_n, L.ld);
+    return;
+  }
+  DenseColumns(sgemm, x + r0 * ldx, ldx, r1 - r0, l.content, /*packed=*/false,
+               l.fused_b.data_ptr<float>() + L.fused_n, nullptr, 0, proj + r0 * L.ld + L.fused_n, L.ld,
+               0, L.ld - L.fused_n);
+}
+
+at::Tensor Project(SgemmFn sgemm, const EncoderLayer& l, const AttentionLayout& L, const at::Tensor& x) {
+  if (!l.collaborative) return Dense(x, l.fused, l.fused_b);
+  if (sgemm == nullptr || !x.is_cpu() || x.scalar_type() != at::kFloat) {
+    return at::cat({at::linear(x, l.fused.plain, l.fused_b.narrow(0, 0, L.fused_n)),
+                    at::linear(x, l.content.plain)}, 1);
+  }
+  const at::Tensor xc = x.contiguous();
+  const int64_t T = xc.size(0), D = xc.size(1);
+  at::Tensor proj = at::empty({T, L.ld}, x.options());
+  float* p = proj.data_ptr<float>();
+  const float* b = l.fused_b.data_ptr<float>();
+  if (UsePackedLinear(l.fused, T)) {
+    PackedLinear(xc.data_ptr<float>(), D, T, *l.fused.packed, b, nullptr, 0, p, L.ld);
+  } else {
+    DenseColumns(sgemm, xc.data_ptr<float>(), D, T, l.fused, false, b, nullptr, 0, p, L.ld, 0, L.fused_n);
+  }
+  ContentScores(sgemm, l, L, xc.data_ptr<float>(), D, 0, T, p);
+  return proj;
 }
 
 void ProjectAndAttendHeads(SgemmFn sgemm, const float* x, const float* x_packed,

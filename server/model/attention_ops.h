@@ -18,7 +18,8 @@ namespace collabserve::model::internal {
 // and how its scores are formed (AttentionHead): one description for standard and collaborative
 // layers, so that both run on the same kernels.
 struct AttentionLayout {
-  int64_t ld = 0;     // floats per projection row (the fused product's columns)
+  int64_t ld = 0;     // floats per projection row
+  int64_t fused_n = 0;  // columns the fused product writes (then the content scores, if any)
   int64_t width = 0;  // score width: d_k, or the collaborative rank R
   int64_t dk = 0;     // value width
   int64_t q0 = 0, k0 = 0, v0 = 0;  // columns of head 0's query, key and value
@@ -62,6 +63,15 @@ void AttendUnits(SgemmFn sgemm, const float* p, const AttentionLayout& L, const 
 at::Tensor FusedAttention(SgemmFn sgemm, const at::Tensor& proj, const AttentionLayout& L,
                           const at::Tensor& mask_add, int64_t B, int64_t S, int64_t Sq, int64_t H);
 
+// A collaborative layer's content scores for the rows [r0, r1) of x (leading dimension ldx) into
+// their columns of proj (rows of L.ld): x · content_bias^T, on the calling thread (NarrowProduct
+// with AVX-512, else the sgemm).
+void ContentScores(SgemmFn sgemm, const EncoderLayer& l, const AttentionLayout& L, const float* x,
+                   int64_t ldx, int64_t r0, int64_t r1, float* proj);
+
+// The input projection of layer l for x [T, D], [T, L.ld]: the fused product and, for a
+// collaborative layer, its content scores beside it.
+at::Tensor Project(SgemmFn sgemm, const EncoderLayer& l, const AttentionLayout& L, const at::Tensor& x);
 
 // Heads [h0, h1) of a standard layer, on the calling thread: their q, k and v columns of the
 // fused projection into proj [B·S, 3D] (whole panels when dk is a multiple of the panel width),

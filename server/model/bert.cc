@@ -32,6 +32,7 @@ using internal::FindSgemm;
 using internal::FusedAttention;
 using internal::LayerNormInPlace;
 using internal::LayoutOf;
+using internal::Project;
 using internal::ProjectAndAttend;
 using internal::SgemmFn;
 using internal::UsePacking;
@@ -139,8 +140,7 @@ void BertClassifier::Prepare(const c10::Device& device, c10::ScalarType dtype, b
     }
     std::vector<at::Tensor*> sections;
     if (l.collaborative) {
-      // The content scores v_i·y are H more columns of the same product.
-      sections = {&l.collab_query_w, &l.collab_key_w, &l.value_w, &l.content_bias};
+      sections = {&l.collab_query_w, &l.collab_key_w, &l.value_w};
       auto zeros = at::zeros({l.rank}, l.value_b.options());
       l.fused_b = at::cat({zeros, zeros, l.value_b, at::zeros({H}, l.value_b.options())}, 0);
     } else {
@@ -150,7 +150,8 @@ void BertClassifier::Prepare(const c10::Device& device, c10::ScalarType dtype, b
     std::vector<at::Tensor> parts;
     for (at::Tensor* t : sections) parts.push_back(*t);
     at::Tensor fused = at::cat(parts, 0);
-    l.fused = l.attn_out = l.inter = l.out = DenseWeight();
+    l.fused = l.attn_out = l.inter = l.out = l.content = DenseWeight();
+    if (l.collaborative) l.content.plain = l.content_bias;
     if (pack) {
       l.fused.packed = std::make_shared<const PackedWeight>(fused);
       l.attn_out.packed = std::make_shared<const PackedWeight>(l.attn_out_w);
@@ -230,10 +231,10 @@ at::Tensor BertClassifier::Layer(const EncoderLayer& l, const at::Tensor& h,
         h2.is_contiguous()) {
       ctx = ProjectAndAttend(sgemm, h2, l, L, mask2, B, S, Sq, H);
     } else {
-      ctx = FusedAttention(sgemm, Dense(h2, l.fused, l.fused_b), L, mask2, B, S, Sq, H);
+      ctx = FusedAttention(sgemm, Project(sgemm, l, L, h2), L, mask2, B, S, Sq, H);
     }
   } else {
-    ctx = AtenAttention(l, Dense(h2, l.fused, l.fused_b), mask_add, B, S, Sq, H, dk);
+    ctx = AtenAttention(l, Project(nullptr, l, LayoutOf(l, H, dk), h2), mask_add, B, S, Sq, H, dk);
   }
   auto h1 = LayerNormInPlace(Dense(ctx, l.attn_out, l.attn_out_b, hq), l.attn_ln_w, l.attn_ln_b,
                              config_.layer_norm_eps);

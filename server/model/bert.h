@@ -57,11 +57,14 @@ struct EncoderLayer {
   at::Tensor attn_out_w, attn_out_b, attn_ln_w, attn_ln_b;
   at::Tensor inter_w, inter_b, out_w, out_b, out_ln_w, out_ln_b;
   // The input projection as one product, its rows the parameters stacked (exactly: no scale is
-  // folded in): standard [3D, D] = [query; key; value]; collaborative [2R + D + H, D] =
-  // [W~Q^T; W~K^T; value; content_bias] (the last H columns of its product are the content scores
-  // v_i·y). fused_b: its bias (zeros for W~Q, W~K and the content scores).
+  // folded in): standard [3D, D] = [query; key; value]; collaborative [2R + D, D] =
+  // [W~Q^T; W~K^T; value]. fused_b: its bias, then (collaborative) H zeros.
   DenseWeight fused;
   at::Tensor fused_b;
+  // Collaborative: content_bias [H, D], always plain (H rows: packing would pad them to a whole
+  // panel), its product x · content_bias^T the content scores v_i·y, H columns beside the fused
+  // product's.
+  DenseWeight content;
   // The other three dense weights (plain: the parameters themselves, until a served model drops
   // them).
   DenseWeight attn_out, inter, out;

@@ -22,6 +22,7 @@ using internal::AttendHeads;
 using internal::AttendUnits;
 using internal::AttentionLayout;
 using internal::AttentionScratch;
+using internal::ContentScores;
 using internal::DenseColumns;
 using internal::FindSgemm;
 using internal::kPackedMaxRows;
@@ -150,14 +151,16 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add, boo
           // [CLS] queries alone (Sq = 1), the query columns (their whole panels) for the B [CLS]
           // rows only, each member its share of those and of the other columns.
           const int64_t qb = Sq == S ? 0 : La.width / PackedWeight::kPanel * PackedWeight::kPanel;
-          int64_t c0, c1, q0, q1;
+          int64_t c0, c1, q0, q1, r0c, r1c;
           std::tie(q0, q1) = share(qb, PackedWeight::kPanel, t, n);
-          std::tie(c0, c1) = share(La.ld - qb, PackedWeight::kPanel, t, n);
+          std::tie(c0, c1) = share(La.fused_n - qb, PackedWeight::kPanel, t, n);
+          std::tie(r0c, r1c) = share(T, 1, t, n);
           team.Step([&] {
             const float* bias = l.fused_b.data_ptr<float>();
             float* pr = proj.data_ptr<float>();
             if (q1 > q0) DenseColumns(sgemm, xp, ldq, B, l.fused, true, bias, nullptr, 0, pr, S * La.ld, q0, q1);
             PackedLinearColumnsPacked(xk, T, *l.fused.packed, bias, nullptr, 0, pr, La.ld, qb + c0, qb + c1);
+            ContentScores(sgemm, l, La, xp, D, r0c, r1c, pr);
           });
           team.Step([&] {
             for (int64_t b = 0; b < B; ++b) {
@@ -231,7 +234,9 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add, boo
         // share; a few [CLS]-only rows would save little), then attention by (sequence, head).
         team.Step([&] {
           product(xp, D, T, l.fused, fused_packed, l.fused_b, nullptr, 0, proj.data_ptr<float>(),
-                  La.ld, La.ld);
+                  La.fused_n, La.ld);
+          const auto [r0, r1] = share(T, 1, t, n);
+          ContentScores(sgemm, l, La, xp, D, r0, r1, proj.data_ptr<float>());
         });
         team.Step([&] {
           const auto [u0, u1] = share(B * H, 1, t, n);

@@ -571,6 +571,31 @@ COLLABSERVE_AVX512 void PanelAttentionAvx512(const AttentionHead& a, int64_t S, 
   }
 }
 
+// NarrowProduct, columns in groups of up to 12 (one zmm accumulator each, 16 lanes of k), the
+// lanes summed at the end.
+COLLABSERVE_AVX512 void NarrowProductAvx512(const float* x, int64_t ldx, int64_t rows, const float* w,
+                                            int64_t N, int64_t K, float* out, int64_t ldo) {
+  constexpr int kGroup = 12;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * ldx;
+    for (int64_t n0 = 0; n0 < N; n0 += kGroup) {
+      const int g = static_cast<int>(std::min<int64_t>(kGroup, N - n0));
+      __m512 acc[kGroup];
+#pragma GCC unroll 12
+      for (int i = 0; i < kGroup; ++i) acc[i] = _mm512_setzero_ps();
+      for (int64_t k = 0; k < K; k += 16) {
+        const __mmask16 m = K - k >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (K - k)) - 1);
+        const __m512 xv = _mm512_maskz_loadu_ps(m, xr + k);
+#pragma GCC unroll 12
+        for (int i = 0; i < kGroup; ++i) {
+          if (i < g) acc[i] = _mm512_fmadd_ps(xv, _mm512_maskz_loadu_ps(m, w + (n0 + i) * K + k), acc[i]);
+        }
+      }
+      for (int i = 0; i < g; ++i) out[r * ldo + n0 + i] = HorizontalSum(acc[i]);
+    }
+  }
+}
+
 // Keys as rows packed in tiles of kPanel (the padding keys of the last panel 0).
 COLLABSERVE_AVX512 void PackKeysAvx512(const float* k, int64_t ldk, int64_t S, int64_t width, float* packed) {
   const int64_t n = S % kPanel;
@@ -755,6 +780,13 @@ void PackKeys(const float* k, int64_t ldk, int64_t S, int64_t width, float* pack
   TORCH_CHECK(PackedLinearSupported(), "PackKeys needs AVX-512F");
   TORCH_CHECK(S >= 1 && width >= 1, "PackKeys: S = ", S, ", width = ", width, " (want both >= 1)");
   PackKeysAvx512(k, ldk, S, width, packed);
+}
+
+void NarrowProduct(const float* x, int64_t ldx, int64_t rows, const float* w, int64_t N, int64_t K,
+                   float* out, int64_t ldo) {
+  TORCH_CHECK(PackedLinearSupported(), "NarrowProduct needs AVX-512F");
+  if (rows <= 0 || N <= 0) return;
+  NarrowProductAvx512(x, ldx, rows, w, N, K, out, ldo);
 }
 
 bool AttentionInRegisters(int64_t S, int64_t dv, int64_t small_max_s) {

@@ -97,6 +97,14 @@ void PackedLinearColumnsPacked(const float* packed, int64_t rows, const PackedWe
                                const float* bias, const float* residual, int64_t ldr, float* out,
                                int64_t ldo, int64_t n_begin, int64_t n_end);
 
+// out[r, n] = sum_k x[r, k] · w[n, k] for r < rows, n < N: a product too narrow to pack (a
+// collaborative layer's content scores, N = its heads: packing would pad them to a whole panel of
+// 32 columns, resident), on the calling thread. w: [N, K] row-major; x, out: leading dimensions
+// ldx, ldo. Each element is summed in an order that depends on K only. Requires
+// PackedLinearSupported().
+void NarrowProduct(const float* x, int64_t ldx, int64_t rows, const float* w, int64_t N, int64_t K,
+                   float* out, int64_t ldo);
+
 // Keys packed for the attention kernels: panels of kPanel keys, each [width][kPanel] (key j of
 // panel p at packed[(p · width + d) · kPanel + j % kPanel]), padding keys 0. A collaborative layer's
 // heads share their keys, so one packing serves all of them.

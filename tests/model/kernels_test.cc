@@ -170,6 +170,24 @@ TEST(PackedLinearColumnsPacked, PackedInPiecesEqualsPackedLinearBitForBit) {
                c10::Error);
 }
 
+TEST(NarrowProduct, EqualsAtenMatmul) {
+  if (!PackedLinearSupported()) GTEST_SKIP() << "no AVX-512F";
+  at::manual_seed(12);
+  for (int64_t N : {1, 12, 13, 30}) {
+    for (int64_t K : {1, 16, 40, 768}) {
+      at::Tensor x = at::randn({5, K + 3}), w = at::randn({N, K});
+      at::Tensor out = at::full({5, N + 2}, 7.0f);
+      NarrowProduct(x.data_ptr<float>(), K + 3, 5, w.data_ptr<float>(), N, K, out.data_ptr<float>(), N + 2);
+      EXPECT_LT(RelErr(out.narrow(1, 0, N), at::mm(x.narrow(1, 0, K), w.t())), 1e-5) << N << " x " << K;
+      EXPECT_TRUE(out.narrow(1, N, 2).eq(7.0f).all().item<bool>());
+      // A row's result does not depend on the other rows in the call.
+      at::Tensor one = at::empty({1, N});
+      NarrowProduct(x.data_ptr<float>() + 3 * (K + 3), K + 3, 1, w.data_ptr<float>(), N, K, one.data_ptr<float>(), N);
+      EXPECT_TRUE(at::equal(one[0], out.narrow(1, 0, N)[3]));
+    }
+  }
+}
+
 TEST(PackKeys, PanelsOf32KeysPaddedWithZeros) {
   if (!PackedLinearSupported()) GTEST_SKIP() << "no AVX-512F";
   for (int64_t S : {1, 8, 31, 32, 45, 77}) {
