@@ -109,7 +109,7 @@ MakeOptions Opts(std::string preset, WeightFormat f, WeightDType d, std::string 
 // unpacked, with 1 intra-op thread (the per-operation path) and 2 (the ThreadTeam paths where the
 // shape allows; LibTorch's default here is one thread without OMP_NUM_THREADS). The inputs batch
 // to 7 × 182 tokens (> 256: the sgemm products, on blocks unpacked from the packed weights when
-// served) and run alone (<= 256: PackedLinear; <= 64 tokens: SmallAttention).
+// served) and run alone (<= 256: PackedLinear; attention in registers up to 48 tokens, on the micro-kernel above).
 void ExpectEngineMatchesReference(const std::string& dir, const std::string& name) {
   const std::vector<std::vector<float>> expected = [&] {
     auto engine = Engine::Load(dir);
@@ -246,7 +246,7 @@ struct CollaborativeCase {
 class CollaborativeReferenceTest : public ::testing::TestWithParam<CollaborativeCase> {};
 
 // Collaborative layers on every path (team on prepacked PackedLinear, team with the sgemm by rows,
-// per operation; SmallAttention and the sgemm attention; the [CLS]-only last layer), served and
+// per operation; attention in registers and on the micro-kernel (on the sgemm under engine_reference_sgemm_attention_test); the [CLS]-only last layer), served and
 // unpacked, against the reference's own evaluation of the paper's formula. Under
 // COLLABSERVE_GEMM=aten (ctest engine_reference_aten_test) the same checks run the ATen path.
 TEST_P(CollaborativeReferenceTest, LogitsMatchTheReference) {

@@ -352,7 +352,7 @@ TEST(EngineBatchTest, LongBatchesGiveEachSequenceItsLogitsAlone) {
 // position, the rest for position 0); its logits must be those of the pooler and classifier on
 // position 0 of EncoderOutput, which computes every position. Checked on every path the encoder
 // takes: the ThreadTeam on prepacked PackedLinear (<= 256 tokens), the team with the products on
-// the sgemm split by rows (> 256), attention on SmallAttention (S <= 64) and on the sgemm (S > 64),
+// the sgemm split by rows (> 256), attention in registers (S <= 48) and on the micro-kernel (S > 48),
 // padded batches, the per-operation path (one thread), and collaborative layers (ATen attention).
 at::Tensor LogitsFromTheFullEncoder(const BertClassifier& m, const at::Tensor& ids,
                                     const at::Tensor& types, const at::Tensor& mask) {
