@@ -61,11 +61,27 @@ void SgemmHead(SgemmFn sgemm, const float* q, const float* k, const float* v, co
   TORCH_CHECK(st == 0, "dnnl_sgemm (attention context) failed with status ", st);
 }
 
+// Where AttendHeads' scratch goes: the S key terms, the packed keys, the packed queries, then the
+// attention kernel's work space (or the sgemm path's [S, S] scores and mixed queries); offsets in
+// floats, `size` the whole.
+struct ScratchLayout {
+  int64_t add, keys, queries, work, size;
+};
+
+ScratchLayout LayoutOfScratch(int64_t S, int64_t width, int64_t dk) {
+  ScratchLayout l;
+  l.add = 0;
+  l.keys = l.add + S;
+  l.queries = l.keys + PackedKeysSize(S, width);
+  l.work = l.queries + PackedRowsSize(S, width);
+  l.size = l.work + std::max(AttentionWorkSize(S, S, width, dk), S * S + S * width);
+  return l;
+}
+
 }  // namespace
 
 at::Tensor AttentionScratch(int64_t S, int64_t width, int64_t dk, const at::TensorOptions& options) {
-  const int64_t work = std::max(AttentionWorkSize(S, S, width, dk), S * S + S * width);
-  return at::empty({S + PackedKeysSize(S, width) + PackedRowsSize(S, width) + work}, options);
+  return at::empty({LayoutOfScratch(S, width, dk).size}, options);
 }
 
 AttentionLayout LayoutOf(const EncoderLayer& l, int64_t H, int64_t dk) {
@@ -103,11 +119,12 @@ void AttendHeads(SgemmFn sgemm, const float* p, const AttentionLayout& L, const 
   const int64_t ld = L.ld, dk = L.dk, width = L.width;
   const float* row0 = p + b * S * ld;
   const float* m = mask != nullptr ? mask + b * S : nullptr;
-  float* add = scratch.data_ptr<float>();
-  float* keys = add + S;
-  float* queries = keys + PackedKeysSize(S, width);
-  const int64_t work_offset = S + PackedKeysSize(S, width) + PackedRowsSize(S, width);
-  float* work = add + work_offset;
+  const ScratchLayout sl = LayoutOfScratch(S, width, dk);
+  float* base = scratch.data_ptr<float>();
+  float* add = base + sl.add;
+  float* keys = base + sl.keys;
+  float* queries = base + sl.queries;
+  float* work = base + sl.work;
   const bool kernel = UseAttentionKernel();
   // A collaborative layer's heads share their keys and queries (head_step 0): packed once for all
   // of them (the queries where the kernel's micro-kernel form reads them packed).
@@ -129,7 +146,7 @@ void AttendHeads(SgemmFn sgemm, const float* p, const AttentionLayout& L, const 
     }
     const float* mix = L.mixing != nullptr ? L.mixing + h * width : nullptr;
     if (!kernel) {
-      SgemmHead(sgemm, q, k, v, L, mix, key_add, S, Sq, out, D, scratch, work_offset);
+      SgemmHead(sgemm, q, k, v, L, mix, key_add, S, Sq, out, D, scratch, sl.work);
       continue;
     }
     if (!shared) PackKeys(k, ld, S, width, keys);

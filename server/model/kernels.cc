@@ -113,6 +113,16 @@ COLLABSERVE_AVX512 inline void MicroKernel(int64_t kc, const float* a, const flo
   }
 }
 
+// The first `left` of 16 lanes (all of them from 16 on, none at 0 or below).
+inline __mmask16 LaneMask(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
+}
+
+// The masks of the valid columns of a 32-wide panel with `valid` of them.
+inline std::pair<__mmask16, __mmask16> PanelMasks(int64_t valid) {
+  return {LaneMask(valid), LaneMask(valid - 16)};
+}
+
 using MicroKernelFn = void (*)(int64_t, const float*, const float*, float*, int64_t, bool,
                                const float*, const float*, int64_t, __mmask16, __mmask16, int);
 template <size_t... M>
@@ -210,10 +220,7 @@ COLLABSERVE_AVX512 void PanelsOnPacked(const float* a, int64_t m0, int64_t m_end
     const float* bp = w.data() + (p * K + k0) * kPanel;
     const int64_t n0 = p * kPanel;
     const int64_t valid = std::min(kPanel, N - n0);
-    const __mmask16 mk0 = valid >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << valid) - 1);
-    const __mmask16 mk1 = valid >= 32  ? 0xFFFF
-                          : valid > 16 ? static_cast<__mmask16>((1u << (valid - 16)) - 1)
-                                       : 0;
+    const auto [mk0, mk1] = PanelMasks(valid);
     const float* bias_p = bias != nullptr ? bias + n0 : nullptr;
     // The first row tile brings the weight block in (prefetched ahead, in both orders: at 128
     // rows, 9 alternated runs each, 8 × 16 went 86.7 -> 88.3 seq/s and 1 × 128 10.5 -> 10.6 with
@@ -301,7 +308,7 @@ COLLABSERVE_AVX512 void GeluRowsAvx512(float* x, int64_t ldx, int64_t rows, int6
     int64_t c = c0;
     for (; c + 16 <= c1; c += 16) _mm512_storeu_ps(row + c, Gelu512(_mm512_loadu_ps(row + c)));
     if (c < c1) {
-      const __mmask16 m = static_cast<__mmask16>((1u << (c1 - c)) - 1);
+      const __mmask16 m = LaneMask(c1 - c);
       _mm512_mask_storeu_ps(row + c, m, Gelu512(_mm512_maskz_loadu_ps(m, row + c)));
     }
   }
@@ -343,7 +350,7 @@ COLLABSERVE_AVX512 void SmallAttentionTiles(const float* q, int64_t ldq, const f
   __m512 madd[NT];
   for (int j = 0; j < NT; ++j) {
     const int64_t left = S - 16 * j;
-    valid[j] = left >= 16 ? 0xFFFF : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
+    valid[j] = LaneMask(left);
     const __m512 m = mask != nullptr ? _mm512_maskz_loadu_ps(valid[j], mask + 16 * j) : _mm512_setzero_ps();
     madd[j] = _mm512_mask_blend_ps(valid[j], _mm512_set1_ps(-INFINITY), m);
   }
@@ -424,7 +431,26 @@ COLLABSERVE_AVX512 void SmallAttentionTiles(const float* q, int64_t ldq, const f
 }
 
 // Where Attention's work space goes: the query factors, the queries (premixed rows, or packed
-// tiles for the micro-kernel), the [queries, S] scores, the probabilities packed, the values packed.
+// tiles for the micro-kernel), the [queries, S] scores, the probabilities packed, the values
+// packed; offsets in floats, `size` the whole.
+struct AttentionWorkLayout {
+  int64_t factors, queries, scores, probs, values, size;
+};
+
+int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+AttentionWorkLayout WorkLayout(int64_t S, int64_t queries, int64_t width, int64_t dv) {
+  const int64_t rows = RoundUp(queries, kMr);
+  AttentionWorkLayout l;
+  l.factors = 0;
+  l.queries = l.factors + RoundUp(width, 16);
+  l.scores = l.queries + rows * width;
+  l.probs = l.scores + queries * S;
+  l.values = l.probs + rows * S;
+  l.size = l.values + RoundUp(dv, kPanel) * S;
+  return l;
+}
+
 struct AttentionWork {
   float* factors;
   float* queries;
@@ -433,17 +459,9 @@ struct AttentionWork {
   float* values;
 };
 
-int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
 AttentionWork CarveAttentionWork(float* work, int64_t S, int64_t queries, int64_t width, int64_t dv) {
-  AttentionWork w;
-  const int64_t rows = RoundUp(queries, kMr);
-  w.factors = work;
-  w.queries = w.factors + RoundUp(width, 16);
-  w.scores = w.queries + rows * width;
-  w.probs = w.scores + queries * S;
-  w.values = w.probs + rows * S;
-  return w;
+  const AttentionWorkLayout l = WorkLayout(S, queries, width, dv);
+  return {work + l.factors, work + l.queries, work + l.scores, work + l.probs, work + l.values};
 }
 
 // The query factors of a head: query_factor[d] · scale (scale alone without factors).
@@ -477,15 +495,6 @@ COLLABSERVE_AVX512 void SmallAttentionAvx512(const AttentionHead& a, int64_t S, 
   }
 }
 
-// Masks of the valid columns of a 32-wide panel with `valid` of them.
-inline std::pair<__mmask16, __mmask16> PanelMasks(int64_t valid) {
-  const __mmask16 mk0 = valid >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << valid) - 1);
-  const __mmask16 mk1 = valid >= 32  ? 0xFFFF
-                        : valid > 16 ? static_cast<__mmask16>((1u << (valid - 16)) - 1)
-                                     : 0;
-  return {mk0, mk1};
-}
-
 // In place over the first S entries of each of `rows` rows (leading dimension ld): the softmax.
 // Lane j % 16 of a chunk accumulates key j, so keys past a sequence's own (probability 0) change
 // neither the maximum nor the sum.
@@ -494,20 +503,20 @@ COLLABSERVE_AVX512 void SoftmaxRowsAvx512(float* x, int64_t ld, int64_t rows, in
     float* row = x + r * ld;
     __m512 mx = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < S; j += 16) {
-      const __mmask16 m = S - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (S - j)) - 1);
+      const __mmask16 m = LaneMask(S - j);
       mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, row + j));
     }
     const __m512 top = _mm512_set1_ps(HorizontalMax(mx));
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < S; j += 16) {
-      const __mmask16 m = S - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (S - j)) - 1);
+      const __mmask16 m = LaneMask(S - j);
       const __m512 e = _mm512_maskz_mov_ps(m, Exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + j), top)));
       _mm512_mask_storeu_ps(row + j, m, e);
       sum = _mm512_add_ps(sum, e);
     }
     const __m512 inv = _mm512_set1_ps(1.0f / HorizontalSum(sum));
     for (int64_t j = 0; j < S; j += 16) {
-      const __mmask16 m = S - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (S - j)) - 1);
+      const __mmask16 m = LaneMask(S - j);
       _mm512_mask_storeu_ps(row + j, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + j), inv));
     }
   }
@@ -584,7 +593,7 @@ COLLABSERVE_AVX512 void NarrowProductAvx512(const float* x, int64_t ldx, int64_t
 #pragma GCC unroll 12
       for (int i = 0; i < kGroup; ++i) acc[i] = _mm512_setzero_ps();
       for (int64_t k = 0; k < K; k += 16) {
-        const __mmask16 m = K - k >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (K - k)) - 1);
+        const __mmask16 m = LaneMask(K - k);
         const __m512 xv = _mm512_maskz_loadu_ps(m, xr + k);
 #pragma GCC unroll 12
         for (int i = 0; i < kGroup; ++i) {
@@ -794,8 +803,7 @@ bool AttentionInRegisters(int64_t S, int64_t dv, int64_t small_max_s) {
 }
 
 int64_t AttentionWorkSize(int64_t S, int64_t queries, int64_t width, int64_t dv) {
-  const int64_t rows = RoundUp(queries, kMr);
-  return RoundUp(width, 16) + rows * width + queries * S + rows * S + RoundUp(dv, kPanel) * S;
+  return WorkLayout(S, queries, width, dv).size;
 }
 
 void Attention(const AttentionHead& head, int64_t S, int64_t queries, float* ctx, int64_t ldc,
