@@ -207,7 +207,7 @@ if [ $failed = 0 ]; then
       --batches "$batches" --seqs "$seqs" --threads "$threads" --budget_s "$budget" "${sdpa[@]}" || failed=1
     run_step "engine-$dt" env OMP_NUM_THREADS=$threads OMP_WAIT_POLICY=PASSIVE "$bin/engine_bench" \
       --model="$models/$preset" --collab_model="$collab_dirs" --device="$device" --dtype="$dt" \
-      --batches="$batches" --seqs="$seqs" --threads="$threads" --budget_s="$budget" --rounds=1 \
+      --batches="$batches" --seqs="$seqs" --threads="$threads" --budget_s="$budget" \
       --pytorch_tsv="$OUT/pytorch-$dt.tsv" --tsv_out="$OUT/engine-$dt.tsv" --sgemm=0 --stream_mb=0 \
       --memory=0 || failed=1
   done

@@ -10,19 +10,20 @@
 // function of (b, s) shared with the baselines.
 //
 // Collaborative models (--collab_model, one or more directories) are measured at each grid point
-// together with the standard one, in --rounds rounds (each model once a round, the order rotated
-// from round to round, --budget_s split over the rounds) so that the machine's drift falls on
-// every model alike; each model's figure is its median round. A second table gives each
-// collaborative model's seq/s as a ratio to the standard model's. --memory=1 (the default) first prints each model's resident memory as served:
-// a fresh process per model (this binary with --rss_child=DIR) loads it as the server does, runs
-// one 8 × 128 call and reports VmRSS, minus the same for a generated tiny model, next to the
-// model's float32 parameter bytes.
+// together with the standard one, their timed runs alternating with its runs one by one (the
+// order rotated each round, --budget_s per model), so that the machine's drift falls on every
+// model alike. A second table gives each collaborative model's seq/s as a ratio to the standard
+// model's. --memory=1 (the default) first prints each model's resident memory as served: a fresh
+// process per model (this binary with --rss_child=DIR) loads it as the server does, runs one
+// 8 × 128 call and reports VmRSS, minus the same for a generated tiny model, next to the model's
+// float32 parameter bytes. Linked with the server's allocator (jemalloc where the server has it),
+// so that both the timings and the memory are those of the engine as served.
 //
 // Usage: engine_bench --model=DIR [--collab_model=DIR[,DIR...]] [--batches=1,8,32]
 //                     [--seqs=16,128,512] [--threads=2] [--budget_s=4] [--min_runs=3]
 //                     [--max_runs=50] [--warmup_batch=8] [--pytorch_tsv=FILE] [--ort_tsv=FILE]
 //                     [--tsv_out=FILE] [--sgemm=2048] [--stream_mb=512] [--memory=1]
-//                     [--rounds=5] [--device=cpu|cuda[:N]] [--dtype=float32|float16|bfloat16]
+//                     [--device=cpu|cuda[:N]] [--dtype=float32|float16|bfloat16]
 // On a GPU (--device=cuda) the timings include copying the logits back (Run returns them on the
 // CPU, which waits for the GPU), and the memory table is skipped.
 #include <ATen/ATen.h>
@@ -66,7 +67,6 @@ struct Flags {
   std::string model, pytorch_tsv, ort_tsv, tsv_out, rss_child;
   std::vector<std::string> collab_models;
   int memory = 1;
-  int rounds = 5;
   std::string device = "cpu", dtype = "float32";
   std::vector<int> batches = {1, 8, 32};
   std::vector<int> seqs = {16, 128, 512};
@@ -86,7 +86,6 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
            .String("collab_model", &collab)
            .String("rss_child", &f->rss_child)
            .Int("memory", &f->memory)
-           .Int("rounds", &f->rounds, 1)
            .String("device", &f->device)
            .String("dtype", &f->dtype)
            .String("pytorch_tsv", &f->pytorch_tsv)
@@ -167,37 +166,49 @@ struct Point {
   int runs = 0;
 };
 
-Point Measure(const Engine& engine, int batch, int seq, const Flags& f) {
-  auto inputs = MakeInputs(batch, seq);
-  auto run = [&](const std::vector<TokenizedInput>& in) {
+// Every model's Point at one grid point. Each model has one warm-up run, then the timed runs
+// alternate between the models, one run each per round (round r starts at model r mod M), so a
+// slow spell of the machine falls on every model alike, at the scale of one run rather than of a
+// whole measurement; until every model has had min_runs and the budget (budget_s per model) is
+// spent, or max_runs each.
+std::vector<Point> MeasureAlternating(const std::vector<const Engine*>& models, int batch, int seq,
+                                      const Flags& f) {
+  const auto inputs = MakeInputs(batch, seq);
+  auto run = [&](const Engine& engine, const std::vector<TokenizedInput>& in) {
     auto r = engine.Run(in);
     if (!r.ok()) {
       std::fprintf(stderr, "engine_bench: Run failed: %s\n", r.status().ToString().c_str());
       std::exit(1);
     }
   };
-  {
-    // Warm-up (allocator, OpenBLAS buffers, first-touch pages) on at most --warmup_batch sequences:
-    // a full 32 × 512 batch would cost as much as a timed run.
-    std::vector<TokenizedInput> head(inputs.begin(), inputs.begin() + std::min(batch, f.warmup_batch));
-    run(head);
+  // Warm-up (allocator, OpenBLAS buffers, first-touch pages) on at most --warmup_batch sequences:
+  // a full 32 × 512 batch would cost as much as a timed run.
+  const std::vector<TokenizedInput> head(inputs.begin(), inputs.begin() + std::min(batch, f.warmup_batch));
+  for (const Engine* e : models) run(*e, head);
+  const size_t M = models.size();
+  std::vector<std::vector<double>> times(M), cpu_times(M);
+  double spent = 0;
+  for (int r = 0; r < f.max_runs && (r < f.min_runs || spent < f.budget_s * M); ++r) {
+    for (size_t i = 0; i < M; ++i) {
+      const size_t m = (i + r) % M;
+      const double t0 = Now(), c0 = CpuSeconds();
+      run(*models[m], inputs);
+      times[m].push_back(Now() - t0);
+      cpu_times[m].push_back(CpuSeconds() - c0);
+      spent += times[m].back();
+    }
   }
-  std::vector<double> times, cpu_times;
-  double cpu0 = CpuSeconds(), wall0 = Now(), spent = 0;
-  while (static_cast<int>(times.size()) < f.max_runs &&
-         (static_cast<int>(times.size()) < f.min_runs || spent < f.budget_s)) {
-    double t0 = Now(), c0 = CpuSeconds();
-    run(inputs);
-    times.push_back(Now() - t0);
-    cpu_times.push_back(CpuSeconds() - c0);
-    spent += times.back();
+  std::vector<Point> points(M);
+  for (size_t m = 0; m < M; ++m) {
+    Point& p = points[m];
+    p.runs = static_cast<int>(times[m].size());
+    p.seq_per_s = batch / Median(times[m]);
+    p.cpu_ms_per_seq = 1e3 * Median(cpu_times[m]) / batch;
+    double wall = 0, cpu = 0;
+    for (size_t i = 0; i < times[m].size(); ++i) wall += times[m][i], cpu += cpu_times[m][i];
+    p.cpu_util = cpu / wall;
   }
-  Point p;
-  p.runs = static_cast<int>(times.size());
-  p.seq_per_s = batch / Median(times);
-  p.cpu_ms_per_seq = 1e3 * Median(cpu_times) / batch;
-  p.cpu_util = (CpuSeconds() - cpu0) / (Now() - wall0);
-  return p;
+  return points;
 }
 
 double SgemmPeak(int n) {
@@ -464,26 +475,12 @@ int Main(int argc, char** argv) {
         std::printf("%5d %5d | longer than the model's max_length %d: skipped\n", b, s, info.max_length);
         continue;
       }
-      // Model 0 the standard one, then the collaborative ones; round r starts at model r.
+      // Model 0 the standard one, then the collaborative ones.
       std::vector<const Engine*> models = {engine.get()};
       for (const auto& c : collabs) models.push_back(c.get());
-      std::vector<std::vector<Point>> rounds(models.size());
-      Flags per_round = f;
-      per_round.budget_s = f.budget_s / f.rounds;
-      per_round.min_runs = std::max(1, f.min_runs / f.rounds);
-      for (int r = 0; r < f.rounds; ++r) {
-        for (size_t i = 0; i < models.size(); ++i) {
-          const size_t m = (i + r) % models.size();
-          rounds[m].push_back(Measure(*models[m], b, s, per_round));
-        }
-      }
-      auto median_round = [](std::vector<Point> v) {
-        std::sort(v.begin(), v.end(), [](const Point& x, const Point& y) { return x.seq_per_s < y.seq_per_s; });
-        return v[v.size() / 2];
-      };
-      const Point p = median_round(rounds[0]);
-      std::vector<Point> pcs;
-      for (size_t m = 1; m < models.size(); ++m) pcs.push_back(median_round(rounds[m]));
+      const std::vector<Point> points = MeasureAlternating(models, b, s, f);
+      const Point& p = points[0];
+      const std::vector<Point> pcs(points.begin() + 1, points.end());
       const Point pc = pcs.empty() ? Point() : pcs[0];
       collab_rows.push_back({b, s, p, pcs});
       std::vector<Baseline> found;
@@ -525,7 +522,7 @@ int Main(int argc, char** argv) {
   }
   if (tsv) std::fclose(tsv);
   if (!collabs.empty()) {
-    std::printf("\nCollaborative models against the standard one (seq/s, same run, median of %d interleaved rounds):\n", f.rounds);
+    std::printf("\nCollaborative models against the standard one (seq/s, same run, the models' runs alternating):\n");
     std::printf("%5s %5s | %9s", "batch", "seq", "standard");
     for (const auto& c : collabs) {
       const auto& ranks = c->info().collaborative_ranks;

@@ -3,23 +3,14 @@
 add_executable(collabserve ${CMAKE_CURRENT_LIST_DIR}/collabserve_main.cc)
 target_link_libraries(collabserve PRIVATE collabserve_service collabserve_model
   absl::flags absl::flags_parse absl::flags_usage absl::strings absl::synchronization glog::glog)
-if(COLLABSERVE_JEMALLOC AND NOT COLLABSERVE_SANITIZE)
-  find_library(COLLABSERVE_JEMALLOC_LIBRARY NAMES jemalloc)
-  if(COLLABSERVE_JEMALLOC_LIBRARY)
-    # First among the libraries so that its malloc interposes glibc's for the whole process.
-    target_link_libraries(collabserve PRIVATE ${COLLABSERVE_JEMALLOC_LIBRARY})
-    message(STATUS "collabserve allocates with jemalloc (${COLLABSERVE_JEMALLOC_LIBRARY})")
-  else()
-    message(WARNING "jemalloc not found (Debian: libjemalloc-dev): collabserve uses glibc's malloc, "
-                    "whose arenas fragment as versions are swapped (scripts/install-deps.sh installs it)")
-  endif()
-endif()
+collabserve_link_allocator(collabserve)
 
 # The serving benchmark's raw-engine ceiling (bench/serving/run_serving_bench.sh). Built here, not
 # in bench/CMakeLists.txt, because bench/serving/ belongs to the server's owner.
 if(COLLABSERVE_BUILD_BENCH)
   add_executable(serving_engine_peak ${CMAKE_SOURCE_DIR}/bench/serving/engine_peak.cc)
   target_link_libraries(serving_engine_peak PRIVATE collabserve_model absl::strings)
+  collabserve_link_allocator(serving_engine_peak)
 endif()
 # The Admin service (server/service/admin.cmake defines collabserve_admin).
 include(${CMAKE_SOURCE_DIR}/server/service/admin.cmake)
