@@ -8,10 +8,13 @@
 
 #include <atomic>
 #include <limits>
+#include <memory>
 #include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
+
+#include "server/util/process_memory.h"
 
 namespace collabserve::model {
 namespace {
@@ -361,6 +364,33 @@ TEST(PackedWeight, UnpacksExactly) {
   at::Tensor out = at::empty({37 * 100});
   EXPECT_THROW(p.UnpackColumns(16, 64, out.data_ptr<float>()), c10::Error);
   EXPECT_THROW(p.UnpackColumns(0, 101, out.data_ptr<float>()), c10::Error);
+}
+
+// A packed weight holds pages of its own: resident while it lives, its bytes and not an
+// allocator's size class (jemalloc would put a 3.5 MiB weight in a 4 MiB one), and given back to
+// the system when it is destroyed.
+TEST(PackedWeight, HoldsItsOwnPagesAndGivesThemBack) {
+  c10::InferenceMode guard;
+  const at::Tensor w = at::ones({1184, 768});  // 37 panels: 3.47 MiB packed
+  auto rss = [] {
+    auto m = util::ReadProcessMemory();
+    EXPECT_TRUE(m.ok()) << m.status();
+    return m.ok() ? m->rss_bytes : int64_t{0};
+  };
+  const int64_t before = rss();
+  int64_t bytes = 0, during = 0;
+  {
+    std::vector<std::unique_ptr<PackedWeight>> weights;
+    for (int i = 0; i < 8; ++i) {
+      weights.push_back(std::make_unique<PackedWeight>(w));
+      bytes += weights.back()->bytes();
+    }
+    during = rss();
+  }
+  const int64_t after = rss();
+  EXPECT_GE(during - before, bytes * 95 / 100);
+  EXPECT_LE(during - before, bytes + (int64_t{4} << 20));
+  EXPECT_LE(after - before, int64_t{2} << 20);
 }
 
 TEST(LayerNormRowsInPlace, OneColumnGivesTheBias) {
