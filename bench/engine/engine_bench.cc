@@ -13,7 +13,7 @@
 // together with the standard one, their timed runs alternating with its runs one by one (the
 // order rotated each round, --budget_s per model), so that the machine's drift falls on every
 // model alike. A second table gives each collaborative model's seq/s as a ratio to the standard
-// model's. --memory=1 (the default) first prints each model's resident memory as served: a fresh
+// model's, with the middle half of the rounds' own ratios as its spread. --memory=1 (the default) first prints each model's resident memory as served: a fresh
 // process per model (this binary with --rss_child=DIR) loads it as the server does, runs one
 // 8 × 128 call and reports VmRSS, minus the same for a generated tiny model, next to the model's
 // float32 parameter bytes. Linked with the server's allocator (jemalloc where the server has it),
@@ -164,6 +164,7 @@ struct Point {
   double cpu_ms_per_seq = 0;  // median process CPU time of a run / batch: the work, whatever the load
   double cpu_util = 0;        // process CPU seconds / wall seconds over the timed runs
   int runs = 0;
+  std::vector<double> times;  // each timed run's seconds, in round order (MeasureAlternating)
 };
 
 // Every model's Point at one grid point. Each model has one warm-up run, then the timed runs
@@ -207,6 +208,7 @@ std::vector<Point> MeasureAlternating(const std::vector<const Engine*>& models, 
     double wall = 0, cpu = 0;
     for (size_t i = 0; i < times[m].size(); ++i) wall += times[m][i], cpu += cpu_times[m][i];
     p.cpu_util = cpu / wall;
+    p.times = times[m];
   }
   return points;
 }
@@ -526,16 +528,25 @@ int Main(int argc, char** argv) {
     std::printf("%5s %5s | %9s", "batch", "seq", "standard");
     for (const auto& c : collabs) {
       const auto& ranks = c->info().collaborative_ranks;
-      std::printf(" | %16s", ("rank " + (ranks.empty() ? std::string("-") : std::to_string(ranks[0]))).c_str());
+      std::printf(" | %28s", ("rank " + (ranks.empty() ? std::string("-") : std::to_string(ranks[0]))).c_str());
     }
     std::printf("\n");
     for (const CollabRow& r : collab_rows) {
       std::printf("%5d %5d | %9.2f", r.batch, r.seq, r.standard.seq_per_s);
       for (const Point& c : r.collab) {
-        std::printf(" | %7.2f (%5.2fx)", c.seq_per_s, c.seq_per_s / r.standard.seq_per_s);
+        // The spread: the middle half of the rounds' own ratios (one run of each model a round).
+        std::vector<double> ratios;
+        for (size_t i = 0; i < std::min(c.times.size(), r.standard.times.size()); ++i) {
+          ratios.push_back(r.standard.times[i] / c.times[i]);
+        }
+        std::sort(ratios.begin(), ratios.end());
+        const size_t n = ratios.size();
+        std::printf(" | %7.2f (%5.2fx, %4.2f-%4.2f)", c.seq_per_s, c.seq_per_s / r.standard.seq_per_s,
+                    n > 0 ? ratios[n / 4] : 0.0, n > 0 ? ratios[(3 * n) / 4 - (n % 4 == 0 ? 1 : 0)] : 0.0);
       }
       std::printf("\n");
     }
+    std::printf("(a-b): the middle half of the ratios of the two models' runs in the same round.\n");
   }
   getloadavg(loadavg, 1);
   std::printf("\nmedians of timed runs after one warm-up. vs best baseline = collabserve seq/s / max(PyTorch, ORT);"
