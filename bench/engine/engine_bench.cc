@@ -13,10 +13,10 @@
 // together with the standard one, their timed runs alternating with its runs one by one (the
 // order rotated each round, --budget_s per model), so that the machine's drift falls on every
 // model alike. A second table gives each collaborative model's seq/s as a ratio to the standard
-// model's, with the middle half of the rounds' own ratios as its spread. --memory=1 (the default) first prints each model's resident memory as served: a fresh
-// process per model (this binary with --rss_child=DIR) loads it as the server does, runs one
-// 8 × 128 call and reports VmRSS, minus the same for a generated tiny model, next to the model's
-// float32 parameter bytes. Linked with the server's allocator (jemalloc where the server has it),
+// model's, with the middle half of the rounds' own ratios as its spread. --memory=1 (the
+// default) first prints each model's resident memory as served: a fresh process per model (this
+// binary with --rss_child=DIR) loads it as the server does, runs one 8 × 128 call and reports
+// VmRSS, minus the same for a generated tiny model, next to the model's float32 parameter bytes. Linked with the server's allocator (jemalloc where the server has it),
 // so that both the timings and the memory are those of the engine as served.
 //
 // Usage: engine_bench --model=DIR [--collab_model=DIR[,DIR...]] [--batches=1,8,32]
