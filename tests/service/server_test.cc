@@ -345,10 +345,12 @@ TEST_F(ServerTest, AnInputWhoseDeadlinePassedNeverReachesTheModel) {
   EXPECT_TRUE(running->status.ok());
   auto servable = Servable("tiny");
   // gRPC also cancels the server side of a call whose deadline passed; whichever the scheduler
-  // sees first, the two expired inputs are dropped from the queue, not run.
+  // sees first, the two expired inputs are dropped from the queue, not run. On a loaded machine
+  // the call may reach Schedule only after its deadline: then the scheduler refuses them (not
+  // counted as accepted), which keeps them from the model just the same.
   ASSERT_TRUE(Eventually([&] {
     auto st = servable->scheduler_stats();
-    return st.tasks_failed_deadline + st.tasks_failed_cancelled == 2;
+    return st.tasks_failed_deadline + st.tasks_failed_cancelled == st.tasks_scheduled - 1;
   }));
   EXPECT_EQ(servable->scheduler_stats().tasks_batched, 1);
   EXPECT_EQ(Metrics()["collabserve_batch_size_sum{model=\"tiny\"}"], 1);
