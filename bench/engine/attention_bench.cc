@@ -72,26 +72,15 @@ int Main(int argc, char** argv) {
     }, f.budget_s);
     const double dense_rate = 2.0 * S * D * D / dense_s / 1e9;
     for (int width : f.widths) {
-      internal::AttentionLayout L;
-      L.dk = dk;
-      at::Tensor mixing;
-      if (width == dk) {  // standard heads
-        L.ld = 3 * D;
-        L.width = dk;
-        L.k0 = D;
-        L.v0 = 2 * D;
-        L.head_step = dk;
-        L.scale = 0.125f;
-      } else {  // collaborative: [q~ | k~ | v | content]
-        L.ld = 2 * width + D + H;
-        L.width = width;
-        L.k0 = width;
-        L.v0 = 2 * width;
-        L.content0 = 2 * width + D;
-        mixing = at::randn({H, width}).mul_(0.125);
-        L.mixing = mixing.data_ptr<float>();
+      // The layout the engine gives such a layer (standard heads at width dk, else collaborative
+      // at rank `width`: [q~ | k~ | v | content]).
+      EncoderLayer layer;
+      if (width != dk) {
+        layer.collaborative = true;
+        layer.rank = width;
+        layer.mixing = at::randn({H, width}).mul_(0.125);
       }
-      L.fused_n = L.ld;
+      const internal::AttentionLayout L = internal::LayoutOf(layer, H, dk);
       at::Tensor proj = at::randn({S, L.ld});
       at::Tensor ctx = at::empty({S, D});
       at::Tensor scratch = internal::AttentionScratch(S, width, dk, proj.options());

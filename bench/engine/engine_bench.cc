@@ -16,8 +16,9 @@
 // model's, with the middle half of the rounds' own ratios as its spread. --memory=1 (the
 // default) first prints each model's resident memory as served: a fresh process per model (this
 // binary with --rss_child=DIR) loads it as the server does, runs one 8 × 128 call and reports
-// VmRSS, minus the same for a generated tiny model, next to the model's float32 parameter bytes. Linked with the server's allocator (jemalloc where the server has it),
-// so that both the timings and the memory are those of the engine as served.
+// VmRSS, minus the same for a generated tiny model, next to the model's float32 parameter bytes.
+// Linked with the server's allocator (jemalloc where the server has it), so that both the timings
+// and the memory are those of the engine as served.
 //
 // Usage: engine_bench --model=DIR [--collab_model=DIR[,DIR...]] [--batches=1,8,32]
 //                     [--seqs=16,128,512] [--threads=2] [--budget_s=4] [--min_runs=3]
@@ -163,7 +164,6 @@ struct Point {
   double seq_per_s = 0;
   double cpu_ms_per_seq = 0;  // median process CPU time of a run / batch: the work, whatever the load
   double cpu_util = 0;        // process CPU seconds / wall seconds over the timed runs
-  int runs = 0;
   std::vector<double> times;  // each timed run's seconds, in round order (MeasureAlternating)
 };
 
@@ -202,7 +202,6 @@ std::vector<Point> MeasureAlternating(const std::vector<const Engine*>& models, 
   std::vector<Point> points(M);
   for (size_t m = 0; m < M; ++m) {
     Point& p = points[m];
-    p.runs = static_cast<int>(times[m].size());
     p.seq_per_s = batch / Median(times[m]);
     p.cpu_ms_per_seq = 1e3 * Median(cpu_times[m]) / batch;
     double wall = 0, cpu = 0;
@@ -514,10 +513,10 @@ int Main(int argc, char** argv) {
                   peak > 0 ? Fmt("%.0f%%", 100 * gflops / peak).c_str() : "-",
                   Fmt("%.1f", p.cpu_ms_per_seq).c_str(), cells[2].c_str(), cells[3].c_str(),
                   cpu_ratio.c_str(), Fmt("%.0f%%", 100 * p.cpu_util).c_str(),
-                  std::to_string(p.runs).c_str());
+                  std::to_string(p.times.size()).c_str());
       std::fflush(stdout);
       if (tsv) {
-        std::fprintf(tsv, "%d\t%d\t%.4f\t%d\t%.3f\t%.4f\n", b, s, p.seq_per_s, p.runs,
+        std::fprintf(tsv, "%d\t%d\t%.4f\t%zu\t%.3f\t%.4f\n", b, s, p.seq_per_s, p.times.size(),
                      p.cpu_ms_per_seq, pc.seq_per_s);
       }
     }
@@ -542,7 +541,7 @@ int Main(int argc, char** argv) {
         std::sort(ratios.begin(), ratios.end());
         const size_t n = ratios.size();
         std::printf(" | %7.2f (%5.2fx, %4.2f-%4.2f)", c.seq_per_s, c.seq_per_s / r.standard.seq_per_s,
-                    n > 0 ? ratios[n / 4] : 0.0, n > 0 ? ratios[(3 * n) / 4 - (n % 4 == 0 ? 1 : 0)] : 0.0);
+                    n > 0 ? ratios[n / 4] : 0.0, n > 0 ? ratios[n - 1 - n / 4] : 0.0);
       }
       std::printf("\n");
     }

@@ -6,10 +6,10 @@
 #include <sys/mman.h>
 
 #include <algorithm>
-#include <cerrno>
-#include <cstring>
 #include <array>
+#include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <utility>
 #include <vector>
 
