@@ -18,8 +18,9 @@ namespace collabserve::model::internal {
 // and how its scores are formed (AttentionHead): one description for standard and collaborative
 // layers, so that both run on the same kernels.
 struct AttentionLayout {
-  int64_t ld = 0;     // floats per projection row
+  int64_t ld = 0;     // floats per projection row (at least fused_n + content_n)
   int64_t fused_n = 0;  // columns the fused product writes (then the content scores, if any)
+  int64_t content_n = 0;  // content score columns: H (collaborative), or 0
   int64_t width = 0;  // score width: d_k, or the collaborative rank R
   int64_t dk = 0;     // value width
   int64_t q0 = 0, k0 = 0, v0 = 0;  // columns of head 0's query, key and value
