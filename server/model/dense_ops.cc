@@ -63,9 +63,10 @@ constexpr int64_t kUnpackColumns = 512;
 
 // out[:, n0:n1] += x[rows, K] · w[n0:n1, :]^T on the sgemm (one call on its own threads, or
 // single-threaded inside a ThreadTeam run): on the plain weight when the model has it, else on
-// blocks of columns unpacked from the packed copy. n0 a multiple of PackedWeight::kPanel.
+// `unpacked` (w^T, [K, N]) when given, else on blocks of columns unpacked from the packed copy.
+// n0 a multiple of PackedWeight::kPanel.
 void SgemmAccumulate(SgemmFn sgemm, const float* x, int64_t ldx, int64_t rows, const DenseWeight& w,
-                     float* out, int64_t ldo, int64_t n0, int64_t n1) {
+                     float* out, int64_t ldo, int64_t n0, int64_t n1, const float* unpacked = nullptr) {
   if (n1 <= n0 || rows == 0) return;
   if (w.plain.defined()) {
     const int64_t K = w.plain.size(1);
@@ -78,6 +79,12 @@ void SgemmAccumulate(SgemmFn sgemm, const float* x, int64_t ldx, int64_t rows, c
   TORCH_CHECK(w.packed != nullptr, "a dense weight has neither its plain nor its packed form");
   const PackedWeight& p = *w.packed;
   const int64_t K = p.k();
+  if (unpacked != nullptr) {
+    const int st = sgemm('N', 'N', rows, n1 - n0, K, 1.0f, x, ldx, unpacked + n0, p.n(), 1.0f, out + n0, ldo);
+    TORCH_CHECK(st == 0, "dnnl_sgemm failed with status ", st, " for [", rows, ", ", K, "] x [", K,
+                ", ", n1 - n0, "]");
+    return;
+  }
   thread_local std::vector<float> block;
   for (int64_t c0 = n0; c0 < n1; c0 += kUnpackColumns) {
     const int64_t c1 = std::min(n1, c0 + kUnpackColumns), n = c1 - c0;
@@ -131,7 +138,7 @@ at::Tensor Dense(const at::Tensor& x, const DenseWeight& w, const at::Tensor& b,
 // Inside a ThreadTeam run the sgemm is single-threaded.
 void DenseColumns(SgemmFn sgemm, const float* x, int64_t ldx, int64_t rows, const DenseWeight& w,
                   bool packed, const float* bias, const float* residual, int64_t ldr, float* out,
-                  int64_t ldo, int64_t n0, int64_t n1) {
+                  int64_t ldo, int64_t n0, int64_t n1, const float* unpacked) {
   if (n1 <= n0) return;
   if (packed) {
     PackedLinearColumns(x, ldx, rows, *w.packed, bias, residual, ldr, out, ldo, n0, n1);
@@ -147,7 +154,7 @@ void DenseColumns(SgemmFn sgemm, const float* x, int64_t ldx, int64_t rows, cons
       std::memcpy(o, bias + n0, n * sizeof(float));
     }
   }
-  SgemmAccumulate(sgemm, x, ldx, rows, w, out, ldo, n0, n1);
+  SgemmAccumulate(sgemm, x, ldx, rows, w, out, ldo, n0, n1, unpacked);
 }
 
 at::Tensor LayerNormInPlace(at::Tensor x, const at::Tensor& w, const at::Tensor& b, double eps) {

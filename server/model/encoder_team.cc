@@ -25,6 +25,7 @@ using internal::AttentionScratch;
 using internal::ContentScores;
 using internal::DenseColumns;
 using internal::FindSgemm;
+using internal::kPackedMaxMemberRows;
 using internal::kPackedMaxRows;
 using internal::LayoutOf;
 using internal::ProjectAndAttendHeads;
@@ -45,9 +46,10 @@ int64_t TeamMaxRows() {
 
 // The whole encoder in one ThreadTeam run, standard and collaborative layers alike, with the
 // sgemm. Short passes: each parallel ATen/OpenMP op would wake the other threads and let them go
-// back to sleep (dozens of times per pass at batch 1). Long passes (above kPackedMaxRows tokens,
-// the products on oneDNN's sgemm): oneDNN's own 2-thread split of one product left a core idle
-// (CPU 147-166% of 2 cores); here every member runs a single-threaded sgemm on its own share.
+// back to sleep (dozens of times per pass at batch 1). Long passes (above kPackedMaxRows tokens):
+// oneDNN's own 2-thread split of one product left a core idle (CPU 147-166% of 2 cores); here
+// every member runs its own share of the rows, on PackedLinear up to kPackedMaxMemberRows rows
+// each, else on a single-threaded sgemm.
 // Member t of n takes, per layer, up to kPackedMaxRows tokens: the q/k/v columns and attention of
 // heads [t·H/n, (t+1)·H/n) (no wait between the two, as in ProjectAndAttend); 1/n of the output
 // projection's panels (+ residual); 1/n of the rows of the LayerNorm; 1/n of the intermediate
@@ -57,8 +59,9 @@ int64_t TeamMaxRows() {
 // (sequence, head). A collaborative layer's heads share its query/key projections, so it always
 // has the barrier: first 1/n of the fused projection (panels, or rows above kPackedMaxRows), then
 // its heads' attention (by head when prepacked, else by (sequence, head)); the rest of the layer
-// as a standard one's. Every element is computed by the same kernels as on the per-operation path
-// (PackedLinear bit for bit; the sgemm's blocking may differ with the shape it is given).
+// as a standard one's. Every element is computed by the kernels of the per-operation path
+// (PackedLinear bit for bit; the sgemm's blocking may differ with the shape it is given), except
+// that a long pass's member shares may run on PackedLinear where that path takes the sgemm.
 // cls_only: the last layer as in Layer(..., cls_only): keys and values for every row, the rest
 // for the B [CLS] rows (x's rows b·S: leading dimension S·D), and h becomes [B, 1, D].
 bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add, bool cls_only) const {
@@ -99,9 +102,9 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add, boo
   // the leading dimension of those rows in the layer's input x (the residual).
   const size_t L = layers_.size();
   auto queries = [&](size_t li) { return cls_only && li + 1 == L ? int64_t{1} : S; };
-  // Above kPackedMaxRows tokens the products run on the sgemm, each member on its share of the
-  // rows (and all columns): each packs the whole weight but only its rows of x, and the rows of x
-  // (up to 16384 × 3072 floats here) outgrow the weight. Splitting the columns instead (each member
+  // Above kPackedMaxRows tokens each member runs its share of the rows of every product (and all
+  // columns): each reads the whole weight but only its rows of x, and the rows of x (up to
+  // 16384 × 3072 floats here) outgrow the weight. Splitting the columns instead (each member
   // reading all of x) was slower there (8 × 512: 2.07 vs 2.27 seq/s, 32 × 512: 2.17 vs 2.72).
   const bool split_rows = T > kPackedMaxRows;
   // When every product runs on PackedLinear, each activation a product reads is packed once, by
@@ -120,6 +123,22 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add, boo
     cpack = at::empty({PackedRowsSize(T, D)}, cur.options());
     ipack = at::empty({PackedRowsSize(T, F)}, cur.options());
   }
+  // Above kPackedMaxRows tokens a weight kept only packed is unpacked once per product into one
+  // [K, N] buffer (w^T), which the members fill together, each its share of the panels, in a step
+  // of its own; then each member's sgemm reads all of it for its rows. (Each member unpacking by
+  // itself every block of columns it multiplied by read each weight from memory once per member:
+  // 8 × 128, 2 threads, ~9% of the CPU time went to unpacking.)
+  int64_t unpack_floats = 0;
+  if (split_rows) {
+    for (const EncoderLayer& l : layers_) {
+      for (const DenseWeight* w : {&l.fused, &l.attn_out, &l.inter, &l.out}) {
+        if (!w->plain.defined() && w->packed != nullptr) {
+          unpack_floats = std::max(unpack_floats, w->packed->n() * w->packed->k());
+        }
+      }
+    }
+  }
+  const at::Tensor unpack_buf = unpack_floats > 0 ? at::empty({unpack_floats}, cur.options()) : at::Tensor();
   const bool ran = ThreadTeam::Shared().TryRun(n, [&](int t, int n) {
     ThreadTeam& team = ThreadTeam::Shared();
     at::Tensor scores = AttentionScratch(S, width, dk, cur.options());
@@ -205,48 +224,87 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add, boo
         std::swap(x, y);
         continue;
       }
-      // The weights each product of `rows` rows runs on: packed where the per-operation path
-      // would use PackedLinear, else the sgemm on the plain weight.
-      auto pick = [&](const DenseWeight& w, int64_t rows) { return UsePackedLinear(w, rows); };
+      // Whether a product of `rows` rows runs on PackedLinear: where the per-operation path would,
+      // and, above kPackedMaxRows rows (split by rows between the members), where each member's
+      // share is at most kPackedMaxMemberRows and the weight is kept only packed. Else the sgemm.
+      auto pick = [&](const DenseWeight& w, int64_t rows) {
+        return UsePackedLinear(w, rows) ||
+               (rows > kPackedMaxRows && w.packed != nullptr && !w.plain.defined() &&
+                (rows + n - 1) / n <= kPackedMaxMemberRows);
+      };
+      // w^T in unpack_buf for a product on the sgemm, unpacked by the members together in a step
+      // of its own; null where the product reads w as it is (packed on PackedLinear, or plain).
+      // A collective step: every member calls it with the same weight, in the same order.
+      auto unpack = [&](const DenseWeight& w, bool p) -> const float* {
+        if (p || !unpack_buf.defined() || w.plain.defined() || w.packed == nullptr) return nullptr;
+        const PackedWeight& pw = *w.packed;
+        int64_t n0, n1;
+        std::tie(n0, n1) = share(pw.n(), PackedWeight::kPanel, t, n);
+        float* buf = unpack_buf.data_ptr<float>();
+        team.Step([&] {
+          if (n1 > n0) pw.UnpackColumns(n0, n1, buf + n0, pw.n());
+        });
+        return buf;
+      };
       // A product's output [rows, N] for member t: on the sgemm with many rows, its share of the
       // rows (each member packs the whole weight, but only its rows of x); otherwise its share of
       // the columns (whole panels). res: the residual, leading dimension ldr.
-      // out: leading dimension ldo (0: N).
+      // out: leading dimension ldo (0: N). wt: unpack(w, p).
       auto product = [&](const float* in, int64_t ldx, int64_t rows, const DenseWeight& w, bool p,
-                         const at::Tensor& bias, const float* res, int64_t ldr, float* out,
-                         int64_t N, int64_t ldo = 0) {
+                         const float* wt, const at::Tensor& bias, const float* res, int64_t ldr,
+                         float* out, int64_t N, int64_t ldo = 0) {
         if (ldo == 0) ldo = N;
-        if (!p && rows > kPackedMaxRows) {
+        if (rows > kPackedMaxRows) {
           const auto [r0, r1] = share(rows, 1, t, n);
           if (r1 > r0) {
-            DenseColumns(sgemm, in + r0 * ldx, ldx, r1 - r0, w, false, bias.data_ptr<float>(),
-                         res == nullptr ? nullptr : res + r0 * ldr, ldr, out + r0 * ldo, ldo, 0, N);
+            DenseColumns(sgemm, in + r0 * ldx, ldx, r1 - r0, w, p, bias.data_ptr<float>(),
+                         res == nullptr ? nullptr : res + r0 * ldr, ldr, out + r0 * ldo, ldo, 0, N, wt);
           }
           return std::make_pair(r0, r1);
         }
         const auto [n0, n1] = share(N, PackedWeight::kPanel, t, n);
-        DenseColumns(sgemm, in, ldx, rows, w, p, bias.data_ptr<float>(), res, ldr, out, ldo, n0, n1);
+        DenseColumns(sgemm, in, ldx, rows, w, p, bias.data_ptr<float>(), res, ldr, out, ldo, n0, n1, wt);
         return std::make_pair(int64_t{-1}, int64_t{-1});
       };
       const bool fused_packed = pick(l.fused, T);
       if (l.collaborative) {
-        // Every row's shared query/key projections, values and content scores (each member its
-        // share; a few [CLS]-only rows would save little), then attention by (sequence, head).
+        // Every row's shared key projection, values and content scores, and the shared query
+        // projection of the rows whose queries are wanted (each member its share), then attention
+        // by (sequence, head).
+        const float* wt = unpack(l.fused, fused_packed);
         team.Step([&] {
-          product(xp, D, T, l.fused, fused_packed, l.fused_b, nullptr, 0, proj.data_ptr<float>(),
-                  La.fused_n, La.ld);
+          float* pr = proj.data_ptr<float>();
+          if (!split_rows || Sq == S) {
+            product(xp, D, T, l.fused, fused_packed, wt, l.fused_b, nullptr, 0, pr, La.fused_n, La.ld);
+          } else {
+            // [CLS] queries alone: the query columns (their whole panels) for the B [CLS] rows
+            // only, as the prepacked path does; the sgemm, each member its share of the rows.
+            const int64_t qb = La.width / PackedWeight::kPanel * PackedWeight::kPanel;
+            const float* bias = l.fused_b.data_ptr<float>();
+            const auto [r0, r1] = share(T, 1, t, n);
+            if (r1 > r0) {
+              DenseColumns(sgemm, xp + r0 * D, D, r1 - r0, l.fused, fused_packed, bias, nullptr, 0,
+                           pr + r0 * La.ld, La.ld, qb, La.fused_n, wt);
+            }
+            const auto [c0, c1] = share(B, 1, t, n);
+            if (c1 > c0) {
+              DenseColumns(sgemm, xp + c0 * ldq, ldq, c1 - c0, l.fused, fused_packed, bias, nullptr, 0,
+                           pr + c0 * S * La.ld, S * La.ld, 0, qb, wt);
+            }
+          }
           const auto [r0, r1] = share(T, 1, t, n);
-          ContentScores(sgemm, l, La, xp, D, r0, r1, proj.data_ptr<float>());
+          ContentScores(sgemm, l, La, xp, D, r0, r1, pr);
         });
         team.Step([&] {
           const auto [u0, u1] = share(B * H, 1, t, n);
           AttendUnits(sgemm, proj.data_ptr<float>(), La, mask, u0, u1, H, S, Sq, D, scores,
                       ctx.data_ptr<float>());
         });
-      } else if (!fused_packed && split_rows) {
+      } else if (split_rows) {
+        const float* wt = unpack(l.fused, fused_packed);
         team.Step([&] {
           if (Sq == S) {
-            product(xp, D, T, l.fused, false, l.fused_b, nullptr, 0, proj.data_ptr<float>(), 3 * D);
+            product(xp, D, T, l.fused, fused_packed, wt, l.fused_b, nullptr, 0, proj.data_ptr<float>(), 3 * D);
             return;
           }
           // Keys and values of every row, queries of the [CLS] rows: each member its share of
@@ -255,13 +313,13 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add, boo
           const float* bias = l.fused_b.data_ptr<float>();
           const auto [r0, r1] = share(T, 1, t, n);
           if (r1 > r0) {
-            DenseColumns(sgemm, xp + r0 * D, D, r1 - r0, l.fused, false, bias, nullptr, 0,
-                         pr + r0 * 3 * D, 3 * D, D, 3 * D);
+            DenseColumns(sgemm, xp + r0 * D, D, r1 - r0, l.fused, fused_packed, bias, nullptr, 0,
+                         pr + r0 * 3 * D, 3 * D, D, 3 * D, wt);
           }
           const auto [c0, c1] = share(B, 1, t, n);
           if (c1 > c0) {
-            DenseColumns(sgemm, xp + c0 * ldq, ldq, c1 - c0, l.fused, false, bias, nullptr, 0,
-                         pr + c0 * S * 3 * D, S * 3 * D, 0, D);
+            DenseColumns(sgemm, xp + c0 * ldq, ldq, c1 - c0, l.fused, fused_packed, bias, nullptr, 0,
+                         pr + c0 * S * 3 * D, S * 3 * D, 0, D, wt);
           }
         });
         team.Step([&] {
@@ -277,8 +335,11 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add, boo
                                 ctx.data_ptr<float>());
         });
       }
+      const bool attn_out_packed = pick(l.attn_out, Tq), inter_packed = pick(l.inter, Tq),
+                 out_packed = pick(l.out, Tq);
+      const float* attn_out_t = unpack(l.attn_out, attn_out_packed);
       team.Step([&] {
-        product(ctx.data_ptr<float>(), D, Tq, l.attn_out, pick(l.attn_out, Tq), l.attn_out_b,
+        product(ctx.data_ptr<float>(), D, Tq, l.attn_out, attn_out_packed, attn_out_t, l.attn_out_b,
                 xp, ldq, mid.data_ptr<float>(), D);
       });
       team.Step([&] {
@@ -286,9 +347,10 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add, boo
         LayerNormRowsInPlace(mid.data_ptr<float>() + r0 * D, D, r1 - r0, D,
                             l.attn_ln_w.data_ptr<float>(), l.attn_ln_b.data_ptr<float>(), eps);
       });
+      const float* inter_t = unpack(l.inter, inter_packed);
       team.Step([&] {
-        const auto [r0, r1] = product(mid.data_ptr<float>(), D, Tq, l.inter, pick(l.inter, Tq), l.inter_b,
-                                      nullptr, 0, inter.data_ptr<float>(), F);
+        const auto [r0, r1] = product(mid.data_ptr<float>(), D, Tq, l.inter, inter_packed, inter_t,
+                                      l.inter_b, nullptr, 0, inter.data_ptr<float>(), F);
         if (r0 >= 0) {
           if (r1 > r0) Activation(inter.narrow(0, r0, r1 - r0));
         } else {
@@ -296,8 +358,9 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add, boo
           if (n1 > n0) Activation(inter.narrow(0, 0, Tq).narrow(1, n0, n1 - n0));
         }
       });
+      const float* out_t = unpack(l.out, out_packed);
       team.Step([&] {
-        product(inter.data_ptr<float>(), F, Tq, l.out, pick(l.out, Tq), l.out_b,
+        product(inter.data_ptr<float>(), F, Tq, l.out, out_packed, out_t, l.out_b,
                 mid.data_ptr<float>(), D, y.data_ptr<float>(), D);
       });
       team.Step([&] {

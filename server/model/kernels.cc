@@ -712,14 +712,21 @@ PackedWeight::PackedWeight(const at::Tensor& w) {
   }
 }
 
-void PackedWeight::UnpackColumns(int64_t n_begin, int64_t n_end, float* out) const {
-  TORCH_CHECK(0 <= n_begin && n_begin <= n_end && n_end <= n_ && n_begin % kPanel == 0,
-              "PackedWeight::UnpackColumns: columns [", n_begin, ", ", n_end, ") of ", n_);
-  const int64_t width = n_end - n_begin;
+void PackedWeight::UnpackColumns(int64_t n_begin, int64_t n_end, float* out, int64_t ldo) const {
+  TORCH_CHECK(0 <= n_begin && n_begin <= n_end && n_end <= n_ && n_begin % kPanel == 0 &&
+                  (ldo == 0 || ldo >= n_end - n_begin),
+              "PackedWeight::UnpackColumns: columns [", n_begin, ", ", n_end, ") of ", n_,
+              " with leading dimension ", ldo);
+  const int64_t width = ldo == 0 ? n_end - n_begin : ldo;
   // Row k of the block gathers, panel by panel, runs of up to 32 contiguous floats.
   for (int64_t p = n_begin / kPanel; p * kPanel < n_end; ++p) {
     const int64_t c0 = p * kPanel - n_begin, cols = std::min(kPanel, n_end - p * kPanel);
     const float* src = ptr_ + p * k_ * kPanel;
+    if (cols == kPanel) {
+      // A fixed-size copy, inlined as vector moves rather than a call to memmove per 128 bytes.
+      for (int64_t k = 0; k < k_; ++k) std::memcpy(out + k * width + c0, src + k * kPanel, kPanel * sizeof(float));
+      continue;
+    }
     for (int64_t k = 0; k < k_; ++k) {
       std::copy(src + k * kPanel, src + k * kPanel + cols, out + k * width + c0);
     }

@@ -39,10 +39,12 @@ class PackedWeight {
   // this ~10^4 times.)
   const float* data() const { return ptr_; }
 
-  // Writes w[n_begin:n_end, :] transposed, [K, n_end - n_begin] row-major, into out: the plain
-  // layout a GEMM library reads, one block of columns at a time, so that a model that keeps only
-  // the packed form can still run products on it. n_begin, n_end: as PackedLinearColumns's.
-  void UnpackColumns(int64_t n_begin, int64_t n_end, float* out) const;
+  // Writes w[n_begin:n_end, :] transposed, [K, n_end - n_begin] row-major with leading dimension
+  // ldo (0: n_end - n_begin), into out: the plain layout a GEMM library reads, so that a model
+  // that keeps only the packed form can still run products on it. Threads may fill disjoint
+  // column ranges of one [K, N] buffer at once (out at its column n_begin, ldo = N).
+  // n_begin, n_end: as PackedLinearColumns's.
+  void UnpackColumns(int64_t n_begin, int64_t n_end, float* out, int64_t ldo = 0) const;
   // The weight as it was given: [N, K], equal to it bit for bit.
   at::Tensor Unpack() const;
   // Bytes held (the packed copy, panels padded to kPanel columns).

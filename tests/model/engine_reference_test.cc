@@ -108,8 +108,10 @@ MakeOptions Opts(std::string preset, WeightFormat f, WeightDType d, std::string 
 // The engine on `dir` against the reference: served (weights packed, plain ones released) and
 // unpacked, with 1 intra-op thread (the per-operation path) and 2 (the ThreadTeam paths where the
 // shape allows; LibTorch's default here is one thread without OMP_NUM_THREADS). The inputs batch
-// to 7 × 182 tokens (> 256: the sgemm products, on blocks unpacked from the packed weights when
-// served) and run alone (<= 256: PackedLinear; attention in registers up to 48 tokens, on the micro-kernel above).
+// to 7 × 182 tokens (> 256: the sgemm products; when served, on each weight unpacked by the team
+// members together (637 rows each, above kPackedMaxMemberRows), or on blocks of it unpacked on
+// the per-operation path) and run alone (<= 256: PackedLinear; attention in registers up to 48
+// tokens, on the micro-kernel above).
 void ExpectEngineMatchesReference(const std::string& dir, const std::string& name) {
   const std::vector<std::vector<float>> expected = [&] {
     auto engine = Engine::Load(dir);

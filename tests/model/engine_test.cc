@@ -279,7 +279,8 @@ std::unique_ptr<Engine> LoadMini(const TempDir& dir, uint64_t seed) {
 // Runs from several threads at once (one of them may take the shared ThreadTeam, the others
 // their per-operation path) give each sequence the logits it gets alone. The mini preset has
 // 64-wide heads, the shape the team path serves; the 8 × 40 batch (320 tokens) takes the team's
-// sgemm path (products split by rows), the others its PackedLinear path.
+// path for long passes (products split by rows: 160 each, on PackedLinear), the others its
+// prepacked PackedLinear path.
 TEST(EngineConcurrencyTest, ConcurrentRunsGiveTheSequentialLogits) {
   IntraOpThreads two(2);
   TempDir dir;
@@ -310,9 +311,9 @@ TEST(EngineConcurrencyTest, ConcurrentRunsGiveTheSequentialLogits) {
         }
         for (size_t b = 0; b < r->size(); ++b) {
           for (size_t c = 0; c < (*r)[b].logits.size(); ++c) {
-            // 1e-4: the 320-token batch's products are sgemm calls of other shapes on the team
-            // (each member's rows, single-threaded) than on the per-operation path (oneDNN's
-            // own split), so the two agree to float rounding (1.3e-5 seen), not bit for bit.
+            // 1e-4: the 320-token batch's products run on PackedLinear on the team (each
+            // member's rows) and on the sgemm on the per-operation path, so the two agree to
+            // float rounding (1.3e-5 seen), not bit for bit.
             if (std::abs((*r)[b].logits[c] - want[i][b].logits[c]) > 1e-4) mismatches.fetch_add(1);
           }
         }
@@ -325,9 +326,9 @@ TEST(EngineConcurrencyTest, ConcurrentRunsGiveTheSequentialLogits) {
 }
 
 // A sequence's logits do not depend on its batch, also where the batch is long enough (> 256
-// tokens) for the sgemm products and the team splits them by rows. Alone, the sequence runs on
-// PackedLinear, whose summation order differs from the sgemm's: the logits agree to float
-// rounding (1.1e-5 on a logit of 3 here, the same with the team off), not bit for bit.
+// tokens) for the team to split the products by rows (on PackedLinear, 216 rows each, or on
+// the sgemm where the team is off: the logits then agree to float rounding, 1.1e-5 on a logit of
+// 3 here, not bit for bit).
 TEST(EngineBatchTest, LongBatchesGiveEachSequenceItsLogitsAlone) {
   IntraOpThreads two(2);
   TempDir dir;

@@ -361,9 +361,17 @@ TEST(PackedWeight, UnpacksExactly) {
     p.UnpackColumns(n0, n1, block.data_ptr<float>());
     EXPECT_TRUE(at::equal(block, w.narrow(0, n0, n1 - n0).t())) << n0 << ".." << n1;
   }
+  // Ranges filled one by one into one [K, N] buffer (as the members of a team do, each its own),
+  // leaving the other columns as they were.
+  at::Tensor whole = at::full({37, 100}, 9.0f);
+  p.UnpackColumns(64, 100, whole.data_ptr<float>() + 64, 100);
+  EXPECT_TRUE(at::equal(whole.narrow(1, 0, 64), at::full({37, 64}, 9.0f)));
+  p.UnpackColumns(0, 64, whole.data_ptr<float>(), 100);
+  EXPECT_TRUE(at::equal(whole, w.t()));
   at::Tensor out = at::empty({37 * 100});
   EXPECT_THROW(p.UnpackColumns(16, 64, out.data_ptr<float>()), c10::Error);
   EXPECT_THROW(p.UnpackColumns(0, 101, out.data_ptr<float>()), c10::Error);
+  EXPECT_THROW(p.UnpackColumns(0, 64, out.data_ptr<float>(), 63), c10::Error);
 }
 
 // A packed weight holds pages of its own: resident while it lives, its bytes and not an
