@@ -127,9 +127,11 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add, boo
   // [K, N] buffer (w^T), which the members fill together, each its share of the panels, in a step
   // of its own; then each member's sgemm reads all of it for its rows. (Each member unpacking by
   // itself every block of columns it multiplied by read each weight from memory once per member:
-  // 8 × 128, 2 threads, ~9% of the CPU time went to unpacking.)
+  // 8 × 128, 2 threads, ~9% of the CPU time went to unpacking.) Only where some member's share
+  // exceeds kPackedMaxMemberRows rows (below, every product runs on PackedLinear; an unused buffer
+  // would still take its share of the allocator's resident pages).
   int64_t unpack_floats = 0;
-  if (split_rows) {
+  if (split_rows && (T + n - 1) / n > kPackedMaxMemberRows) {
     for (const EncoderLayer& l : layers_) {
       for (const DenseWeight* w : {&l.fused, &l.attn_out, &l.inter, &l.out}) {
         if (!w->plain.defined() && w->packed != nullptr) {
