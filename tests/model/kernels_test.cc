@@ -396,9 +396,17 @@ TEST(PackedWeight, HoldsItsOwnPagesAndGivesThemBack) {
     during = rss();
   }
   const int64_t after = rss();
+  // Under ASan each mapping's shadow (a byte per eight) becomes resident too, and stays after the
+  // munmap: 4.6 MB after 8 of these weights (29 MB), 8.2 MB after 16.
+#if defined(__SANITIZE_ADDRESS__)
+  const int64_t shadow = bytes / 8;
+#else
+  const int64_t shadow = 0;
+#endif
   EXPECT_GE(during - before, bytes * 95 / 100);
-  EXPECT_LE(during - before, bytes + (int64_t{4} << 20));
-  EXPECT_LE(after - before, int64_t{2} << 20);
+  EXPECT_LE(during - before, bytes + shadow + (int64_t{4} << 20));
+  EXPECT_LE(after - before, shadow + (int64_t{2} << 20))
+      << "before " << before << ", during " << during << ", packed bytes " << bytes;
 }
 
 TEST(LayerNormRowsInPlace, OneColumnGivesTheBias) {
