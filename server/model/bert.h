@@ -123,6 +123,9 @@ class BertClassifier : public ParamNode {
   at::Tensor Layer(const EncoderLayer& l, const at::Tensor& h, const at::Tensor& mask_add,
                    bool cls_only) const;
   at::Tensor Activation(const at::Tensor& x) const;
+  // The constructor's last step: the small tensors (biases, LayerNorm, mixing, content vectors,
+  // and room for the fused biases) become views of one mapping of their own.
+  void KeepSmallTensorsTogether();
   // Every layer in one ThreadTeam run (encoder_team.cc); false when that path does not apply (then h
   // is unchanged). cls_only as in Encode.
   bool EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add, bool cls_only) const;

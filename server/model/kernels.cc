@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
 #include <immintrin.h>
+#include <sanitizer/asan_interface.h>
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -672,24 +673,26 @@ bool PackedLinearSupported() {
   return supported;
 }
 
-namespace {
-
-// Zeroed float32 storage of `floats` elements in an anonymous mapping of its own. A packed weight
-// is large and lives as long as its model; in the allocator it would be rounded up to a size
-// class (jemalloc's are a quarter apart: 4.5 MiB takes 5, 9 MiB takes 10), whose tail, touched by
-// earlier allocations, stayed resident (the D~=384 model's resident saving fell 3 MiB short of its
-// parameter saving). Here it holds its own pages and nothing more, and gives them back to the
-// system when freed. (Transparent huge pages for it, MADV_HUGEPAGE, made no difference in speed
-// at 1-8 x 16-128: not asked for.)
-at::Tensor WeightPages(int64_t floats, const at::TensorOptions& options) {
+// A packed weight is large and lives as long as its model; in the allocator it would be rounded up
+// to a size class (jemalloc's are a quarter apart: 4.5 MiB takes 5, 9 MiB takes 10), whose tail,
+// touched by earlier allocations, stayed resident (the D~=384 model's resident saving fell 3 MiB
+// short of its parameter saving). In pages of its own it holds those and nothing more, and gives
+// them back to the system when freed. (Transparent huge pages for it, MADV_HUGEPAGE, made no
+// difference in speed at 1-8 x 16-128: not asked for.)
+at::Tensor PagesOfItsOwn(int64_t floats, const at::TensorOptions& options) {
   const size_t bytes = std::max<size_t>(1, static_cast<size_t>(floats) * sizeof(float));
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  TORCH_CHECK(p != MAP_FAILED, "PackedWeight: could not map ", bytes, " bytes for a packed weight: ",
-              std::strerror(errno));
-  return at::from_blob(p, {floats}, [bytes](void* q) { munmap(q, bytes); }, options);
+  TORCH_CHECK(p != MAP_FAILED, "could not map ", bytes, " bytes for model weights: ", std::strerror(errno));
+  // (Under ASan a user may have poisoned parts of it: the next mapping at these addresses must not
+  // inherit that.)
+  return at::from_blob(
+      p, {floats},
+      [bytes](void* q) {
+        ASAN_UNPOISON_MEMORY_REGION(q, bytes);
+        munmap(q, bytes);
+      },
+      options.dtype(at::kFloat));
 }
-
-}  // namespace
 
 PackedWeight::PackedWeight(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu(),
@@ -698,7 +701,7 @@ PackedWeight::PackedWeight(const at::Tensor& w) {
   n_ = w.size(0);
   k_ = w.size(1);
   const at::Tensor src = w.contiguous();
-  data_ = WeightPages(panels() * k_ * kPanel, w.options()).view({panels(), k_, kPanel});
+  data_ = PagesOfItsOwn(panels() * k_ * kPanel, w.options()).view({panels(), k_, kPanel});
   const float* s = src.data_ptr<float>();
   float* d = data_.data_ptr<float>();
   ptr_ = d;

@@ -435,6 +435,61 @@ TEST(EngineClsOnlyTest, CollaborativeLayersToo) {
   ExpectClsOnlyForwardEqualsFullEncoder(m, "collaborative");
 }
 
+// The small tensors (biases, LayerNorm, mixing, content vectors, fused biases) share one block of
+// their own, each at a 64-byte boundary, none overlapping another, the block no larger than their
+// padded bytes and a page; the fused biases Prepare writes there are the parameters' (zeros for the
+// collaborative layers' shared query/key columns and content scores). The embedding tables stay
+// out of it.
+TEST(EngineMemoryTest, SmallTensorsShareOneBlockOfTheirOwn) {
+  const BertConfig c = SmallCollaborativeConfig();
+  BertClassifier m(c);
+  {
+    c10::InferenceMode guard;
+    at::manual_seed(7);
+    for (auto& p : m.named_parameters()) p.value().normal_(0.0, 0.3);
+  }
+  m.Prepare(c10::Device(c10::kCPU), at::kFloat);
+  const int64_t D = c.hidden_size, H = c.num_attention_heads;
+  std::vector<const at::Tensor*> small;
+  for (const EncoderLayer& l : m.layers()) {
+    for (const at::Tensor* t : {&l.value_b, &l.fused_b, &l.attn_out_b, &l.attn_ln_w, &l.attn_ln_b,
+                                &l.inter_b, &l.out_b, &l.out_ln_w, &l.out_ln_b}) {
+      small.push_back(t);
+    }
+    if (l.collaborative) {
+      small.push_back(&l.mixing);
+      small.push_back(&l.content_bias);
+      ASSERT_EQ(l.fused_b.numel(), 2 * l.rank + D + H);
+      EXPECT_TRUE(l.fused_b.narrow(0, 0, 2 * l.rank).eq(0).all().item<bool>());
+      EXPECT_TRUE(l.fused_b.narrow(0, 2 * l.rank, D).equal(l.value_b));
+      EXPECT_TRUE(l.fused_b.narrow(0, 2 * l.rank + D, H).eq(0).all().item<bool>());
+    } else {
+      small.push_back(&l.query_b);
+      small.push_back(&l.key_b);
+      EXPECT_TRUE(l.fused_b.equal(at::cat({l.query_b, l.key_b, l.value_b})));
+    }
+  }
+  const at::Storage block = small.front()->storage();
+  std::vector<std::pair<uintptr_t, uintptr_t>> ranges;
+  int64_t padded = 0;
+  for (const at::Tensor* t : small) {
+    ASSERT_TRUE(t->storage().is_alias_of(block)) << t->sizes();
+    const auto p = reinterpret_cast<uintptr_t>(t->data_ptr());
+    EXPECT_EQ(p % 64, 0u) << t->sizes();
+    ranges.emplace_back(p, p + t->numel() * sizeof(float));
+    padded += (t->numel() * 4 + 63) / 64 * 64;
+  }
+  std::sort(ranges.begin(), ranges.end());
+  for (size_t i = 1; i < ranges.size(); ++i) EXPECT_LE(ranges[i - 1].second, ranges[i].first);
+  // The block also holds the embeddings' LayerNorm, the token-type table and the head's biases.
+  EXPECT_LE(static_cast<int64_t>(block.nbytes()), padded + 64 * 1024);
+  for (auto& p : m.named_parameters()) {
+    if (p.key().find("word_embeddings") != std::string::npos) {
+      EXPECT_FALSE(p.value().storage().is_alias_of(block));
+    }
+  }
+}
+
 // The path CUDA's float16 / bfloat16 take (ATen ops on another dtype), run on the CPU in bfloat16:
 // standard and collaborative layers, padded; within bfloat16's rounding of the float32 logits.
 TEST(EngineDtypeTest, CollaborativeLayersInBfloat16FollowFloat32) {
