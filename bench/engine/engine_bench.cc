@@ -15,8 +15,9 @@
 // model alike. A second table gives each collaborative model's seq/s as a ratio to the standard
 // model's, with the middle half of the rounds' own ratios as its spread. --memory=1 (the
 // default) first prints each model's resident memory as served: a fresh process per model (this
-// binary with --rss_child=DIR) loads it as the server does, runs one 8 × 128 call and reports
-// VmRSS, minus the same for a generated tiny model, next to the model's float32 parameter bytes.
+// binary with --rss_child=DIR, three times: the medians) loads it as the server does, runs one
+// 8 × 128 call and reports VmRSS and RssAnon (VmRSS less the file pages, mostly the libraries'
+// code), minus the same for a generated tiny model, next to the model's float32 parameter bytes.
 // Linked with the server's allocator (jemalloc where the server has it), so that both the timings
 // and the memory are those of the engine as served.
 //
@@ -318,7 +319,7 @@ std::unique_ptr<Engine> LoadOrDie(const std::string& dir, const Flags& f) {
 }
 
 // --rss_child=DIR: load DIR as the server does, run one call of 8 sequences of min(128,
-// max_length) tokens, give freed memory back, print "rss_bytes N params N".
+// max_length) tokens, give freed memory back, print "rss_bytes N params N anon_bytes N".
 int RssChild(const Flags& f) {
   at::set_num_threads(f.threads);
   std::unique_ptr<Engine> engine = LoadOrDie(f.rss_child, f);
@@ -333,16 +334,18 @@ int RssChild(const Flags& f) {
     std::fprintf(stderr, "engine_bench: %s\n", m.status().ToString().c_str());
     return 1;
   }
-  std::printf("rss_bytes %lld params %lld\n", static_cast<long long>(m->rss_bytes),
-              static_cast<long long>(engine->info().params.total));
+  std::printf("rss_bytes %lld params %lld anon_bytes %lld\n", static_cast<long long>(m->rss_bytes),
+              static_cast<long long>(engine->info().params.total),
+              static_cast<long long>(m->rss_anon_bytes));
   return 0;
 }
 
 struct Resident {
-  int64_t rss_bytes = -1, params = 0;
+  int64_t rss_bytes = -1, anon_bytes = -1, params = 0;
 };
 
-Resident MeasureResident(const std::string& dir, int threads) {
+// One fresh process's figures for `dir`.
+Resident MeasureResidentOnce(const std::string& dir, int threads) {
   // This binary's path (popen runs a shell, for which /proc/self/exe is the shell).
   char self[4096];
   const ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
@@ -352,13 +355,34 @@ Resident MeasureResident(const std::string& dir, int threads) {
   const std::string cmd = std::string("'") + self + "' --rss_child='" + dir + "' --threads=" + std::to_string(threads);
   std::FILE* p = popen(cmd.c_str(), "r");
   if (p == nullptr) return r;
-  long long rss = 0, params = 0;
-  if (std::fscanf(p, "rss_bytes %lld params %lld", &rss, &params) == 2) r = {rss, params};
+  long long rss = 0, params = 0, anon = 0;
+  if (std::fscanf(p, "rss_bytes %lld params %lld anon_bytes %lld", &rss, &params, &anon) == 3) {
+    r = {rss, anon, params};
+  }
   pclose(p);
   return r;
 }
 
-// The memory table (--memory=1): each model's resident memory as served, in a process of its own.
+// The median of kMemoryRuns processes, each figure on its own: VmRSS varies by a few hundred KiB
+// from one process to the next (RssFile: which pages of the libraries' code were faulted in),
+// RssAnon by a few tens.
+constexpr int kMemoryRuns = 3;
+Resident MeasureResident(const std::string& dir, int threads) {
+  std::vector<double> rss, anon;
+  Resident r;
+  for (int i = 0; i < kMemoryRuns; ++i) {
+    const Resident once = MeasureResidentOnce(dir, threads);
+    if (once.rss_bytes < 0) return Resident();
+    rss.push_back(static_cast<double>(once.rss_bytes));
+    anon.push_back(static_cast<double>(once.anon_bytes));
+    r.params = once.params;
+  }
+  r.rss_bytes = static_cast<int64_t>(Median(rss));
+  r.anon_bytes = static_cast<int64_t>(Median(anon));
+  return r;
+}
+
+// The memory table (--memory=1): each model's resident memory as served, in processes of its own.
 void PrintMemory(const Flags& f) {
   char tmpl[] = "/tmp/engine_bench_tiny_XXXXXX";
   if (mkdtemp(tmpl) == nullptr) return;
@@ -368,30 +392,34 @@ void PrintMemory(const Flags& f) {
   if (!MakeCheckpoint(tiny, o).ok()) return;
   const Resident base = MeasureResident(tiny, f.threads);
   std::system(("rm -rf '" + tiny + "'").c_str());
-  std::printf("\nServed memory (VmRSS after load and one 8 x 128 call, minus a tiny model's %.0f MiB):\n",
-              base.rss_bytes / 1048576.0);
-  const char* row = "%-40s | %12s | %12s | %9s | %s\n";
-  std::printf(row, "model", "params MiB", "resident MiB", "/ params", "vs standard: resident saved / params saved");
+  std::printf("\nServed memory (after load and one 8 x 128 call, median of %d processes each, minus a tiny "
+              "model's: VmRSS %.0f MiB, RssAnon %.0f MiB):\n",
+              kMemoryRuns, base.rss_bytes / 1048576.0, base.anon_bytes / 1048576.0);
+  const char* row = "%-40s | %10s | %12s | %9s | %10s | %9s | %s\n";
+  std::printf(row, "model", "params MiB", "resident MiB", "/ params", "anon MiB", "/ params",
+              "vs standard, MiB: params saved / resident saved / anon saved");
   std::vector<std::string> dirs = {f.model};
   dirs.insert(dirs.end(), f.collab_models.begin(), f.collab_models.end());
   Resident standard;
+  const double mib = 1048576.0;
   for (size_t i = 0; i < dirs.size(); ++i) {
     const Resident r = MeasureResident(dirs[i], f.threads);
     if (r.rss_bytes < 0 || base.rss_bytes < 0) {
       std::printf("%-40s | could not be measured\n", dirs[i].c_str());
       continue;
     }
-    const double params = 4.0 * r.params, resident = static_cast<double>(r.rss_bytes - base.rss_bytes);
+    const double params = 4.0 * r.params, resident = static_cast<double>(r.rss_bytes - base.rss_bytes),
+                 anon = static_cast<double>(r.anon_bytes - base.anon_bytes);
     if (i == 0) standard = r;
     std::string saving = "-";
     if (i > 0 && standard.rss_bytes >= 0) {
-      const double saved = static_cast<double>(standard.rss_bytes - r.rss_bytes);
-      const double param_saved = 4.0 * (standard.params - r.params);
-      saving = Fmt("%.1f", saved / 1048576.0) + " / " + Fmt("%.1f MiB", param_saved / 1048576.0);
+      saving = Fmt("%.2f", 4.0 * (standard.params - r.params) / mib) + " / " +
+               Fmt("%.2f", (standard.rss_bytes - r.rss_bytes) / mib) + " / " +
+               Fmt("%.2f", (standard.anon_bytes - r.anon_bytes) / mib);
     }
-    std::printf(row, dirs[i].c_str(), Fmt("%.1f", params / 1048576.0).c_str(),
-                Fmt("%.1f", resident / 1048576.0).c_str(), Fmt("%.3fx", resident / params).c_str(),
-                saving.c_str());
+    std::printf(row, dirs[i].c_str(), Fmt("%.1f", params / mib).c_str(), Fmt("%.1f", resident / mib).c_str(),
+                Fmt("%.3fx", resident / params).c_str(), Fmt("%.1f", anon / mib).c_str(),
+                Fmt("%.3fx", anon / params).c_str(), saving.c_str());
   }
   std::fflush(stdout);
 }
