@@ -673,11 +673,11 @@ bool PackedLinearSupported() {
   return supported;
 }
 
-// A packed weight is large and lives as long as its model; in the allocator it would be rounded up
-// to a size class (jemalloc's are a quarter apart: 4.5 MiB takes 5, 9 MiB takes 10), whose tail,
-// touched by earlier allocations, stayed resident (the D~=384 model's resident saving fell 3 MiB
-// short of its parameter saving). In pages of its own it holds those and nothing more, and gives
-// them back to the system when freed. (Transparent huge pages for it, MADV_HUGEPAGE, made no
+// A packed weight (and the block of a model's small tensors) lives as long as its model; in the
+// allocator it would be rounded up to a size class (jemalloc's are a quarter apart: 4.5 MiB takes
+// 5, 9 MiB takes 10), whose tail, touched by earlier allocations, stayed resident (the D~=384
+// model's resident saving fell 3 MiB short of its parameter saving). In pages of its own it holds
+// its bytes and nothing more, and gives them back to the system when freed. (Transparent huge pages for it, MADV_HUGEPAGE, made no
 // difference in speed at 1-8 x 16-128: not asked for.)
 at::Tensor PagesOfItsOwn(int64_t floats, const at::TensorOptions& options) {
   const size_t bytes = std::max<size_t>(1, static_cast<size_t>(floats) * sizeof(float));

@@ -21,14 +21,14 @@ namespace collabserve::model {
 // True when this CPU can run PackedLinear (AVX-512F). Cheap; cached.
 bool PackedLinearSupported();
 
-// A weight w [N, K] (nn.Linear layout: out_features × in_features) re-laid for PackedLinear:
-// panels of kPanel output columns, each K × kPanel floats with k outermost, the last panel padded
-// with zeros. Immutable after construction; safe to share between threads.
 // Zeroed float32 storage of `floats` elements in an anonymous mapping of its own (whole pages, given
 // back to the system when the last tensor sharing it goes): for what a served model keeps for its
 // lifetime, which the allocator would round up to a size class whose tail stays resident.
 at::Tensor PagesOfItsOwn(int64_t floats, const at::TensorOptions& options);
 
+// A weight w [N, K] (nn.Linear layout: out_features × in_features) re-laid for PackedLinear:
+// panels of kPanel output columns, each K × kPanel floats with k outermost, the last panel padded
+// with zeros. Immutable after construction; safe to share between threads.
 class PackedWeight {
  public:
   static constexpr int64_t kPanel = 32;

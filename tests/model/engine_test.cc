@@ -436,8 +436,8 @@ TEST(EngineClsOnlyTest, CollaborativeLayersToo) {
 }
 
 // The small tensors (biases, LayerNorm, mixing, content vectors, fused biases) share one block of
-// their own, each at a 64-byte boundary, none overlapping another, the block no larger than their
-// padded bytes and a page; the fused biases Prepare writes there are the parameters' (zeros for the
+// their own, each at a 64-byte boundary, none overlapping another, the block about their padded
+// bytes (with the model-wide ones: the embeddings' LayerNorm, token types, the head's); the fused biases Prepare writes there are the parameters' (zeros for the
 // collaborative layers' shared query/key columns and content scores). The embedding tables stay
 // out of it.
 TEST(EngineMemoryTest, SmallTensorsShareOneBlockOfTheirOwn) {
