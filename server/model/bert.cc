@@ -141,21 +141,21 @@ void BertClassifier::Prepare(const c10::Device& device, c10::ScalarType dtype, b
       mv(*t);
     }
     std::vector<at::Tensor*> sections;
-    at::Tensor fused_b;
+    std::vector<at::Tensor> biases;
     if (l.collaborative) {
       sections = {&l.collab_query_w, &l.collab_key_w, &l.value_w};
       auto zeros = at::zeros({l.rank}, l.value_b.options());
-      fused_b = at::cat({zeros, zeros, l.value_b, at::zeros({H}, l.value_b.options())}, 0);
+      biases = {zeros, zeros, l.value_b, at::zeros({H}, l.value_b.options())};
     } else {
       sections = {&l.query_w, &l.key_w, &l.value_w};
-      fused_b = at::cat({l.query_b, l.key_b, l.value_b}, 0);
+      biases = {l.query_b, l.key_b, l.value_b};
     }
-    // Into the place the constructor kept for it, when it is still of this device and type.
-    if (l.fused_b.defined() && l.fused_b.device() == fused_b.device() &&
-        l.fused_b.scalar_type() == fused_b.scalar_type() && l.fused_b.sizes() == fused_b.sizes()) {
-      l.fused_b.copy_(fused_b);
+    // Into the place the constructor kept for it (same size), while it is of this device and type.
+    if (l.fused_b.defined() && l.fused_b.device() == l.value_b.device() &&
+        l.fused_b.scalar_type() == l.value_b.scalar_type()) {
+      at::cat_out(l.fused_b, biases, 0);
     } else {
-      l.fused_b = fused_b;
+      l.fused_b = at::cat(biases, 0);
     }
     std::vector<at::Tensor> parts;
     for (at::Tensor* t : sections) parts.push_back(*t);
