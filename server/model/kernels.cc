@@ -37,6 +37,8 @@ constexpr int64_t kPanel = PackedWeight::kPanel;
 constexpr int kMr = 8;
 constexpr int64_t kMc = 512;
 constexpr int64_t kKc = 256;
+// Query rows per block of PanelAttentionAvx512 (a multiple of kMr).
+constexpr int64_t kAttentionBlock = 64;
 
 // How far ahead of the micro-kernel the weight stream is prefetched, in k steps of one panel
 // (128 bytes each): 32 steps = 4 KiB, enough to cover a DRAM miss at the rate a skinny product
@@ -435,7 +437,7 @@ COLLABSERVE_AVX512 void SmallAttentionTiles(const float* q, int64_t ldq, const f
 }
 
 // Where Attention's work space goes: the query factors, the queries (premixed rows, or packed
-// tiles for the micro-kernel), the [queries, S] scores, the probabilities packed, the values
+// tiles for the micro-kernel), the scores of one block of query rows (kAttentionBlock) and their probabilities packed, the values
 // packed; offsets in floats, `size` the whole.
 struct AttentionWorkLayout {
   int64_t factors, queries, scores, probs, values, size;
@@ -445,12 +447,13 @@ int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 AttentionWorkLayout WorkLayout(int64_t S, int64_t queries, int64_t width, int64_t dv) {
   const int64_t rows = RoundUp(queries, kMr);
+  const int64_t block = RoundUp(std::min(queries, kAttentionBlock), kMr);
   AttentionWorkLayout l;
   l.factors = 0;
   l.queries = l.factors + RoundUp(width, 16);
   l.scores = l.queries + rows * width;
-  l.probs = l.scores + queries * S;
-  l.values = l.probs + rows * S;
+  l.probs = l.scores + block * S;
+  l.values = l.probs + block * S;
   l.size = l.values + RoundUp(dv, kPanel) * S;
   return l;
 }
@@ -526,9 +529,12 @@ COLLABSERVE_AVX512 void SoftmaxRowsAvx512(float* x, int64_t ld, int64_t rows, in
   }
 }
 
-// Attention on the micro-kernel: scores = (queries · factors) keysᵀ + key terms, one k block of
-// the whole width (so a score is summed in d order whatever S and `queries` are); softmax; context
-// = probabilities · values, one k block of all S keys (a padding key adds an exact 0).
+// Attention on the micro-kernel, kAttentionBlock query rows at a time: their scores = (queries ·
+// factors) keysᵀ + key terms, one k block of the whole width (so a score is summed in d order
+// whatever S and `queries` are); softmax; context = probabilities · values, one k block of all S
+// keys (a padding key adds an exact 0). The block's scores and probabilities stay in L2 (two
+// [64, 512] blocks: 256 KiB) instead of a [queries, S] matrix that at 512 positions (1 MiB, then 1
+// MiB more packed) went through L3 between the scores, the softmax, the packing and the context.
 COLLABSERVE_AVX512 void PanelAttentionAvx512(const AttentionHead& a, int64_t S, int64_t queries,
                                              float* ctx, int64_t ldc, const AttentionWork& w) {
   const int64_t width = a.width, dv = a.dv;
@@ -548,22 +554,7 @@ COLLABSERVE_AVX512 void PanelAttentionAvx512(const AttentionHead& a, int64_t S, 
       _mm256_storeu_ps(tile + d * kMr, _mm256_mul_ps(_mm256_loadu_ps(src + d * kMr), _mm256_set1_ps(w.factors[d])));
     }
   }
-  // Scores, [queries, S]: the key panels in turn, every query tile against each.
-  const int64_t key_panels = (S + kPanel - 1) / kPanel;
-  for (int64_t p = 0; p < key_panels; ++p) {
-    const auto [mk0, mk1] = PanelMasks(std::min(kPanel, S - p * kPanel));
-    const float* bp = a.keys + p * width * kPanel;
-    const float* add = a.key_add != nullptr ? a.key_add + p * kPanel : nullptr;
-    for (int64_t t = 0; t < tiles; ++t) {
-      const int m = static_cast<int>(std::min<int64_t>(kMr, queries - t * kMr));
-      kKernels[m](width, w.queries + t * width * kMr, bp, w.scores + t * kMr * S + p * kPanel, S, true,
-                  add, nullptr, 0, mk0, mk1, t == 0 ? 1 : 0);
-    }
-  }
-  SoftmaxRowsAvx512(w.scores, S, queries, S);
-  if (queries % kMr != 0) std::fill_n(w.probs + (tiles - 1) * S * kMr, S * kMr, 0.0f);
-  PackRowsAvx512<kMr>(w.scores, S, 0, queries, 0, S, S, w.probs);
-  // The values in panels of 32 columns, [S][32] each (missing columns zero); then the context.
+  // The values in panels of 32 columns, [S][32] each (missing columns zero).
   const int64_t value_panels = (dv + kPanel - 1) / kPanel;
   for (int64_t c = 0; c < value_panels; ++c) {
     const auto [mk0, mk1] = PanelMasks(std::min(kPanel, dv - c * kPanel));
@@ -574,12 +565,31 @@ COLLABSERVE_AVX512 void PanelAttentionAvx512(const AttentionHead& a, int64_t S, 
       _mm512_storeu_ps(vp + j * kPanel + 16, _mm512_maskz_loadu_ps(mk1, src + 16));
     }
   }
-  for (int64_t c = 0; c < value_panels; ++c) {
-    const auto [mk0, mk1] = PanelMasks(std::min(kPanel, dv - c * kPanel));
-    for (int64_t t = 0; t < tiles; ++t) {
-      const int m = static_cast<int>(std::min<int64_t>(kMr, queries - t * kMr));
-      kKernels[m](S, w.probs + t * S * kMr, w.values + c * S * kPanel, ctx + t * kMr * ldc + c * kPanel, ldc,
-                  true, nullptr, nullptr, 0, mk0, mk1, t == 0 ? 1 : 0);
+  const int64_t key_panels = (S + kPanel - 1) / kPanel;
+  for (int64_t r0 = 0; r0 < queries; r0 += kAttentionBlock) {
+    const int64_t rows = std::min(kAttentionBlock, queries - r0);
+    const int64_t t0 = r0 / kMr, t1 = (r0 + rows + kMr - 1) / kMr;
+    // Scores of the block, [rows, S]: the key panels in turn, every query tile against each.
+    for (int64_t p = 0; p < key_panels; ++p) {
+      const auto [mk0, mk1] = PanelMasks(std::min(kPanel, S - p * kPanel));
+      const float* bp = a.keys + p * width * kPanel;
+      const float* add = a.key_add != nullptr ? a.key_add + p * kPanel : nullptr;
+      for (int64_t t = t0; t < t1; ++t) {
+        const int m = static_cast<int>(std::min<int64_t>(kMr, queries - t * kMr));
+        kKernels[m](width, w.queries + t * width * kMr, bp, w.scores + (t - t0) * kMr * S + p * kPanel, S,
+                    true, add, nullptr, 0, mk0, mk1, t == t0 ? 1 : 0);
+      }
+    }
+    SoftmaxRowsAvx512(w.scores, S, rows, S);
+    if (rows % kMr != 0) std::fill_n(w.probs + (t1 - t0 - 1) * S * kMr, S * kMr, 0.0f);
+    PackRowsAvx512<kMr>(w.scores, S, 0, rows, 0, S, S, w.probs);
+    for (int64_t c = 0; c < value_panels; ++c) {
+      const auto [mk0, mk1] = PanelMasks(std::min(kPanel, dv - c * kPanel));
+      for (int64_t t = t0; t < t1; ++t) {
+        const int m = static_cast<int>(std::min<int64_t>(kMr, queries - t * kMr));
+        kKernels[m](S, w.probs + (t - t0) * S * kMr, w.values + c * S * kPanel, ctx + t * kMr * ldc + c * kPanel,
+                    ldc, true, nullptr, nullptr, 0, mk0, mk1, t == t0 ? 1 : 0);
+      }
     }
   }
 }
