@@ -81,8 +81,10 @@ ScratchLayout LayoutOfScratch(int64_t S, int64_t width, int64_t dk) {
 }  // namespace
 
 at::Tensor AttentionScratch(int64_t S, int64_t width, int64_t dk, const at::TensorOptions& options) {
-  return at::empty({LayoutOfScratch(S, width, dk).size}, options);
+  return at::empty({AttentionScratchSize(S, width, dk)}, options);
 }
+
+int64_t AttentionScratchSize(int64_t S, int64_t width, int64_t dk) { return LayoutOfScratch(S, width, dk).size; }
 
 AttentionLayout LayoutOf(const EncoderLayer& l, int64_t H, int64_t dk) {
   const int64_t D = H * dk;

@@ -33,8 +33,9 @@ struct AttentionLayout {
 // Scratch for AttendHeads with S positions, scores `width` wide and dk-wide values: the key
 // terms, the packed keys and the attention kernel's work space (or the sgemm path's [S, S] scores
 // and mixed queries). Allocated per parallel region (not kept per thread), so a served model holds
-// nothing between calls.
+// nothing between calls. AttentionScratchSize: its size in floats.
 at::Tensor AttentionScratch(int64_t S, int64_t width, int64_t dk, const at::TensorOptions& options);
+int64_t AttentionScratchSize(int64_t S, int64_t width, int64_t dk);
 
 // The layout of layer l's attention, H heads of d_k (its mixing pointer only for CPU float32).
 AttentionLayout LayoutOf(const EncoderLayer& l, int64_t H, int64_t dk);

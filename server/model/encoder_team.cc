@@ -13,6 +13,7 @@
 #include "server/model/bert.h"
 #include "server/model/dense_ops.h"
 #include "server/model/kernels.h"
+#include "server/model/pass_arena.h"
 #include "server/model/threads.h"
 #include "server/util/process_env.h"
 
@@ -21,7 +22,7 @@ namespace collabserve::model {
 using internal::AttendHeads;
 using internal::AttendUnits;
 using internal::AttentionLayout;
-using internal::AttentionScratch;
+using internal::AttentionScratchSize;
 using internal::ContentScores;
 using internal::DenseColumns;
 using internal::FindSgemm;
@@ -86,11 +87,6 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add, boo
   if (mask_add.defined()) mask2 = mask_add.view({B, S}).contiguous();
   const float* mask = mask2.defined() ? mask2.data_ptr<float>() : nullptr;
   at::Tensor cur = h.contiguous().view({T, D});
-  at::Tensor proj = at::empty({T, proj_ld}, cur.options());
-  at::Tensor ctx = at::empty({T, D}, cur.options());
-  at::Tensor mid = at::empty({T, D}, cur.options());
-  at::Tensor inter = at::empty({T, F}, cur.options());
-  at::Tensor next = at::empty({T, D}, cur.options());
   const float eps = static_cast<float>(config_.layer_norm_eps);
   // [begin, end) of `count` units for member t of n, in whole multiples of `unit`.
   auto share = [](int64_t count, int64_t unit, int t, int n) {
@@ -117,12 +113,6 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add, boo
       prepacked = prepacked && UsePackedLinear(*w, T);
     }
   }
-  at::Tensor xpack, cpack, ipack;  // packed rows of the layer input / mid, of ctx, of inter
-  if (prepacked) {
-    xpack = at::empty({PackedRowsSize(T, D)}, cur.options());
-    cpack = at::empty({PackedRowsSize(T, D)}, cur.options());
-    ipack = at::empty({PackedRowsSize(T, F)}, cur.options());
-  }
   // Above kPackedMaxRows tokens a weight kept only packed is unpacked once per product into one
   // [K, N] buffer (w^T), which the members fill together, each its share of the panels, in a step
   // of its own; then each member's sgemm reads all of it for its rows. (Each member unpacking by
@@ -140,10 +130,41 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add, boo
       }
     }
   }
-  const at::Tensor unpack_buf = unpack_floats > 0 ? at::empty({unpack_floats}, cur.options()) : at::Tensor();
+  // The pass's output after an odd number of layers (its input's buffer after an even number).
+  at::Tensor next = at::empty({T, D}, cur.options());
+  // Its working buffers: in the shared PassArena when it is free (a stream of passes then maps no
+  // new pages), else from the allocator. Each starts on a cache line. (The input and output
+  // stay with the allocator: on the arena they would be copied in and out, for no gain measured
+  // at 8 x 128 and 32 x 128.)
+  at::Tensor proj, ctx, mid, inter;
+  at::Tensor xpack, cpack, ipack;  // packed rows of the layer input / mid, of ctx, of inter
+  at::Tensor unpack_buf;
+  std::vector<at::Tensor> member_scores(static_cast<size_t>(n));  // each member's attention scratch
+  std::vector<std::pair<at::Tensor*, std::vector<int64_t>>> buffers = {
+      {&proj, {T, proj_ld}}, {&ctx, {T, D}}, {&mid, {T, D}}, {&inter, {T, F}}};
+  if (prepacked) {
+    buffers.push_back({&xpack, {PackedRowsSize(T, D)}});
+    buffers.push_back({&cpack, {PackedRowsSize(T, D)}});
+    buffers.push_back({&ipack, {PackedRowsSize(T, F)}});
+  }
+  if (unpack_floats > 0) buffers.push_back({&unpack_buf, {unpack_floats}});
+  for (at::Tensor& scores : member_scores) buffers.push_back({&scores, {AttentionScratchSize(S, width, dk)}});
+  auto floats = [](const std::vector<int64_t>& sizes) {
+    int64_t f = 1;
+    for (int64_t d : sizes) f *= d;
+    return (f + 15) / 16 * 16;
+  };
+  int64_t total = 0;
+  for (const auto& b : buffers) total += floats(b.second);
+  const PassArena::Lease lease = PassArena::Shared().TryLease(total);
+  int64_t offset = 0;
+  for (const auto& [tensor, sizes] : buffers) {
+    *tensor = lease ? at::from_blob(lease.data() + offset, sizes, cur.options()) : at::empty(sizes, cur.options());
+    offset += floats(sizes);
+  }
   const bool ran = ThreadTeam::Shared().TryRun(n, [&](int t, int n) {
     ThreadTeam& team = ThreadTeam::Shared();
-    at::Tensor scores = AttentionScratch(S, width, dk, cur.options());
+    at::Tensor& scores = member_scores[static_cast<size_t>(t)];
     at::Tensor x = cur, y = next;  // this layer's input and output (swapped after each layer)
     if (prepacked) {
       const std::pair<int64_t, int64_t> rows = share(T, kPackedRowTile, t, n);

@@ -25,6 +25,7 @@
 #include "server/model/io/checkpoint.h"
 #include "server/model/io/safetensors.h"
 #include "server/model/param_counts.h"
+#include "server/model/pass_arena.h"
 #include "server/model/state_dict.h"
 #include "server/text/bert_tokenizer.h"
 #include "tests/testing/test_util.h"
@@ -345,6 +346,36 @@ TEST(EngineBatchTest, LongBatchesGiveEachSequenceItsLogitsAlone) {
     ASSERT_EQ((*alone)[0].logits.size(), (*batched)[b].logits.size());
     for (size_t c = 0; c < (*alone)[0].logits.size(); ++c) {
       EXPECT_NEAR((*alone)[0].logits[c], (*batched)[b].logits[c], 1e-4) << "sequence " << b;
+    }
+  }
+}
+
+// A team pass takes its buffers from the shared PassArena, whose pages hold what the last pass
+// left there: its logits are those of the same pass on freshly allocated buffers (the arena
+// leased elsewhere), bit for bit, on the prepacked path (<= 256 tokens) and the long one.
+TEST(EnginePassArenaTest, PassesOnTheArenaEqualPassesOnTheAllocator) {
+  IntraOpThreads two(2);
+  TempDir dir;
+  std::unique_ptr<Engine> engine = LoadMini(dir, 17);
+  ASSERT_NE(engine, nullptr);
+  for (const auto& [len, size] : std::vector<std::pair<int, int>>{{40, 2}, {60, 6}}) {
+    std::vector<TokenizedInput> batch;
+    for (int b = 0; b < size; ++b) batch.push_back(SyntheticInput(len - 3 * b, b * 257, b % 2));
+    auto on_arena = engine->Run(batch);
+    ASSERT_TRUE(on_arena.ok()) << on_arena.status();
+    EXPECT_GT(PassArena::Shared().mapped_bytes(), 0);
+    absl::StatusOr<std::vector<Prediction>> allocated = absl::UnknownError("not run");
+    {
+      PassArena::Lease held = PassArena::Shared().TryLease(1);
+      ASSERT_TRUE(held) << "the arena is free between passes";
+      allocated = engine->Run(batch);
+    }
+    ASSERT_TRUE(allocated.ok()) << allocated.status();
+    auto again = engine->Run(batch);  // on the arena's pages as the last pass left them
+    ASSERT_TRUE(again.ok()) << again.status();
+    for (size_t b = 0; b < batch.size(); ++b) {
+      EXPECT_EQ((*on_arena)[b].logits, (*allocated)[b].logits) << len << " x " << size << ", sequence " << b;
+      EXPECT_EQ((*on_arena)[b].logits, (*again)[b].logits) << len << " x " << size << ", sequence " << b;
     }
   }
 }

@@ -1,0 +1,123 @@
+#include "server/model/pass_arena.h"
+
+#include <c10/util/Exception.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <vector>
+
+namespace collabserve::model {
+
+PassArena& PassArena::Shared() {
+  static PassArena arena(std::chrono::seconds(10));
+  return arena;
+}
+
+PassArena::PassArena(std::chrono::milliseconds idle_release) : idle_release_(idle_release) {}
+
+PassArena::~PassArena() {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (idle_.joinable()) idle_.join();
+  if (base_ != nullptr) munmap(base_, static_cast<size_t>(bytes_));
+}
+
+PassArena::Lease::Lease(Lease&& other) noexcept : arena_(other.arena_), data_(other.data_) {
+  other.arena_ = nullptr;
+  other.data_ = nullptr;
+}
+
+PassArena::Lease& PassArena::Lease::operator=(Lease&& other) noexcept {
+  if (this != &other) {
+    if (arena_ != nullptr) arena_->Release();
+    arena_ = other.arena_;
+    data_ = other.data_;
+    other.arena_ = nullptr;
+    other.data_ = nullptr;
+  }
+  return *this;
+}
+
+PassArena::Lease::~Lease() {
+  if (arena_ != nullptr) arena_->Release();
+}
+
+PassArena::Lease PassArena::TryLease(int64_t floats) {
+  TORCH_CHECK(floats >= 1, "PassArena::TryLease: ", floats, " floats (want >= 1)");
+  std::lock_guard<std::mutex> l(mu_);
+  if (leased_) return Lease();
+  const int64_t page = sysconf(_SC_PAGESIZE);
+  const int64_t need = (floats * static_cast<int64_t>(sizeof(float)) + page - 1) / page * page;
+  if (need > bytes_) {
+    const int64_t bytes = std::max(need, 2 * bytes_);
+    void* p = mmap(nullptr, static_cast<size_t>(bytes), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    TORCH_CHECK(p != MAP_FAILED, "could not map ", bytes, " bytes for a pass's activations: ", std::strerror(errno));
+    if (base_ != nullptr) munmap(base_, static_cast<size_t>(bytes_));
+    base_ = p;
+    bytes_ = bytes;
+  }
+  leased_ = true;
+  resident_ = true;
+  if (!idle_.joinable()) idle_ = std::thread([this] { IdleLoop(); });
+  return Lease(this, static_cast<float*>(base_));
+}
+
+void PassArena::Release() {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    leased_ = false;
+    last_release_ = std::chrono::steady_clock::now();
+  }
+  cv_.notify_all();
+}
+
+void PassArena::IdleLoop() {
+  std::unique_lock<std::mutex> l(mu_);
+  while (!stop_) {
+    if (leased_ || !resident_) {
+      cv_.wait(l);
+      continue;
+    }
+    const auto due = last_release_ + idle_release_;
+    if (std::chrono::steady_clock::now() < due) {
+      cv_.wait_until(l, due);
+      continue;
+    }
+    GiveBackLocked();
+  }
+}
+
+void PassArena::ReleaseIfIdle() {
+  std::lock_guard<std::mutex> l(mu_);
+  if (!leased_ && resident_) GiveBackLocked();
+}
+
+void PassArena::GiveBackLocked() {
+  // The pages back to the system (read as zeros when touched again); the mapping stays.
+  madvise(base_, static_cast<size_t>(bytes_), MADV_DONTNEED);
+  resident_ = false;
+}
+
+int64_t PassArena::mapped_bytes() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return bytes_;
+}
+
+int64_t PassArena::resident_bytes() const {
+  std::lock_guard<std::mutex> l(mu_);
+  if (base_ == nullptr) return 0;
+  const int64_t page = sysconf(_SC_PAGESIZE);
+  std::vector<unsigned char> in(static_cast<size_t>(bytes_ / page));
+  TORCH_CHECK(mincore(base_, static_cast<size_t>(bytes_), in.data()) == 0, "mincore: ", std::strerror(errno));
+  int64_t pages = 0;
+  for (unsigned char c : in) pages += c & 1;
+  return pages * page;
+}
+
+}  // namespace collabserve::model
