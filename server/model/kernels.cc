@@ -437,8 +437,8 @@ COLLABSERVE_AVX512 void SmallAttentionTiles(const float* q, int64_t ldq, const f
 }
 
 // Where Attention's work space goes: the query factors, the queries (premixed rows, or packed
-// tiles for the micro-kernel), the scores of one block of query rows (kAttentionBlock) and their probabilities packed, the values
-// packed; offsets in floats, `size` the whole.
+// tiles for the micro-kernel), the scores of one block of kAttentionBlock query rows, their
+// probabilities packed, the values packed; offsets in floats, `size` the whole.
 struct AttentionWorkLayout {
   int64_t factors, queries, scores, probs, values, size;
 };

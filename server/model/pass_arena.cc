@@ -9,6 +9,8 @@
 #include <cstring>
 #include <vector>
 
+#include "server/model/kernels.h"
+
 namespace collabserve::model {
 
 PassArena& PassArena::Shared() {
@@ -25,7 +27,6 @@ PassArena::~PassArena() {
   }
   cv_.notify_all();
   if (idle_.joinable()) idle_.join();
-  if (base_ != nullptr) munmap(base_, static_cast<size_t>(bytes_));
 }
 
 PassArena::Lease::Lease(Lease&& other) noexcept : arena_(other.arena_), data_(other.data_) {
@@ -52,20 +53,15 @@ PassArena::Lease PassArena::TryLease(int64_t floats) {
   TORCH_CHECK(floats >= 1, "PassArena::TryLease: ", floats, " floats (want >= 1)");
   std::lock_guard<std::mutex> l(mu_);
   if (leased_) return Lease();
-  const int64_t page = sysconf(_SC_PAGESIZE);
-  const int64_t need = (floats * static_cast<int64_t>(sizeof(float)) + page - 1) / page * page;
-  if (need > bytes_) {
-    const int64_t bytes = std::max(need, 2 * bytes_);
-    void* p = mmap(nullptr, static_cast<size_t>(bytes), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    TORCH_CHECK(p != MAP_FAILED, "could not map ", bytes, " bytes for a pass's activations: ", std::strerror(errno));
-    if (base_ != nullptr) munmap(base_, static_cast<size_t>(bytes_));
-    base_ = p;
-    bytes_ = bytes;
+  if (!pages_.defined() || floats > pages_.numel()) {
+    const int64_t grown = std::max(floats, pages_.defined() ? 2 * pages_.numel() : int64_t{0});
+    pages_ = at::Tensor();  // the old mapping goes first
+    pages_ = PagesOfItsOwn(grown, at::TensorOptions());
   }
   leased_ = true;
   resident_ = true;
   if (!idle_.joinable()) idle_ = std::thread([this] { IdleLoop(); });
-  return Lease(this, static_cast<float*>(base_));
+  return Lease(this, pages_.data_ptr<float>());
 }
 
 void PassArena::Release() {
@@ -100,21 +96,28 @@ void PassArena::ReleaseIfIdle() {
 
 void PassArena::GiveBackLocked() {
   // The pages back to the system (read as zeros when touched again); the mapping stays.
-  madvise(base_, static_cast<size_t>(bytes_), MADV_DONTNEED);
+  madvise(pages_.data_ptr(), static_cast<size_t>(MappedBytesLocked()), MADV_DONTNEED);
   resident_ = false;
+}
+
+int64_t PassArena::MappedBytesLocked() const {
+  if (!pages_.defined()) return 0;
+  const int64_t page = sysconf(_SC_PAGESIZE);
+  return (pages_.numel() * static_cast<int64_t>(sizeof(float)) + page - 1) / page * page;
 }
 
 int64_t PassArena::mapped_bytes() const {
   std::lock_guard<std::mutex> l(mu_);
-  return bytes_;
+  return MappedBytesLocked();
 }
 
 int64_t PassArena::resident_bytes() const {
   std::lock_guard<std::mutex> l(mu_);
-  if (base_ == nullptr) return 0;
+  const int64_t bytes = MappedBytesLocked();
+  if (bytes == 0) return 0;
   const int64_t page = sysconf(_SC_PAGESIZE);
-  std::vector<unsigned char> in(static_cast<size_t>(bytes_ / page));
-  TORCH_CHECK(mincore(base_, static_cast<size_t>(bytes_), in.data()) == 0, "mincore: ", std::strerror(errno));
+  std::vector<unsigned char> in(static_cast<size_t>(bytes / page));
+  TORCH_CHECK(mincore(pages_.data_ptr(), static_cast<size_t>(bytes), in.data()) == 0, "mincore: ", std::strerror(errno));
   int64_t pages = 0;
   for (unsigned char c : in) pages += c & 1;
   return pages * page;

@@ -2,6 +2,8 @@
 #ifndef COLLABSERVE_SERVER_MODEL_PASS_ARENA_H_
 #define COLLABSERVE_SERVER_MODEL_PASS_ARENA_H_
 
+#include <ATen/core/Tensor.h>
+
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -68,12 +70,12 @@ class PassArena {
   void Release();
   void IdleLoop();
   void GiveBackLocked();  // mu_ held, no lease live
+  int64_t MappedBytesLocked() const;
 
   const std::chrono::milliseconds idle_release_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  void* base_ = nullptr;
-  int64_t bytes_ = 0;
+  at::Tensor pages_;  // PagesOfItsOwn
   bool leased_ = false;
   bool resident_ = false;  // pages touched since the last release to the system
   std::chrono::steady_clock::time_point last_release_;
