@@ -23,7 +23,8 @@ bool PackedLinearSupported();
 
 // Zeroed float32 storage of `floats` elements in an anonymous mapping of its own (whole pages, given
 // back to the system when the last tensor sharing it goes): for what a served model keeps for its
-// lifetime, which the allocator would round up to a size class whose tail stays resident.
+// lifetime, which the allocator would round up to a size class whose tail stays resident, and for
+// PassArena's pages, which it keeps resident between passes (pass_arena.h).
 at::Tensor PagesOfItsOwn(int64_t floats, const at::TensorOptions& options);
 
 // A weight w [N, K] (nn.Linear layout: out_features × in_features) re-laid for PackedLinear:

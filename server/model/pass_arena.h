@@ -15,8 +15,8 @@ namespace collabserve::model {
 // A team pass (encoder_team.cc) needs ~40 MB of activations at 8 × 128 tokens and ~460 MB at
 // 32 × 512. Taken from the allocator and freed after each pass, those pages went back to the
 // system and were faulted in again on the next pass (jemalloc's decay purges freed pages at the
-// rate a steady stream of passes frees them): 14-25% of the time of 8 × 128, 32 × 128 and
-// 32 × 512 passes. The arena keeps one mapping, grown to the largest pass it has served, whose
+// rate a steady stream of passes frees them): with jemalloc told never to give pages back, 8 × 128,
+// 32 × 128 and 32 × 512 passes took 14-25% less time; with the arena, 8 × 128 and 32 × 128 ~15%. The arena keeps one mapping, grown to the largest pass it has served, whose
 // pages the next pass finds resident; after `idle_release` without a lease it gives the pages back
 // to the system (the mapping stays, and the next pass faults them in once), so that a burst of
 // large batches does not pin its memory.
