@@ -17,6 +17,7 @@
 #include <sanitizer/asan_interface.h>
 
 #include <algorithm>
+#include <array>
 #include <limits>
 #include <vector>
 
@@ -140,14 +141,16 @@ void BertClassifier::Prepare(const c10::Device& device, c10::ScalarType dtype, b
                           &l.inter_b, &l.out_w, &l.out_b, &l.out_ln_w, &l.out_ln_b}) {
       mv(*t);
     }
-    std::vector<at::Tensor*> sections;
+    // (One pointer array picked, not a vector assigned in each branch: GCC 12 warned of a null
+    // argument, -Wnonnull, inside the vector's assignment.)
+    const std::array<at::Tensor*, 3> sections =
+        l.collaborative ? std::array<at::Tensor*, 3>{&l.collab_query_w, &l.collab_key_w, &l.value_w}
+                        : std::array<at::Tensor*, 3>{&l.query_w, &l.key_w, &l.value_w};
     std::vector<at::Tensor> biases;
     if (l.collaborative) {
-      sections = {&l.collab_query_w, &l.collab_key_w, &l.value_w};
       auto zeros = at::zeros({l.rank}, l.value_b.options());
       biases = {zeros, zeros, l.value_b, at::zeros({H}, l.value_b.options())};
     } else {
-      sections = {&l.query_w, &l.key_w, &l.value_w};
       biases = {l.query_b, l.key_b, l.value_b};
     }
     // Into the place the constructor kept for it (same size), while it is of this device and type.
