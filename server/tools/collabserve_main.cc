@@ -5,7 +5,9 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <iostream>
+#include <optional>
 #include <string>
 
 #include <ATen/Parallel.h>
@@ -82,6 +84,22 @@ namespace util = collabserve::util;
 using collabserve::service::Server;
 using collabserve::service::ServerOptions;
 
+// Removes a directory and everything in it when it goes out of scope.
+class RemovedAtExit {
+ public:
+  explicit RemovedAtExit(std::string dir) : dir_(std::move(dir)) {}
+  ~RemovedAtExit() {
+    std::error_code ec;
+    std::filesystem::remove_all(dir_, ec);
+    if (ec) LOG(WARNING) << "could not remove " << dir_ << ": " << ec.message();
+  }
+  RemovedAtExit(const RemovedAtExit&) = delete;
+  RemovedAtExit& operator=(const RemovedAtExit&) = delete;
+
+ private:
+  std::string dir_;
+};
+
 // A repository holding only demo/1, in a fresh temporary directory.
 absl::StatusOr<std::string> MakeDemoRepository() {
   const char* tmp = std::getenv("TMPDIR");
@@ -91,7 +109,10 @@ absl::StatusOr<std::string> MakeDemoRepository() {
   }
   const std::string version_dir = absl::StrCat(templ, "/demo/1");
   absl::Status s = collabserve::model::WriteDemoCheckpoint(version_dir);
-  if (!s.ok()) return s;
+  if (!s.ok()) {
+    RemovedAtExit half_written(templ);
+    return s;
+  }
   return templ;
 }
 
@@ -132,14 +153,19 @@ int Run(int argc, char** argv, int cpus) {
   o.metrics_host = o.host;
   o.metrics_port = absl::GetFlag(FLAGS_metrics_port);
   o.model_repository = absl::GetFlag(FLAGS_model_repository);
+  // The demo's temporary repository goes when the server does (on every return below; after the
+  // server, which is declared later), uploads to it included.
+  std::optional<RemovedAtExit> demo_repository;
   if (o.model_repository.empty()) {
     auto demo = MakeDemoRepository();
     if (!demo.ok()) {
       std::cerr << "collabserve: cannot build the demo model: " << demo.status() << "\n";
       return 1;
     }
+    demo_repository.emplace(*demo);
     o.model_repository = *demo;
-    LOG(INFO) << "no --model_repository: serving the built-in demo model from " << *demo;
+    LOG(INFO) << "no --model_repository: serving the built-in demo model from " << *demo
+              << " (removed at exit, with any version uploaded to it)";
   }
   o.poll_interval = absl::Seconds(absl::GetFlag(FLAGS_poll_interval_s));
   o.versions_to_keep = absl::GetFlag(FLAGS_versions_to_keep);

@@ -7,6 +7,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -108,9 +109,28 @@ TEST(CollabserveBinaryTest, ServesCollabctlAndMatchesTheOfflineTool) {
   EXPECT_EQ(server.Terminate(), 0);
 }
 
+// The demo's checkpoint in $TMPDIR/collabserve-demo-*, or "" (none, or more than one).
+std::string DemoRepositoryIn(const TempDir& tmp) {
+  std::string out;
+  int found = 0;
+  for (const auto& e : std::filesystem::directory_iterator(tmp.path())) {
+    if (absl::StartsWith(e.path().filename().string(), "collabserve-demo-")) {
+      out = e.path().string();
+      ++found;
+    }
+  }
+  return found == 1 ? out : "";
+}
+
 TEST(CollabserveBinaryTest, ServesTheDemoModelWithoutARepository) {
-  ServerProcess server({"--port=0", "--metrics_port=-1", "--host=127.0.0.1"});
+  TempDir tmp;
+  ServerProcess server({"--port=0", "--metrics_port=-1", "--host=127.0.0.1"}, "", nullptr, "",
+                       {"TMPDIR=" + tmp.path()});
   ASSERT_TRUE(server.serving());
+  // Its checkpoint sits in a temporary repository of its own while it serves...
+  const std::string repository = DemoRepositoryIn(tmp);
+  ASSERT_NE(repository, "");
+  EXPECT_TRUE(std::filesystem::exists(repository + "/demo/1/model.safetensors")) << repository;
   EXPECT_EQ(server.metrics_port(), -1);
   std::string out;
   const std::string ctl = Bin("collabctl") + " --address=" + server.address();
@@ -119,6 +139,8 @@ TEST(CollabserveBinaryTest, ServesTheDemoModelWithoutARepository) {
   EXPECT_TRUE(absl::StartsWith(out, "games")) << out;
   EXPECT_EQ(RunCommand(ctl + " health --service=demo", &out), 0);
   EXPECT_EQ(server.Terminate(), 0);
+  // ... which goes with it.
+  EXPECT_FALSE(std::filesystem::exists(repository)) << repository << " was left behind";
 }
 
 TEST(CollabserveBinaryTest, ReportsABadRepository) {

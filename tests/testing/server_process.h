@@ -34,11 +34,28 @@ class ServerProcess {
   // appended to `stderr_log` when given.
   // `in_child`, when given, runs in the child between fork and exec (e.g. to set a resource
   // limit or a signal disposition that exec keeps); it must only make async-signal-safe calls.
-  // `binary`: the server to run (default: BinaryPath("collabserve")).
+  // `binary`: the server to run (default: BinaryPath("collabserve")). `env`: NAME=VALUE entries
+  // added to (or replacing those of) this process's environment in the child's.
   explicit ServerProcess(std::vector<std::string> args, const std::string& stderr_log = "",
                          const std::function<void()>& in_child = nullptr,
-                         std::string binary = "") {
+                         std::string binary = "", const std::vector<std::string>& env = {}) {
     if (binary.empty()) binary = BinaryPath("collabserve");
+    // The child's environment, built before fork (the child may only make async-signal-safe calls).
+    std::vector<std::string> env_strings;
+    for (char** e = environ; *e != nullptr; ++e) {
+      const std::string entry = *e;
+      const std::string name = entry.substr(0, entry.find('=') + 1);
+      bool replaced = false;
+      for (const std::string& x : env) replaced = replaced || absl::StartsWith(x, name);
+      if (!replaced) env_strings.push_back(entry);
+    }
+    env_strings.insert(env_strings.end(), env.begin(), env.end());
+    std::vector<char*> envp;
+    for (std::string& e : env_strings) envp.push_back(e.data());
+    envp.push_back(nullptr);
+    std::vector<char*> argv = {binary.data()};
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
     int fds[2];
     if (pipe(fds) != 0) return;
     pid_ = fork();
@@ -51,10 +68,7 @@ class ServerProcess {
         if (err != nullptr) dup2(fileno(err), 2);
       }
       if (in_child) in_child();
-      std::vector<char*> argv = {binary.data()};
-      for (auto& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      execv(binary.c_str(), argv.data());
+      execve(binary.c_str(), argv.data(), envp.data());
       _exit(127);
     }
     close(fds[1]);

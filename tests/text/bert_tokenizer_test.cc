@@ -9,6 +9,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/test_util.h"
 
 namespace collabserve::text {
 namespace {
@@ -22,10 +23,10 @@ std::string SourceDir() {
 }
 std::string VocabPath() { return SourceDir() + "/tests/data/bert-base-uncased-vocab.txt"; }
 
+// A path in this process's temporary directory (removed, with everything in it, at exit).
 std::string TempPath(const std::string& name) {
-  const char* tmp = std::getenv("TEST_TMPDIR");
-  return std::string(tmp ? tmp : "/tmp") + "/collabserve_text_test_" + std::to_string(::getpid()) +
-         "_" + name;
+  static const collabserve::testing::TempDir scratch;
+  return scratch / name;
 }
 std::string WriteTemp(const std::string& name, const std::string& contents) {
   const std::string path = TempPath(name);

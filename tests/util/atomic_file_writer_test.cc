@@ -9,15 +9,17 @@
 
 #include "gtest/gtest.h"
 #include "server/util/files.h"
+#include "tests/testing/test_util.h"
 
 namespace collabserve::util {
 namespace {
 
-// A fresh empty directory under the test temp dir.
+// A fresh empty directory in this process's temporary directory (removed, with everything in
+// it, when the process exits).
 std::string FreshDir(const std::string& name) {
+  static const collabserve::testing::TempDir scratch;
   static int counter = 0;
-  std::string dir = ::testing::TempDir() + "atomic_writer_" + std::to_string(::getpid()) + "_" +
-                    std::to_string(counter++) + "_" + name;
+  std::string dir = scratch / (std::to_string(counter++) + "_" + name);
   EXPECT_EQ(::mkdir(dir.c_str(), 0755), 0) << dir;
   return dir;
 }
