@@ -17,7 +17,8 @@
 // default) first prints each model's resident memory as served: a fresh process per model (this
 // binary with --rss_child=DIR, three times: the medians) loads it as the server does, runs one
 // 8 × 128 call and reports VmRSS and RssAnon (VmRSS less the file pages, mostly the libraries'
-// code), minus the same for a generated tiny model, next to the model's float32 parameter bytes.
+// code), minus the same for a generated tiny model, next to the model's float32 parameter bytes;
+// then Engine::Load's time in those processes against three more loading without packing.
 // Linked with the server's allocator (jemalloc where the server has it), so that both the timings
 // and the memory are those of the engine as served.
 //
@@ -70,6 +71,7 @@ struct Flags {
   std::string model, pytorch_tsv, ort_tsv, tsv_out, rss_child;
   std::vector<std::string> collab_models;
   int memory = 1;
+  int pack_weights = 1;  // --rss_child only: EngineOptions::pack_weights
   std::string device = "cpu", dtype = "float32";
   std::vector<int> batches = {1, 8, 32};
   std::vector<int> seqs = {16, 128, 512};
@@ -89,6 +91,7 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
            .String("collab_model", &collab)
            .String("rss_child", &f->rss_child)
            .Int("memory", &f->memory)
+           .Int("pack_weights", &f->pack_weights)
            .String("device", &f->device)
            .String("dtype", &f->dtype)
            .String("pytorch_tsv", &f->pytorch_tsv)
@@ -311,6 +314,7 @@ std::unique_ptr<Engine> LoadOrDie(const std::string& dir, const Flags& f) {
   EngineOptions o;
   o.device = f.device;
   o.dtype = f.dtype;
+  o.pack_weights = f.pack_weights != 0;
   auto e = Engine::Load(dir, o);
   if (!e.ok()) {
     std::fprintf(stderr, "engine_bench: %s\n", e.status().ToString().c_str());
@@ -319,12 +323,15 @@ std::unique_ptr<Engine> LoadOrDie(const std::string& dir, const Flags& f) {
   return std::move(*e);
 }
 
-// --rss_child=DIR: load DIR as the server does, run one call of 8 sequences of min(128,
-// max_length) tokens, give freed memory back (the allocator's, and the pages of the pass arena,
-// which an idle server gives back after 10 s), print "rss_bytes N params N anon_bytes N".
+// --rss_child=DIR: load DIR as the server does (with --pack_weights=0: in the unpacked form
+// that conversions use), run one call of 8 sequences of min(128, max_length) tokens, give freed
+// memory back (the allocator's, and the pages of the pass arena, which an idle server gives back
+// after 10 s), print "rss_bytes N params N anon_bytes N load_s X" (X: Engine::Load's wall time).
 int RssChild(const Flags& f) {
   at::set_num_threads(f.threads);
+  const double t0 = Now();
   std::unique_ptr<Engine> engine = LoadOrDie(f.rss_child, f);
+  const double load_s = Now() - t0;
   auto r = engine->Run(MakeInputs(8, std::min(128, engine->info().max_length)));
   if (!r.ok()) {
     std::fprintf(stderr, "engine_bench: Run failed: %s\n", r.status().ToString().c_str());
@@ -337,30 +344,33 @@ int RssChild(const Flags& f) {
     std::fprintf(stderr, "engine_bench: %s\n", m.status().ToString().c_str());
     return 1;
   }
-  std::printf("rss_bytes %lld params %lld anon_bytes %lld\n", static_cast<long long>(m->rss_bytes),
+  std::printf("rss_bytes %lld params %lld anon_bytes %lld load_s %.6f\n", static_cast<long long>(m->rss_bytes),
               static_cast<long long>(engine->info().params.total),
-              static_cast<long long>(m->rss_anon_bytes));
+              static_cast<long long>(m->rss_anon_bytes), load_s);
   return 0;
 }
 
 struct Resident {
   int64_t rss_bytes = -1, anon_bytes = -1, params = 0;
+  double load_s = -1;
 };
 
-// One fresh process's figures for `dir`.
-Resident MeasureResidentOnce(const std::string& dir, int threads) {
+// One fresh process's figures for `dir` (pack: load it packed, as served).
+Resident MeasureResidentOnce(const std::string& dir, int threads, bool pack) {
   // This binary's path (popen runs a shell, for which /proc/self/exe is the shell).
   char self[4096];
   const ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
   Resident r;
   if (len <= 0) return r;
   self[len] = '\0';
-  const std::string cmd = std::string("'") + self + "' --rss_child='" + dir + "' --threads=" + std::to_string(threads);
+  const std::string cmd = std::string("'") + self + "' --rss_child='" + dir + "' --threads=" +
+                          std::to_string(threads) + " --pack_weights=" + (pack ? "1" : "0");
   std::FILE* p = popen(cmd.c_str(), "r");
   if (p == nullptr) return r;
   long long rss = 0, params = 0, anon = 0;
-  if (std::fscanf(p, "rss_bytes %lld params %lld anon_bytes %lld", &rss, &params, &anon) == 3) {
-    r = {rss, anon, params};
+  double load_s = 0;
+  if (std::fscanf(p, "rss_bytes %lld params %lld anon_bytes %lld load_s %lf", &rss, &params, &anon, &load_s) == 4) {
+    r = {rss, anon, params, load_s};
   }
   pclose(p);
   return r;
@@ -370,18 +380,20 @@ Resident MeasureResidentOnce(const std::string& dir, int threads) {
 // from one process to the next (RssFile: which pages of the libraries' code were faulted in),
 // RssAnon by a few tens.
 constexpr int kMemoryRuns = 3;
-Resident MeasureResident(const std::string& dir, int threads) {
-  std::vector<double> rss, anon;
+Resident MeasureResident(const std::string& dir, int threads, bool pack = true) {
+  std::vector<double> rss, anon, load;
   Resident r;
   for (int i = 0; i < kMemoryRuns; ++i) {
-    const Resident once = MeasureResidentOnce(dir, threads);
+    const Resident once = MeasureResidentOnce(dir, threads, pack);
     if (once.rss_bytes < 0) return Resident();
     rss.push_back(static_cast<double>(once.rss_bytes));
     anon.push_back(static_cast<double>(once.anon_bytes));
+    load.push_back(once.load_s);
     r.params = once.params;
   }
   r.rss_bytes = static_cast<int64_t>(Median(rss));
   r.anon_bytes = static_cast<int64_t>(Median(anon));
+  r.load_s = Median(load);
   return r;
 }
 
@@ -405,8 +417,10 @@ void PrintMemory(const Flags& f) {
   dirs.insert(dirs.end(), f.collab_models.begin(), f.collab_models.end());
   Resident standard;
   const double mib = 1048576.0;
+  std::vector<double> load_s(dirs.size(), -1);
   for (size_t i = 0; i < dirs.size(); ++i) {
     const Resident r = MeasureResident(dirs[i], f.threads);
+    load_s[i] = r.load_s;
     if (r.rss_bytes < 0 || base.rss_bytes < 0) {
       std::printf("%-40s | could not be measured\n", dirs[i].c_str());
       continue;
@@ -423,6 +437,22 @@ void PrintMemory(const Flags& f) {
     std::printf(row, dirs[i].c_str(), Fmt("%.1f", params / mib).c_str(), Fmt("%.1f", resident / mib).c_str(),
                 Fmt("%.3fx", resident / params).c_str(), Fmt("%.1f", anon / mib).c_str(),
                 Fmt("%.3fx", anon / params).c_str(), saving.c_str());
+  }
+  // Loading: the served form (packed weights, the plain ones dropped) against the same checkpoint
+  // loaded without packing, as conversions load it (the read, the tensors, the fused projection).
+  std::printf("\nLoad time (Engine::Load wall seconds in the processes above, median of %d; unpacked: %d more "
+              "processes each, --pack_weights=0):\n",
+              kMemoryRuns, kMemoryRuns);
+  const char* load_row = "%-40s | %9s | %11s | %s\n";
+  std::printf(load_row, "model", "served s", "unpacked s", "served / unpacked");
+  for (size_t i = 0; i < dirs.size(); ++i) {
+    const Resident u = MeasureResident(dirs[i], f.threads, /*pack=*/false);
+    if (load_s[i] < 0 || u.load_s <= 0) {
+      std::printf("%-40s | could not be measured\n", dirs[i].c_str());
+      continue;
+    }
+    std::printf(load_row, dirs[i].c_str(), Fmt("%.3f", load_s[i]).c_str(), Fmt("%.3f", u.load_s).c_str(),
+                Fmt("%.2fx", load_s[i] / u.load_s).c_str());
   }
   std::fflush(stdout);
 }
