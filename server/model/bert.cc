@@ -113,6 +113,29 @@ BertClassifier::BertClassifier(const BertConfig& c) : config_(c) {
   KeepSmallTensorsTogether();
 }
 
+namespace {
+
+// The weights layer l's fused projection stacks: [query; key; value], or [W~Q^T; W~K^T; value].
+// (One pointer array picked, not a vector assigned in each branch: GCC 12 warned of a null
+// argument, -Wnonnull, inside the vector's assignment.)
+std::array<at::Tensor*, 3> FusedSections(EncoderLayer& l) {
+  return l.collaborative ? std::array<at::Tensor*, 3>{&l.collab_query_w, &l.collab_key_w, &l.value_w}
+                         : std::array<at::Tensor*, 3>{&l.query_w, &l.key_w, &l.value_w};
+}
+
+}  // namespace
+
+bool BertClassifier::PackedOnPrepare(const at::Tensor& param) const {
+  // A layer has either the standard query/key weights or the collaborative ones (FusedSections).
+  for (const EncoderLayer& l : layers_) {
+    for (const at::Tensor* t : {&l.query_w, &l.key_w, &l.collab_query_w, &l.collab_key_w, &l.value_w,
+                                &l.attn_out_w, &l.inter_w, &l.out_w}) {
+      if (t->defined() && t->is_same(param)) return true;
+    }
+  }
+  return false;
+}
+
 void BertClassifier::Prepare(const c10::Device& device, c10::ScalarType dtype, bool pack_weights) {
   // The tensors built here are parameters (or views of them), never inference tensors, whatever
   // mode the caller is in: set_data needs that.
@@ -141,11 +164,7 @@ void BertClassifier::Prepare(const c10::Device& device, c10::ScalarType dtype, b
                           &l.inter_b, &l.out_w, &l.out_b, &l.out_ln_w, &l.out_ln_b}) {
       mv(*t);
     }
-    // (One pointer array picked, not a vector assigned in each branch: GCC 12 warned of a null
-    // argument, -Wnonnull, inside the vector's assignment.)
-    const std::array<at::Tensor*, 3> sections =
-        l.collaborative ? std::array<at::Tensor*, 3>{&l.collab_query_w, &l.collab_key_w, &l.value_w}
-                        : std::array<at::Tensor*, 3>{&l.query_w, &l.key_w, &l.value_w};
+    const std::array<at::Tensor*, 3> sections = FusedSections(l);
     std::vector<at::Tensor> biases;
     if (l.collaborative) {
       auto zeros = at::zeros({l.rank}, l.value_b.options());

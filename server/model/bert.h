@@ -90,6 +90,10 @@ class BertClassifier : public ParamNode {
   // saving) must load the model with pack_weights = false instead.
   bool weights_released() const { return weights_released_; }
 
+  // Whether `param` is one of the dense weights Prepare packs and then drops when it packs: a
+  // layer's query/key (or W~Q/W~K), value, attention-output and FFN weights.
+  bool PackedOnPrepare(const at::Tensor& param) const;
+
   // input_ids, token_type_ids: int64 [B, S]; attention_mask: int64 [B, S] of 0/1 or an undefined
   // tensor (no padding). Returns float32 logits [B, num_labels] on the CPU. Call under
   // c10::InferenceMode. Thread-safe (reads parameters only).

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "server/model/bert.h"
 #include "server/model/config.h"
+#include "server/model/dense_ops.h"
 #include "server/model/device.h"
 #include "server/model/io/checkpoint.h"
 #include "server/model/param_counts.h"
@@ -163,12 +164,13 @@ absl::StatusOr<std::string> FindWeightsFile(const std::string& dir) {
 }
 
 absl::StatusOr<std::unique_ptr<BertClassifier>> LoadClassifier(const std::string& dir,
-                                                               const BertConfig& config) {
+                                                               const BertConfig& config,
+                                                               bool borrow_packed) {
   ASSIGN_OR_RETURN(std::string weights, FindWeightsFile(dir));
   ASSIGN_OR_RETURN(io::Checkpoint ckpt, io::ReadCheckpointFile(weights));
   try {
     auto model = std::make_unique<BertClassifier>(config);
-    RETURN_IF_ERROR(LoadStateDict(*model, ckpt, weights));
+    RETURN_IF_ERROR(LoadStateDict(*model, ckpt, weights, borrow_packed));
     return model;
   } catch (const std::exception& e) {
     return absl::InternalError(absl::StrCat(weights, ": ", e.what()));
@@ -189,7 +191,10 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Load(const std::string& dir,
                                                    " tokens but config.json's vocab_size is ",
                                                    config.vocab_size));
   }
-  ASSIGN_OR_RETURN(auto model, LoadClassifier(dir, config));
+  // Where Prepare packs, the weights it packs are read from the checkpoint's pages themselves
+  // (BERT-base: 340 of its 438 MB never copied into memory of their own first).
+  const bool packs = options.pack_weights && internal::UsePacking(device, dtype);
+  ASSIGN_OR_RETURN(auto model, LoadClassifier(dir, config, /*borrow_packed=*/packs));
   const ParamCounts params = CountParams(*model);  // before Prepare drops the plain weights
   try {
     model->Prepare(device, dtype, options.pack_weights);

@@ -21,8 +21,10 @@ int64_t StandardQkParamsPerLayer(const BertConfig& config);
 int64_t CollaborativeQkParamsPerLayer(const BertConfig& config, int rank);
 
 // Loads config.json + weights of `dir` (no tokenizer, no device move): for tools and compression.
+// borrow_packed: as LoadStateDict's (Engine::Load, when Prepare packs).
 absl::StatusOr<std::unique_ptr<BertClassifier>> LoadClassifier(const std::string& dir,
-                                                               const BertConfig& config);
+                                                               const BertConfig& config,
+                                                               bool borrow_packed = false);
 absl::StatusOr<std::string> FindWeightsFile(const std::string& dir);
 
 }  // namespace collabserve::model

@@ -28,8 +28,13 @@ std::string NormalizeKey(absl::string_view key);
 // Copies every parameter of `model` from `checkpoint`. Tolerated and ignored: `*.position_ids`,
 // `cls.*` (pre-training heads). Errors (INVALID_ARGUMENT, naming `file` and the tensors): missing
 // parameters, unexpected keys, shape mismatches, non-float dtypes, non-finite values.
+// borrow_packed: the weights Prepare packs and drops (model.PackedOnPrepare) are not copied but
+// become read-only views of the checkpoint's bytes (float32, contiguous and aligned ones; the rest
+// are copied), which keep those bytes alive: for a model prepared with packing right after
+// (Engine::Load), which then never writes, or even touches, a plain copy of them. Nothing may
+// write to those parameters.
 absl::Status LoadStateDict(BertClassifier& model, const io::Checkpoint& checkpoint,
-                           absl::string_view file);
+                           absl::string_view file, bool borrow_packed = false);
 
 enum class WeightFormat { kSafetensors, kTorchBin };
 enum class WeightDType { kF32, kF16, kBF16 };

@@ -1,6 +1,6 @@
 // LoadStateDict: the parameters equal the checkpoint's tensors, the memory-mapped checkpoint's
-// pages stop counting in the process's resident memory once copied, and a checkpoint held in heap
-// memory is never touched.
+// pages stop counting in the process's resident memory once copied, a checkpoint held in heap
+// memory is never touched, and borrowed weights view the file's bytes only until Prepare packs them.
 #include "server/model/state_dict.h"
 
 #include <ATen/ATen.h>
@@ -13,7 +13,9 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <utility>
 
+#include "absl/strings/match.h"
 #include "server/model/bert.h"
 #include "server/model/checkpoint_maker.h"
 #include "server/model/config.h"
@@ -116,21 +118,73 @@ TEST_F(StateDictTest, NonFiniteValueIsRefusedByName) {
   auto original = std::make_shared<const std::string>(*bytes);
   auto ckpt0 = io::ParseSafetensorsBytes(io::BytesOfString(original), file_);
   ASSERT_TRUE(ckpt0.ok());
-  // Overwrite the first float of one tensor with NaN in a private copy of the bytes.
-  const auto& [key, raw] = *ckpt0->tensors.begin();
-  ASSERT_EQ(raw.dtype, io::DType::kF32) << key;
-  const size_t offset = static_cast<size_t>(raw.data - reinterpret_cast<const uint8_t*>(original->data()));
-  ASSERT_LT(offset + sizeof(float), original->size());
+  // The first or the last float of a tensor overwritten with NaN or an infinity, in a private copy
+  // of the bytes: the largest tensor (the last float of a long scan), copied, and a weight Prepare
+  // packs, copied or (borrow_packed) viewed in place.
+  std::string largest, packed;
+  for (const auto& [k, raw] : ckpt0->tensors) {
+    if (largest.empty() || raw.numel() > ckpt0->tensors.at(largest).numel()) largest = k;
+    if (packed.empty() && absl::StrContains(k, "intermediate.dense.weight")) packed = k;
+  }
+  ASSERT_FALSE(packed.empty());
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  for (const std::string& key : {largest, packed}) {
+    const io::RawTensor& raw = ckpt0->tensors.at(key);
+    ASSERT_EQ(raw.dtype, io::DType::kF32) << key;
+    const size_t first = static_cast<size_t>(raw.data - reinterpret_cast<const uint8_t*>(original->data()));
+    const size_t last = first + raw.nbytes() - sizeof(float);
+    ASSERT_LE(last + sizeof(float), original->size());
+    for (const auto& [offset, bad] : {std::pair<size_t, float>{first, nan}, {last, -inf}, {last, inf}}) {
+      for (const bool borrow : {false, true}) {
+        auto copy = std::make_shared<std::string>(*original);
+        std::memcpy(copy->data() + offset, &bad, sizeof(bad));
+        auto ckpt = io::ParseSafetensorsBytes(io::BytesOfString(std::move(copy)), file_);
+        ASSERT_TRUE(ckpt.ok());
+        BertClassifier model(config_);
+        absl::Status s = LoadStateDict(model, *ckpt, file_, borrow);
+        EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << key << ": " << bad << " at byte " << offset;
+        EXPECT_NE(s.message().find("non-finite"), std::string::npos) << s;
+        EXPECT_NE(s.message().find(NormalizeKey(key)), std::string::npos) << s;
+      }
+    }
+  }
+  // The largest finite float is a weight like any other.
   auto copy = std::make_shared<std::string>(*original);
-  const float nan = std::numeric_limits<float>::quiet_NaN();
-  std::memcpy(copy->data() + offset, &nan, sizeof(nan));
+  const float big = std::numeric_limits<float>::max();
+  const io::RawTensor& raw = ckpt0->tensors.at(largest);
+  std::memcpy(copy->data() + (raw.data - reinterpret_cast<const uint8_t*>(original->data())), &big, sizeof(big));
   auto ckpt = io::ParseSafetensorsBytes(io::BytesOfString(std::move(copy)), file_);
   ASSERT_TRUE(ckpt.ok());
   BertClassifier model(config_);
-  absl::Status s = LoadStateDict(model, *ckpt, file_);
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(s.message().find("non-finite"), std::string::npos) << s;
-  EXPECT_NE(s.message().find(NormalizeKey(key)), std::string::npos) << s;
+  EXPECT_TRUE(LoadStateDict(model, *ckpt, file_).ok());
+}
+
+TEST_F(StateDictTest, BorrowedWeightsViewTheCheckpointUntilPrepareHasPackedThem) {
+  auto ckpt = io::ReadCheckpointFile(file_);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  const std::weak_ptr<const void> mapping = ckpt->tensors.begin()->second.owner;
+  BertClassifier model(config_);
+  ASSERT_TRUE(LoadStateDict(model, *ckpt, file_, /*borrow_packed=*/true).ok());
+  ExpectSameWeights(model, *ckpt);
+  // The weights Prepare packs are the file's own bytes; every other parameter is a copy.
+  int borrowed = 0;
+  for (const auto& [name, t] : NamedWeights(model)) {
+    for (const auto& [key, raw] : ckpt->tensors) {
+      if (NormalizeKey(key) != name) continue;
+      const bool view = t.data_ptr() == static_cast<const void*>(raw.data);
+      EXPECT_EQ(view, model.PackedOnPrepare(t)) << name;
+      borrowed += view;
+    }
+  }
+  EXPECT_EQ(borrowed, 6 * config_.num_hidden_layers);  // query, key, value, output, FFN in and out
+  // The views hold the file's bytes after the checkpoint has gone...
+  ckpt = absl::UnknownError("dropped");
+  EXPECT_FALSE(mapping.expired());
+  // ...until Prepare has packed them and dropped the views (where it packs).
+  model.Prepare(c10::Device(c10::kCPU), at::kFloat, /*pack_weights=*/true);
+  if (model.weights_released()) {
+    EXPECT_TRUE(mapping.expired()) << "a view of the checkpoint outlived Prepare";
+  }
 }
 
 }  // namespace
