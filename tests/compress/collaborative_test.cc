@@ -348,7 +348,9 @@ TEST_F(CollaborativeTest, FactorsDoNotDependOnParallelLayers) {
     ASSERT_TRUE(out.ok()) << out.status();
     if (p == 1 && has_openblas) util::SetBlasThreads(2);
     EXPECT_EQ(report.parallel_layers, p == 0 ? std::min(util::UsableCpus(), 5) : p);
-    if (has_openblas) EXPECT_EQ(util::BlasThreads(), 2) << "parallel_layers " << p;
+    if (has_openblas) {
+      EXPECT_EQ(util::BlasThreads(), 2) << "parallel_layers " << p;
+    }
     if (p == 1) {
       // One worker takes the queue in order: highest rank first, the standard layer last.
       EXPECT_EQ(done, (std::vector<int>{3, 1, 4, 0, 2}));

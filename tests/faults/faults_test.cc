@@ -397,7 +397,9 @@ TEST_F(FaultsTest, FullDiskDuringStagingFailsTheJobCleanly) {
   EXPECT_THAT(s.error_message(), HasSubstr("model.safetensors")) << s.error_message();
   EXPECT_FALSE(fs::exists(root_ + "/mini"));
   ExpectNoLeftovers();
-  if (mounted_) EXPECT_EQ(free_bytes(), free_at_start);  // the staged part was removed
+  if (mounted_) {
+    EXPECT_EQ(free_bytes(), free_at_start);  // the staged part was removed
+  }
   EXPECT_EQ(Served("tiny"), 1);
 
   // 2. An upload that fits still works.
