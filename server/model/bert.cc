@@ -115,21 +115,22 @@ BertClassifier::BertClassifier(const BertConfig& c) : config_(c) {
 
 namespace {
 
-// The weights layer l's fused projection stacks: [query; key; value], or [W~Q^T; W~K^T; value].
-// (One pointer array picked, not a vector assigned in each branch: GCC 12 warned of a null
-// argument, -Wnonnull, inside the vector's assignment.)
-std::array<at::Tensor*, 3> FusedSections(EncoderLayer& l) {
-  return l.collaborative ? std::array<at::Tensor*, 3>{&l.collab_query_w, &l.collab_key_w, &l.value_w}
-                         : std::array<at::Tensor*, 3>{&l.query_w, &l.key_w, &l.value_w};
+// The dense weights of layer l that Prepare packs (and, when it packs, drops): first the three its
+// fused projection stacks, in order ([query; key; value], or [W~Q^T; W~K^T; value]), then the
+// attention-output and FFN weights. Layer: EncoderLayer or const EncoderLayer.
+template <typename Layer>
+auto PackedWeightsOf(Layer& l) {
+  using Ptr = decltype(&l.value_w);
+  return l.collaborative
+             ? std::array<Ptr, 6>{&l.collab_query_w, &l.collab_key_w, &l.value_w, &l.attn_out_w, &l.inter_w, &l.out_w}
+             : std::array<Ptr, 6>{&l.query_w, &l.key_w, &l.value_w, &l.attn_out_w, &l.inter_w, &l.out_w};
 }
 
 }  // namespace
 
 bool BertClassifier::PackedOnPrepare(const at::Tensor& param) const {
-  // A layer has either the standard query/key weights or the collaborative ones (FusedSections).
   for (const EncoderLayer& l : layers_) {
-    for (const at::Tensor* t : {&l.query_w, &l.key_w, &l.collab_query_w, &l.collab_key_w, &l.value_w,
-                                &l.attn_out_w, &l.inter_w, &l.out_w}) {
+    for (const at::Tensor* t : PackedWeightsOf(l)) {
       if (t->defined() && t->is_same(param)) return true;
     }
   }
@@ -164,7 +165,10 @@ void BertClassifier::Prepare(const c10::Device& device, c10::ScalarType dtype, b
                           &l.inter_b, &l.out_w, &l.out_b, &l.out_ln_w, &l.out_ln_b}) {
       mv(*t);
     }
-    const std::array<at::Tensor*, 3> sections = FusedSections(l);
+    // (Pointers into one array, not a vector assigned in each branch: GCC 12 warned of a null
+    // argument, -Wnonnull, inside the vector's assignment.)
+    const std::array<at::Tensor*, 6> dense = PackedWeightsOf(l);
+    const std::array<at::Tensor*, 3> sections = {dense[0], dense[1], dense[2]};
     std::vector<at::Tensor> biases;
     if (l.collaborative) {
       auto zeros = at::zeros({l.rank}, l.value_b.options());
@@ -189,8 +193,7 @@ void BertClassifier::Prepare(const c10::Device& device, c10::ScalarType dtype, b
       l.attn_out.packed = std::make_shared<const PackedWeight>(l.attn_out_w);
       l.inter.packed = std::make_shared<const PackedWeight>(l.inter_w);
       l.out.packed = std::make_shared<const PackedWeight>(l.out_w);
-      for (at::Tensor* t : sections) release(*t);
-      for (at::Tensor* t : {&l.attn_out_w, &l.inter_w, &l.out_w}) release(*t);
+      for (at::Tensor* t : dense) release(*t);
       weights_released_ = true;
     } else {
       // The sections become views of the fused weight: one copy of each.

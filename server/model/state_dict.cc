@@ -171,21 +171,16 @@ absl::Status LoadStateDict(BertClassifier& model, const io::Checkpoint& checkpoi
     at::NoGradGuard no_grad;
     const bool f32_in_place = raw.dtype == io::DType::kF32 && raw.is_contiguous() && p.is_contiguous() &&
                               p.is_cpu() && p.scalar_type() == at::kFloat;
-    if (borrow_packed && f32_in_place && reinterpret_cast<uintptr_t>(raw.data) % alignof(float) == 0 &&
-        model.PackedOnPrepare(p)) {
+    const bool borrow = borrow_packed && f32_in_place &&
+                        reinterpret_cast<uintptr_t>(raw.data) % alignof(float) == 0 && model.PackedOnPrepare(p);
+    if (borrow) {
       // A view of the checkpoint's bytes, which holds them (and their mapping) until Prepare has
-      // packed it and drops it; its own pages were never touched.
+      // packed it and drops it; the parameter's own pages are never touched.
       c10::InferenceMode normal_tensors(false);  // set_data takes no inference tensor
       std::shared_ptr<const void> owner = raw.owner;
       p.set_data(at::from_blob(const_cast<uint8_t*>(raw.data), p.sizes(), [owner](void*) {},
                                at::TensorOptions().dtype(at::kFloat)));
-      if (!AllFinite(p.data_ptr<float>(), p.numel())) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(file, ": tensor '", item.key(), "' has non-finite values (NaN or Inf)"));
-      }
-      continue;
-    }
-    if (f32_in_place) {
+    } else if (f32_in_place) {
       // The common case (float32 safetensors): straight into the parameter, no temporary copy.
       if (raw.nbytes() > 0) std::memcpy(p.data_ptr(), raw.data, raw.nbytes());
     } else {
@@ -197,7 +192,7 @@ absl::Status LoadStateDict(BertClassifier& model, const io::Checkpoint& checkpoi
       return absl::InvalidArgumentError(
           absl::StrCat(file, ": tensor '", item.key(), "' has non-finite values (NaN or Inf)"));
     }
-    if (raw.is_contiguous()) ReleaseCopiedPages(file_mappings, raw.data, raw.nbytes());
+    if (!borrow && raw.is_contiguous()) ReleaseCopiedPages(file_mappings, raw.data, raw.nbytes());
   }
   for (const auto& [k, raw] : by_key) {
     if (!known.count(k)) unexpected.push_back(k);
