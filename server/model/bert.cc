@@ -243,7 +243,7 @@ void BertClassifier::KeepSmallTensorsTogether() {
   auto padded = [](const at::Tensor* t) { return (t->numel() + kAlign - 1) / kAlign * kAlign + kRedZone; };
   int64_t total = 0;
   for (const at::Tensor* t : small) total += padded(t);
-  const at::Tensor block = PagesOfItsOwn(total, at::TensorOptions().dtype(at::kFloat));
+  const at::Tensor block = PagesOfItsOwn(total, at::TensorOptions().dtype(at::kFloat), /*populate=*/true);
   int64_t offset = 0;
   for (at::Tensor* t : small) {
     t->set_data(block.narrow(0, offset, t->numel()).view(t->sizes()));

@@ -689,12 +689,13 @@ bool PackedLinearSupported() {
 // model's resident saving fell 3 MiB short of its parameter saving). In pages of its own it holds
 // its bytes and nothing more, and gives them back to the system when freed. (Transparent huge
 // pages for it, MADV_HUGEPAGE, made no difference in speed at 1-8 x 16-128: not asked for.)
-// Populated when mapped (MAP_POPULATE): its users write it whole right away (packing, the small
-// tensors, a pass), and one populating call costs less than a fault per 4 KiB page (loading
-// BERT-base served: 2.29-2.35 -> 1.84-1.93 s, three alternated rounds).
-at::Tensor PagesOfItsOwn(int64_t floats, const at::TensorOptions& options) {
+// populate (the weights, which are written whole right away): one populating call costs less than
+// a fault per 4 KiB page (loading BERT-base served: 2.29-2.35 -> 1.84-1.93 s, three alternated
+// rounds). Not for PassArena, which maps up to twice what a pass needs.
+at::Tensor PagesOfItsOwn(int64_t floats, const at::TensorOptions& options, bool populate) {
   const size_t bytes = std::max<size_t>(1, static_cast<size_t>(floats) * sizeof(float));
-  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | (populate ? MAP_POPULATE : 0),
+                 -1, 0);
   TORCH_CHECK(p != MAP_FAILED, "could not map ", bytes, " bytes for model weights: ", std::strerror(errno));
   // (Under ASan a user may have poisoned parts of it: the next mapping at these addresses must not
   // inherit that.)
@@ -714,7 +715,7 @@ PackedWeight::PackedWeight(const at::Tensor& w) {
   n_ = w.size(0);
   k_ = w.size(1);
   const at::Tensor src = w.contiguous();
-  data_ = PagesOfItsOwn(panels() * k_ * kPanel, w.options()).view({panels(), k_, kPanel});
+  data_ = PagesOfItsOwn(panels() * k_ * kPanel, w.options(), /*populate=*/true).view({panels(), k_, kPanel});
   const float* s = src.data_ptr<float>();
   float* d = data_.data_ptr<float>();
   ptr_ = d;

@@ -24,8 +24,9 @@ bool PackedLinearSupported();
 // Zeroed float32 storage of `floats` elements in an anonymous mapping of its own (whole pages, given
 // back to the system when the last tensor sharing it goes): for what a served model keeps for its
 // lifetime, which the allocator would round up to a size class whose tail stays resident, and for
-// PassArena's pages, which it keeps resident between passes (pass_arena.h).
-at::Tensor PagesOfItsOwn(int64_t floats, const at::TensorOptions& options);
+// PassArena's pages, which it keeps resident between passes (pass_arena.h). populate: map the
+// pages in at once (MAP_POPULATE), for a caller that writes all of them right away.
+at::Tensor PagesOfItsOwn(int64_t floats, const at::TensorOptions& options, bool populate);
 
 // A weight w [N, K] (nn.Linear layout: out_features × in_features) re-laid for PackedLinear:
 // panels of kPanel output columns, each K × kPanel floats with k outermost, the last panel padded

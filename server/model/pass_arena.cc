@@ -56,7 +56,7 @@ PassArena::Lease PassArena::TryLease(int64_t floats) {
   if (!pages_.defined() || floats > pages_.numel()) {
     const int64_t grown = std::max(floats, pages_.defined() ? 2 * pages_.numel() : int64_t{0});
     pages_ = at::Tensor();  // the old mapping goes first
-    pages_ = PagesOfItsOwn(grown, at::TensorOptions());
+    pages_ = PagesOfItsOwn(grown, at::TensorOptions(), /*populate=*/false);  // a pass faults in what it uses
   }
   leased_ = true;
   resident_ = true;

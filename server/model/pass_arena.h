@@ -16,10 +16,11 @@ namespace collabserve::model {
 // 32 × 512. Taken from the allocator and freed after each pass, those pages went back to the
 // system and were faulted in again on the next pass (jemalloc's decay purges freed pages at the
 // rate a steady stream of passes frees them): with jemalloc told never to give pages back, 8 × 128,
-// 32 × 128 and 32 × 512 passes took 14-25% less time; with the arena, 8 × 128 and 32 × 128 ~15%. The arena keeps one mapping, grown to the largest pass it has served, whose
-// pages the next pass finds resident; after `idle_release` without a lease it gives the pages back
-// to the system (the mapping stays, and the next pass faults them in once), so that a burst of
-// large batches does not pin its memory.
+// 32 × 128 and 32 × 512 passes took 14-25% less time; with the arena, 8 × 128 and 32 × 128 ~15%.
+// The arena keeps one mapping, grown to the largest pass it has served, whose pages the next pass
+// finds resident; after `idle_release` without a lease it gives the pages back to the system (the
+// mapping stays, and the next pass faults them in once), so that a burst of large batches does not
+// pin its memory.
 //
 // One lease at a time: TryLease while another lease is live returns an empty lease (the caller
 // then allocates as it would without the arena). Thread-safe.
