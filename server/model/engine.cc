@@ -16,6 +16,7 @@
 #include "server/model/device.h"
 #include "server/model/io/checkpoint.h"
 #include "server/model/param_counts.h"
+#include "server/model/pass_arena.h"
 #include "server/model/state_dict.h"
 #include "server/text/bert_tokenizer.h"
 #include "server/util/files.h"
@@ -115,6 +116,7 @@ class TorchEngine final : public Engine {
     }
     at::Tensor logits;
     try {
+      const PassArena::Pass pass = PassArena::Shared().BeginPass();
       c10::InferenceMode guard;
       logits = model_->Forward(ids, types, mask).contiguous();
     } catch (const std::exception& e) {

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "server/model/threads.h"
+#include "server/util/process_memory.h"
 
 // GCC 12's AVX-512 headers build many intrinsics (max, extract, scalef, ...) on
 // _mm512_undefined_ps(), which -Wmaybe-uninitialized reports at every use (GCC PR 105593, fixed
@@ -911,6 +912,9 @@ ThreadTeam::~ThreadTeam() {
 void ThreadTeam::WorkerLoop(int member) {
   // This thread's own ATen/OpenMP intra-op count: ops inside a run must not fork teams of their own.
   SetThisThreadIntraOpThreads(1);
+  // Its share of a pass's allocations (the sgemm's workspace above 512 tokens) from the arena that
+  // keeps freed pages for the next pass, as the caller's (PassArena::BeginPass).
+  util::BindThreadToRetainingArena();
   uint64_t seen = 0;
   for (;;) {
     for (int i = 0; generation_.load(std::memory_order_acquire) == seen && i < kSpinIdle; ++i) {

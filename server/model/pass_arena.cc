@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "server/model/kernels.h"
+#include "server/util/process_memory.h"
 
 namespace collabserve::model {
 
@@ -60,8 +61,34 @@ PassArena::Lease PassArena::TryLease(int64_t floats) {
   }
   leased_ = true;
   resident_ = true;
-  if (!idle_.joinable()) idle_ = std::thread([this] { IdleLoop(); });
+  StartIdleLoopLocked();
   return Lease(this, pages_.data_ptr<float>());
+}
+
+PassArena::Pass PassArena::BeginPass() {
+  util::BindThreadToRetainingArena();
+  std::lock_guard<std::mutex> l(mu_);
+  ++passes_;
+  resident_ = true;
+  StartIdleLoopLocked();
+  return Pass(this);
+}
+
+PassArena::Pass::~Pass() {
+  if (arena_ != nullptr) arena_->EndPass();
+}
+
+void PassArena::EndPass() {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    --passes_;
+    last_release_ = std::chrono::steady_clock::now();
+  }
+  cv_.notify_all();
+}
+
+void PassArena::StartIdleLoopLocked() {
+  if (!idle_.joinable()) idle_ = std::thread([this] { IdleLoop(); });
 }
 
 void PassArena::Release() {
@@ -76,7 +103,7 @@ void PassArena::Release() {
 void PassArena::IdleLoop() {
   std::unique_lock<std::mutex> l(mu_);
   while (!stop_) {
-    if (leased_ || !resident_) {
+    if (leased_ || passes_ > 0 || !resident_) {
       cv_.wait(l);
       continue;
     }
@@ -91,12 +118,13 @@ void PassArena::IdleLoop() {
 
 void PassArena::ReleaseIfIdle() {
   std::lock_guard<std::mutex> l(mu_);
-  if (!leased_ && resident_) GiveBackLocked();
+  if (!leased_ && passes_ == 0 && resident_) GiveBackLocked();
 }
 
 void PassArena::GiveBackLocked() {
   // The pages back to the system (read as zeros when touched again); the mapping stays.
-  madvise(pages_.data_ptr(), static_cast<size_t>(MappedBytesLocked()), MADV_DONTNEED);
+  if (pages_.defined()) madvise(pages_.data_ptr(), static_cast<size_t>(MappedBytesLocked()), MADV_DONTNEED);
+  util::PurgeRetainingArena();
   resident_ = false;
 }
 

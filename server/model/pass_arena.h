@@ -24,6 +24,14 @@ namespace collabserve::model {
 //
 // One lease at a time: TryLease while another lease is live returns an empty lease (the caller
 // then allocates as it would without the arena). Thread-safe.
+//
+// Everything else a pass allocates (the per-operation path's tensors, the sgemm's workspace, the
+// embeddings; a second pass running beside the one holding the lease) comes from the allocator.
+// A Pass (BeginPass) puts its thread on the allocator's retaining arena
+// (util::BindThreadToRetainingArena: jemalloc, as collabserve links it), which keeps freed pages
+// for the next pass instead of purging them; the idle release gives those back too. BERT-base, 2
+// batch threads x 1 thread each (the server's default on 2 CPUs): 8 x 128 9.4 -> 17.7 inputs/s,
+// 32 x 32 39 -> 72 (bench/engine/RESULTS.md, 2026-12-03).
 class PassArena {
  public:
   // The process-wide arena (idle release after 10 s).
@@ -54,12 +62,31 @@ class PassArena {
     float* data_ = nullptr;
   };
 
+  // A forward pass on the calling thread while it lives: the thread allocates from the retaining
+  // arena from now on, and the idle release waits until no Pass and no lease is live. Any number
+  // at once, on any threads.
+  class Pass {
+   public:
+    Pass(Pass&& other) noexcept : arena_(other.arena_) { other.arena_ = nullptr; }
+    Pass(const Pass&) = delete;
+    Pass& operator=(const Pass&) = delete;
+    Pass& operator=(Pass&&) = delete;
+    ~Pass();
+
+   private:
+    friend class PassArena;
+    explicit Pass(PassArena* arena) : arena_(arena) {}
+    PassArena* arena_;
+  };
+  Pass BeginPass();
+
   // A lease of at least `floats` floats (>= 1), or an empty one while another lease is live.
   // Grows the mapping (to at least twice its size: only the pages a pass touches are resident)
   // when it is too small. Throws when the system has no memory to map.
   Lease TryLease(int64_t floats);
 
-  // Gives the pages back to the system now, as an idle_release does, unless a lease is live.
+  // Gives the pages back to the system now, as an idle_release does (the mapping's, and the
+  // retaining arena's freed pages), unless a lease or a Pass is live.
   void ReleaseIfIdle();
 
   // The mapping's size in bytes (0 before the first lease).
@@ -69,6 +96,8 @@ class PassArena {
 
  private:
   void Release();
+  void EndPass();
+  void StartIdleLoopLocked();
   void IdleLoop();
   void GiveBackLocked();  // mu_ held, no lease live
   int64_t MappedBytesLocked() const;
@@ -78,10 +107,11 @@ class PassArena {
   std::condition_variable cv_;
   at::Tensor pages_;  // PagesOfItsOwn
   bool leased_ = false;
-  bool resident_ = false;  // pages touched since the last release to the system
+  int passes_ = 0;         // live Pass objects
+  bool resident_ = false;  // a lease or a Pass since the last release to the system
   std::chrono::steady_clock::time_point last_release_;
   bool stop_ = false;
-  std::thread idle_;  // started with the first lease
+  std::thread idle_;  // started with the first lease or Pass
 };
 
 }  // namespace collabserve::model

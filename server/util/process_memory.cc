@@ -2,11 +2,14 @@
 
 #include <dlfcn.h>
 #include <malloc.h>
+#include <sys/types.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -184,6 +187,51 @@ std::string AllocatorName() {
 #else
   return "the C library's malloc";
 #endif
+}
+
+namespace {
+
+// The retaining arena's index once a thread has asked for it; -1 until then, and when there is none
+// (not jemalloc, or it failed). Every thread shares the one arena.
+std::atomic<int> retaining_arena{-1};
+
+int MakeRetainingArena() {
+  static const int index = [] {
+    MallctlFn mallctl = Mallctl();
+    if (mallctl == nullptr) return -1;
+    unsigned ind = 0;
+    size_t len = sizeof(ind);
+    if (mallctl("arenas.create", &ind, &len, nullptr, 0) != 0) return -1;
+    // Decay off: freed pages stay in the arena until a purge. (Set on the arena alone: the
+    // process-wide defaults would also reach the automatic arenas made later.)
+    ssize_t never = -1;
+    for (const char* kind : {"dirty_decay_ms", "muzzy_decay_ms"}) {
+      const std::string name = absl::StrCat("arena.", ind, ".", kind);
+      if (mallctl(name.c_str(), nullptr, nullptr, &never, sizeof(never)) != 0) return -1;
+    }
+    return static_cast<int>(ind);
+  }();
+  retaining_arena.store(index, std::memory_order_release);
+  return index;
+}
+
+}  // namespace
+
+bool BindThreadToRetainingArena() {
+  thread_local bool bound = false;
+  if (bound) return true;
+  const int index = MakeRetainingArena();
+  if (index < 0) return false;
+  unsigned ind = static_cast<unsigned>(index);
+  bound = Mallctl()("thread.arena", nullptr, nullptr, &ind, sizeof(ind)) == 0;
+  return bound;
+}
+
+void PurgeRetainingArena() {
+  const int index = retaining_arena.load(std::memory_order_acquire);
+  if (index < 0) return;
+  const std::string name = absl::StrCat("arena.", index, ".purge");
+  Mallctl()(name.c_str(), nullptr, nullptr, nullptr, 0);
 }
 
 void ReleaseFreedMemory() {

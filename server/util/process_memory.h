@@ -41,6 +41,20 @@ absl::StatusOr<ProcessMemory> ReadProcessMemory(int pid);
 // not for hot paths.
 void ReleaseFreedMemory();
 
+// The allocator arena of forward passes. A pass frees what it allocated before the next one
+// needs the same sizes again, and jemalloc's defaults give those pages back to the system at once
+// (8 MiB and larger: its "huge" arena purges eagerly) or over ~10 s (the rest), so the next pass
+// faults them in anew: on this Firecracker-like VM ~4 ms per MiB, up to half of a BERT-base pass's
+// time at 8 x 128 on one thread. BindThreadToRetainingArena makes the calling thread allocate from
+// one arena that all such threads share, which never purges its freed pages by itself (its decay
+// is off; large allocations stay in it): the next pass reuses them resident. PurgeRetainingArena
+// gives them back (PassArena does after 10 s without a pass). Returns whether the thread is on that
+// arena: false where jemalloc is not the process's allocator (glibc: the tests, sanitizer builds)
+// or it refused to make the arena (then nothing changes). Cheap after a thread's first call.
+bool BindThreadToRetainingArena();
+// Gives the retaining arena's freed pages back to the system now. No-op without one.
+void PurgeRetainingArena();
+
 // The allocator in use, for the start-up log: "jemalloc 5.3.0-0-g..." or "glibc malloc 2.36".
 std::string AllocatorName();
 

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <thread>
 #include <tuple>
 #include <utility>
@@ -539,6 +540,42 @@ TEST(PassArena, GivesItsPagesBackWhenIdle) {
   arena.ReleaseIfIdle();
   EXPECT_GT(arena.resident_bytes(), 0);
   again = PassArena::Lease();
+  arena.ReleaseIfIdle();
+  EXPECT_EQ(arena.resident_bytes(), 0);
+}
+
+// A live Pass holds the idle release off, as a lease does; the release follows the last Pass.
+TEST(PassArena, APassHoldsTheIdleReleaseOff) {
+  PassArena arena(std::chrono::milliseconds(50));
+  constexpr int64_t kFloats = int64_t{1} << 20;  // 4 MiB
+  {
+    PassArena::Lease a = arena.TryLease(kFloats);
+    ASSERT_TRUE(a);
+    for (int64_t i = 0; i < kFloats; ++i) a.data()[i] = 1.0f;
+  }
+  std::optional<PassArena::Pass> first(arena.BeginPass());
+  std::optional<PassArena::Pass> second;
+  std::thread([&] { second.emplace(arena.BeginPass()); }).join();  // Passes on any thread
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));     // 6 idle periods
+  EXPECT_GE(arena.resident_bytes(), kFloats * 4);
+  arena.ReleaseIfIdle();
+  EXPECT_GE(arena.resident_bytes(), kFloats * 4) << "ReleaseIfIdle with Passes live";
+  {
+    PassArena::Pass moved = std::move(*first);
+    first.reset();  // the moved-from Pass ends nothing
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    EXPECT_GE(arena.resident_bytes(), kFloats * 4);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_GE(arena.resident_bytes(), kFloats * 4) << "one Pass is still live";
+  second.reset();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (arena.resident_bytes() > 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(arena.resident_bytes(), 0);
+  // A Pass without any lease: its end still arms the release (the retaining arena's pages).
+  { PassArena::Pass alone = arena.BeginPass(); }
   arena.ReleaseIfIdle();
   EXPECT_EQ(arena.resident_bytes(), 0);
 }

@@ -73,6 +73,13 @@ TEST(AllocatorNameTest, NamesTheAllocatorOfThisProcess) {
   EXPECT_EQ(AllocatorName().rfind("glibc malloc 2.", 0), 0u) << AllocatorName();
 }
 
+// Without jemalloc (this test allocates with glibc) there is no retaining arena: nothing changes.
+TEST(RetainingArenaTest, IsJemallocsAlone) {
+  EXPECT_FALSE(BindThreadToRetainingArena());
+  PurgeRetainingArena();  // a no-op
+  EXPECT_FALSE(BindThreadToRetainingArena());
+}
+
 TEST(LimitMallocArenasTest, AppliesUnlessTheEnvironmentDecides) {
 #if defined(__SANITIZE_ADDRESS__)
   GTEST_SKIP() << "under ASan, malloc is ASan's and its mallopt() accepts no glibc option (the "

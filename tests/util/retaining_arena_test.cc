@@ -1,0 +1,150 @@
+// The allocator's retaining arena (util::BindThreadToRetainingArena), in a process that allocates
+// with jemalloc as collabserve does (this test links it: tests/util/CMakeLists.txt). Page faults
+// are counted per thread (getrusage(RUSAGE_THREAD)): a freed block whose pages went back to the
+// system faults again when the next allocation writes it.
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "server/model/checkpoint_maker.h"
+#include "server/model/engine.h"
+#include "server/model/pass_arena.h"
+#include "server/util/process_memory.h"
+#include "tests/testing/test_util.h"
+
+extern "C" int mallctl(const char* name, void* oldp, size_t* oldlenp, void* newp, size_t newlen);
+
+namespace collabserve::util {
+namespace {
+
+constexpr size_t kBlock = size_t{64} << 20;  // 64 MiB: above jemalloc's 8 MiB "huge" threshold
+
+int64_t ThreadFaults() {
+  rusage ru{};
+  EXPECT_EQ(getrusage(RUSAGE_THREAD, &ru), 0);
+  return ru.ru_minflt;
+}
+
+// Allocates kBlock, writes every page, frees it; returns the page faults that took.
+int64_t FaultsOfOneBlock() {
+  const int64_t before = ThreadFaults();
+  char* p = static_cast<char*>(std::malloc(kBlock));
+  EXPECT_NE(p, nullptr);
+  for (size_t i = 0; i < kBlock; i += 4096) p[i] = static_cast<char>(i);
+  std::free(p);
+  return ThreadFaults() - before;
+}
+
+int64_t BlockPages() { return static_cast<int64_t>(kBlock / static_cast<size_t>(sysconf(_SC_PAGESIZE))); }
+
+unsigned ThreadArena() {
+  unsigned ind = 0;
+  size_t len = sizeof(ind);
+  EXPECT_EQ(mallctl("thread.arena", &ind, &len, nullptr, 0), 0);
+  return ind;
+}
+
+// Runs f on a thread of its own (each test starts from a thread on jemalloc's automatic arenas).
+template <typename F>
+void OnNewThread(F f) {
+  std::thread t(f);
+  t.join();
+}
+
+TEST(RetainingArenaTest, ThisProcessAllocatesWithJemalloc) {
+  EXPECT_EQ(AllocatorName().rfind("jemalloc", 0), 0u) << AllocatorName();
+}
+
+// The premise: on jemalloc's defaults a large block's pages go back at free, so every round faults.
+TEST(RetainingArenaTest, WithoutItEveryRoundFaultsTheBlockIn) {
+  OnNewThread([] {
+    FaultsOfOneBlock();
+    for (int round = 0; round < 3; ++round) EXPECT_GE(FaultsOfOneBlock(), BlockPages() / 2) << round;
+  });
+}
+
+TEST(RetainingArenaTest, KeepsFreedPagesForTheNextAllocationUntilPurged) {
+  OnNewThread([] {
+    ASSERT_TRUE(BindThreadToRetainingArena());
+    EXPECT_TRUE(BindThreadToRetainingArena()) << "a second call on the same thread";
+    FaultsOfOneBlock();  // the first round maps and faults the block in
+    for (int round = 0; round < 3; ++round) EXPECT_LT(FaultsOfOneBlock(), BlockPages() / 8) << round;
+    // A purge gives the pages back: the next round faults them in again, and after it they stay.
+    PurgeRetainingArena();
+    EXPECT_GE(FaultsOfOneBlock(), BlockPages() / 2);
+    EXPECT_LT(FaultsOfOneBlock(), BlockPages() / 8);
+  });
+}
+
+// Every bound thread shares the one arena: what one frees, another reuses resident while the first
+// lives, as the server's batch and team threads do. (Bound one after the other, the second thread
+// faulted the whole block in again.)
+TEST(RetainingArenaTest, ThreadsShareOneArena) {
+  unsigned first = 0, second = 0;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool freed = false, done = false;
+  std::thread t1([&] {
+    ASSERT_TRUE(BindThreadToRetainingArena());
+    first = ThreadArena();
+    FaultsOfOneBlock();
+    std::unique_lock<std::mutex> l(mu);
+    freed = true;
+    cv.notify_all();
+    cv.wait(l, [&] { return done; });
+  });
+  {
+    std::unique_lock<std::mutex> l(mu);
+    cv.wait(l, [&] { return freed; });
+  }
+  OnNewThread([&] {
+    const unsigned automatic = ThreadArena();
+    ASSERT_TRUE(BindThreadToRetainingArena());
+    second = ThreadArena();
+    EXPECT_NE(second, automatic);
+    EXPECT_LT(FaultsOfOneBlock(), BlockPages() / 8);
+  });
+  {
+    std::lock_guard<std::mutex> l(mu);
+    done = true;
+  }
+  cv.notify_all();
+  t1.join();
+  EXPECT_EQ(first, second);
+}
+
+// The engine puts the threads that run its passes on the arena (Engine::Run's PassArena::Pass),
+// and PassArena's release gives its pages back.
+TEST(RetainingArenaTest, EngineRunsPassesOnItAndPassArenaReleasesIt) {
+  const collabserve::testing::TempDir dir;
+  ASSERT_TRUE(model::MakeCheckpoint(dir.path(), model::MakeOptions{}).ok());
+  auto engine = model::Engine::Load(dir.path());
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  unsigned retaining = 0;
+  OnNewThread([&] {
+    ASSERT_TRUE(BindThreadToRetainingArena());
+    retaining = ThreadArena();
+  });
+  OnNewThread([&] {
+    EXPECT_NE(ThreadArena(), retaining);
+    model::TokenizedInput in;
+    in.input_ids = {101, 2023, 102};
+    ASSERT_TRUE((*engine)->Run(std::vector<model::TokenizedInput>{in}).ok());
+    EXPECT_EQ(ThreadArena(), retaining);
+    FaultsOfOneBlock();
+    EXPECT_LT(FaultsOfOneBlock(), BlockPages() / 8);
+    model::PassArena::Shared().ReleaseIfIdle();
+    EXPECT_GE(FaultsOfOneBlock(), BlockPages() / 2) << "ReleaseIfIdle purged the retaining arena";
+  });
+}
+
+}  // namespace
+}  // namespace collabserve::util
