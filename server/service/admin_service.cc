@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "server/service/admin_upload.h"
+#include "server/service/server.h"
 #include "server/service/status_mapping.h"
 #include "server/util/files.h"
 
@@ -123,7 +124,9 @@ class AdminService::UploadReactor : public grpc::ServerReadReactor<v1::UploadMod
 
   void AllRead() {
     if (context_->IsCancelled()) {
-      Fail(absl::CancelledError("the client went away during the upload"));
+      const std::string idle = StreamIdleWatchdog::WhyEnded(*context_);
+      Fail(idle.empty() ? absl::CancelledError("the client went away during the upload")
+                        : absl::DeadlineExceededError(absl::StrCat("upload ended: ", idle)));
       return;
     }
     if (job_ == nullptr) {

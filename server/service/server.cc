@@ -24,6 +24,26 @@ namespace collabserve::service {
 // ---------------------------------------------------------------------------------------------
 // StreamIdleWatchdog
 
+namespace {
+
+// The calls a watchdog ended, and their messages, until their interceptors go (with the call).
+// Process-wide: a handler asks without knowing which watchdog (the inference or the admin port's)
+// watched its call.
+absl::Mutex ended_calls_mu(absl::kConstInit);
+std::map<const grpc_call*, std::string>& EndedCalls() ABSL_EXCLUSIVE_LOCKS_REQUIRED(ended_calls_mu) {
+  static auto* calls = new std::map<const grpc_call*, std::string>();
+  return *calls;
+}
+
+}  // namespace
+
+std::string StreamIdleWatchdog::WhyEnded(const grpc::ServerContextBase& context) {
+  const grpc_call* call = const_cast<grpc::ServerContextBase&>(context).c_call();
+  absl::MutexLock lock(&ended_calls_mu);
+  auto it = EndedCalls().find(call);
+  return it == EndedCalls().end() ? std::string() : it->second;
+}
+
 class StreamIdleWatchdog::Core {
  public:
   explicit Core(std::map<std::string, Limit> limits) : limits_(std::move(limits)) {
@@ -58,7 +78,13 @@ class StreamIdleWatchdog::Core {
   }
   void Remove(uint64_t id) {
     absl::MutexLock lock(&mu_);
-    calls_.erase(id);
+    auto it = calls_.find(id);
+    if (it == calls_.end()) return;
+    if (!it->second.why_ended.empty()) {
+      absl::MutexLock ended(&ended_calls_mu);
+      EndedCalls().erase(it->second.call);
+    }
+    calls_.erase(it);
   }
 
   void Start() {
@@ -92,6 +118,7 @@ class StreamIdleWatchdog::Core {
     const Limit* limit;
     absl::Time last_activity;
     bool watching;
+    std::string why_ended = {};  // the message, once ended for idleness (also in EndedCalls)
   };
   struct Expired {
     grpc_call* call;  // referenced: the call may finish while it is being cancelled
@@ -112,11 +139,15 @@ class StreamIdleWatchdog::Core {
           ++ended_;
           grpc_call_ref(e.call);
           const absl::Duration idle = absl::Trunc(now - e.last_activity, absl::Milliseconds(1));
-          expired.push_back(Expired{
-              e.call, absl::StrCat("the client ", e.limit->what, " for ",
-                                   absl::FormatDuration(idle), "; this server ends such calls after ",
-                                   absl::FormatDuration(e.limit->timeout), " (", e.limit->flag,
-                                   ")")});
+          e.why_ended = absl::StrCat("the client ", e.limit->what, " for ", absl::FormatDuration(idle),
+                                     "; this server ends such calls after ",
+                                     absl::FormatDuration(e.limit->timeout), " (", e.limit->flag, ")");
+          {
+            // Before the cancel, so that the handler's failed read finds it; Remove erases it.
+            absl::MutexLock ended(&ended_calls_mu);
+            EndedCalls()[e.call] = e.why_ended;
+          }
+          expired.push_back(Expired{e.call, e.why_ended});
         }
       }
       // Outside mu_: cancelling may run the call's reactions, and so the interceptor, inline.

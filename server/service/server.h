@@ -21,6 +21,7 @@
 
 namespace grpc {
 class Server;
+class ServerContextBase;
 class Service;
 namespace experimental {
 class ServerInterceptorFactoryInterface;
@@ -37,7 +38,8 @@ class ServableReaper;
 // write to it; the clock restarts at every message either way, and stops once the client has
 // half-closed or the server has begun to send the final status (from then on the server works
 // and the call's deadline governs). An idle call is ended with DEADLINE_EXCEEDED and a message
-// naming the limit's flag; the handler sees a cancelled call (its pending read or write fails).
+// naming the limit's flag; the handler sees a cancelled call (its pending read or write fails),
+// and WhyEnded says why.
 //
 // Thread-safe. Start() starts one checking thread; Stop() (or the destructor) joins it. The
 // interceptor factory (install it on a grpc::ServerBuilder) may outlive the watchdog: calls it
@@ -60,6 +62,10 @@ class StreamIdleWatchdog {
   std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> NewInterceptorFactory();
   // Calls ended for idleness so far.
   int64_t calls_ended() const;
+  // While the call of `context` lives: the status message its client got when a watchdog ended it
+  // for idleness, else empty (e.g. the client cancelled it). For a handler that reports the end
+  // where the client does not look (an upload's job says why it failed).
+  static std::string WhyEnded(const grpc::ServerContextBase& context);
   // Watched calls now open.
   int64_t calls_watched() const;
 

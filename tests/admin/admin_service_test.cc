@@ -64,7 +64,10 @@ class AdminServiceTest : public testing::AdminServerTest {
  protected:
   AdminServiceTest() : AdminServerTest(kToken, /*upload_seed=*/7) {}
 
-  void Start(AdminServerOptions ao = {}) {
+  // (Two overloads, not a default argument: GCC 12 warned that the default's temporary options
+  // "may be used uninitialized" at every Start().)
+  void Start() { Start(AdminServerOptions()); }
+  void Start(AdminServerOptions ao) {
     ServerOptions o = Options();
     o.servable.batching.max_queue_delay_micros = 200;
     if (ao.service.max_upload_bytes == (int64_t{2} << 30)) ao.service.max_upload_bytes = 64 << 20;

@@ -1,6 +1,7 @@
 // A stalled Admin.UploadModel stream (issue 7, slow clients): the server ends it after
-// --upload_idle_timeout_s with a status naming the limit, the job ends, the staging directory is
-// removed, and the server goes on serving. An upload that keeps sending is not cut.
+// --upload_idle_timeout_s with a status naming the limit, the job fails saying the same, the
+// staging directory is removed, and the server goes on serving. An upload that keeps sending is
+// not cut.
 #include <cstdio>
 #include <filesystem>
 #include <map>
@@ -97,13 +98,16 @@ class StalledUploadTest : public testing::AdminServerTest {
     EXPECT_THAT(st.error_message(), HasSubstr("sent no upload data"));
     EXPECT_GE(server_->idle_watchdog().calls_ended(), 1);
 
-    // The job ended and its staging directory is gone.
+    // The job failed, saying why as the client's status does, and its staging directory is gone.
     ASSERT_TRUE(Eventually([&] {
       std::vector<v1::Job> jobs = ListJobs();
       return jobs.size() == 1 &&
              (jobs[0].state() == v1::Job::FAILED || jobs[0].state() == v1::Job::CANCELLED);
     }));
     const v1::Job job = ListJobs()[0];
+    EXPECT_EQ(job.state(), v1::Job::FAILED) << job.error();
+    EXPECT_THAT(job.error(), HasSubstr("sent no upload data"));
+    EXPECT_THAT(job.error(), HasSubstr("--upload_idle_timeout_s"));
     std::printf("stalled upload: client status %d \"%s\"; job %s: %s\n",
                 static_cast<int>(st.error_code()), st.error_message().c_str(),
                 v1::Job::State_Name(job.state()).c_str(), job.error().c_str());
