@@ -86,7 +86,7 @@ TEST(RetainingArenaTest, KeepsFreedPagesForTheNextAllocationUntilPurged) {
 
 // Every bound thread shares the one arena: what one frees, another reuses resident while the first
 // lives, as the server's batch and team threads do. (Bound one after the other, the second thread
-// faulted the whole block in again.)
+// faulted the whole block in again: jemalloc purges an arena when the last thread on it exits.)
 TEST(RetainingArenaTest, ThreadsShareOneArena) {
   unsigned first = 0, second = 0;
   std::mutex mu;
