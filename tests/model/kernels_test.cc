@@ -516,21 +516,29 @@ TEST(PassArena, LeasesOneAtATimeAndKeepsItsPages) {
   big.data()[999999] = 1.0f;
 }
 
-// After idle_release without a lease the pages go back to the system (and read as zeros).
-TEST(PassArena, GivesItsPagesBackWhenIdle) {
-  PassArena arena(std::chrono::milliseconds(50));
-  constexpr int64_t kFloats = int64_t{1} << 20;  // 4 MiB
-  {
-    PassArena::Lease a = arena.TryLease(kFloats);
-    ASSERT_TRUE(a);
-    for (int64_t i = 0; i < kFloats; ++i) a.data()[i] = 1.0f;
-    EXPECT_GE(arena.resident_bytes(), kFloats * 4);
-  }
+// Leases `floats` floats, writes every one (its pages are then resident), and ends the lease.
+void WriteALease(PassArena& arena, int64_t floats) {
+  PassArena::Lease a = arena.TryLease(floats);
+  ASSERT_TRUE(a);
+  for (int64_t i = 0; i < floats; ++i) a.data()[i] = 1.0f;
+  EXPECT_GE(arena.resident_bytes(), floats * 4);
+}
+
+// Waits (up to 20 s) for the idle release; true once nothing is resident.
+bool ReleasedWhenIdle(const PassArena& arena) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
   while (arena.resident_bytes() > 0 && std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
-  EXPECT_EQ(arena.resident_bytes(), 0);
+  return arena.resident_bytes() == 0;
+}
+
+// After idle_release without a lease the pages go back to the system (and read as zeros).
+TEST(PassArena, GivesItsPagesBackWhenIdle) {
+  PassArena arena(std::chrono::milliseconds(50));
+  constexpr int64_t kFloats = int64_t{1} << 20;  // 4 MiB
+  WriteALease(arena, kFloats);
+  EXPECT_TRUE(ReleasedWhenIdle(arena));
   EXPECT_GE(arena.mapped_bytes(), kFloats * 4);
   PassArena::Lease again = arena.TryLease(kFloats);
   ASSERT_TRUE(again);
@@ -548,11 +556,7 @@ TEST(PassArena, GivesItsPagesBackWhenIdle) {
 TEST(PassArena, APassHoldsTheIdleReleaseOff) {
   PassArena arena(std::chrono::milliseconds(50));
   constexpr int64_t kFloats = int64_t{1} << 20;  // 4 MiB
-  {
-    PassArena::Lease a = arena.TryLease(kFloats);
-    ASSERT_TRUE(a);
-    for (int64_t i = 0; i < kFloats; ++i) a.data()[i] = 1.0f;
-  }
+  WriteALease(arena, kFloats);
   std::optional<PassArena::Pass> first(arena.BeginPass());
   std::optional<PassArena::Pass> second;
   std::thread([&] { second.emplace(arena.BeginPass()); }).join();  // Passes on any thread
@@ -569,11 +573,7 @@ TEST(PassArena, APassHoldsTheIdleReleaseOff) {
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   EXPECT_GE(arena.resident_bytes(), kFloats * 4) << "one Pass is still live";
   second.reset();
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  while (arena.resident_bytes() > 0 && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  EXPECT_EQ(arena.resident_bytes(), 0);
+  EXPECT_TRUE(ReleasedWhenIdle(arena));
   // A Pass without any lease: its end still arms the release (the retaining arena's pages).
   { PassArena::Pass alone = arena.BeginPass(); }
   arena.ReleaseIfIdle();
