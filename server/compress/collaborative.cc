@@ -31,6 +31,7 @@
 #include "server/text/utf8.h"
 #include "server/util/files.h"
 #include "server/util/process_env.h"
+#include "server/util/process_memory.h"
 #include "server/util/status_macros.h"
 
 namespace collabserve::compress {
@@ -495,6 +496,7 @@ absl::StatusOr<std::vector<at::Tensor>> BatchLogits(const model::BertClassifier&
     try {
       c10::InferenceMode guard;
       model::SetThisThreadIntraOpThreads(intra_op);
+      util::BindThreadToRetainingArena();  // as Engine::Run's passes (the caller's thread too)
       for (size_t i = next++; i < tb.batches.size(); i = next++) {
         const TextBatch& b = tb.batches[i];
         out[i] = m.Forward(b.ids, b.types, b.mask).to(at::kDouble);
@@ -563,6 +565,7 @@ absl::StatusOr<CalibrationStats> CollectCalibrationStats(const model::BertClassi
     try {
       c10::InferenceMode guard;
       model::SetThisThreadIntraOpThreads(intra_op);
+      util::BindThreadToRetainingArena();  // as Engine::Run's passes (the caller's thread too)
       for (size_t l = 0; l < L; ++l) {
         p.second_moment.push_back(at::zeros({D, D}, at::kDouble));
         p.mean.push_back(at::zeros({D}, at::kDouble));

@@ -51,6 +51,8 @@ void ReleaseFreedMemory();
 // gives them back (PassArena does after 10 s without a pass). Returns whether the thread is on that
 // arena: false where jemalloc is not the process's allocator (glibc: the tests, sanitizer builds)
 // or it refused to make the arena (then nothing changes). Cheap after a thread's first call.
+// For the thread's life: jemalloc purges an arena when the last thread on it moves away or exits,
+// so a thread that visited it for one pass would take the pages with it.
 bool BindThreadToRetainingArena();
 // Gives the retaining arena's freed pages back to the system now. No-op without one.
 void PurgeRetainingArena();

@@ -5,15 +5,17 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <condition_variable>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "server/compress/collaborative.h"
 #include "server/model/checkpoint_maker.h"
 #include "server/model/engine.h"
 #include "server/model/pass_arena.h"
@@ -121,6 +123,38 @@ TEST(RetainingArenaTest, ThreadsShareOneArena) {
   EXPECT_EQ(first, second);
 }
 
+// The retaining arena's index (a new thread's, once bound).
+unsigned RetainingArenaIndex() {
+  unsigned index = 0;
+  OnNewThread([&] {
+    EXPECT_TRUE(BindThreadToRetainingArena());
+    index = ThreadArena();
+  });
+  return index;
+}
+
+// The compression's passes (calibration statistics, fidelity probes) run on it too, the calling
+// thread included.
+TEST(RetainingArenaTest, CompressionPassesRunOnIt) {
+  const collabserve::testing::TempDir dir;
+  ASSERT_TRUE(model::MakeCheckpoint(dir.path(), model::MakeOptions{}).ok());
+  auto engine = model::Engine::Load(dir.path());
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  const model::BertClassifier& m = (*engine)->classifier();
+  const std::vector<std::string> texts(20, "a short text to run through the model");
+  const unsigned retaining = RetainingArenaIndex();
+  OnNewThread([&] {
+    EXPECT_NE(ThreadArena(), retaining);
+    ASSERT_TRUE(compress::CollectCalibrationStats(m, dir.path(), texts).ok());
+    EXPECT_EQ(ThreadArena(), retaining);
+  });
+  OnNewThread([&] {
+    EXPECT_NE(ThreadArena(), retaining);
+    ASSERT_TRUE(compress::MeasureFidelity(m, m, dir.path(), texts).ok());
+    EXPECT_EQ(ThreadArena(), retaining);
+  });
+}
+
 // The engine puts the threads that run its passes on the arena (Engine::Run's PassArena::Pass),
 // and PassArena's release gives its pages back.
 TEST(RetainingArenaTest, EngineRunsPassesOnItAndPassArenaReleasesIt) {
@@ -128,11 +162,7 @@ TEST(RetainingArenaTest, EngineRunsPassesOnItAndPassArenaReleasesIt) {
   ASSERT_TRUE(model::MakeCheckpoint(dir.path(), model::MakeOptions{}).ok());
   auto engine = model::Engine::Load(dir.path());
   ASSERT_TRUE(engine.ok()) << engine.status();
-  unsigned retaining = 0;
-  OnNewThread([&] {
-    ASSERT_TRUE(BindThreadToRetainingArena());
-    retaining = ThreadArena();
-  });
+  const unsigned retaining = RetainingArenaIndex();
   OnNewThread([&] {
     EXPECT_NE(ThreadArena(), retaining);
     model::TokenizedInput in;
