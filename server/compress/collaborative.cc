@@ -24,6 +24,7 @@
 #include "server/model/config.h"
 #include "server/model/device.h"
 #include "server/model/param_counts.h"
+#include "server/model/pass_arena.h"
 #include "server/model/probe_sentences.h"
 #include "server/model/state_dict.h"
 #include "server/model/threads.h"
@@ -31,7 +32,6 @@
 #include "server/text/utf8.h"
 #include "server/util/files.h"
 #include "server/util/process_env.h"
-#include "server/util/process_memory.h"
 #include "server/util/status_macros.h"
 
 namespace collabserve::compress {
@@ -496,7 +496,8 @@ absl::StatusOr<std::vector<at::Tensor>> BatchLogits(const model::BertClassifier&
     try {
       c10::InferenceMode guard;
       model::SetThisThreadIntraOpThreads(intra_op);
-      util::BindThreadToRetainingArena();  // as Engine::Run's passes (the caller's thread too)
+      // Passes as Engine::Run's: on the arena that keeps their pages (this thread for its life).
+      const model::PassArena::Pass pass = model::PassArena::Shared().BeginPass();
       for (size_t i = next++; i < tb.batches.size(); i = next++) {
         const TextBatch& b = tb.batches[i];
         out[i] = m.Forward(b.ids, b.types, b.mask).to(at::kDouble);
@@ -565,7 +566,8 @@ absl::StatusOr<CalibrationStats> CollectCalibrationStats(const model::BertClassi
     try {
       c10::InferenceMode guard;
       model::SetThisThreadIntraOpThreads(intra_op);
-      util::BindThreadToRetainingArena();  // as Engine::Run's passes (the caller's thread too)
+      // Passes as Engine::Run's: on the arena that keeps their pages (this thread for its life).
+      const model::PassArena::Pass pass = model::PassArena::Shared().BeginPass();
       for (size_t l = 0; l < L; ++l) {
         p.second_moment.push_back(at::zeros({D, D}, at::kDouble));
         p.mean.push_back(at::zeros({D}, at::kDouble));

@@ -59,18 +59,18 @@ PassArena::Lease PassArena::TryLease(int64_t floats) {
     pages_ = at::Tensor();  // the old mapping goes first
     pages_ = PagesOfItsOwn(grown, at::TensorOptions(), /*populate=*/false);  // a pass faults in what it uses
   }
+  StartIdleLoopLocked();  // first: if it throws, no lease is counted that nothing would end
   leased_ = true;
   resident_ = true;
-  StartIdleLoopLocked();
   return Lease(this, pages_.data_ptr<float>());
 }
 
 PassArena::Pass PassArena::BeginPass() {
   util::BindThreadToRetainingArena();
   std::lock_guard<std::mutex> l(mu_);
+  StartIdleLoopLocked();  // first: if it throws, no Pass is counted that nothing would end
   ++passes_;
   resident_ = true;
-  StartIdleLoopLocked();
   return Pass(this);
 }
 

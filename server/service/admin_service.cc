@@ -123,10 +123,13 @@ class AdminService::UploadReactor : public grpc::ServerReadReactor<v1::UploadMod
   }
 
   void AllRead() {
+    // The idle watchdog's end first: its cancel fails the read before IsCancelled need say so.
+    if (const std::string idle = StreamIdleWatchdog::WhyEnded(*context_); !idle.empty()) {
+      Fail(absl::DeadlineExceededError(absl::StrCat("upload ended: ", idle)));
+      return;
+    }
     if (context_->IsCancelled()) {
-      const std::string idle = StreamIdleWatchdog::WhyEnded(*context_);
-      Fail(idle.empty() ? absl::CancelledError("the client went away during the upload")
-                        : absl::DeadlineExceededError(absl::StrCat("upload ended: ", idle)));
+      Fail(absl::CancelledError("the client went away during the upload"));
       return;
     }
     if (job_ == nullptr) {
