@@ -80,9 +80,9 @@ class StreamIdleWatchdog::Core {
     absl::MutexLock lock(&mu_);
     auto it = calls_.find(id);
     if (it == calls_.end()) return;
-    if (!it->second.why_ended.empty()) {
+    {
       absl::MutexLock ended(&ended_calls_mu);
-      EndedCalls().erase(it->second.call);
+      EndedCalls().erase(it->second.call);  // if it was ended for idleness
     }
     calls_.erase(it);
   }
@@ -118,7 +118,6 @@ class StreamIdleWatchdog::Core {
     const Limit* limit;
     absl::Time last_activity;
     bool watching;
-    std::string why_ended = {};  // the message, once ended for idleness (also in EndedCalls)
   };
   struct Expired {
     grpc_call* call;  // referenced: the call may finish while it is being cancelled
@@ -139,15 +138,15 @@ class StreamIdleWatchdog::Core {
           ++ended_;
           grpc_call_ref(e.call);
           const absl::Duration idle = absl::Trunc(now - e.last_activity, absl::Milliseconds(1));
-          e.why_ended = absl::StrCat("the client ", e.limit->what, " for ", absl::FormatDuration(idle),
-                                     "; this server ends such calls after ",
-                                     absl::FormatDuration(e.limit->timeout), " (", e.limit->flag, ")");
+          std::string why = absl::StrCat("the client ", e.limit->what, " for ", absl::FormatDuration(idle),
+                                         "; this server ends such calls after ",
+                                         absl::FormatDuration(e.limit->timeout), " (", e.limit->flag, ")");
           {
             // Before the cancel, so that the handler's failed read finds it; Remove erases it.
             absl::MutexLock ended(&ended_calls_mu);
-            EndedCalls()[e.call] = e.why_ended;
+            EndedCalls()[e.call] = why;
           }
-          expired.push_back(Expired{e.call, e.why_ended});
+          expired.push_back(Expired{e.call, std::move(why)});
         }
       }
       // Outside mu_: cancelling may run the call's reactions, and so the interceptor, inline.

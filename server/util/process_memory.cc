@@ -209,9 +209,9 @@ int MakeRetainingArena() {
       const std::string name = absl::StrCat("arena.", ind, ".", kind);
       if (mallctl(name.c_str(), nullptr, nullptr, &never, sizeof(never)) != 0) return -1;
     }
+    retaining_arena.store(static_cast<int>(ind), std::memory_order_release);
     return static_cast<int>(ind);
   }();
-  retaining_arena.store(index, std::memory_order_release);
   return index;
 }
 
