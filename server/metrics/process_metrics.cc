@@ -1,11 +1,84 @@
 #include "server/metrics/process_metrics.h"
 
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "prometheus/client_metric.h"
+#include "prometheus/collectable.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
+#include "prometheus/metric_family.h"
 #include "prometheus/registry.h"
+#include "server/util/process_memory.h"
 
 namespace collabserve::metrics {
 namespace {
+
+prometheus::MetricFamily OneValue(const char* name, const char* help, prometheus::MetricType type,
+                                  double value) {
+  prometheus::MetricFamily f;
+  f.name = name;
+  f.help = help;
+  f.type = type;
+  prometheus::ClientMetric m;
+  if (type == prometheus::MetricType::Counter) {
+    m.counter.value = value;
+  } else {
+    m.gauge.value = value;
+  }
+  f.metric.push_back(std::move(m));
+  return f;
+}
+
+// The registry's families, and what is read from /proc and the allocator at each scrape.
+class ProcessCollectableImpl : public prometheus::Collectable {
+ public:
+  explicit ProcessCollectableImpl(std::shared_ptr<prometheus::Registry> registry)
+      : registry_(std::move(registry)) {}
+
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    using prometheus::MetricType;
+    std::vector<prometheus::MetricFamily> families = registry_->Collect();
+    // The names and meanings every Prometheus client library's process collector uses.
+    if (absl::StatusOr<util::ProcessStats> p = util::ReadProcessStats(); p.ok()) {
+      families.push_back(OneValue("process_cpu_seconds_total",
+                                  "Total user and system CPU time spent in seconds.",
+                                  MetricType::Counter, p->cpu_seconds));
+      families.push_back(OneValue("process_start_time_seconds",
+                                  "Start time of the process since unix epoch in seconds.",
+                                  MetricType::Gauge, static_cast<double>(absl::ToUnixMicros(p->start_time)) / 1e6));
+      families.push_back(OneValue("process_virtual_memory_bytes",
+                                  "Virtual memory size in bytes.", MetricType::Gauge,
+                                  static_cast<double>(p->virtual_bytes)));
+      families.push_back(OneValue("process_resident_memory_bytes",
+                                  "Resident memory size in bytes.", MetricType::Gauge,
+                                  static_cast<double>(p->resident_bytes)));
+      families.push_back(OneValue("process_open_fds", "Number of open file descriptors.",
+                                  MetricType::Gauge, static_cast<double>(p->open_fds)));
+      if (p->max_fds > 0) {
+        families.push_back(OneValue("process_max_fds",
+                                    "Maximum number of open file descriptors.",
+                                    MetricType::Gauge, static_cast<double>(p->max_fds)));
+      }
+      families.push_back(OneValue("process_threads", "Number of OS threads in the process.",
+                                  MetricType::Gauge, static_cast<double>(p->threads)));
+    }
+    if (std::optional<size_t> bytes = util::RetainingArenaFreeBytes()) {
+      families.push_back(OneValue(
+          "collabserve_pass_arena_free_bytes",
+          "Freed memory that forward passes' allocator arena keeps resident for the next pass "
+          "(given back after 10 s without a pass).",
+          MetricType::Gauge, static_cast<double>(*bytes)));
+    }
+    return families;
+  }
+
+ private:
+  const std::shared_ptr<prometheus::Registry> registry_;
+};
 
 struct ProcessFamilies {
   std::shared_ptr<prometheus::Registry> registry = std::make_shared<prometheus::Registry>();
@@ -15,6 +88,8 @@ struct ProcessFamilies {
           .Help("Version directories the model repository could not load, by model and reason "
                 "(the load error's status code).")
           .Register(*registry);
+  std::shared_ptr<prometheus::Collectable> collectable =
+      std::make_shared<ProcessCollectableImpl>(registry);
 };
 
 ProcessFamilies& Families() {
@@ -29,6 +104,6 @@ void CountRepositoryLoadFailure(const std::string& model, const std::string& rea
   Families().load_failures.Add({{"model", model}, {"reason", reason}}).Increment();
 }
 
-std::shared_ptr<prometheus::Collectable> ProcessCollectable() { return Families().registry; }
+std::shared_ptr<prometheus::Collectable> ProcessCollectable() { return Families().collectable; }
 
 }  // namespace collabserve::metrics

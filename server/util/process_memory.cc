@@ -2,14 +2,19 @@
 
 #include <dlfcn.h>
 #include <malloc.h>
+#include <sys/resource.h>
 #include <sys/types.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -51,8 +56,8 @@ absl::StatusOr<ProcessMemory> ParseProcStatus(absl::string_view text) {
 
 namespace {
 
-absl::StatusOr<ProcessMemory> ReadStatusFile(const std::string& path) {
-  // /proc files report size 0, so read until EOF rather than by size.
+// The whole of a /proc file (they report size 0, so read until EOF rather than by size).
+absl::StatusOr<std::string> ReadProcFile(const std::string& path) {
   FILE* f = std::fopen(path.c_str(), "re");
   if (f == nullptr) {
     return absl::UnavailableError(absl::StrCat("cannot read ", path, ": ", std::strerror(errno)));
@@ -62,10 +67,80 @@ absl::StatusOr<ProcessMemory> ReadStatusFile(const std::string& path) {
   size_t n;
   while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) text.append(buf, n);
   std::fclose(f);
-  return ParseProcStatus(text);
+  return text;
+}
+
+absl::StatusOr<ProcessMemory> ReadStatusFile(const std::string& path) {
+  absl::StatusOr<std::string> text = ReadProcFile(path);
+  if (!text.ok()) return text.status();
+  return ParseProcStatus(*text);
 }
 
 }  // namespace
+
+absl::Status ParseProcStat(absl::string_view line, int64_t boot_unix_seconds,
+                           int64_t ticks_per_second, int64_t page_bytes, ProcessStats* out) {
+  // Field 2 (comm) may hold spaces and parentheses: the fields after the last ')' start at 3.
+  const size_t close = line.rfind(')');
+  if (close == absl::string_view::npos) {
+    return absl::InvalidArgumentError("process stat: no ')' after the command name");
+  }
+  std::vector<absl::string_view> fields =
+      absl::StrSplit(line.substr(close + 1), ' ', absl::SkipEmpty());
+  auto field = [&](int number, int64_t* value) -> absl::Status {
+    const size_t i = static_cast<size_t>(number - 3);
+    if (i >= fields.size() || !absl::SimpleAtoi(fields[i], value)) {
+      return absl::InvalidArgumentError(absl::StrCat("process stat: field ", number, " is missing or not a number"));
+    }
+    return absl::OkStatus();
+  };
+  int64_t utime = 0, stime = 0, threads = 0, start_ticks = 0, vsize = 0, rss_pages = 0;
+  for (auto [number, value] : {std::pair{14, &utime}, {15, &stime}, {20, &threads},
+                               {22, &start_ticks}, {23, &vsize}, {24, &rss_pages}}) {
+    if (absl::Status s = field(number, value); !s.ok()) return s;
+  }
+  if (ticks_per_second <= 0) return absl::InvalidArgumentError("process stat: no clock tick rate");
+  const double tps = static_cast<double>(ticks_per_second);
+  out->cpu_seconds = static_cast<double>(utime + stime) / tps;
+  out->start_time =
+      absl::FromUnixSeconds(boot_unix_seconds) + absl::Seconds(static_cast<double>(start_ticks) / tps);
+  out->virtual_bytes = vsize;
+  out->resident_bytes = rss_pages * page_bytes;
+  out->threads = threads;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ProcessStats> ReadProcessStats() {
+  absl::StatusOr<std::string> stat = ReadProcFile("/proc/self/stat");
+  if (!stat.ok()) return stat.status();
+  absl::StatusOr<std::string> system = ReadProcFile("/proc/stat");
+  if (!system.ok()) return system.status();
+  int64_t boot = -1;
+  for (absl::string_view line : absl::StrSplit(*system, '\n')) {
+    if (absl::ConsumePrefix(&line, "btime ") &&
+        !absl::SimpleAtoi(absl::StripAsciiWhitespace(line), &boot)) {
+      boot = -1;
+    }
+  }
+  if (boot < 0) return absl::UnavailableError("/proc/stat has no btime line");
+  ProcessStats stats;
+  if (absl::Status s = ParseProcStat(*stat, boot, ::sysconf(_SC_CLK_TCK), ::sysconf(_SC_PAGESIZE),
+                                     &stats);
+      !s.ok()) {
+    return s;
+  }
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it("/proc/self/fd", ec), end; !ec && it != end;
+       it.increment(ec)) {
+    ++stats.open_fds;
+  }
+  if (stats.open_fds > 0) --stats.open_fds;  // the listing's own descriptor
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) == 0) {
+    stats.max_fds = limit.rlim_cur == RLIM_INFINITY ? 0 : static_cast<int64_t>(limit.rlim_cur);
+  }
+  return stats;
+}
 
 absl::StatusOr<ProcessMemory> ReadProcessMemory() { return ReadStatusFile("/proc/self/status"); }
 
@@ -232,6 +307,28 @@ void PurgeRetainingArena() {
   if (index < 0) return;
   const std::string name = absl::StrCat("arena.", index, ".purge");
   Mallctl()(name.c_str(), nullptr, nullptr, nullptr, 0);
+}
+
+std::optional<size_t> RetainingArenaFreeBytes() {
+  MallctlFn mallctl = Mallctl();
+  if (mallctl == nullptr) return std::nullopt;
+  const int index = retaining_arena.load(std::memory_order_acquire);
+  if (index < 0) return 0;
+  uint64_t epoch = 1;
+  size_t len = sizeof(epoch);
+  if (mallctl("epoch", &epoch, &len, &epoch, len) != 0) return std::nullopt;  // refresh stats
+  size_t page = 0;
+  len = sizeof(page);
+  if (mallctl("arenas.page", &page, &len, nullptr, 0) != 0) return std::nullopt;
+  size_t pages = 0;
+  for (const char* kind : {"pdirty", "pmuzzy"}) {
+    const std::string name = absl::StrCat("stats.arenas.", index, ".", kind);
+    size_t n = 0;
+    len = sizeof(n);
+    if (mallctl(name.c_str(), &n, &len, nullptr, 0) != 0) return std::nullopt;
+    pages += n;
+  }
+  return pages * page;
 }
 
 void ReleaseFreedMemory() {

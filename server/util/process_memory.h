@@ -3,7 +3,9 @@
 #ifndef COLLABSERVE_SERVER_UTIL_PROCESS_MEMORY_H_
 #define COLLABSERVE_SERVER_UTIL_PROCESS_MEMORY_H_
 
+#include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -34,6 +36,25 @@ absl::StatusOr<ProcessMemory> ReadProcessMemory();
 // The same for another process (/proc/<pid>/status); UNAVAILABLE if it cannot be read (e.g. gone).
 absl::StatusOr<ProcessMemory> ReadProcessMemory(int pid);
 
+// What Prometheus client libraries export as process_* (the server's /metrics, read at each
+// scrape): from /proc/self/stat, /proc/stat, /proc/self/fd and getrlimit.
+struct ProcessStats {
+  double cpu_seconds = 0;  // user + system time
+  absl::Time start_time;   // to the clock tick past the boot time, which /proc/stat gives in seconds
+  int64_t virtual_bytes = 0;
+  int64_t resident_bytes = 0;
+  int64_t threads = 0;
+  int64_t open_fds = 0;
+  int64_t max_fds = 0;  // the RLIMIT_NOFILE soft limit
+};
+
+// Parses one line of /proc/<pid>/stat into `out`'s CPU, start time, memory and thread figures
+// (fds are left alone). INVALID_ARGUMENT names what is malformed.
+absl::Status ParseProcStat(absl::string_view line, int64_t boot_unix_seconds,
+                           int64_t ticks_per_second, int64_t page_bytes, ProcessStats* out);
+// This process's figures; UNAVAILABLE where /proc cannot be read (not Linux).
+absl::StatusOr<ProcessStats> ReadProcessStats();
+
 // Gives the allocator's freed-but-kept memory back to the system: jemalloc (when it is the process's
 // allocator, as in collabserve) purges every arena's unused pages; glibc runs malloc_trim(0), which
 // also drops whole free pages inside every arena, not only the top of the heap. Call after freeing
@@ -56,6 +77,11 @@ void ReleaseFreedMemory();
 bool BindThreadToRetainingArena();
 // Gives the retaining arena's freed pages back to the system now. No-op without one.
 void PurgeRetainingArena();
+// The bytes of freed pages the retaining arena holds for the next pass (its dirty and muzzy pages:
+// resident, or reused without a fault); 0 before a thread has bound to it. nullopt where jemalloc
+// is not the allocator or its statistics cannot be read. Refreshes jemalloc's statistics
+// (microseconds; for a metrics scrape, not a hot path).
+std::optional<size_t> RetainingArenaFreeBytes();
 
 // The allocator in use, for the start-up log: "jemalloc 5.3.0-0-g..." or "glibc malloc 2.36".
 std::string AllocatorName();

@@ -103,10 +103,11 @@ export async function validateK8s(objs, where) {
 
 export function find(objs, kind, pred = () => true) { return objs.filter((o) => o.kind === kind && pred(o)); }
 
-// Metric names referenced by a PromQL expression (identifiers that start with collabserve_, or up).
+// Metric names referenced by a PromQL expression (identifiers that start with collabserve_ or
+// process_, or up).
 export function metricNames(expr) {
   const noStrings = expr.replace(/"(?:[^"\\]|\\.)*"/g, '""');
-  return [...new Set(noStrings.match(/\b(collabserve_[a-z0-9_]+|up)\b(?!\s*\()/g) || [])];
+  return [...new Set(noStrings.match(/\b((?:collabserve|process)_[a-z0-9_]+|up)\b(?!\s*\()/g) || [])];
 }
 export function knownMetrics() {
   const c = JSON.parse(fs.readFileSync(path.join(HERE, 'contract-metrics.json'), 'utf8'));

@@ -46,6 +46,21 @@ TEST(MetricsTest, ExportsEveryFamilyWithItsLabels) {
   }
 }
 
+// The process collector every Prometheus client library has, read at each scrape.
+TEST(MetricsTest, ExportsTheStandardProcessFamilies) {
+  Metrics m("0.1.0", "1.13.1");
+  const std::string text = m.TextFormat();
+  for (const char* name : {"process_resident_memory_bytes", "process_virtual_memory_bytes",
+                           "process_start_time_seconds", "process_open_fds", "process_max_fds",
+                           "process_threads"}) {
+    EXPECT_THAT(text, HasSubstr(std::string("# TYPE ") + name + " gauge")) << name;
+    EXPECT_THAT(text, Not(HasSubstr(std::string("\n") + name + " 0\n"))) << name;
+  }
+  EXPECT_THAT(text, HasSubstr("# TYPE process_cpu_seconds_total counter"));
+  // The test links glibc's malloc: no pass arena, so no gauge for it.
+  EXPECT_THAT(text, Not(HasSubstr("collabserve_pass_arena_free_bytes")));
+}
+
 TEST(MetricsTest, RemoveVersionDropsOnlyThatVersionsSeries) {
   Metrics m("0.1.0", "1.13.1");
   ModelVersionFacts facts;

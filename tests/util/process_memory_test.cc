@@ -3,12 +3,18 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <vector>
 
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
 namespace collabserve::util {
 namespace {
+
+using ::testing::HasSubstr;
 
 TEST(ParseProcStatus, ReadsTheMemoryLines) {
   const char* text =
@@ -68,6 +74,37 @@ TEST(MemoryPhases, AttributesAnAllocationToItsPhase) {
 }
 
 #if defined(__GLIBC__)
+TEST(ParseProcStat, ReadsCpuStartMemoryAndThreads) {
+  // A command name with spaces and parentheses; utime 250 + stime 50 ticks, 7 threads, started
+  // 1234 ticks after boot, 100 MiB virtual, 2560 resident pages.
+  const std::string line =
+      "4242 (a (b) c) S 1 4242 4242 0 -1 4194560 900 0 0 0 250 50 0 0 20 0 7 0 1234 104857600 "
+      "2560 18446744073709551615 1 1 0 0 0 0 0 0 0 0 0 17 1 0 0 0 0 0";
+  ProcessStats s;
+  ASSERT_TRUE(ParseProcStat(line, 1700000000, 100, 4096, &s).ok());
+  EXPECT_DOUBLE_EQ(s.cpu_seconds, 3.0);
+  EXPECT_EQ(s.start_time, absl::FromUnixSeconds(1700000000) + absl::Milliseconds(12340));
+  EXPECT_EQ(s.virtual_bytes, 104857600);
+  EXPECT_EQ(s.resident_bytes, 2560 * 4096);
+  EXPECT_EQ(s.threads, 7);
+  EXPECT_THAT(ParseProcStat("4242 (x) S 1 2", 0, 100, 4096, &s).message(),
+              HasSubstr("field 14 is missing"));
+  EXPECT_THAT(ParseProcStat("no parenthesis", 0, 100, 4096, &s).message(), HasSubstr("')'"));
+}
+
+TEST(ReadProcessStats, SeesThisProcess) {
+  absl::StatusOr<ProcessStats> s = ReadProcessStats();
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_GT(s->resident_bytes, 0);
+  EXPECT_GE(s->virtual_bytes, s->resident_bytes);
+  EXPECT_GE(s->threads, 1);
+  EXPECT_GE(s->open_fds, 3);  // stdin, stdout, stderr
+  EXPECT_GE(s->max_fds, s->open_fds);
+  EXPECT_GE(s->cpu_seconds, 0);
+  EXPECT_LE(s->start_time, absl::Now());
+  EXPECT_GT(s->start_time, absl::Now() - absl::Hours(1));
+}
+
 TEST(AllocatorNameTest, NamesTheAllocatorOfThisProcess) {
   // The test binaries are not linked with jemalloc (collabserve is): glibc's malloc here.
   EXPECT_EQ(AllocatorName().rfind("glibc malloc 2.", 0), 0u) << AllocatorName();
@@ -78,6 +115,7 @@ TEST(RetainingArenaTest, IsJemallocsAlone) {
   EXPECT_FALSE(BindThreadToRetainingArena());
   PurgeRetainingArena();  // a no-op
   EXPECT_FALSE(BindThreadToRetainingArena());
+  EXPECT_EQ(RetainingArenaFreeBytes(), std::nullopt);  // and no gauge to export
 }
 
 TEST(LimitMallocArenasTest, AppliesUnlessTheEnvironmentDecides) {

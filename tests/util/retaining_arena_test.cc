@@ -22,6 +22,12 @@
 #include "server/util/process_memory.h"
 #include "tests/testing/test_util.h"
 
+#if COLLABSERVE_TEST_METRICS  // not in the engine-only build (-DCOLLABSERVE_WITH_GRPC=OFF)
+#include "prometheus/collectable.h"
+#include "prometheus/metric_family.h"
+#include "server/metrics/process_metrics.h"
+#endif
+
 extern "C" int mallctl(const char* name, void* oldp, size_t* oldlenp, void* newp, size_t newlen);
 
 namespace collabserve::util {
@@ -61,6 +67,21 @@ void OnNewThread(F f) {
   t.join();
 }
 
+// collabserve_pass_arena_free_bytes as /metrics would show it; -1 if absent. Without the metrics
+// library, RetainingArenaFreeBytes (what the gauge exports).
+double ScrapedFreeBytes() {
+#if COLLABSERVE_TEST_METRICS
+  for (const prometheus::MetricFamily& f : metrics::ProcessCollectable()->Collect()) {
+    if (f.name == "collabserve_pass_arena_free_bytes" && f.metric.size() == 1) {
+      return f.metric[0].gauge.value;
+    }
+  }
+  return -1;
+#else
+  return static_cast<double>(RetainingArenaFreeBytes().value_or(0));
+#endif
+}
+
 TEST(RetainingArenaTest, ThisProcessAllocatesWithJemalloc) {
   EXPECT_EQ(AllocatorName().rfind("jemalloc", 0), 0u) << AllocatorName();
 }
@@ -79,8 +100,14 @@ TEST(RetainingArenaTest, KeepsFreedPagesForTheNextAllocationUntilPurged) {
     EXPECT_TRUE(BindThreadToRetainingArena()) << "a second call on the same thread";
     FaultsOfOneBlock();  // the first round maps and faults the block in
     for (int round = 0; round < 3; ++round) EXPECT_LT(FaultsOfOneBlock(), BlockPages() / 8) << round;
+    // What it keeps is measured, and exported at each scrape.
+    ASSERT_TRUE(RetainingArenaFreeBytes().has_value());
+    EXPECT_GE(*RetainingArenaFreeBytes(), kBlock);
+    EXPECT_GE(ScrapedFreeBytes(), static_cast<double>(kBlock));
     // A purge gives the pages back: the next round faults them in again, and after it they stay.
     PurgeRetainingArena();
+    EXPECT_LT(*RetainingArenaFreeBytes(), kBlock / 8);
+    EXPECT_LT(ScrapedFreeBytes(), static_cast<double>(kBlock / 8));
     EXPECT_GE(FaultsOfOneBlock(), BlockPages() / 2);
     EXPECT_LT(FaultsOfOneBlock(), BlockPages() / 8);
   });
