@@ -10,8 +10,6 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 #include <utility>
 
 #include "absl/strings/ascii.h"
@@ -22,6 +20,7 @@
 #include "absl/strings/str_join.h"
 #include "glog/logging.h"
 #include "server/metrics/process_metrics.h"
+#include "server/util/process_memory.h"
 #include "server/util/status_macros.h"
 
 namespace collabserve::repository {
@@ -64,65 +63,55 @@ absl::Time MTime(const struct stat& st) {
   return absl::TimeFromTimespec(st.st_mtim);
 }
 
-// Names, types, sizes and mtimes of the directory's entries, plus its own mtime: changes when a
-// file is added, removed, renamed or rewritten, which is what "the directory changed" means for
-// retrying a failed load.
-std::string Fingerprint(const std::string& dir) {
+absl::Time CTime(const struct stat& st) {
+  return absl::TimeFromTimespec(st.st_ctim);
+}
+
+struct DirState {
+  std::string fingerprint;
+  absl::Time last_change = absl::InfinitePast();
+};
+
+// Names, types, sizes, mtimes and ctimes of the directory's entries, plus its own: changes when a
+// file is added, removed, renamed, rewritten or has its mode or times set, which is what "the
+// directory changed" means for retrying a failed load and for settling. `last_change` is the
+// newest ctime among them (a copy that keeps the source's mtimes still sets ctimes).
+DirState ScanDir(const std::string& dir) {
+  DirState state;
   std::vector<std::string> parts;
-  if (auto st = Stat(dir, true)) {
-    parts.push_back(absl::StrCat(".:", absl::ToUnixNanos(MTime(*st))));
-  }
+  auto note = [&](const std::string& name, const struct stat& st) {
+    parts.push_back(absl::StrCat(name, ":", st.st_mode, ":", st.st_size, ":",
+                                 absl::ToUnixNanos(MTime(st)), ":", absl::ToUnixNanos(CTime(st))));
+    state.last_change = std::max(state.last_change, CTime(st));
+  };
+  if (auto st = Stat(dir, true)) note(".", *st);
   std::error_code ec;
   fs::directory_iterator it(dir, ec);
-  if (ec) return absl::StrCat("unreadable:", ec.message());
+  if (ec) {
+    state.fingerprint = absl::StrCat("unreadable:", ec.message());
+    return state;
+  }
   for (; !ec && it != fs::directory_iterator(); it.increment(ec)) {
     const std::string name = it->path().filename().string();
-    auto st = Stat(it->path().string(), /*follow=*/true);
-    if (!st) {
+    if (auto st = Stat(it->path().string(), /*follow=*/true)) {
+      note(name, *st);
+    } else {
       parts.push_back(absl::StrCat(name, ":?"));
-      continue;
     }
-    parts.push_back(absl::StrCat(name, ":", st->st_mode, ":", st->st_size, ":",
-                                 absl::ToUnixNanos(MTime(*st))));
   }
   if (ec) parts.push_back(absl::StrCat("error:", ec.message()));
   std::sort(parts.begin(), parts.end());
-  return absl::StrJoin(parts, "/");
+  state.fingerprint = absl::StrJoin(parts, "/");
+  return state;
 }
 
 // When this process started (from /proc), minus a margin for the one-second resolution of the
 // boot time; the time of the first call if /proc cannot be read.
 absl::Time ProcessStartTime() {
   static const absl::Time start = [] {
-    const absl::Time fallback = absl::Now();
-    std::ifstream self("/proc/self/stat");
-    std::string line;
-    if (!std::getline(self, line)) return fallback;
-    // Field 2 (comm) may contain spaces and parentheses; the fields after the last ')' start at
-    // field 3, and starttime is field 22 (clock ticks after boot).
-    size_t close = line.rfind(')');
-    if (close == std::string::npos) return fallback;
-    std::istringstream fields(line.substr(close + 1));
-    std::string field;
-    int64_t start_ticks = -1;
-    for (int i = 3; i <= 22 && (fields >> field); ++i) {
-      if (i == 22 && !absl::SimpleAtoi(field, &start_ticks)) return fallback;
-    }
-    std::ifstream stat("/proc/stat");
-    int64_t boot_seconds = -1;
-    while (std::getline(stat, line)) {
-      if (absl::StartsWith(line, "btime ")) {
-        if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(line.substr(6)), &boot_seconds)) {
-          return fallback;
-        }
-      }
-    }
-    const long ticks_per_second = ::sysconf(_SC_CLK_TCK);
-    if (start_ticks < 0 || boot_seconds < 0 || ticks_per_second <= 0) return fallback;
-    absl::Time t = absl::FromUnixSeconds(boot_seconds) +
-                   absl::Seconds(static_cast<double>(start_ticks) / ticks_per_second) -
-                   absl::Seconds(2);
-    return std::min(t, fallback);
+    const absl::Time now = absl::Now();
+    absl::StatusOr<util::ProcessStats> stats = util::ReadProcessStats();
+    return stats.ok() ? std::min(stats->start_time - absl::Seconds(2), now) : now;
   }();
   return start;
 }
@@ -165,6 +154,10 @@ const char* ModelRepository::StateName(VersionStatus::State state) {
     case State::kUnloaded: return "unloaded";
   }
   return "unknown";
+}
+
+const char* ModelRepository::StateName(const VersionStatus& status) {
+  return status.settling ? "settling" : StateName(status.state);
 }
 
 absl::Status ModelRepository::ValidateModelName(std::string_view name) {
@@ -220,6 +213,10 @@ absl::StatusOr<std::unique_ptr<ModelRepository>> ModelRepository::Create(
     return absl::InvalidArgumentError(absl::StrCat(
         "poll_interval must not be negative, got ", absl::FormatDuration(options.poll_interval)));
   }
+  if (options.settle_time < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "settle_time must not be negative, got ", absl::FormatDuration(options.settle_time)));
+  }
   if (!loader) return absl::InvalidArgumentError("the servable loader is empty");
   struct stat st;
   if (::stat(options.root.c_str(), &st) != 0) {
@@ -239,6 +236,20 @@ absl::StatusOr<std::unique_ptr<ModelRepository>> ModelRepository::Create(
   absl::Status cleaned = repo->CleanLeftovers();
   if (!cleaned.ok()) LOG(WARNING) << "model repository: " << cleaned.message();
   RETURN_IF_ERROR(repo->Poll());
+  // Versions still being written when the process starts load before Create() returns, unless
+  // they keep changing for a minute (the poller loads them once they stop).
+  const absl::Time give_up = absl::Now() + absl::Minutes(1);
+  for (absl::Time due = repo->NextSettle(); due != absl::InfiniteFuture();
+       due = repo->NextSettle()) {
+    if (absl::Now() >= give_up) {
+      LOG(WARNING) << "model repository: versions are still changing after a minute; they load "
+                      "once they have not changed for "
+                   << absl::FormatDuration(repo->options_.settle_time);
+      break;
+    }
+    absl::SleepFor(std::min(due, give_up) - absl::Now());
+    RETURN_IF_ERROR(repo->Poll());
+  }
   repo->StartPolling();
   return repo;
 }
@@ -269,9 +280,10 @@ void ModelRepository::StopPolling() {
 
 void ModelRepository::PollLoop(int64_t generation) {
   for (;;) {
+    // Wakes early for a version due to settle.
+    const absl::Time deadline = std::min(absl::Now() + options_.poll_interval, NextSettle());
     {
       absl::MutexLock l(&poll_mu_);
-      const absl::Time deadline = absl::Now() + options_.poll_interval;
       while (poll_generation_ == generation && !poll_cv_.WaitWithDeadline(&poll_mu_, deadline)) {
       }
       if (poll_generation_ != generation) return;
@@ -313,7 +325,8 @@ absl::StatusOr<ModelRepository::DiskModel> ModelRepository::ScanModel(const std:
       LogOnce(path, "not a directory");
       continue;
     }
-    versions[*version] = DiskVersion{path, Fingerprint(path)};
+    DirState state = ScanDir(path);
+    versions[*version] = DiskVersion{path, std::move(state.fingerprint), state.last_change};
   }
   if (ec) {
     return absl::FailedPreconditionError(absl::StrCat("cannot list ", dir, ": ", ec.message()));
@@ -382,9 +395,44 @@ void ModelRepository::ApplyScanLocked(const DiskScan& scan, const std::set<std::
       if (inserted) entry.since = now;
       entry.on_disk = true;
       entry.path = found.path;
+      if (inserted || entry.fingerprint != found.fingerprint) entry.fingerprint_since = now;
       entry.fingerprint = found.fingerprint;
+      entry.last_change = found.last_change;
     }
   }
+  UpdateSettlingLocked(now);
+}
+
+void ModelRepository::UpdateSettlingLocked(absl::Time now) {
+  const absl::Duration settle = options_.settle_time;
+  next_settle_ = absl::InfiniteFuture();
+  for (auto& [name, model] : models_) {
+    for (auto& [version, e] : model) {
+      const absl::Time due = std::min(e.last_change, e.fingerprint_since) + settle;
+      e.settling = settle > absl::ZeroDuration() && e.state != State::kAvailable &&
+                   e.state != State::kLoading && e.on_disk &&
+                   e.complete_fingerprint != e.fingerprint && now < due;
+      if (e.settling) next_settle_ = std::min(next_settle_, due);
+    }
+  }
+}
+
+absl::Time ModelRepository::NextSettle() const {
+  absl::ReaderMutexLock l(&mu_);
+  return next_settle_;
+}
+
+bool ModelRepository::DeclareComplete(const ServableId& id) {
+  absl::StatusOr<DiskModel> versions = ScanModel(id.model);
+  if (!versions.ok() || !versions->count(id.version)) return false;
+  absl::MutexLock l(&mu_);
+  DiskScan scan;
+  scan.models[id.model] = *std::move(versions);
+  ApplyScanLocked(scan, {id.model});
+  Entry& e = models_[id.model][id.version];
+  e.complete_fingerprint = e.fingerprint;
+  UpdateSettlingLocked(absl::Now());
+  return true;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -395,7 +443,7 @@ std::set<int64_t> ModelRepository::DesiredLocked(const ModelEntry& model) const 
   int newest = 0;
   for (auto it = model.rbegin(); it != model.rend(); ++it) {
     const Entry& e = it->second;
-    if (!e.on_disk || e.disabled) continue;
+    if (!e.on_disk || e.disabled || e.settling) continue;
     if (e.pinned) desired.insert(it->first);
     const bool failed_unchanged =
         e.state == State::kFailed && e.failed_fingerprint == e.fingerprint;
@@ -476,6 +524,7 @@ void ModelRepository::InstallLocked(std::vector<LoadResult>* results, std::vecto
       if (entry->servable) garbage->push_back(std::move(entry->servable));
       entry->servable = *std::move(r.servable);
       entry->state = State::kAvailable;
+      entry->settling = false;
       entry->error = absl::OkStatus();
       entry->since = now;
       entry->failed_fingerprint.clear();
@@ -631,20 +680,25 @@ absl::StatusOr<std::shared_ptr<Servable>> ModelRepository::Get(
     if (e.state == State::kAvailable) {
       available.push_back(absl::StrCat(v));
     } else if (version ? v == *version
-                       : e.state != State::kUnloaded || e.disabled) {  // not the policy's choice
+                       : e.state != State::kUnloaded || e.disabled ||
+                             e.settling) {  // not the policy's choice
       if (why.size() == 5) {
         why.push_back("...");
         continue;
       }
       if (why.size() > 5) continue;
       std::string reason;
-      switch (e.state) {
-        case State::kLoading: reason = "is loading"; break;
-        case State::kFailed: reason = absl::StrCat("failed to load: ", e.error.message()); break;
-        default:
-          reason = e.disabled ? "was unloaded by an admin"
-                              : absl::StrCat("is not loaded (only the newest ",
-                                             options_.versions_to_keep, " are served)");
+      if (e.settling) {
+        reason = absl::StrCat("is still changing on disk (it loads once unchanged for ",
+                              absl::FormatDuration(options_.settle_time), ")");
+      } else if (e.state == State::kLoading) {
+        reason = "is loading";
+      } else if (e.state == State::kFailed) {
+        reason = absl::StrCat("failed to load: ", e.error.message());
+      } else {
+        reason = e.disabled ? "was unloaded by an admin"
+                            : absl::StrCat("is not loaded (only the newest ",
+                                           options_.versions_to_keep, " are served)");
       }
       why.push_back(absl::StrCat("version ", v, " ", reason));
     }
@@ -666,7 +720,8 @@ std::map<std::string, std::vector<ModelRepository::VersionStatus>> ModelReposito
   for (const auto& [name, entries] : models_) {
     std::vector<VersionStatus>& versions = out[name];
     for (const auto& [v, e] : entries) {
-      versions.push_back(VersionStatus{v, e.state, e.error, e.path, e.since, e.pinned, e.disabled});
+      versions.push_back(
+          VersionStatus{v, e.state, e.error, e.path, e.since, e.pinned, e.disabled, e.settling});
     }
   }
   return out;
@@ -676,7 +731,7 @@ bool ModelRepository::AllLoaded() const {
   absl::ReaderMutexLock l(&mu_);
   for (const auto& [name, entries] : models_) {
     for (const auto& [v, e] : entries) {
-      if (e.state == State::kLoading) return false;
+      if (e.state == State::kLoading || e.settling) return false;
     }
   }
   return true;
@@ -706,6 +761,8 @@ absl::Status ModelRepository::LoadVersion(const ServableId& id) {
     ApplyScanLocked(scan, {id.model});
     Entry& e = models_[id.model][id.version];
     e.disabled = false;
+    e.complete_fingerprint = e.fingerprint;  // an admin's explicit load: no settling
+    UpdateSettlingLocked(absl::Now());
     jobs.push_back(LoadJob{id, e.path, e.fingerprint});
     if (e.state != State::kAvailable) {
       e.state = State::kLoading;
@@ -860,6 +917,7 @@ absl::Status ModelRepository::Publish(const std::string& staging_dir, const Serv
     ::close(fd);
   }
   LOG(INFO) << "model repository: published " << id.DebugString() << " at " << target;
+  DeclareComplete(id);  // it appeared whole: the policy need not wait for it to settle
   if (!load_now) return absl::OkStatus();
   RescanAndReconcile(id.model);
   absl::ReaderMutexLock l(&mu_);

@@ -77,6 +77,15 @@ struct RepositoryOptions {
   absl::Duration poll_interval = absl::ZeroDuration();
   // How many versions load in parallel within one Poll().
   int num_load_threads = 1;
+  // A version directory that changed less than this long ago is "settling": the policy ignores it
+  // (what is served keeps serving) until it has stopped changing, so a version copied in file by
+  // file is not loaded half-copied, or without an optional file that arrives last. Settled means
+  // its newest ctime (its own or any entry's) is this old, or its entries' names, sizes and times
+  // stayed the same for this long as this process saw them (which holds with a skewed clock on a
+  // network filesystem). The poller wakes when a version is due to settle, not only every
+  // poll_interval, and Create() waits (at most a minute) for the versions it found settling.
+  // Publish() and LoadVersion() skip it: they declare the directory complete. Zero: off.
+  absl::Duration settle_time = absl::ZeroDuration();
   // Called after a version starts loading, becomes available, fails to load or is unloaded
   // (health, metrics). The status is the load error for kLoadFailed, OK otherwise. Called without
   // the repository's lock held, from the thread doing the change, one call at a time and in order;
@@ -109,6 +118,8 @@ class ModelRepository {
     absl::Time since;     // when the version entered `state`
     bool pinned = false;  // loaded with LoadVersion(): served regardless of versions_to_keep
     bool disabled = false;  // unloaded with UnloadVersion(): not loaded again until LoadVersion()
+    // Not loaded and changed within RepositoryOptions::settle_time: ignored until it settles.
+    bool settling = false;
   };
 
   // Checks the options, removes crash leftovers (CleanLeftovers), scans `root` and loads every
@@ -193,6 +204,8 @@ class ModelRepository {
   static absl::Status ValidateId(const ServableId& id);
 
   static const char* StateName(VersionStatus::State state);  // "loading", "available", ...
+  // StateName, or "settling" for a settling version that is not loading or available.
+  static const char* StateName(const VersionStatus& status);
 
  private:
   using State = VersionStatus::State;
@@ -200,7 +213,8 @@ class ModelRepository {
   // One version directory as found on disk.
   struct DiskVersion {
     std::string path;
-    std::string fingerprint;  // names, sizes and mtimes of its entries
+    std::string fingerprint;  // names, types, sizes, mtimes and ctimes of it and its entries
+    absl::Time last_change;   // the newest of those ctimes
   };
   using DiskModel = std::map<int64_t, DiskVersion>;
   struct DiskScan {
@@ -216,6 +230,10 @@ class ModelRepository {
     std::shared_ptr<Servable> servable;  // set iff state is kAvailable
     std::string fingerprint;             // as last scanned
     std::string failed_fingerprint;      // the fingerprint the last failed load saw
+    absl::Time last_change;              // as last scanned
+    absl::Time fingerprint_since;        // when this process first saw `fingerprint`
+    std::string complete_fingerprint;    // declared complete by Publish() or LoadVersion()
+    bool settling = false;               // see RepositoryOptions::settle_time
     bool on_disk = true;
     bool pinned = false;
     bool disabled = false;
@@ -249,6 +267,12 @@ class ModelRepository {
   // Records what `scan` saw for `models` (new versions, fingerprints, vanished directories).
   void ApplyScanLocked(const DiskScan& scan, const std::set<std::string>& models)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Recomputes every entry's `settling` and next_settle_.
+  void UpdateSettlingLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Scans `model` and declares version `id` complete (no settling); false if it is not on disk.
+  bool DeclareComplete(const ServableId& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(ops_mu_);
+  // When the earliest settling version is due to settle (InfiniteFuture if none).
+  absl::Time NextSettle() const;
   // Scans one model and reconciles it (after an admin change).
   void RescanAndReconcile(const std::string& model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(ops_mu_);
   // Loads what the policy wants for `models`, installs it, then unloads what it no longer wants.
@@ -275,6 +299,7 @@ class ModelRepository {
   // Guards the served set; held only for short, non-blocking sections.
   mutable absl::Mutex mu_;
   std::map<std::string, ModelEntry, std::less<>> models_ ABSL_GUARDED_BY(mu_);
+  absl::Time next_settle_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
 
   // The poller.
   absl::Mutex poll_mu_;

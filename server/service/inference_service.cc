@@ -567,7 +567,7 @@ grpc::ServerUnaryReactor* InferenceService::ListModels(grpc::CallbackServerConte
         }
         v1::ModelVersionStatus* s = m->add_version_status();
         s->set_version(v.version);
-        s->set_state(std::string(repository::ModelRepository::StateName(v.state)));
+        s->set_state(repository::ModelRepository::StateName(v));
         if (!v.error.ok()) s->set_error(v.error.ToString());
       }
     }

@@ -372,7 +372,14 @@ absl::Status Server::LoadModels() {
   repository::RepositoryOptions ro;
   ro.root = options_.model_repository;
   ro.versions_to_keep = options_.versions_to_keep;
+  if (options_.poll_interval < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--poll_interval_s must not be negative");
+  }
+  if (options_.version_settle < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--version_settle_s must not be negative");
+  }
   ro.poll_interval = options_.poll_interval;
+  ro.settle_time = options_.version_settle;
   ro.num_load_threads = options_.num_load_threads;
   ro.on_event = [this](const repository::ServableId& id, repository::VersionEvent event,
                        const absl::Status& status) {

@@ -85,6 +85,9 @@ struct ServerOptions {
   // Directory of models (root/<model>/<version>/). Required.
   std::string model_repository;
   absl::Duration poll_interval = absl::Seconds(30);
+  // A version directory that changed less than this long ago is not loaded yet
+  // (repository::RepositoryOptions::settle_time).
+  absl::Duration version_settle = absl::Seconds(2);
   int versions_to_keep = 1;
   int num_load_threads = 1;
   ServableOptions servable;

@@ -35,6 +35,9 @@ ABSL_FLAG(int, metrics_port, 9090, "Prometheus /metrics port (0 = pick, printed;
 ABSL_FLAG(std::string, model_repository, "",
           "directory of <model>/<version>/ checkpoints; empty = the built-in demo model");
 ABSL_FLAG(double, poll_interval_s, 30, "seconds between repository scans (0 = only at start)");
+ABSL_FLAG(double, version_settle_s, 2,
+          "a version directory loads once it has not changed for this long, so one copied in file "
+          "by file is not loaded half-copied (0 = load at once; uploads are never delayed)");
 ABSL_FLAG(int, versions_to_keep, 1, "newest versions of each model to serve");
 ABSL_FLAG(int, num_load_threads, 1, "versions loaded in parallel");
 ABSL_FLAG(std::string, device, "cpu", "cpu, cuda or cuda:N");
@@ -168,6 +171,9 @@ int Run(int argc, char** argv, int cpus) {
               << " (removed at exit, with any version uploaded to it)";
   }
   o.poll_interval = absl::Seconds(absl::GetFlag(FLAGS_poll_interval_s));
+  // The demo's repository is written whole before the server starts: nothing to wait for.
+  o.version_settle =
+      demo_repository ? absl::ZeroDuration() : absl::Seconds(absl::GetFlag(FLAGS_version_settle_s));
   o.versions_to_keep = absl::GetFlag(FLAGS_versions_to_keep);
   o.num_load_threads = absl::GetFlag(FLAGS_num_load_threads);
   o.servable.engine.device = absl::GetFlag(FLAGS_device);

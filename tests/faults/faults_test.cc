@@ -118,6 +118,35 @@ class FaultsTest : public ::testing::Test {
     return v1::Admin::NewStub(grpc::CreateChannel(server_->address(),
                                                   grpc::InsecureChannelCredentials()));
   }
+  std::unique_ptr<v1::Inference::Stub> InferenceStub() {
+    return v1::Inference::NewStub(
+        grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials()));
+  }
+  // ListModels' state of `model` `version` ("" if not listed).
+  std::string VersionState(const std::string& model, int64_t version) {
+    v1::ListModelsResponse resp;
+    grpc::ClientContext ctx;
+    grpc::Status s = InferenceStub()->ListModels(&ctx, v1::ListModelsRequest(), &resp);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    for (const auto& m : resp.models()) {
+      for (const auto& v : m.version_status()) {
+        if (m.name() == model && v.version() == version) return v.state();
+      }
+    }
+    return "";
+  }
+  // How many tokens `model` `version` gives `text` (-1 on error).
+  int NumTokens(const std::string& model, int64_t version, const std::string& text) {
+    v1::TokenizeRequest req;
+    req.set_model_name(model);
+    req.set_model_version(version);
+    req.add_inputs()->set_text(text);
+    v1::TokenizeResponse resp;
+    grpc::ClientContext ctx;
+    grpc::Status s = InferenceStub()->Tokenize(&ctx, req, &resp);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return s.ok() && resp.results_size() == 1 ? resp.results(0).input_ids_size() : -1;
+  }
   // The version that answers a Classify for `model` (pinned to `version` if given), or -1.
   int64_t Served(const std::string& model, std::optional<int64_t> version = std::nullopt,
                  grpc::Status* status = nullptr) {
@@ -274,6 +303,35 @@ TEST_F(FaultsTest, CorruptVersionsDroppedByHandAreSkippedCountedAndFixable) {
   EXPECT_EQ(Served("tiny", version), version);
   EXPECT_EQ(Served("tiny", 1), 1);
   EXPECT_EQ(Served("other"), 1);
+}
+
+// A version copied into the repository file by file (cp, a sync sidecar) loads only once it has
+// stopped changing (--version_settle_s): an optional file that arrives last is not missed, and the
+// previous version serves meanwhile.
+TEST_F(FaultsTest, AVersionCopiedFileByFileLoadsWithTheFileThatArrivesLast) {
+  MakeTinyModel(root_ + "/tiny/1", 1);
+  MakeTinyModel(tmp_.path() + "/short", 2);
+  ASSERT_TRUE(util::WriteFileAtomic(tmp_.path() + "/short/tokenizer_config.json",
+                                    "{\"do_lower_case\": true, \"model_max_length\": 6}")
+                  .ok());
+  Start({"--poll_interval_s=0.05", "--version_settle_s=5", "--versions_to_keep=2"});
+  ASSERT_EQ(Served("tiny"), 1);
+  const std::string target = root_ + "/tiny/2";
+  fs::create_directories(target);
+  for (const auto& e : fs::directory_iterator(tmp_.path() + "/short")) {
+    if (e.path().filename() != "tokenizer_config.json") {
+      fs::copy_file(e.path(), fs::path(target) / e.path().filename());
+    }
+  }
+  absl::SleepFor(absl::Milliseconds(500));  // ten polls with a loadable version on disk
+  EXPECT_EQ(Served("tiny"), 1);
+  EXPECT_EQ(VersionState("tiny", 2), "settling");
+  fs::copy_file(tmp_.path() + "/short/tokenizer_config.json", target + "/tokenizer_config.json");
+  ASSERT_TRUE(Eventually([&] { return Served("tiny") == 2; })) << Log();
+  EXPECT_EQ(VersionState("tiny", 2), "available");
+  // Version 2 truncates at its model_max_length; version 1 at the default 512.
+  EXPECT_EQ(NumTokens("tiny", 2, "one two three four five six seven eight"), 6);
+  EXPECT_EQ(NumTokens("tiny", 1, "one two three four five six seven eight"), 10);
 }
 
 // kill -9 while a repository poll is loading a version just dropped in: after the restart the

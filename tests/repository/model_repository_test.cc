@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <filesystem>
@@ -72,6 +73,13 @@ class FakeLoader {
       started->Notify();
       gate->WaitForNotification();
     }
+    {
+      std::vector<std::string> files;
+      for (const auto& e : fs::directory_iterator(path)) files.push_back(e.path().filename());
+      std::sort(files.begin(), files.end());
+      absl::MutexLock l(&mu_);
+      files_[id.DebugString()] = std::move(files);
+    }
     if (fs::exists(fs::path(path) / "broken")) {
       return absl::DataLossError("config.json: unexpected end of input");
     }
@@ -90,11 +98,18 @@ class FakeLoader {
     return loads_[absl::StrCat(model, ":", version)];
   }
 
+  // The names in the version's directory when it last loaded.
+  std::vector<std::string> files_at_load(const std::string& model, int64_t version) {
+    absl::MutexLock l(&mu_);
+    return files_[absl::StrCat(model, ":", version)];
+  }
+
   std::atomic<int> destroyed{0};
 
  private:
   absl::Mutex mu_;
   std::map<std::string, int> loads_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::vector<std::string>> files_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::pair<absl::Notification*, absl::Notification*>> blocked_
       ABSL_GUARDED_BY(mu_);
 };
@@ -151,7 +166,7 @@ class ModelRepositoryTest : public ::testing::Test {
     std::map<std::string, std::vector<std::string>> out;
     for (const auto& [model, versions] : repo_->List()) {
       for (const auto& v : versions) {
-        out[model].push_back(absl::StrCat(v.version, ":", ModelRepository::StateName(v.state)));
+        out[model].push_back(absl::StrCat(v.version, ":", ModelRepository::StateName(v)));
       }
     }
     return out;
@@ -531,6 +546,77 @@ TEST_F(ModelRepositoryTest, PublishMovesAStagingDirectoryAtomicallyAndLoadsIt) {
   EXPECT_EQ(repo_->Publish((fs::path(root_) / ".staging" / "gone").string(), {"m", 5}, true).code(),
             absl::StatusCode::kNotFound);
   EXPECT_EQ(repo_->Publish(staging.string(), {".hidden", 1}, true).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+// A version copied in file by file must not load half-copied: one that changed within
+// settle_time is ignored (what is served keeps serving) until it stops changing. Publish() and
+// LoadVersion() declare a directory complete and skip the wait.
+TEST_F(ModelRepositoryTest, AVersionStillChangingOnDiskIsIgnoredUntilItSettles) {
+  RepositoryOptions o = Options();
+  o.settle_time = absl::Hours(1);  // nothing written here settles while the test runs
+  Open(o);
+  MakeVersion("m", 1);
+  ASSERT_TRUE(repo_->Poll().ok());
+  EXPECT_THAT(States()["m"], ElementsAre("1:settling"));
+  EXPECT_FALSE(repo_->AllLoaded());
+  EXPECT_EQ(loader_.loads("m", 1), 0);
+  auto got = repo_->Get("m");
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(got.status().message(),
+              HasSubstr("version 1 is still changing on disk (it loads once unchanged for 1h)"));
+
+  ASSERT_TRUE(repo_->LoadVersion({"m", 1}).ok());
+  EXPECT_EQ(Served("m"), 1);
+  EXPECT_TRUE(repo_->AllLoaded());
+
+  MakeVersion("m", 2);
+  ASSERT_TRUE(repo_->Poll().ok());
+  EXPECT_THAT(States()["m"], ElementsAre("1:available", "2:settling"));
+  EXPECT_EQ(Served("m"), 1);
+  EXPECT_THAT(repo_->Get("m", 2).status().message(), HasSubstr("still changing on disk"));
+  EXPECT_EQ(loader_.loads("m", 2), 0);
+
+  // Published: complete, unless it changes afterwards.
+  for (int v : {3, 4}) {
+    const fs::path staging = fs::path(root_) / ".staging" / absl::StrCat("upload-", v);
+    fs::create_directories(staging);
+    std::ofstream(staging / "config.json") << "{}";
+    ASSERT_TRUE(repo_->Publish(staging.string(), {"m", v}, /*load_now=*/false).ok());
+  }
+  std::ofstream(fs::path(VersionDir("m", 4)) / "added-later") << "";
+  ASSERT_TRUE(repo_->Poll().ok());
+  EXPECT_EQ(Served("m"), 3);
+  EXPECT_THAT(States()["m"], ElementsAre("1:available", "2:settling", "3:available", "4:settling"));
+}
+
+// Create() waits for a version still being written when the process starts; the poller wakes
+// when a version is due to settle instead of waiting out its interval.
+TEST_F(ModelRepositoryTest, CreateAndThePollerWaitForAVersionToSettle) {
+  MakeVersion("m", 1);
+  absl::Notification v2_available;
+  RepositoryOptions o = Options();
+  o.settle_time = absl::Seconds(2);
+  o.poll_interval = absl::Hours(1);
+  o.on_event = [&](const ServableId& id, VersionEvent event, const absl::Status&) {
+    if (id.version == 2 && event == VersionEvent::kAvailable) v2_available.Notify();
+  };
+  Open(o);
+  EXPECT_EQ(Served("m"), 1);
+  MakeVersion("m", 2);
+  ASSERT_TRUE(repo_->Poll().ok());
+  EXPECT_EQ(Served("m"), 1);
+  // A file arriving late keeps it settling; the load sees it.
+  std::ofstream(fs::path(VersionDir("m", 2)) / "tokenizer_config.json") << "{}";
+  ASSERT_TRUE(repo_->Poll().ok());
+  EXPECT_THAT(States()["m"], ElementsAre("1:available", "2:settling"));
+  ASSERT_TRUE(v2_available.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  EXPECT_EQ(Served("m"), 2);
+  EXPECT_EQ(loader_.loads("m", 2), 1);
+  EXPECT_THAT(loader_.files_at_load("m", 2), ElementsAre("config.json", "tokenizer_config.json"));
+
+  o.settle_time = -absl::Seconds(1);
+  EXPECT_EQ(ModelRepository::Create(o, loader_.AsLoader()).status().code(),
             absl::StatusCode::kInvalidArgument);
 }
 

@@ -1,5 +1,6 @@
 // The options every in-process test server starts from: a free port of 127.0.0.1, the given model
-// repository, no metrics port, no repository polling. Tests change what they exercise on top.
+// repository, no metrics port, no repository polling or settling. Tests change what they exercise
+// on top.
 #ifndef COLLABSERVE_TESTS_SERVICE_LOCAL_SERVER_OPTIONS_H_
 #define COLLABSERVE_TESTS_SERVICE_LOCAL_SERVER_OPTIONS_H_
 
@@ -17,6 +18,7 @@ inline service::ServerOptions LocalServerOptions(const std::string& repository) 
   o.metrics_port = -1;
   o.model_repository = repository;
   o.poll_interval = absl::ZeroDuration();
+  o.version_settle = absl::ZeroDuration();  // tests write whole versions before they load them
   return o;
 }
 
