@@ -49,15 +49,18 @@ class ProcessCollectableImpl : public prometheus::Collectable {
                                   MetricType::Counter, p->cpu_seconds));
       families.push_back(OneValue("process_start_time_seconds",
                                   "Start time of the process since unix epoch in seconds.",
-                                  MetricType::Gauge, static_cast<double>(absl::ToUnixMicros(p->start_time)) / 1e6));
+                                  MetricType::Gauge,
+                                  static_cast<double>(absl::ToUnixMicros(p->start_time)) / 1e6));
       families.push_back(OneValue("process_virtual_memory_bytes",
                                   "Virtual memory size in bytes.", MetricType::Gauge,
                                   static_cast<double>(p->virtual_bytes)));
       families.push_back(OneValue("process_resident_memory_bytes",
                                   "Resident memory size in bytes.", MetricType::Gauge,
                                   static_cast<double>(p->resident_bytes)));
-      families.push_back(OneValue("process_open_fds", "Number of open file descriptors.",
-                                  MetricType::Gauge, static_cast<double>(p->open_fds)));
+      if (p->open_fds >= 0) {
+        families.push_back(OneValue("process_open_fds", "Number of open file descriptors.",
+                                    MetricType::Gauge, static_cast<double>(p->open_fds)));
+      }
       if (p->max_fds > 0) {
         families.push_back(OneValue("process_max_fds",
                                     "Maximum number of open file descriptors.",

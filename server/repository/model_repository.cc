@@ -237,13 +237,16 @@ absl::StatusOr<std::unique_ptr<ModelRepository>> ModelRepository::Create(
   if (!cleaned.ok()) LOG(WARNING) << "model repository: " << cleaned.message();
   RETURN_IF_ERROR(repo->Poll());
   // Versions still being written when the process starts load before Create() returns, unless
-  // they keep changing for a minute (the poller loads them once they stop).
-  const absl::Time give_up = absl::Now() + absl::Minutes(1);
+  // they keep changing for a minute (or three settle times, if longer).
+  const absl::Time give_up =
+      absl::Now() + std::max(absl::Minutes(1), 3 * repo->options_.settle_time);
   for (absl::Time due = repo->NextSettle(); due != absl::InfiniteFuture();
        due = repo->NextSettle()) {
     if (absl::Now() >= give_up) {
-      LOG(WARNING) << "model repository: versions are still changing after a minute; they load "
-                      "once they have not changed for "
+      LOG(WARNING) << "model repository: versions are still changing on disk; "
+                   << (repo->options_.poll_interval > absl::ZeroDuration()
+                           ? "the poller loads them once they have not changed for "
+                           : "without polling they load at the next start once unchanged for ")
                    << absl::FormatDuration(repo->options_.settle_time);
       break;
     }
@@ -279,14 +282,23 @@ void ModelRepository::StopPolling() {
 }
 
 void ModelRepository::PollLoop(int64_t generation) {
+  int64_t seen = 0;
+  {
+    absl::MutexLock l(&poll_mu_);
+    seen = poll_wakeups_;
+  }
   for (;;) {
-    // Wakes early for a version due to settle.
-    const absl::Time deadline = std::min(absl::Now() + options_.poll_interval, NextSettle());
-    {
+    const absl::Time interval_end = absl::Now() + options_.poll_interval;
+    // Sleeps until the interval ends or a version is due to settle; WakePoller() makes it look
+    // at the settle time again (a scan outside this loop may have found a version settling).
+    for (bool due = false; !due;) {
+      const absl::Time deadline = std::min(interval_end, NextSettle());
       absl::MutexLock l(&poll_mu_);
-      while (poll_generation_ == generation && !poll_cv_.WaitWithDeadline(&poll_mu_, deadline)) {
+      if (poll_wakeups_ == seen && poll_generation_ == generation) {
+        due = poll_cv_.WaitWithDeadline(&poll_mu_, deadline);
       }
       if (poll_generation_ != generation) return;
+      seen = poll_wakeups_;
     }
     Poll().IgnoreError();  // Poll() logs its errors (once per distinct error).
   }
@@ -395,26 +407,46 @@ void ModelRepository::ApplyScanLocked(const DiskScan& scan, const std::set<std::
       if (inserted) entry.since = now;
       entry.on_disk = true;
       entry.path = found.path;
-      if (inserted || entry.fingerprint != found.fingerprint) entry.fingerprint_since = now;
+      if (inserted || entry.fingerprint != found.fingerprint) {
+        entry.fingerprint_since = now;
+        // Trusting ctimes lets what was on disk at start load at once; a version that appears or
+        // changes later must be seen unchanged for settle_time, whatever the filesystem's clock.
+        entry.trust_ctime = !first_scan_done_;
+      }
       entry.fingerprint = found.fingerprint;
       entry.last_change = found.last_change;
     }
+    for (auto& [version, entry] : model) RefreshSettlingLocked(&entry, now);
   }
-  UpdateSettlingLocked(now);
+  first_scan_done_ = true;
+  RecomputeNextSettleLocked();
 }
 
-void ModelRepository::UpdateSettlingLocked(absl::Time now) {
+void ModelRepository::RefreshSettlingLocked(Entry* e, absl::Time now) const {
   const absl::Duration settle = options_.settle_time;
+  e->settle_due = (e->trust_ctime ? std::min(e->last_change, e->fingerprint_since)
+                                  : e->fingerprint_since) +
+                  settle;
+  e->settling = settle > absl::ZeroDuration() && e->state != State::kAvailable &&
+                e->state != State::kLoading && e->on_disk &&
+                e->complete_fingerprint != e->fingerprint && now < e->settle_due;
+}
+
+void ModelRepository::RecomputeNextSettleLocked() {
   next_settle_ = absl::InfiniteFuture();
-  for (auto& [name, model] : models_) {
-    for (auto& [version, e] : model) {
-      const absl::Time due = std::min(e.last_change, e.fingerprint_since) + settle;
-      e.settling = settle > absl::ZeroDuration() && e.state != State::kAvailable &&
-                   e.state != State::kLoading && e.on_disk &&
-                   e.complete_fingerprint != e.fingerprint && now < due;
-      if (e.settling) next_settle_ = std::min(next_settle_, due);
+  for (const auto& [name, model] : models_) {
+    for (const auto& [version, e] : model) {
+      if (e.settling) next_settle_ = std::min(next_settle_, e.settle_due);
     }
   }
+}
+
+void ModelRepository::WakePoller() {
+  {
+    absl::MutexLock l(&poll_mu_);
+    ++poll_wakeups_;
+  }
+  poll_cv_.SignalAll();
 }
 
 absl::Time ModelRepository::NextSettle() const {
@@ -431,7 +463,8 @@ bool ModelRepository::DeclareComplete(const ServableId& id) {
   ApplyScanLocked(scan, {id.model});
   Entry& e = models_[id.model][id.version];
   e.complete_fingerprint = e.fingerprint;
-  UpdateSettlingLocked(absl::Now());
+  RefreshSettlingLocked(&e, absl::Now());
+  RecomputeNextSettleLocked();
   return true;
 }
 
@@ -618,6 +651,7 @@ void ModelRepository::RescanAndReconcile(const std::string& model) {
     absl::MutexLock l(&mu_);
     ApplyScanLocked(scan, {model});
   }
+  WakePoller();
   Reconcile({model});
 }
 
@@ -628,6 +662,11 @@ absl::Status ModelRepository::Poll() {
     const std::string text = scan.status().ToString();
     if (text != last_poll_error_) LOG(ERROR) << "model repository: " << scan.status().message();
     last_poll_error_ = text;
+    {
+      // Nothing settles unseen: the next scan is the interval's.
+      absl::MutexLock l(&mu_);
+      next_settle_ = absl::InfiniteFuture();
+    }
     return scan.status();
   }
   if (!last_poll_error_.empty()) LOG(INFO) << "model repository: the root is readable again";
@@ -639,6 +678,7 @@ absl::Status ModelRepository::Poll() {
     for (const auto& [name, model] : models_) names.insert(name);
     ApplyScanLocked(*scan, names);
   }
+  WakePoller();
   Reconcile(names);
   return absl::OkStatus();
 }
@@ -762,7 +802,8 @@ absl::Status ModelRepository::LoadVersion(const ServableId& id) {
     Entry& e = models_[id.model][id.version];
     e.disabled = false;
     e.complete_fingerprint = e.fingerprint;  // an admin's explicit load: no settling
-    UpdateSettlingLocked(absl::Now());
+    RefreshSettlingLocked(&e, absl::Now());
+    RecomputeNextSettleLocked();
     jobs.push_back(LoadJob{id, e.path, e.fingerprint});
     if (e.state != State::kAvailable) {
       e.state = State::kLoading;
@@ -918,6 +959,7 @@ absl::Status ModelRepository::Publish(const std::string& staging_dir, const Serv
   }
   LOG(INFO) << "model repository: published " << id.DebugString() << " at " << target;
   DeclareComplete(id);  // it appeared whole: the policy need not wait for it to settle
+  WakePoller();
   if (!load_now) return absl::OkStatus();
   RescanAndReconcile(id.model);
   absl::ReaderMutexLock l(&mu_);

@@ -77,14 +77,16 @@ struct RepositoryOptions {
   absl::Duration poll_interval = absl::ZeroDuration();
   // How many versions load in parallel within one Poll().
   int num_load_threads = 1;
-  // A version directory that changed less than this long ago is "settling": the policy ignores it
+  // A version directory that may still be being written is "settling": the policy ignores it
   // (what is served keeps serving) until it has stopped changing, so a version copied in file by
-  // file is not loaded half-copied, or without an optional file that arrives last. Settled means
-  // its newest ctime (its own or any entry's) is this old, or its entries' names, sizes and times
-  // stayed the same for this long as this process saw them (which holds with a skewed clock on a
-  // network filesystem). The poller wakes when a version is due to settle, not only every
-  // poll_interval, and Create() waits (at most a minute) for the versions it found settling.
-  // Publish() and LoadVersion() skip it: they declare the directory complete. Zero: off.
+  // file is not loaded half-copied, or without an optional file that arrives last. A version
+  // that appears or changes while the repository runs settles once two scans this far apart
+  // (by this process's clock) found its entries' names, sizes, mtimes and ctimes unchanged; one
+  // found by the first scan also settles once its newest ctime (its own or any entry's) is this
+  // old, so that a start does not wait for what was already on disk. The poller scans again when
+  // a version is due, not only every poll_interval, and Create() waits for the versions it found
+  // settling (at most a minute, or three settle times if longer). Publish() and LoadVersion()
+  // declare a directory complete: no wait. Zero: off.
   absl::Duration settle_time = absl::ZeroDuration();
   // Called after a version starts loading, becomes available, fails to load or is unloaded
   // (health, metrics). The status is the load error for kLoadFailed, OK otherwise. Called without
@@ -124,9 +126,10 @@ class ModelRepository {
 
   // Checks the options, removes crash leftovers (CleanLeftovers), scans `root` and loads every
   // model's newest versions before returning (a version that fails to load is logged, recorded as
-  // kFailed and skipped: the next older version serves instead). Starts polling when
-  // options.poll_interval > 0. Errors: INVALID_ARGUMENT for bad options or a null loader;
-  // NOT_FOUND / FAILED_PRECONDITION when the root is missing, not a directory or unreadable.
+  // kFailed and skipped: the next older version serves instead), waiting first for versions still
+  // being written (RepositoryOptions::settle_time). Starts polling when options.poll_interval > 0.
+  // Errors: INVALID_ARGUMENT for bad options or a null loader; NOT_FOUND / FAILED_PRECONDITION
+  // when the root is missing, not a directory or unreadable.
   static absl::StatusOr<std::unique_ptr<ModelRepository>> Create(RepositoryOptions options,
                                                                  ServableLoader loader);
 
@@ -138,8 +141,9 @@ class ModelRepository {
 
   // One scan of the root: loads new versions the policy wants, installs them atomically, then
   // unloads versions that are surplus or whose directory is gone. A version that failed to load
-  // is retried only once its directory changed (the names, sizes or mtimes of its entries). A
-  // loaded version's files are not watched: publish a new version, or LoadVersion() to reload.
+  // is retried only once its directory changed (the names, sizes, mtimes or ctimes of its entries)
+  // and settled. A loaded version's files are not watched: publish a new version, or
+  // LoadVersion() to reload.
   // Returns an error only if the root cannot be read (nothing is unloaded then).
   absl::Status Poll();
 
@@ -158,7 +162,8 @@ class ModelRepository {
   // away), oldest version first.
   std::map<std::string, std::vector<VersionStatus>> List() const;
 
-  // True when no version is loading: every discovered version is available, failed or unloaded.
+  // True when no version is loading or settling: every discovered version is available, failed
+  // or unloaded.
   bool AllLoaded() const;
 
   // Admin operations. All validate `id` (INVALID_ARGUMENT for a bad model name or version <= 0).
@@ -232,8 +237,10 @@ class ModelRepository {
     std::string failed_fingerprint;      // the fingerprint the last failed load saw
     absl::Time last_change;              // as last scanned
     absl::Time fingerprint_since;        // when this process first saw `fingerprint`
+    bool trust_ctime = false;            // `fingerprint` was first seen by the first scan
     std::string complete_fingerprint;    // declared complete by Publish() or LoadVersion()
     bool settling = false;               // see RepositoryOptions::settle_time
+    absl::Time settle_due;               // when it settles if unchanged (as of the last scan)
     bool on_disk = true;
     bool pinned = false;
     bool disabled = false;
@@ -267,8 +274,12 @@ class ModelRepository {
   // Records what `scan` saw for `models` (new versions, fingerprints, vanished directories).
   void ApplyScanLocked(const DiskScan& scan, const std::set<std::string>& models)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Recomputes every entry's `settling` and next_settle_.
-  void UpdateSettlingLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Recomputes an entry's `settling` and `settle_due` from what its last scan saw; only after a
+  // scan of its model (or a declaration of completeness), so that nothing settles unseen.
+  void RefreshSettlingLocked(Entry* e, absl::Time now) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  void RecomputeNextSettleLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Makes the poller look at NextSettle() again. Call without mu_ held.
+  void WakePoller() ABSL_LOCKS_EXCLUDED(poll_mu_, mu_);
   // Scans `model` and declares version `id` complete (no settling); false if it is not on disk.
   bool DeclareComplete(const ServableId& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(ops_mu_);
   // When the earliest settling version is due to settle (InfiniteFuture if none).
@@ -300,12 +311,14 @@ class ModelRepository {
   mutable absl::Mutex mu_;
   std::map<std::string, ModelEntry, std::less<>> models_ ABSL_GUARDED_BY(mu_);
   absl::Time next_settle_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
+  bool first_scan_done_ ABSL_GUARDED_BY(mu_) = false;
 
   // The poller.
   absl::Mutex poll_mu_;
   // Bumped by StopPolling(); a poller thread exits once it differs from the one it started with.
   int64_t poll_generation_ ABSL_GUARDED_BY(poll_mu_) = 0;
-  absl::CondVar poll_cv_;  // signalled when poll_generation_ changes
+  int64_t poll_wakeups_ ABSL_GUARDED_BY(poll_mu_) = 0;  // bumped by WakePoller()
+  absl::CondVar poll_cv_;  // signalled when poll_generation_ or poll_wakeups_ changes
   std::thread poller_ ABSL_GUARDED_BY(poll_mu_);
 };
 

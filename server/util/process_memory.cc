@@ -6,6 +6,7 @@
 #include <sys/types.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
@@ -90,7 +91,8 @@ absl::Status ParseProcStat(absl::string_view line, int64_t boot_unix_seconds,
   auto field = [&](int number, int64_t* value) -> absl::Status {
     const size_t i = static_cast<size_t>(number - 3);
     if (i >= fields.size() || !absl::SimpleAtoi(fields[i], value)) {
-      return absl::InvalidArgumentError(absl::StrCat("process stat: field ", number, " is missing or not a number"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("process stat: field ", number, " is missing or not a number"));
     }
     return absl::OkStatus();
   };
@@ -102,8 +104,8 @@ absl::Status ParseProcStat(absl::string_view line, int64_t boot_unix_seconds,
   if (ticks_per_second <= 0) return absl::InvalidArgumentError("process stat: no clock tick rate");
   const double tps = static_cast<double>(ticks_per_second);
   out->cpu_seconds = static_cast<double>(utime + stime) / tps;
-  out->start_time =
-      absl::FromUnixSeconds(boot_unix_seconds) + absl::Seconds(static_cast<double>(start_ticks) / tps);
+  out->start_time = absl::FromUnixSeconds(boot_unix_seconds) +
+                    absl::Seconds(static_cast<double>(start_ticks) / tps);
   out->virtual_bytes = vsize;
   out->resident_bytes = rss_pages * page_bytes;
   out->threads = threads;
@@ -130,11 +132,12 @@ absl::StatusOr<ProcessStats> ReadProcessStats() {
     return s;
   }
   std::error_code ec;
+  int64_t entries = 0;
   for (std::filesystem::directory_iterator it("/proc/self/fd", ec), end; !ec && it != end;
        it.increment(ec)) {
-    ++stats.open_fds;
+    ++entries;
   }
-  if (stats.open_fds > 0) --stats.open_fds;  // the listing's own descriptor
+  if (!ec) stats.open_fds = std::max<int64_t>(entries - 1, 0);  // less the listing's own
   rlimit limit{};
   if (::getrlimit(RLIMIT_NOFILE, &limit) == 0) {
     stats.max_fds = limit.rlim_cur == RLIM_INFINITY ? 0 : static_cast<int64_t>(limit.rlim_cur);

@@ -40,12 +40,12 @@ absl::StatusOr<ProcessMemory> ReadProcessMemory(int pid);
 // scrape): from /proc/self/stat, /proc/stat, /proc/self/fd and getrlimit.
 struct ProcessStats {
   double cpu_seconds = 0;  // user + system time
-  absl::Time start_time;   // to the clock tick past the boot time, which /proc/stat gives in seconds
+  absl::Time start_time;   // to the tick past the boot time (which /proc/stat gives in seconds)
   int64_t virtual_bytes = 0;
   int64_t resident_bytes = 0;
   int64_t threads = 0;
-  int64_t open_fds = 0;
-  int64_t max_fds = 0;  // the RLIMIT_NOFILE soft limit
+  int64_t open_fds = -1;  // -1: /proc/self/fd could not be listed
+  int64_t max_fds = 0;    // the RLIMIT_NOFILE soft limit; 0 if unknown or unlimited
 };
 
 // Parses one line of /proc/<pid>/stat into `out`'s CPU, start time, memory and thread figures
@@ -77,10 +77,10 @@ void ReleaseFreedMemory();
 bool BindThreadToRetainingArena();
 // Gives the retaining arena's freed pages back to the system now. No-op without one.
 void PurgeRetainingArena();
-// The bytes of freed pages the retaining arena holds for the next pass (its dirty and muzzy pages:
-// resident, or reused without a fault); 0 before a thread has bound to it. nullopt where jemalloc
-// is not the allocator or its statistics cannot be read. Refreshes jemalloc's statistics
-// (microseconds; for a metrics scrape, not a hot path).
+// The bytes of freed pages the retaining arena keeps for the next pass (jemalloc's dirty and muzzy
+// pages of it); 0 while there is no such arena (none made yet, or jemalloc refused one). nullopt
+// where jemalloc is not the allocator or its statistics cannot be read. Refreshes jemalloc's
+// statistics (microseconds; for a metrics scrape, not a hot path).
 std::optional<size_t> RetainingArenaFreeBytes();
 
 // The allocator in use, for the start-up log: "jemalloc 5.3.0-0-g..." or "glibc malloc 2.36".

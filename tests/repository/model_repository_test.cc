@@ -620,6 +620,25 @@ TEST_F(ModelRepositoryTest, CreateAndThePollerWaitForAVersionToSettle) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// A version that appears while the repository runs is not trusted by its ctimes (a filesystem
+// whose clock is behind this one would make a copy in progress look old): two scans settle_time
+// apart must find it unchanged. What the first scan found may settle by its ctimes.
+TEST_F(ModelRepositoryTest, AVersionThatAppearsLaterMustBeSeenUnchangedForTheSettleTime) {
+  MakeVersion("m", 1);
+  absl::SleepFor(absl::Milliseconds(600));
+  RepositoryOptions o = Options();
+  o.settle_time = absl::Milliseconds(500);
+  Open(o);
+  EXPECT_EQ(Served("m"), 1);  // its ctimes are older than the settle time: loaded by Create()
+  MakeVersion("m", 2);
+  absl::SleepFor(absl::Milliseconds(600));  // its ctimes are as old now
+  ASSERT_TRUE(repo_->Poll().ok());
+  EXPECT_THAT(States()["m"], ElementsAre("1:available", "2:settling"));
+  absl::SleepFor(absl::Milliseconds(600));
+  ASSERT_TRUE(repo_->Poll().ok());
+  EXPECT_EQ(Served("m"), 2);
+}
+
 TEST_F(ModelRepositoryTest, PublishReturnsTheLoadErrorOfABrokenUpload) {
   MakeVersion("m", 1);
   Open();
