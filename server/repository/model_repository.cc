@@ -958,10 +958,15 @@ absl::Status ModelRepository::Publish(const std::string& staging_dir, const Serv
     ::close(fd);
   }
   LOG(INFO) << "model repository: published " << id.DebugString() << " at " << target;
-  DeclareComplete(id);  // it appeared whole: the policy need not wait for it to settle
+  // It appeared whole: the policy need not wait for it to settle. (This scans the model.)
+  const bool scanned = DeclareComplete(id);
   WakePoller();
   if (!load_now) return absl::OkStatus();
-  RescanAndReconcile(id.model);
+  if (scanned) {
+    Reconcile({id.model});
+  } else {  // gone again, or its model directory unreadable: rescan to record what is there
+    RescanAndReconcile(id.model);
+  }
   absl::ReaderMutexLock l(&mu_);
   auto m = models_.find(id.model);
   if (m != models_.end()) {

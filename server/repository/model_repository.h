@@ -280,7 +280,8 @@ class ModelRepository {
   void RecomputeNextSettleLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Makes the poller look at NextSettle() again. Call without mu_ held.
   void WakePoller() ABSL_LOCKS_EXCLUDED(poll_mu_, mu_);
-  // Scans `model` and declares version `id` complete (no settling); false if it is not on disk.
+  // Scans `id.model` (as RescanAndReconcile would, without reconciling) and declares version
+  // `id` complete (no settling); false, with nothing recorded, if it is not on disk.
   bool DeclareComplete(const ServableId& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(ops_mu_);
   // When the earliest settling version is due to settle (InfiniteFuture if none).
   absl::Time NextSettle() const;
