@@ -18,13 +18,12 @@ namespace collabserve::metrics {
 // "invalid_argument", "not_found"). Thread-safe; the series live for the whole process.
 void CountRepositoryLoadFailure(const std::string& model, const std::string& reason);
 
-// Read at each scrape: the standard process_* families of Prometheus client libraries
+// The process-wide families, for Metrics to export next to its own (never null): the load failures
+// above and, read at each scrape, the standard process_* families of Prometheus client libraries
 // (process_cpu_seconds_total, process_start_time_seconds, process_virtual_memory_bytes,
 // process_resident_memory_bytes, process_open_fds, process_max_fds, process_threads; absent where
 // /proc cannot be read), and collabserve_pass_arena_free_bytes (absent without jemalloc): the freed
 // pages forward passes' allocator arena keeps for the next pass (util::RetainingArenaFreeBytes).
-
-// The process-wide families, for Metrics to export next to its own. Never null.
 std::shared_ptr<prometheus::Collectable> ProcessCollectable();
 
 }  // namespace collabserve::metrics

@@ -454,18 +454,26 @@ absl::Time ModelRepository::NextSettle() const {
   return next_settle_;
 }
 
-bool ModelRepository::DeclareComplete(const ServableId& id) {
+absl::Status ModelRepository::DeclareComplete(const ServableId& id) {
   absl::StatusOr<DiskModel> versions = ScanModel(id.model);
-  if (!versions.ok() || !versions->count(id.version)) return false;
-  absl::MutexLock l(&mu_);
-  DiskScan scan;
-  scan.models[id.model] = *std::move(versions);
-  ApplyScanLocked(scan, {id.model});
-  Entry& e = models_[id.model][id.version];
-  e.complete_fingerprint = e.fingerprint;
-  RefreshSettlingLocked(&e, absl::Now());
-  RecomputeNextSettleLocked();
-  return true;
+  if (!versions.ok() && !absl::IsNotFound(versions.status())) return versions.status();
+  if (!versions.ok() || !versions->count(id.version)) {
+    return absl::NotFoundError(absl::StrCat(
+        "version ", id.version, " of model \"", id.model, "\" is not on disk (no directory ",
+        Join(Join(options_.root, id.model), absl::StrCat(id.version)), ")"));
+  }
+  {
+    absl::MutexLock l(&mu_);
+    DiskScan scan;
+    scan.models[id.model] = *std::move(versions);
+    ApplyScanLocked(scan, {id.model});
+    Entry& e = models_[id.model][id.version];
+    e.complete_fingerprint = e.fingerprint;
+    RefreshSettlingLocked(&e, absl::Now());
+    RecomputeNextSettleLocked();
+  }
+  WakePoller();
+  return absl::OkStatus();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -783,27 +791,13 @@ bool ModelRepository::AllLoaded() const {
 absl::Status ModelRepository::LoadVersion(const ServableId& id) {
   RETURN_IF_ERROR(ValidateId(id));
   absl::MutexLock ops(&ops_mu_);
-  absl::StatusOr<DiskModel> versions = ScanModel(id.model);
-  if (!versions.ok() && !absl::IsNotFound(versions.status())) return versions.status();
-  if (!versions.ok() || !versions->count(id.version)) {
-    return absl::NotFoundError(absl::StrCat("version ", id.version, " of model \"", id.model,
-                                            "\" is not on disk (no directory ",
-                                            Join(Join(options_.root, id.model),
-                                                 absl::StrCat(id.version)),
-                                            ")"));
-  }
+  RETURN_IF_ERROR(DeclareComplete(id));  // an admin's explicit load: no settling
   std::vector<Event> events;
   std::vector<LoadJob> jobs;
   {
     absl::MutexLock l(&mu_);
-    DiskScan scan;
-    scan.models[id.model] = *versions;
-    ApplyScanLocked(scan, {id.model});
     Entry& e = models_[id.model][id.version];
     e.disabled = false;
-    e.complete_fingerprint = e.fingerprint;  // an admin's explicit load: no settling
-    RefreshSettlingLocked(&e, absl::Now());
-    RecomputeNextSettleLocked();
     jobs.push_back(LoadJob{id, e.path, e.fingerprint});
     if (e.state != State::kAvailable) {
       e.state = State::kLoading;
@@ -959,8 +953,7 @@ absl::Status ModelRepository::Publish(const std::string& staging_dir, const Serv
   }
   LOG(INFO) << "model repository: published " << id.DebugString() << " at " << target;
   // It appeared whole: the policy need not wait for it to settle. (This scans the model.)
-  const bool scanned = DeclareComplete(id);
-  WakePoller();
+  const bool scanned = DeclareComplete(id).ok();
   if (!load_now) return absl::OkStatus();
   if (scanned) {
     Reconcile({id.model});

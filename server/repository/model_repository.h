@@ -280,9 +280,10 @@ class ModelRepository {
   void RecomputeNextSettleLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Makes the poller look at NextSettle() again. Call without mu_ held.
   void WakePoller() ABSL_LOCKS_EXCLUDED(poll_mu_, mu_);
-  // Scans `id.model` (as RescanAndReconcile would, without reconciling) and declares version
-  // `id` complete (no settling); false, with nothing recorded, if it is not on disk.
-  bool DeclareComplete(const ServableId& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(ops_mu_);
+  // Scans `id.model` (as RescanAndReconcile would, without reconciling), declares version `id`
+  // complete (no settling) and wakes the poller. NOT_FOUND naming the directory if the version
+  // is not on disk, the scan's error if the model cannot be listed; nothing recorded then.
+  absl::Status DeclareComplete(const ServableId& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(ops_mu_);
   // When the earliest settling version is due to settle (InfiniteFuture if none).
   absl::Time NextSettle() const;
   // Scans one model and reconciles it (after an admin change).
