@@ -240,8 +240,8 @@ absl::StatusOr<std::unique_ptr<ModelRepository>> ModelRepository::Create(
   // they keep changing for a minute (or three settle times, if longer).
   const absl::Time give_up =
       absl::Now() + std::max(absl::Minutes(1), 3 * repo->options_.settle_time);
-  for (absl::Time due = repo->NextSettle(); due != absl::InfiniteFuture();
-       due = repo->NextSettle()) {
+  for (absl::Time due = repo->NextWantedSettle(); due != absl::InfiniteFuture();
+       due = repo->NextWantedSettle()) {
     if (absl::Now() >= give_up) {
       LOG(WARNING) << "model repository: versions are still changing on disk; "
                    << (repo->options_.poll_interval > absl::ZeroDuration()
@@ -433,10 +433,17 @@ void ModelRepository::RefreshSettlingLocked(Entry* e, absl::Time now) const {
 }
 
 void ModelRepository::RecomputeNextSettleLocked() {
-  next_settle_ = absl::InfiniteFuture();
+  next_settle_ = next_wanted_settle_ = absl::InfiniteFuture();
   for (const auto& [name, model] : models_) {
+    bool any = false;
     for (const auto& [version, e] : model) {
       if (e.settling) next_settle_ = std::min(next_settle_, e.settle_due);
+      any |= e.settling;
+    }
+    if (!any) continue;
+    for (int64_t version : DesiredLocked(model, /*as_if_settled=*/true)) {
+      const Entry& e = model.at(version);
+      if (e.settling) next_wanted_settle_ = std::min(next_wanted_settle_, e.settle_due);
     }
   }
 }
@@ -452,6 +459,11 @@ void ModelRepository::WakePoller() {
 absl::Time ModelRepository::NextSettle() const {
   absl::ReaderMutexLock l(&mu_);
   return next_settle_;
+}
+
+absl::Time ModelRepository::NextWantedSettle() const {
+  absl::ReaderMutexLock l(&mu_);
+  return next_wanted_settle_;
 }
 
 absl::Status ModelRepository::DeclareComplete(const ServableId& id) {
@@ -479,12 +491,13 @@ absl::Status ModelRepository::DeclareComplete(const ServableId& id) {
 // ---------------------------------------------------------------------------------------------
 // Loading and the policy.
 
-std::set<int64_t> ModelRepository::DesiredLocked(const ModelEntry& model) const {
+std::set<int64_t> ModelRepository::DesiredLocked(const ModelEntry& model,
+                                                 bool as_if_settled) const {
   std::set<int64_t> desired;
   int newest = 0;
   for (auto it = model.rbegin(); it != model.rend(); ++it) {
     const Entry& e = it->second;
-    if (!e.on_disk || e.disabled || e.settling) continue;
+    if (!e.on_disk || e.disabled || (e.settling && !as_if_settled)) continue;
     if (e.pinned) desired.insert(it->first);
     const bool failed_unchanged =
         e.state == State::kFailed && e.failed_fingerprint == e.fingerprint;
@@ -673,7 +686,7 @@ absl::Status ModelRepository::Poll() {
     {
       // Nothing settles unseen: the next scan is the interval's.
       absl::MutexLock l(&mu_);
-      next_settle_ = absl::InfiniteFuture();
+      next_settle_ = next_wanted_settle_ = absl::InfiniteFuture();
     }
     return scan.status();
   }

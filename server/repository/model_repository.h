@@ -85,7 +85,7 @@ struct RepositoryOptions {
   // found by the first scan also settles once its newest ctime (its own or any entry's) is this
   // old, so that a start does not wait for what was already on disk. The poller scans again when
   // a version is due, not only every poll_interval, and Create() waits for the versions it found
-  // settling (at most a minute, or three settle times if longer). Publish() and LoadVersion()
+  // settling that the policy would load (at most a minute, or three settle times if longer). Publish() and LoadVersion()
   // declare a directory complete: no wait. Zero: off.
   absl::Duration settle_time = absl::ZeroDuration();
   // Called after a version starts loading, becomes available, fails to load or is unloaded
@@ -286,12 +286,17 @@ class ModelRepository {
   absl::Status DeclareComplete(const ServableId& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(ops_mu_);
   // When the earliest settling version is due to settle (InfiniteFuture if none).
   absl::Time NextSettle() const;
+  // The same, counting only the versions the policy would load once settled (what Create()
+  // waits for: an old version being changed beside a newer one it would not load is not).
+  absl::Time NextWantedSettle() const;
   // Scans one model and reconciles it (after an admin change).
   void RescanAndReconcile(const std::string& model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(ops_mu_);
   // Loads what the policy wants for `models`, installs it, then unloads what it no longer wants.
   void Reconcile(const std::set<std::string>& models) ABSL_EXCLUSIVE_LOCKS_REQUIRED(ops_mu_);
-  // The versions of `model` that should be served.
-  std::set<int64_t> DesiredLocked(const ModelEntry& model) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // The versions of `model` that should be served; with `as_if_settled`, those that would be
+  // if every settling version had settled.
+  std::set<int64_t> DesiredLocked(const ModelEntry& model, bool as_if_settled = false) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void InstallLocked(std::vector<LoadResult>* results, std::vector<Event>* events,
                      std::vector<std::shared_ptr<Servable>>* garbage)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -313,6 +318,7 @@ class ModelRepository {
   mutable absl::Mutex mu_;
   std::map<std::string, ModelEntry, std::less<>> models_ ABSL_GUARDED_BY(mu_);
   absl::Time next_settle_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
+  absl::Time next_wanted_settle_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
   bool first_scan_done_ ABSL_GUARDED_BY(mu_) = false;
 
   // The poller.

@@ -620,6 +620,27 @@ TEST_F(ModelRepositoryTest, CreateAndThePollerWaitForAVersionToSettle) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// Create() waits only for settling versions the policy would load: an old version being changed
+// beside a newer one does not hold up a start, a newer one being written does.
+TEST_F(ModelRepositoryTest, CreateWaitsOnlyForSettlingVersionsThePolicyWouldLoad) {
+  MakeVersion("m", 2);
+  MakeVersion("n", 1);
+  RepositoryOptions o = Options();
+  o.settle_time = absl::Seconds(3);
+  absl::SleepFor(o.settle_time + absl::Milliseconds(300));  // settled by their ctimes
+  MakeVersion("m", 1);
+  Open(o);
+  // Without a poller nothing is rescanned after Create(): had it waited, m:1 would have settled.
+  EXPECT_THAT(States()["m"], ElementsAre("1:settling", "2:available"));
+  EXPECT_EQ(Served("n"), 1);
+
+  repo_.reset();
+  MakeVersion("n", 2);
+  Open(o);
+  EXPECT_EQ(Served("n"), 2);
+  EXPECT_EQ(loader_.loads("n", 2), 1);
+}
+
 // A version that appears while the repository runs is not trusted by its ctimes (a filesystem
 // whose clock is behind this one would make a copy in progress look old): two scans settle_time
 // apart must find it unchanged. What the first scan found may settle by its ctimes.
