@@ -42,7 +42,6 @@ const subst = (e) => e.replace(/\$__rate_interval|\$__interval|\$__range/g, '5m'
 fs.writeFileSync(rulesFile, YAML.stringify({ groups: [{ name: 'dashboard', rules: exprs.map((e, i) => ({ record: `dashboard:query_${i}`, expr: subst(e.expr) })) }] }));
 const r = run(promtool(), ['check', 'rules', rulesFile]);
 check(r.status === 0, `a dashboard query is not valid PromQL:\n${r.stdout}${r.stderr}`);
-fs.rmSync(dir, { recursive: true, force: true });
 
 // Provisioning for docker-compose.
 const ds = YAML.parse(fs.readFileSync(path.join(ROOT, 'deploy/grafana/provisioning/datasources/prometheus.yml'), 'utf8'));

@@ -145,5 +145,4 @@ for (const row of valuesDoc(path.join(chart, 'values.yaml'))) {
   check(isUsed, `values.yaml: ${row.key} is used by no template`);
 }
 check(fs.existsSync(path.join(tdir, 'NOTES.txt')) && fs.existsSync(path.join(tdir, '_helpers.tpl')), 'templates/NOTES.txt and _helpers.tpl exist');
-fs.rmSync(home, { recursive: true, force: true });
 finish('deploy_helm');

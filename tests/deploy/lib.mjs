@@ -62,7 +62,17 @@ export function k8sTools() {
   return tools;
 }
 
-export function tmpdir(prefix) { return fs.mkdtempSync(path.join(os.tmpdir(), `collabserve-${prefix}-`)); }
+// A private temporary folder, removed when the process exits, whether the test passes, fails
+// (fatal, process.exit) or throws.
+const tmpdirs = [];
+process.on('exit', () => {
+  for (const d of tmpdirs) fs.rmSync(d, { recursive: true, force: true });
+});
+export function tmpdir(prefix) {
+  const d = fs.mkdtempSync(path.join(os.tmpdir(), `collabserve-${prefix}-`));
+  tmpdirs.push(d);
+  return d;
+}
 
 export function parseDocs(text, where) {
   const docs = [];

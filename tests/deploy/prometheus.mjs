@@ -44,5 +44,4 @@ const badRun = run('bash', [script, `file://${bad}`]);
 check(badRun.status !== 0 && badRun.stderr.includes('_total'), `check-metrics.sh rejects a counter without _total, naming it:\n${badRun.stderr}`);
 const noRun = run('bash', [script, `file://${dir}/missing.prom`]);
 check(noRun.status !== 0 && noRun.stderr.includes('cannot fetch'), 'check-metrics.sh reports an unreachable URL');
-fs.rmSync(dir, { recursive: true, force: true });
 finish('deploy_prometheus');
