@@ -433,17 +433,10 @@ void ModelRepository::RefreshSettlingLocked(Entry* e, absl::Time now) const {
 }
 
 void ModelRepository::RecomputeNextSettleLocked() {
-  next_settle_ = next_wanted_settle_ = absl::InfiniteFuture();
+  next_settle_ = absl::InfiniteFuture();
   for (const auto& [name, model] : models_) {
-    bool any = false;
     for (const auto& [version, e] : model) {
       if (e.settling) next_settle_ = std::min(next_settle_, e.settle_due);
-      any |= e.settling;
-    }
-    if (!any) continue;
-    for (int64_t version : DesiredLocked(model, /*as_if_settled=*/true)) {
-      const Entry& e = model.at(version);
-      if (e.settling) next_wanted_settle_ = std::min(next_wanted_settle_, e.settle_due);
     }
   }
 }
@@ -462,8 +455,18 @@ absl::Time ModelRepository::NextSettle() const {
 }
 
 absl::Time ModelRepository::NextWantedSettle() const {
+  // Computed now, not at the last scan: a load failure since may have made an older, settling
+  // version the policy's choice.
   absl::ReaderMutexLock l(&mu_);
-  return next_wanted_settle_;
+  absl::Time due = absl::InfiniteFuture();
+  if (next_settle_ == absl::InfiniteFuture()) return due;
+  for (const auto& [name, model] : models_) {
+    for (int64_t version : DesiredLocked(model, /*as_if_settled=*/true)) {
+      const Entry& e = model.at(version);
+      if (e.settling) due = std::min(due, e.settle_due);
+    }
+  }
+  return due;
 }
 
 absl::Status ModelRepository::DeclareComplete(const ServableId& id) {
@@ -686,7 +689,7 @@ absl::Status ModelRepository::Poll() {
     {
       // Nothing settles unseen: the next scan is the interval's.
       absl::MutexLock l(&mu_);
-      next_settle_ = next_wanted_settle_ = absl::InfiniteFuture();
+      next_settle_ = absl::InfiniteFuture();
     }
     return scan.status();
   }

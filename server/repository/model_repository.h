@@ -318,7 +318,6 @@ class ModelRepository {
   mutable absl::Mutex mu_;
   std::map<std::string, ModelEntry, std::less<>> models_ ABSL_GUARDED_BY(mu_);
   absl::Time next_settle_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
-  absl::Time next_wanted_settle_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
   bool first_scan_done_ ABSL_GUARDED_BY(mu_) = false;
 
   // The poller.

@@ -625,6 +625,7 @@ TEST_F(ModelRepositoryTest, CreateAndThePollerWaitForAVersionToSettle) {
 TEST_F(ModelRepositoryTest, CreateWaitsOnlyForSettlingVersionsThePolicyWouldLoad) {
   MakeVersion("m", 2);
   MakeVersion("n", 1);
+  MakeVersion("f", 2, /*broken=*/true);
   RepositoryOptions o = Options();
   o.settle_time = absl::Seconds(3);
   absl::SleepFor(o.settle_time + absl::Milliseconds(300));  // settled by their ctimes
@@ -639,6 +640,12 @@ TEST_F(ModelRepositoryTest, CreateWaitsOnlyForSettlingVersionsThePolicyWouldLoad
   Open(o);
   EXPECT_EQ(Served("n"), 2);
   EXPECT_EQ(loader_.loads("n", 2), 1);
+
+  // A failed load can make a settling version the policy's choice while Create() runs.
+  repo_.reset();
+  MakeVersion("f", 1);  // f:2 fails to load
+  Open(o);
+  EXPECT_EQ(Served("f"), 1);
 }
 
 // A version that appears while the repository runs is not trusted by its ctimes (a filesystem
