@@ -47,10 +47,11 @@ class ProcessCollectableImpl : public prometheus::Collectable {
       families.push_back(OneValue("process_cpu_seconds_total",
                                   "Total user and system CPU time spent in seconds.",
                                   MetricType::Counter, p->cpu_seconds));
-      families.push_back(OneValue("process_start_time_seconds",
-                                  "Start time of the process since unix epoch in seconds.",
-                                  MetricType::Gauge,
-                                  static_cast<double>(absl::ToUnixMicros(p->start_time)) / 1e6));
+      if (p->start_time) {
+        families.push_back(OneValue(
+            "process_start_time_seconds", "Start time of the process since unix epoch in seconds.",
+            MetricType::Gauge, static_cast<double>(absl::ToUnixMicros(*p->start_time)) / 1e6));
+      }
       families.push_back(OneValue("process_virtual_memory_bytes",
                                   "Virtual memory size in bytes.", MetricType::Gauge,
                                   static_cast<double>(p->virtual_bytes)));

@@ -106,12 +106,13 @@ DirState ScanDir(const std::string& dir) {
 }
 
 // When this process started (from /proc), minus a margin for the one-second resolution of the
-// boot time; the time of the first call if /proc cannot be read.
+// boot time; the time of the first call if /proc does not say.
 absl::Time ProcessStartTime() {
   static const absl::Time start = [] {
     const absl::Time now = absl::Now();
     absl::StatusOr<util::ProcessStats> stats = util::ReadProcessStats();
-    return stats.ok() ? std::min(stats->start_time - absl::Seconds(2), now) : now;
+    return stats.ok() && stats->start_time ? std::min(*stats->start_time - absl::Seconds(2), now)
+                                           : now;
   }();
   return start;
 }

@@ -104,27 +104,43 @@ absl::Status ParseProcStat(absl::string_view line, int64_t boot_unix_seconds,
   if (ticks_per_second <= 0) return absl::InvalidArgumentError("process stat: no clock tick rate");
   const double tps = static_cast<double>(ticks_per_second);
   out->cpu_seconds = static_cast<double>(utime + stime) / tps;
-  out->start_time = absl::FromUnixSeconds(boot_unix_seconds) +
-                    absl::Seconds(static_cast<double>(start_ticks) / tps);
+  out->start_time.reset();
+  if (boot_unix_seconds >= 0) {
+    out->start_time = absl::FromUnixSeconds(boot_unix_seconds) +
+                      absl::Seconds(static_cast<double>(start_ticks) / tps);
+  }
   out->virtual_bytes = vsize;
   out->resident_bytes = rss_pages * page_bytes;
   out->threads = threads;
   return absl::OkStatus();
 }
 
+namespace {
+
+// The boot time in Unix seconds from /proc/stat's btime line, -1 if unknown. Read once: the file
+// is large on hosts with many CPUs, and the value only moves when the clock is stepped.
+int64_t BootUnixSeconds() {
+  static const int64_t boot = [] {
+    absl::StatusOr<std::string> system = ReadProcFile("/proc/stat");
+    if (!system.ok()) return int64_t{-1};
+    for (absl::string_view line : absl::StrSplit(*system, '\n')) {
+      int64_t value = -1;
+      if (absl::ConsumePrefix(&line, "btime ") &&
+          absl::SimpleAtoi(absl::StripAsciiWhitespace(line), &value) && value >= 0) {
+        return value;
+      }
+    }
+    return int64_t{-1};
+  }();
+  return boot;
+}
+
+}  // namespace
+
 absl::StatusOr<ProcessStats> ReadProcessStats() {
   absl::StatusOr<std::string> stat = ReadProcFile("/proc/self/stat");
   if (!stat.ok()) return stat.status();
-  absl::StatusOr<std::string> system = ReadProcFile("/proc/stat");
-  if (!system.ok()) return system.status();
-  int64_t boot = -1;
-  for (absl::string_view line : absl::StrSplit(*system, '\n')) {
-    if (absl::ConsumePrefix(&line, "btime ") &&
-        !absl::SimpleAtoi(absl::StripAsciiWhitespace(line), &boot)) {
-      boot = -1;
-    }
-  }
-  if (boot < 0) return absl::UnavailableError("/proc/stat has no btime line");
+  const int64_t boot = BootUnixSeconds();
   ProcessStats stats;
   if (absl::Status s = ParseProcStat(*stat, boot, ::sysconf(_SC_CLK_TCK), ::sysconf(_SC_PAGESIZE),
                                      &stats);

@@ -40,7 +40,9 @@ absl::StatusOr<ProcessMemory> ReadProcessMemory(int pid);
 // scrape): from /proc/self/stat, /proc/stat, /proc/self/fd and getrlimit.
 struct ProcessStats {
   double cpu_seconds = 0;  // user + system time
-  absl::Time start_time;   // to the tick past the boot time (which /proc/stat gives in seconds)
+  // To the tick past the boot time (which /proc/stat gives in seconds); absent if the boot time
+  // is unknown.
+  std::optional<absl::Time> start_time;
   int64_t virtual_bytes = 0;
   int64_t resident_bytes = 0;
   int64_t threads = 0;
@@ -49,10 +51,13 @@ struct ProcessStats {
 };
 
 // Parses one line of /proc/<pid>/stat into `out`'s CPU, start time, memory and thread figures
-// (fds are left alone). INVALID_ARGUMENT names what is malformed.
+// (fds are left alone; no start time if `boot_unix_seconds` < 0). INVALID_ARGUMENT names what is
+// malformed.
 absl::Status ParseProcStat(absl::string_view line, int64_t boot_unix_seconds,
                            int64_t ticks_per_second, int64_t page_bytes, ProcessStats* out);
-// This process's figures; UNAVAILABLE where /proc cannot be read (not Linux).
+// This process's figures; UNAVAILABLE where /proc/self/stat cannot be read (not Linux). The boot
+// time is read from /proc/stat once per process (a later clock step does not move the start
+// time); without it (procfs mounted subset=pid) only the start time is missing.
 absl::StatusOr<ProcessStats> ReadProcessStats();
 
 // Gives the allocator's freed-but-kept memory back to the system: jemalloc (when it is the process's

@@ -87,6 +87,12 @@ TEST(ParseProcStat, ReadsCpuStartMemoryAndThreads) {
   EXPECT_EQ(s.virtual_bytes, 104857600);
   EXPECT_EQ(s.resident_bytes, 2560 * 4096);
   EXPECT_EQ(s.threads, 7);
+  // Without a boot time, everything but the start time.
+  ProcessStats no_boot;
+  ASSERT_TRUE(ParseProcStat(line, -1, 100, 4096, &no_boot).ok());
+  EXPECT_FALSE(no_boot.start_time.has_value());
+  EXPECT_DOUBLE_EQ(no_boot.cpu_seconds, 3.0);
+  EXPECT_EQ(no_boot.resident_bytes, 2560 * 4096);
   EXPECT_THAT(ParseProcStat("4242 (x) S 1 2", 0, 100, 4096, &s).message(),
               HasSubstr("field 14 is missing"));
   EXPECT_THAT(ParseProcStat("no parenthesis", 0, 100, 4096, &s).message(), HasSubstr("')'"));
@@ -101,8 +107,12 @@ TEST(ReadProcessStats, SeesThisProcess) {
   EXPECT_GE(s->open_fds, 3);  // stdin, stdout, stderr
   EXPECT_GE(s->max_fds, s->open_fds);
   EXPECT_GE(s->cpu_seconds, 0);
-  EXPECT_LE(s->start_time, absl::Now());
-  EXPECT_GT(s->start_time, absl::Now() - absl::Hours(1));
+  ASSERT_TRUE(s->start_time.has_value());
+  EXPECT_LE(*s->start_time, absl::Now());
+  EXPECT_GT(*s->start_time, absl::Now() - absl::Hours(1));
+  absl::StatusOr<ProcessStats> again = ReadProcessStats();
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->start_time, s->start_time);
 }
 
 TEST(AllocatorNameTest, NamesTheAllocatorOfThisProcess) {
