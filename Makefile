@@ -18,7 +18,8 @@ export CCACHE_SLOPPINESS := pch_defines,time_macros,include_file_mtime,include_f
 # always hit). Debug info then names the directory the object was first compiled in.
 export CCACHE_NOHASHDIR := 1
 
-.PHONY: all deps configure build test test-all test-asan test-tsan run bench soak clean fuzz demo-model
+.PHONY: all deps configure build test test-all test-asan test-tsan run bench soak clean fuzz demo-model \
+        check-libtorch2
 
 all: build
 
@@ -50,6 +51,11 @@ test-asan: deps
 
 test-tsan: deps
 	JOBS=$(JOBS) scripts/sanitizer-tests.sh tsan
+
+# Compiles the LibTorch code against LibTorch 2.x headers (Debian trixie's libtorch-dev, fetched
+# once into $(BUILD_DIR)/libtorch2), as the CUDA image will build it; CI runs it on server/ and tests/.
+check-libtorch2: configure
+	JOBS=$(JOBS) scripts/check-libtorch2.sh $(BUILD_DIR)
 
 run: build
 	scripts/run-demo.sh $(BUILD_DIR) $(PORT) $(METRICS_PORT) $(ARGS)

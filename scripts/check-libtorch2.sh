@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# Compiles collabserve's LibTorch code against LibTorch 2.x headers, without a GPU or a LibTorch 2.x
+# install: every translation unit of BUILD_DIR that includes LibTorch is compiled with
+# -fsyntax-only (its own flags, -Wall -Wextra included) with the 2.x headers ahead of the system's
+# 1.13 ones. The CUDA image and scripts/gpu-check.sh build against the official LibTorch 2.x; this
+# catches an API that 2.x removed or changed before a GPU machine's minutes are spent on it. The
+# CUDA code goes through torch::cuda's run-time dispatch, so CPU headers cover it.
+#
+#   scripts/check-libtorch2.sh [BUILD_DIR=build] [PATH...]
+#     PATH: only sources under these paths of the repository (e.g. `server`); default all.
+#   Environment:
+#     LIBTORCH2_INCLUDE  a LibTorch 2.x `include` directory to check against (an official LibTorch
+#                        zip's libtorch/include); default: Debian's libtorch-dev of LIBTORCH2_SUITE,
+#                        downloaded once into BUILD_DIR/libtorch2 (a private apt lists directory:
+#                        the system's apt state is not touched; nothing is installed)
+#     LIBTORCH2_SUITE    Debian suite to take libtorch-dev from (trixie: LibTorch 2.6)
+#     JOBS               parallel compilations (nproc)
+# Exit status 1 if a translation unit does not compile; its first errors are printed.
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+BUILD_DIR=$(cd "${1:-build}" && pwd)
+shift || true
+SUITE=${LIBTORCH2_SUITE:-trixie}
+JOBS=${JOBS:-$(nproc)}
+
+[[ -f $BUILD_DIR/CMakeCache.txt ]] || { echo "check-libtorch2: $BUILD_DIR is not a configured build (make configure)" >&2; exit 2; }
+
+include=${LIBTORCH2_INCLUDE:-}
+if [[ -z $include ]]; then
+  cache=$BUILD_DIR/libtorch2
+  include=$cache/include
+  if [[ ! -f $include/torch/csrc/api/include/torch/version.h ]]; then
+    echo "check-libtorch2: fetching libtorch-dev from Debian $SUITE into $cache"
+    rm -rf "$cache" && mkdir -p "$cache/lists/partial" "$cache/archives/partial"
+    echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian $SUITE main" \
+      > "$cache/sources.list"
+    apt_opts=(-o Dir::Etc::SourceList="$cache/sources.list" -o Dir::Etc::SourceParts=/dev/null
+              -o Dir::State::Lists="$cache/lists" -o Dir::Cache="$cache" -o Acquire::Languages=none
+              -o Debug::NoLocking=1)
+    if ! apt-get "${apt_opts[@]}" update > "$cache/apt.log" 2>&1; then
+      cat "$cache/apt.log" >&2; echo "check-libtorch2: apt-get update for $SUITE failed" >&2; exit 2
+    fi
+    if ! (cd "$cache" && apt-get "${apt_opts[@]}" download libtorch-dev >> "$cache/apt.log" 2>&1); then
+      cat "$cache/apt.log" >&2; echo "check-libtorch2: cannot download libtorch-dev from $SUITE" >&2; exit 2
+    fi
+    dpkg-deb -x "$cache"/libtorch-dev_*.deb "$cache/root"
+    mv "$cache/root/usr/include" "$include"
+    rm -rf "$cache/root" "$cache"/libtorch-dev_*.deb "$cache/lists"
+  fi
+fi
+api=$include/torch/csrc/api/include
+[[ -f $api/torch/version.h ]] || { echo "check-libtorch2: $api/torch/version.h is missing: not a LibTorch include directory" >&2; exit 2; }
+version=$(sed -n 's/^ *"\([0-9][0-9.]*\)".*/\1/p' "$api/torch/version.h" | head -1)
+
+# The build's own compile commands (CMakeLists.txt exports them).
+[[ -f $BUILD_DIR/compile_commands.json ]] || cmake -DCMAKE_EXPORT_COMPILE_COMMANDS=ON "$BUILD_DIR" > /dev/null
+
+work=$(mktemp -d "${TMPDIR:-/tmp}/collabserve-libtorch2-XXXXXX")
+trap 'rm -rf "$work"' EXIT
+/usr/bin/python3 - "$BUILD_DIR" "$ROOT" "$include" "$api" "$work" "$@" <<'EOF'
+import json, os, shlex, sys
+build, root, include, api, work, *paths = sys.argv[1:]
+commands = os.path.join(build, 'compile_commands.json')
+paths = [os.path.join(root, p.rstrip('/')) for p in paths]
+n = 0
+with open(os.path.join(work, 'jobs'), 'w') as jobs:
+    for e in json.load(open(commands)):
+        args = e.get('arguments') or shlex.split(e['command'])
+        if not any('torch/csrc/api/include' in a for a in args):
+            continue  # no LibTorch in this target
+        src = os.path.realpath(os.path.join(e['directory'], e['file']))
+        if not src.startswith(root + os.sep) or src.startswith(os.path.realpath(build) + os.sep):
+            continue  # generated sources (embedded data) of the build tree
+        if paths and not any(src == p or src.startswith(p + os.sep) for p in paths):
+            continue
+        out, skip = [], False
+        for a in args:
+            if skip:
+                skip = False
+            elif a == '-o':
+                skip = True
+            else:
+                out.append(a)
+        out[1:1] = ['-fsyntax-only', '-isystem', api, '-isystem', include]
+        rel = os.path.relpath(src, root)
+        log = os.path.join(work, rel.replace('/', '_') + '.log')
+        line = f"cd {shlex.quote(e['directory'])} && {shlex.join(out)} > {shlex.quote(log)} 2>&1 || echo {shlex.quote(rel)}"
+        jobs.write(line.replace('\0', '') + '\0')
+        n += 1
+print(n, file=open(os.path.join(work, 'count'), 'w'))
+EOF
+count=$(cat "$work/count")
+((count > 0)) || { echo "check-libtorch2: no LibTorch translation unit under ${*:-the repository}" >&2; exit 2; }
+echo "check-libtorch2: compiling $count translation units against LibTorch $version ($include), $JOBS at a time"
+start=$SECONDS
+xargs -0 -P "$JOBS" -n 1 bash -c < "$work/jobs" > "$work/failed" || true
+if [[ -s $work/failed ]]; then
+  while read -r rel; do
+    echo "---- $rel does not compile against LibTorch $version:"
+    head -30 "$work/$(echo "$rel" | tr / _).log"
+  done < "$work/failed"
+  echo "check-libtorch2: $(wc -l < "$work/failed") of $count translation units fail against LibTorch $version" >&2
+  exit 1
+fi
+warned=$( (grep -l "warning:" "$work"/*.log 2>/dev/null || true) | wc -l)
+echo "check-libtorch2: all $count compile against LibTorch $version ($((SECONDS - start)) s; $warned with warnings)"
+if ((warned > 0)); then grep -h -m 3 "warning:" "$work"/*.log | head -20; fi
