@@ -4,7 +4,10 @@
 #include <utility>
 #include <vector>
 
+#include "absl/base/attributes.h"
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "prometheus/client_metric.h"
 #include "prometheus/collectable.h"
@@ -32,6 +35,16 @@ prometheus::MetricFamily OneValue(const char* name, const char* help, prometheus
   f.metric.push_back(std::move(m));
   return f;
 }
+
+prometheus::ClientMetric Labelled(const char* label, const char* value, double gauge) {
+  prometheus::ClientMetric m;
+  m.label.push_back({label, value});
+  m.gauge.value = gauge;
+  return m;
+}
+
+ABSL_CONST_INIT absl::Mutex arena_source_mu(absl::kConstInit);
+std::function<int64_t()>* arena_source ABSL_GUARDED_BY(arena_source_mu) = nullptr;
 
 // The registry's families, and what is read from /proc and the allocator at each scrape.
 class ProcessCollectableImpl : public prometheus::Collectable {
@@ -70,13 +83,23 @@ class ProcessCollectableImpl : public prometheus::Collectable {
       families.push_back(OneValue("process_threads", "Number of OS threads in the process.",
                                   MetricType::Gauge, static_cast<double>(p->threads)));
     }
-    if (std::optional<size_t> bytes = util::RetainingArenaFreeBytes()) {
-      families.push_back(OneValue(
-          "collabserve_pass_arena_free_bytes",
-          "Freed memory that forward passes' allocator arena keeps resident for the next pass "
-          "(given back after 10 s without a pass).",
-          MetricType::Gauge, static_cast<double>(*bytes)));
+    prometheus::MetricFamily kept;
+    kept.name = "collabserve_pass_memory_kept_bytes";
+    kept.help =
+        "Memory forward passes keep resident for the next pass, given back after 10 s without "
+        "one: part=arena the pass arena's buffers (in use during a team pass), part=allocator "
+        "the freed pages of the allocator's retaining arena.";
+    kept.type = MetricType::Gauge;
+    {
+      absl::MutexLock l(&arena_source_mu);
+      if (arena_source != nullptr) {
+        kept.metric.push_back(Labelled("part", "arena", static_cast<double>((*arena_source)())));
+      }
     }
+    if (std::optional<size_t> bytes = util::RetainingArenaFreeBytes()) {
+      kept.metric.push_back(Labelled("part", "allocator", static_cast<double>(*bytes)));
+    }
+    if (!kept.metric.empty()) families.push_back(std::move(kept));
     return families;
   }
 
@@ -109,5 +132,12 @@ void CountRepositoryLoadFailure(const std::string& model, const std::string& rea
 }
 
 std::shared_ptr<prometheus::Collectable> ProcessCollectable() { return Families().collectable; }
+
+void SetPassArenaBytesSource(std::function<int64_t()> source) {
+  auto* next = source ? new std::function<int64_t()>(std::move(source)) : nullptr;
+  absl::MutexLock l(&arena_source_mu);
+  delete arena_source;
+  arena_source = next;
+}
 
 }  // namespace collabserve::metrics

@@ -3,6 +3,8 @@
 #ifndef COLLABSERVE_SERVER_METRICS_PROCESS_METRICS_H_
 #define COLLABSERVE_SERVER_METRICS_PROCESS_METRICS_H_
 
+#include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -22,9 +24,16 @@ void CountRepositoryLoadFailure(const std::string& model, const std::string& rea
 // above and, read at each scrape, the standard process_* families of Prometheus client libraries
 // (process_cpu_seconds_total, process_start_time_seconds, process_virtual_memory_bytes,
 // process_resident_memory_bytes, process_open_fds, process_max_fds, process_threads; absent where
-// /proc cannot be read), and collabserve_pass_arena_free_bytes (absent without jemalloc): the freed
-// pages forward passes' allocator arena keeps for the next pass (util::RetainingArenaFreeBytes).
+// /proc cannot be read), and collabserve_pass_memory_kept_bytes{part}: the memory forward passes
+// keep resident for the next pass, given back after 10 s without one: part="arena" the pass arena's
+// pages (the team passes' buffers, in use during a team pass; once a source is set below),
+// part="allocator" the freed pages of the allocator's retaining arena (util::RetainingArenaFreeBytes;
+// absent without jemalloc).
 std::shared_ptr<prometheus::Collectable> ProcessCollectable();
+
+// Sets what part="arena" reads at each scrape (the service sets model::PassArenaResidentBytes; this
+// library does not link the model). Thread-safe; a later call replaces the source.
+void SetPassArenaBytesSource(std::function<int64_t()> source);
 
 }  // namespace collabserve::metrics
 

@@ -223,4 +223,6 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Load(const std::string& dir,
       std::make_unique<TorchEngine>(std::move(model), std::move(tokenizer), std::move(info)));
 }
 
+int64_t PassArenaResidentBytes() { return PassArena::Shared().resident_bytes(); }
+
 }  // namespace collabserve::model

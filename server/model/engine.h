@@ -105,6 +105,10 @@ class Engine {
   absl::StatusOr<std::vector<Prediction>> Run(const std::vector<TokenizedInput>& batch) const;
 };
 
+// Bytes of the process-wide pass arena (pass_arena.h: the buffers of team passes, kept between
+// passes) resident now; 0 before the first team pass and after an idle release. Thread-safe.
+int64_t PassArenaResidentBytes();
+
 }  // namespace collabserve::model
 
 #endif  // COLLABSERVE_SERVER_MODEL_ENGINE_H_

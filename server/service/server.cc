@@ -15,6 +15,8 @@
 #include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
 #include "grpcpp/support/server_interceptor.h"
+#include "server/metrics/process_metrics.h"
+#include "server/model/engine.h"
 #include "server/service/servable_reaper.h"
 #include "server/util/files.h"
 #include "server/util/status_macros.h"
@@ -289,7 +291,9 @@ Server::Server(ServerOptions options)
       metrics_(std::make_unique<metrics::Metrics>(options_.build_version, options_.torch_version)),
       inference_(std::make_unique<InferenceService>(options_.inference, metrics_.get())),
       reaper_(std::make_shared<ServableReaper>()),
-      idle_watchdog_(std::make_unique<StreamIdleWatchdog>(IdleLimits(options_))) {}
+      idle_watchdog_(std::make_unique<StreamIdleWatchdog>(IdleLimits(options_))) {
+  metrics::SetPassArenaBytesSource(&model::PassArenaResidentBytes);
+}
 
 Server::~Server() { Shutdown(); }
 

@@ -1,11 +1,13 @@
 #include "server/metrics/metrics.h"
 
+#include <cstdint>
 #include <string>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
+#include "server/metrics/process_metrics.h"
 
 namespace collabserve::metrics {
 namespace {
@@ -57,8 +59,20 @@ TEST(MetricsTest, ExportsTheStandardProcessFamilies) {
     EXPECT_THAT(text, Not(HasSubstr(std::string("\n") + name + " 0\n"))) << name;
   }
   EXPECT_THAT(text, HasSubstr("# TYPE process_cpu_seconds_total counter"));
-  // The test links glibc's malloc: no pass arena, so no gauge for it.
-  EXPECT_THAT(text, Not(HasSubstr("collabserve_pass_arena_free_bytes")));
+  // The test links glibc's malloc (no retaining arena) and no pass arena source is set: no series.
+  EXPECT_THAT(text, Not(HasSubstr("collabserve_pass_memory_kept_bytes")));
+}
+
+// The pass arena's series reads its source at each scrape (the server sets the model's).
+TEST(MetricsTest, ExportsWhatThePassArenaKeepsOnceASourceIsSet) {
+  Metrics m("0.1.0", "1.13.1");
+  int64_t bytes = 4096;
+  SetPassArenaBytesSource([&bytes] { return bytes; });
+  EXPECT_THAT(m.TextFormat(), HasSubstr("\ncollabserve_pass_memory_kept_bytes{part=\"arena\"} 4096\n"));
+  bytes = 0;
+  EXPECT_THAT(m.TextFormat(), HasSubstr("\ncollabserve_pass_memory_kept_bytes{part=\"arena\"} 0\n"));
+  SetPassArenaBytesSource(nullptr);
+  EXPECT_THAT(m.TextFormat(), Not(HasSubstr("collabserve_pass_memory_kept_bytes")));
 }
 
 TEST(MetricsTest, RemoveVersionDropsOnlyThatVersionsSeries) {

@@ -543,6 +543,8 @@ TEST_F(ServerTest, MetricsPageParsesAndPassesPromtool) {
   EXPECT_EQ(m["collabserve_model_compression_ratio{model=\"tiny\",version=\"1\"}"], 1);
   EXPECT_GT(m["collabserve_model_load_seconds{model=\"tiny\",version=\"1\"}"], 0);
   EXPECT_EQ(m["collabserve_build_info{torch_version=\"test\",version=\"0.1.0\"}"], 1);
+  EXPECT_EQ(m.count("collabserve_pass_memory_kept_bytes{part=\"arena\"}"), 1u);  // the server's source
+  EXPECT_GE(m["collabserve_pass_memory_kept_bytes{part=\"arena\"}"], 0);
 
   // promtool's linter is the reference for the exposition format. The deploy scripts install it.
   TempDir dir;

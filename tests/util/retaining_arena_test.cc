@@ -67,13 +67,16 @@ void OnNewThread(F f) {
   t.join();
 }
 
-// collabserve_pass_arena_free_bytes as /metrics would show it; -1 if absent. Without the metrics
-// library, RetainingArenaFreeBytes (what the gauge exports).
+// collabserve_pass_memory_kept_bytes{part="allocator"} as /metrics would show it; -1 if absent.
+// Without the metrics library, RetainingArenaFreeBytes (what the series exports).
 double ScrapedFreeBytes() {
 #if COLLABSERVE_TEST_METRICS
   for (const prometheus::MetricFamily& f : metrics::ProcessCollectable()->Collect()) {
-    if (f.name == "collabserve_pass_arena_free_bytes" && f.metric.size() == 1) {
-      return f.metric[0].gauge.value;
+    if (f.name != "collabserve_pass_memory_kept_bytes") continue;
+    for (const prometheus::ClientMetric& m : f.metric) {
+      if (m.label.size() == 1 && m.label[0].name == "part" && m.label[0].value == "allocator") {
+        return m.gauge.value;
+      }
     }
   }
   return -1;
