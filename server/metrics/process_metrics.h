@@ -25,10 +25,10 @@ void CountRepositoryLoadFailure(const std::string& model, const std::string& rea
 // (process_cpu_seconds_total, process_start_time_seconds, process_virtual_memory_bytes,
 // process_resident_memory_bytes, process_open_fds, process_max_fds, process_threads; absent where
 // /proc cannot be read), and collabserve_pass_memory_kept_bytes{part}: the memory forward passes
-// keep resident for the next pass, given back after 10 s without one: part="arena" the pass arena's
-// pages (the team passes' buffers, in use during a team pass; once a source is set below),
-// part="allocator" the freed pages of the allocator's retaining arena (util::RetainingArenaFreeBytes;
-// absent without jemalloc).
+// keep resident for the next pass, given back after 10 s without one: part="arena" the pass
+// arena's pages (the team passes' buffers, in use during a team pass; once a source is set
+// below), part="allocator" the freed pages of the allocator's retaining arena
+// (util::RetainingArenaFreeBytes; absent without jemalloc).
 std::shared_ptr<prometheus::Collectable> ProcessCollectable();
 
 // Sets what part="arena" reads at each scrape (the service sets model::PassArenaResidentBytes; this

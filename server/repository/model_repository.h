@@ -85,8 +85,8 @@ struct RepositoryOptions {
   // found by the first scan also settles once its newest ctime (its own or any entry's) is this
   // old, so that a start does not wait for what was already on disk. The poller scans again when
   // a version is due, not only every poll_interval, and Create() waits for the versions it found
-  // settling that the policy would load (at most a minute, or three settle times if longer). Publish() and LoadVersion()
-  // declare a directory complete: no wait. Zero: off.
+  // settling that the policy would load (at most a minute, or three settle times if longer).
+  // Publish() and LoadVersion() declare a directory complete: no wait. Zero: off.
   absl::Duration settle_time = absl::ZeroDuration();
   // Called after a version starts loading, becomes available, fails to load or is unloaded
   // (health, metrics). The status is the load error for kLoadFailed, OK otherwise. Called without
