@@ -114,7 +114,8 @@ void GemmAccumulate(at::Tensor& out, const at::Tensor& x, const DenseWeight& w) 
 
 bool UsePackedLinear(const DenseWeight& w, int64_t rows) {
   return w.packed != nullptr &&
-         (ChosenGemmMode() == GemmMode::kPacked || rows <= kPackedMaxRows || FindSgemm() == nullptr);
+         (ChosenGemmMode() == GemmMode::kPacked || rows <= kPackedMaxRows ||
+          (!w.plain.defined() && rows <= kPackedMaxMemberRows) || FindSgemm() == nullptr);
 }
 
 at::Tensor Dense(const at::Tensor& x, const DenseWeight& w, const at::Tensor& b,

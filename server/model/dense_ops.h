@@ -19,11 +19,12 @@ using SgemmFn = util::DnnlSgemmFn;
 
 // Up to this many rows a product with a packed weight runs on PackedLinear; above, on the sgemm.
 inline constexpr int64_t kPackedMaxRows = 256;
-// Above kPackedMaxRows rows a ThreadTeam pass splits each product by rows between its members;
-// a member's share of up to this many rows still runs on PackedLinear when the model keeps the
+// A thread's product of up to this many rows still runs on PackedLinear when the model keeps the
 // weight only packed (one core, gemm_bench: at 512 rows PackedLinear was 0.96-1.14x the sgemm on
 // the weight unpacked first, weighted by a layer's FLOPs ~1.04x; at 1024-2048 rows 0.88-1.03x,
-// below on the FFN products), saving the unpacking of every weight on every pass.
+// below on the FFN products), saving the unpacking of every weight on every pass: a one-thread
+// pass of up to this many tokens, or a ThreadTeam member's share of the rows (above
+// kPackedMaxRows rows a team splits each product by rows between its members).
 inline constexpr int64_t kPackedMaxMemberRows = 512;
 
 // The sgemm, looked up once; null with COLLABSERVE_GEMM=aten or when LibTorch hides its oneDNN.

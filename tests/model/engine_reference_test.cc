@@ -159,6 +159,18 @@ void ExpectEngineMatchesReference(const std::string& dir, const std::string& nam
           EXPECT_NEAR((*alone)[0].logits[c], x, 3e-5 * std::max(1.0f, std::abs(x))) << what << ", input " << i;
         }
       }
+
+      // The last two inputs batch to 2 × 182 = 364 tokens, between kPackedMaxRows and
+      // kPackedMaxMemberRows: served, every product runs on PackedLinear (on one thread the whole
+      // pass's rows, on two each member's share).
+      const size_t first = inputs.size() - 2;
+      auto pair = (*engine)->Run(std::vector<TokenizedInput>{inputs[first], inputs[first + 1]});
+      ASSERT_TRUE(pair.ok()) << pair.status();
+      for (size_t j = 0; j < 2; ++j) {
+        for (size_t c = 0; c < expected[first + j].size(); ++c) {
+          EXPECT_NEAR((*pair)[j].logits[c], expected[first + j][c], 1e-4) << what << ", 2 × 182 tokens";
+        }
+      }
     }
   }
   at::set_num_threads(saved_threads);
