@@ -1,19 +1,25 @@
 // collabserve: the gRPC inference server. Without --model_repository it serves the built-in demo
 // model ("demo", version 1: the Debian package-section classifier of server/model/demo/, compiled
 // in) from a temporary directory.
+#include <fcntl.h>
 #include <signal.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
 #include <optional>
 #include <string>
+#include <thread>
+#include <utility>
 
 #include <ATen/Parallel.h>
 #include <glog/logging.h>
 #include <torch/version.h>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
@@ -78,7 +84,9 @@ ABSL_FLAG(double, upload_idle_timeout_s, 60,
           "removed (0 = never)");
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain (with --tls_key: serve TLS)");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key");
-ABSL_FLAG(double, drain_timeout_s, 30, "on SIGTERM/SIGINT, how long in-flight calls may finish");
+ABSL_FLAG(double, drain_timeout_s, 30,
+          "on SIGTERM/SIGINT, how long in-flight calls may finish (a signal while the models load, "
+          "or a second one, exits at once)");
 
 namespace {
 
@@ -86,6 +94,95 @@ namespace batching = collabserve::batching;
 namespace util = collabserve::util;
 using collabserve::service::Server;
 using collabserve::service::ServerOptions;
+
+// SIGTERM and SIGINT. The main thread and every thread it starts block them; one thread of this
+// watcher's own takes them, through a handler that writes the signal's number to a pipe. A handler,
+// not only a mask: threads that libraries start before main (OpenBLAS's pool) do not block them,
+// and a signal the kernel hands to one of those took its default action and ended the process on
+// the spot, before anything was cleaned up (the demo's temporary repository stayed behind).
+//   Before Serving(): a signal removes the startup directory (if any) and exits at once with
+//     128 + the signal: nothing is served yet, and loading may take a minute.
+//   After: Wait() returns the first signal (the caller drains); a second one exits at once.
+class SignalWatcher {
+ public:
+  // Call once, before any other thread of this program starts.
+  static SignalWatcher& Install() {
+    static SignalWatcher* watcher = new SignalWatcher();  // never destroyed: its thread runs to exit
+    return *watcher;
+  }
+  void SetStartupCleanup(std::string dir) {
+    absl::MutexLock l(&mu_);
+    cleanup_dir_ = std::move(dir);
+  }
+  void Serving() {
+    absl::MutexLock l(&mu_);
+    serving_ = true;
+  }
+  int Wait() {
+    absl::MutexLock l(&mu_);
+    mu_.Await(absl::Condition(
+        +[](int* sig) { return *sig != 0; }, &signal_));
+    return signal_;
+  }
+
+ private:
+  SignalWatcher() {
+    sigset_t signals;
+    sigemptyset(&signals);
+    sigaddset(&signals, SIGTERM);
+    sigaddset(&signals, SIGINT);
+    pthread_sigmask(SIG_BLOCK, &signals, nullptr);  // inherited by every thread started after
+    int fds[2];
+    PCHECK(pipe2(fds, O_CLOEXEC) == 0) << "pipe2";
+    write_fd_ = fds[1];
+    struct sigaction action {};
+    action.sa_handler = &SignalWatcher::OnSignal;
+    action.sa_flags = SA_RESTART;
+    sigemptyset(&action.sa_mask);
+    PCHECK(sigaction(SIGTERM, &action, nullptr) == 0 && sigaction(SIGINT, &action, nullptr) == 0)
+        << "sigaction";
+    std::thread([this, fd = fds[0], signals] {
+      pthread_sigmask(SIG_UNBLOCK, &signals, nullptr);
+      for (;;) {
+        unsigned char sig = 0;
+        const ssize_t n = read(fd, &sig, 1);
+        if (n == 1) Take(sig);
+        if (n == 0 || (n < 0 && errno != EINTR)) return;
+      }
+    }).detach();
+  }
+
+  // Async-signal-safe: one write.
+  static void OnSignal(int sig) {
+    const int saved = errno;
+    const unsigned char c = static_cast<unsigned char>(sig);
+    if (write(write_fd_, &c, 1) < 0) {
+      // Nothing to do in a handler; the pipe only fills after 64 Ki signals.
+    }
+    errno = saved;
+  }
+
+  void Take(int sig) {
+    absl::MutexLock l(&mu_);
+    if (serving_ && signal_ == 0) {
+      signal_ = sig;
+      return;
+    }
+    LOG(WARNING) << "signal " << sig << (serving_ ? " again: exiting now" : " while starting: exiting");
+    if (!cleanup_dir_.empty()) {
+      std::error_code ec;
+      std::filesystem::remove_all(cleanup_dir_, ec);
+    }
+    std::fflush(nullptr);
+    _exit(128 + sig);
+  }
+
+  static inline int write_fd_ = -1;
+  absl::Mutex mu_;
+  std::string cleanup_dir_ ABSL_GUARDED_BY(mu_);
+  bool serving_ ABSL_GUARDED_BY(mu_) = false;
+  int signal_ ABSL_GUARDED_BY(mu_) = 0;
+};
 
 // Removes a directory and everything in it when it goes out of scope.
 class RemovedAtExit {
@@ -128,12 +225,7 @@ int Run(int argc, char** argv, int cpus) {
   google::InitGoogleLogging(argv[0]);
   FLAGS_logtostderr = true;
 
-  // SIGTERM/SIGINT are taken with sigwait below; every thread started from here inherits the mask.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  SignalWatcher& signals = SignalWatcher::Install();
 
   // Batch threads x intra-op threads (batching::PlanInferenceThreads says why): on CPU, by default,
   // one single-threaded forward pass per CPU (up to 4) rather than one pass over all of them.
@@ -166,6 +258,7 @@ int Run(int argc, char** argv, int cpus) {
       return 1;
     }
     demo_repository.emplace(*demo);
+    signals.SetStartupCleanup(*demo);
     o.model_repository = *demo;
     LOG(INFO) << "no --model_repository: serving the built-in demo model from " << *demo
               << " (removed at exit, with any version uploaded to it)";
@@ -236,8 +329,8 @@ int Run(int argc, char** argv, int cpus) {
   std::printf("serving\n");
   std::fflush(stdout);
 
-  int sig = 0;
-  sigwait(&signals, &sig);
+  signals.Serving();
+  const int sig = signals.Wait();
   LOG(INFO) << "signal " << sig << ": draining (up to " << absl::GetFlag(FLAGS_drain_timeout_s)
             << " s)";
   if (*admin != nullptr) (*admin)->Shutdown();  // cancels jobs so the drain does not wait on them

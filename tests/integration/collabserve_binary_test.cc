@@ -143,6 +143,23 @@ TEST(CollabserveBinaryTest, ServesTheDemoModelWithoutARepository) {
   EXPECT_FALSE(std::filesystem::exists(repository)) << repository << " was left behind";
 }
 
+// A signal while the server is still loading (here the demo, right after its port opened) ends it
+// at once without leaving its temporary repository behind. It used to take the signal's default
+// action in a thread that a library started before main (OpenBLAS's pool), which killed the
+// process on the spot.
+TEST(CollabserveBinaryTest, ASignalWhileLoadingExitsAndRemovesTheDemoRepository) {
+  TempDir tmp;
+  ServerProcess server({"--port=0", "--metrics_port=-1", "--host=127.0.0.1"}, "", nullptr, "",
+                       {"TMPDIR=" + tmp.path()}, "listening on");
+  ASSERT_TRUE(server.reached());
+  EXPECT_FALSE(server.serving());
+  const std::string repository = DemoRepositoryIn(tmp);
+  ASSERT_NE(repository, "");
+  // 128 + SIGTERM while loading; 0 if the load had already finished (a normal drain).
+  EXPECT_THAT(server.Terminate(), ::testing::AnyOf(128 + SIGTERM, 0));
+  EXPECT_FALSE(std::filesystem::exists(repository)) << repository << " was left behind";
+}
+
 TEST(CollabserveBinaryTest, ReportsABadRepository) {
   std::string out;
   const int rc = RunCommand(Bin("collabserve") +

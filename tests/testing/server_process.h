@@ -30,15 +30,17 @@ inline std::string BinaryPath(const std::string& name) {
 
 class ServerProcess {
  public:
-  // Starts collabserve with `args`; blocks until it prints "serving" or exits. Its stderr is
-  // appended to `stderr_log` when given.
+  // Starts collabserve with `args`; blocks until it prints a line that starts with `until`
+  // ("serving" by default; reached() then) or exits. Its stderr is appended to `stderr_log` when
+  // given.
   // `in_child`, when given, runs in the child between fork and exec (e.g. to set a resource
   // limit or a signal disposition that exec keeps); it must only make async-signal-safe calls.
   // `binary`: the server to run (default: BinaryPath("collabserve")). `env`: NAME=VALUE entries
   // added to (or replacing those of) this process's environment in the child's.
   explicit ServerProcess(std::vector<std::string> args, const std::string& stderr_log = "",
                          const std::function<void()>& in_child = nullptr,
-                         std::string binary = "", const std::vector<std::string>& env = {}) {
+                         std::string binary = "", const std::vector<std::string>& env = {},
+                         const std::string& until = "serving") {
     if (binary.empty()) binary = BinaryPath("collabserve");
     // The child's environment, built before fork (the child may only make async-signal-safe calls).
     std::vector<std::string> env_strings;
@@ -76,12 +78,13 @@ class ServerProcess {
     char line[512];
     while (out_ != nullptr && fgets(line, sizeof(line), out_) != nullptr) {
       std::string l(line);
-      if (ParsePort(l, "listening on 127.0.0.1:", &port_) || ParsePort(l, "metrics on 127.0.0.1:", &metrics_port_) ||
-          ParsePort(l, "admin on 127.0.0.1:", &admin_port_)) {
-        continue;
+      if (!ParsePort(l, "listening on 127.0.0.1:", &port_) &&
+          !ParsePort(l, "metrics on 127.0.0.1:", &metrics_port_)) {
+        ParsePort(l, "admin on 127.0.0.1:", &admin_port_);
       }
-      if (absl::StartsWith(l, "serving")) {
-        serving_ = true;
+      serving_ = serving_ || absl::StartsWith(l, "serving");
+      if (absl::StartsWith(l, until)) {
+        reached_ = true;
         break;
       }
     }
@@ -99,7 +102,8 @@ class ServerProcess {
     waitpid(pid_, nullptr, 0);
     pid_ = -1;
   }
-  // SIGTERM, then the exit status (or -1 if it did not exit normally within 60 s).
+  // SIGTERM, then the exit status (or -1 if it did not exit normally within 60 s: killed by a
+  // signal, or still running).
   int Terminate() {
     kill(pid_, SIGTERM);
     const absl::Time give_up = absl::Now() + absl::Seconds(60);
@@ -115,6 +119,7 @@ class ServerProcess {
   }
 
   bool serving() const { return serving_; }
+  bool reached() const { return reached_; }  // the line `until` was read
   pid_t pid() const { return pid_; }  // -1 once killed or reaped
   int port() const { return port_; }
   int metrics_port() const { return metrics_port_; }
@@ -134,6 +139,7 @@ class ServerProcess {
   int metrics_port_ = -1;
   int admin_port_ = 0;
   bool serving_ = false;
+  bool reached_ = false;
 };
 
 }  // namespace collabserve::testing
