@@ -5,10 +5,12 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <iostream>
 #include <optional>
 #include <string>
@@ -110,9 +112,14 @@ class SignalWatcher {
     static SignalWatcher* watcher = new SignalWatcher();  // never destroyed: its thread runs to exit
     return *watcher;
   }
-  void SetStartupCleanup(std::string dir) {
+  // Runs `make`, which creates a directory and returns its path, and has a signal before serving
+  // remove that directory: a signal while it is being written waits for it, then removes it whole.
+  absl::StatusOr<std::string> MakeStartupDirectory(
+      const std::function<absl::StatusOr<std::string>()>& make) {
     absl::MutexLock l(&mu_);
-    cleanup_dir_ = std::move(dir);
+    absl::StatusOr<std::string> dir = make();
+    if (dir.ok()) cleanup_dir_ = *dir;
+    return dir;
   }
   void Serving() {
     absl::MutexLock l(&mu_);
@@ -134,7 +141,9 @@ class SignalWatcher {
     pthread_sigmask(SIG_BLOCK, &signals, nullptr);  // inherited by every thread started after
     int fds[2];
     PCHECK(pipe2(fds, O_CLOEXEC) == 0) << "pipe2";
-    write_fd_ = fds[1];
+    // A handler must never block, even with the reader stuck.
+    PCHECK(fcntl(fds[1], F_SETFL, O_NONBLOCK) == 0) << "fcntl";
+    write_fd_.store(fds[1]);
     struct sigaction action {};
     action.sa_handler = &SignalWatcher::OnSignal;
     action.sa_flags = SA_RESTART;
@@ -156,7 +165,7 @@ class SignalWatcher {
   static void OnSignal(int sig) {
     const int saved = errno;
     const unsigned char c = static_cast<unsigned char>(sig);
-    if (write(write_fd_, &c, 1) < 0) {
+    if (write(write_fd_.load(std::memory_order_relaxed), &c, 1) < 0) {
       // Nothing to do in a handler; the pipe only fills after 64 Ki signals.
     }
     errno = saved;
@@ -177,7 +186,7 @@ class SignalWatcher {
     _exit(128 + sig);
   }
 
-  static inline int write_fd_ = -1;
+  static inline std::atomic<int> write_fd_{-1};  // lock-free: safe to read in a handler
   absl::Mutex mu_;
   std::string cleanup_dir_ ABSL_GUARDED_BY(mu_);
   bool serving_ ABSL_GUARDED_BY(mu_) = false;
@@ -252,13 +261,12 @@ int Run(int argc, char** argv, int cpus) {
   // server, which is declared later), uploads to it included.
   std::optional<RemovedAtExit> demo_repository;
   if (o.model_repository.empty()) {
-    auto demo = MakeDemoRepository();
+    auto demo = signals.MakeStartupDirectory(MakeDemoRepository);
     if (!demo.ok()) {
       std::cerr << "collabserve: cannot build the demo model: " << demo.status() << "\n";
       return 1;
     }
     demo_repository.emplace(*demo);
-    signals.SetStartupCleanup(*demo);
     o.model_repository = *demo;
     LOG(INFO) << "no --model_repository: serving the built-in demo model from " << *demo
               << " (removed at exit, with any version uploaded to it)";
@@ -326,10 +334,10 @@ int Run(int argc, char** argv, int cpus) {
     return 1;
   }
   kserve.Attach(&server.inference_service(), server.repository(), &server.metrics());
+  signals.Serving();  // before the line that tells scripts and tests they may signal a drain
   std::printf("serving\n");
   std::fflush(stdout);
 
-  signals.Serving();
   const int sig = signals.Wait();
   LOG(INFO) << "signal " << sig << ": draining (up to " << absl::GetFlag(FLAGS_drain_timeout_s)
             << " s)";

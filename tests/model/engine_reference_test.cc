@@ -164,6 +164,7 @@ void ExpectEngineMatchesReference(const std::string& dir, const std::string& nam
       // kPackedMaxMemberRows: served, every product runs on PackedLinear (on one thread the whole
       // pass's rows, on two each member's share).
       const size_t first = inputs.size() - 2;
+      ASSERT_EQ(inputs[first + 1].input_ids.size(), 182u);
       auto pair = (*engine)->Run(std::vector<TokenizedInput>{inputs[first], inputs[first + 1]});
       ASSERT_TRUE(pair.ok()) << pair.status();
       for (size_t j = 0; j < 2; ++j) {
