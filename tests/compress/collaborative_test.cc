@@ -116,7 +116,7 @@ TEST_F(CollaborativeTest, LowRankMatchesAnIndependentEvaluationOfTheFormula) {
 TEST_F(CollaborativeTest, ErrorFallsAsRankGrowsAndFidelityFollows) {
   double last_error = 2;
   for (int r : {8, 24, 48}) {
-    auto report = CompressModelDirectory(src_.path(), work_ / ("r" + std::to_string(r)), Rank(r));
+    auto report = CompressModelDirectory(src_.path(), work_ / (std::string("r") + std::to_string(r)), Rank(r));
     ASSERT_TRUE(report.ok()) << report.status();
     double err = 0;
     for (const auto& l : report->layers) err = std::max(err, l.relative_error);

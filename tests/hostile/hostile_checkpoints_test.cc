@@ -249,7 +249,8 @@ TEST(HostileCheckpointsTest, HugeSafetensorsHeadersAreRefused) {
   const uint64_t n = kMaxSafetensorsHeaderBytes;
   std::string blank;
   for (int i = 0; i < 8; ++i) blank.push_back(static_cast<char>((n >> (8 * i)) & 0xff));
-  blank += "{" + std::string(n - 1, ' ');
+  blank += '{';
+  blank.append(n - 1, ' ');
   auto b = ParseSafetensors(std::make_shared<const std::string>(std::move(blank)), "blank.safetensors");
   ASSERT_FALSE(b.ok());
   EXPECT_EQ(b.status().code(), absl::StatusCode::kInvalidArgument);

@@ -17,7 +17,7 @@ std::string Str(const std::string& s) {  // BINUNICODE
   return out + s;
 }
 std::string ShortStr(const std::string& s) {  // SHORT_BINUNICODE
-  return "\x8c" + std::string(1, static_cast<char>(s.size())) + s;
+  return std::string("\x8c") + static_cast<char>(s.size()) + s;
 }
 
 const std::string kOrderedDict = "ccollections\nOrderedDict\n)R";

@@ -218,7 +218,8 @@ std::string ProbeLine(char32_t c) {
     BertNormalize(&c, &c + 1, o, &out);
     const bool same = out.size() == 1 && out[0] == c;
     non_default |= !same;
-    fields += "\t" + (same ? std::string("=") : Hex(out));
+    fields += '\t';
+    fields += same ? std::string("=") : Hex(out);
   }
   std::vector<char32_t> nfd;
   unicode::AppendDecomposition(c, &nfd);

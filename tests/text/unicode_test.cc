@@ -1,5 +1,6 @@
 #include "server/text/unicode.h"
 
+#include <cstdint>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -25,17 +26,17 @@ std::vector<char32_t> Lower(char32_t c) {
 TEST(UnicodeTest, ClassifiesAsTokenizersDoes) {
   for (char32_t c :
        {U' ', U'\t', U'\n', U'\r', U'\u00A0', U'\u3000', U'\u2028', U'\u1680', U'\u000B'}) {
-    EXPECT_TRUE(Properties(c) & kWhitespace) << std::hex << c;
+    EXPECT_TRUE(Properties(c) & kWhitespace) << std::hex << static_cast<uint32_t>(c);
   }
   // Zero-width characters are format controls, not whitespace.
   for (char32_t c : {U'\u200B', U'\u200D', U'\uFEFF', U'\u00AD', U'\u0007', U'\u007F', U'\uE000'}) {
-    EXPECT_TRUE(Properties(c) & kControl) << std::hex << c;
-    EXPECT_FALSE(Properties(c) & kWhitespace) << std::hex << c;
+    EXPECT_TRUE(Properties(c) & kControl) << std::hex << static_cast<uint32_t>(c);
+    EXPECT_FALSE(Properties(c) & kWhitespace) << std::hex << static_cast<uint32_t>(c);
   }
   EXPECT_FALSE(Properties(U'\t') & kControl);
   for (char32_t c :
        {U'!', U'$', U'+', U'^', U'`', U'~', U'¿', U'«', U'。', U'।', U'،', U'\u2014'}) {
-    EXPECT_TRUE(Properties(c) & kPunctuation) << std::hex << c;
+    EXPECT_TRUE(Properties(c) & kPunctuation) << std::hex << static_cast<uint32_t>(c);
   }
   EXPECT_FALSE(Properties(U'€') & kPunctuation);  // Sc, and not ASCII
   EXPECT_TRUE(Properties(U'\u0301') & kNonspacingMark);
@@ -50,7 +51,7 @@ TEST(UnicodeTest, LookupTableAgreesWithTheGeneratedRangesEverywhere) {
   size_t range = 0;
   for (char32_t c = 0; c <= 0x10FFFF; ++c) {
     while (range + 1 < kNumPropertyRanges && kPropertyRanges[range + 1].start <= c) ++range;
-    ASSERT_EQ(Properties(c), kPropertyRanges[range].bits) << std::hex << c;
+    ASSERT_EQ(Properties(c), kPropertyRanges[range].bits) << std::hex << static_cast<uint32_t>(c);
   }
   EXPECT_EQ(Properties(0x110000), 0);
   EXPECT_EQ(Properties(0xFFFFFFFF), 0);

@@ -1,5 +1,6 @@
 #include "server/text/utf8.h"
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -73,7 +74,7 @@ TEST(Utf8Test, EncodeRoundTripsEveryScalarValue) {
     s.clear();
     AppendUtf8(c, &s);
     std::vector<char32_t> out;
-    ASSERT_TRUE(DecodeUtf8(s, &out).ok()) << std::hex << c;
+    ASSERT_TRUE(DecodeUtf8(s, &out).ok()) << std::hex << static_cast<uint32_t>(c);
     ASSERT_EQ(out.size(), 1u);
     ASSERT_EQ(out[0], c);
   }
