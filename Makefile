@@ -53,9 +53,11 @@ test-tsan: deps
 	JOBS=$(JOBS) scripts/sanitizer-tests.sh tsan
 
 # Compiles the LibTorch code against LibTorch 2.x headers (Debian trixie's libtorch-dev, fetched
-# once into $(BUILD_DIR)/libtorch2), as the CUDA image will build it; CI runs it on server/ and tests/.
+# once into $(BUILD_DIR)/libtorch2), as the CUDA image will build it (C++17), and as C++20, the
+# standard LibTorch 2.13 and later need; CI runs both on server/ and tests/.
 check-libtorch2: configure
 	JOBS=$(JOBS) scripts/check-libtorch2.sh $(BUILD_DIR)
+	CXX_STANDARD=20 JOBS=$(JOBS) scripts/check-libtorch2.sh $(BUILD_DIR)
 
 run: build
 	scripts/run-demo.sh $(BUILD_DIR) $(PORT) $(METRICS_PORT) $(ARGS)

@@ -14,6 +14,9 @@
 #                        downloaded once into BUILD_DIR/libtorch2 (a private apt lists directory:
 #                        the system's apt state is not touched; nothing is installed)
 #     LIBTORCH2_SUITE    Debian suite to take libtorch-dev from (trixie: LibTorch 2.6)
+#     CXX_STANDARD       17 or 20: compile as that C++ standard instead of the build's own. With 20
+#                        (what CMakeLists.txt chooses for LibTorch 2.13 and later) the translation
+#                        units without LibTorch are compiled too: the whole build must take C++20
 #     JOBS               parallel compilations (nproc)
 # Exit status 1 if a translation unit does not compile; its first errors are printed.
 set -euo pipefail
@@ -22,6 +25,8 @@ BUILD_DIR=$(cd "${1:-build}" && pwd)
 shift || true
 SUITE=${LIBTORCH2_SUITE:-trixie}
 JOBS=${JOBS:-$(nproc)}
+STD=${CXX_STANDARD:-}
+[[ -z $STD || $STD == 17 || $STD == 20 ]] || { echo "check-libtorch2: CXX_STANDARD must be 17 or 20, not '$STD'" >&2; exit 2; }
 
 [[ -f $BUILD_DIR/CMakeCache.txt ]] || { echo "check-libtorch2: $BUILD_DIR is not a configured build (make configure)" >&2; exit 2; }
 
@@ -57,17 +62,17 @@ version=$(sed -n 's/^ *"\([0-9][0-9.]*\)".*/\1/p' "$api/torch/version.h" | head 
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/collabserve-libtorch2-XXXXXX")
 trap 'rm -rf "$work"' EXIT
-/usr/bin/python3 - "$BUILD_DIR" "$ROOT" "$include" "$api" "$work" "$@" <<'EOF'
+/usr/bin/python3 - "$BUILD_DIR" "$ROOT" "$include" "$api" "$work" "$STD" "$@" <<'EOF'
 import json, os, shlex, sys
-build, root, include, api, work, *paths = sys.argv[1:]
+build, root, include, api, work, std, *paths = sys.argv[1:]
 commands = os.path.join(build, 'compile_commands.json')
 paths = [os.path.join(root, p.rstrip('/')) for p in paths]
 n = 0
 with open(os.path.join(work, 'jobs'), 'w') as jobs:
     for e in json.load(open(commands)):
         args = e.get('arguments') or shlex.split(e['command'])
-        if not any('torch/csrc/api/include' in a for a in args):
-            continue  # no LibTorch in this target
+        if std != '20' and not any('torch/csrc/api/include' in a for a in args):
+            continue  # no LibTorch in this target (checked only for the C++20 build)
         src = os.path.realpath(os.path.join(e['directory'], e['file']))
         if not src.startswith(root + os.sep) or src.startswith(os.path.realpath(build) + os.sep):
             continue  # generated sources (embedded data) of the build tree
@@ -79,6 +84,8 @@ with open(os.path.join(work, 'jobs'), 'w') as jobs:
                 skip = False
             elif a == '-o':
                 skip = True
+            elif std and a.startswith('-std='):
+                out.append('-std=c++' + std)
             else:
                 out.append(a)
         out[1:1] = ['-fsyntax-only', '-isystem', api, '-isystem', include]
@@ -91,17 +98,18 @@ print(n, file=open(os.path.join(work, 'count'), 'w'))
 EOF
 count=$(cat "$work/count")
 ((count > 0)) || { echo "check-libtorch2: no LibTorch translation unit under ${*:-the repository}" >&2; exit 2; }
-echo "check-libtorch2: compiling $count translation units against LibTorch $version ($include), $JOBS at a time"
+as=${STD:+ as C++$STD}
+echo "check-libtorch2: compiling $count translation units$as against LibTorch $version ($include), $JOBS at a time"
 start=$SECONDS
 xargs -0 -P "$JOBS" -n 1 bash -c < "$work/jobs" > "$work/failed" || true
 if [[ -s $work/failed ]]; then
   while read -r rel; do
-    echo "---- $rel does not compile against LibTorch $version:"
+    echo "---- $rel does not compile$as against LibTorch $version:"
     head -30 "$work/$(echo "$rel" | tr / _).log"
   done < "$work/failed"
-  echo "check-libtorch2: $(wc -l < "$work/failed") of $count translation units fail against LibTorch $version" >&2
+  echo "check-libtorch2: $(wc -l < "$work/failed") of $count translation units fail$as against LibTorch $version" >&2
   exit 1
 fi
 warned=$( (grep -l "warning:" "$work"/*.log 2>/dev/null || true) | wc -l)
-echo "check-libtorch2: all $count compile against LibTorch $version ($((SECONDS - start)) s; $warned with warnings)"
+echo "check-libtorch2: all $count compile$as against LibTorch $version ($((SECONDS - start)) s; $warned with warnings)"
 if ((warned > 0)); then grep -h -m 3 "warning:" "$work"/*.log | head -20; fi
