@@ -19,7 +19,7 @@ export CCACHE_SLOPPINESS := pch_defines,time_macros,include_file_mtime,include_f
 export CCACHE_NOHASHDIR := 1
 
 .PHONY: all deps configure build test test-all test-asan test-tsan run bench soak clean fuzz demo-model \
-        check-libtorch2
+        check-libtorch2 gpu-check-bare
 
 all: build
 
@@ -58,6 +58,11 @@ test-tsan: deps
 check-libtorch2: configure
 	JOBS=$(JOBS) scripts/check-libtorch2.sh $(BUILD_DIR)
 	CXX_STANDARD=20 JOBS=$(JOBS) scripts/check-libtorch2.sh $(BUILD_DIR)
+
+# scripts/gpu-check.sh's CPU form as a GPU image with PyTorch alone would run it: abseil, glog,
+# GoogleTest and nlohmann-json from a --pack-deps folder, Debian's copies hidden (--bare; in CI).
+gpu-check-bare: deps
+	scripts/gpu-check.sh --device cpu --quick --bare --build-dir $(BUILD_DIR)-gpu-bare --jobs $(JOBS)
 
 run: build
 	scripts/run-demo.sh $(BUILD_DIR) $(PORT) $(METRICS_PORT) $(ARGS)

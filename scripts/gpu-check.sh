@@ -5,6 +5,7 @@
 # the same weights and inputs, times the compression, and prints one summary table.
 #
 #   scripts/gpu-check.sh [--device cuda|cpu] [--quick] [--jobs N] [--build-dir DIR] [--deps DIR]
+#                        [--bare]
 #   scripts/gpu-check.sh --pack-deps DIR
 #
 #   --device cuda (default when torch sees a GPU): the CUDA parity tests (float32 within 1e-4 of the
@@ -22,19 +23,26 @@
 #            laid out as under /usr, and stops. For a GPU machine whose image has PyTorch but none of
 #            these (carry DIR there).
 #   --deps DIR: a folder made by --pack-deps: found by CMake first, its libraries on the run path.
+#   --bare: packs them (into BUILD_DIR/deps unless --deps names a packed folder) and runs the check
+#            with --deps in a mount namespace where Debian's copies (headers, CMake files,
+#            libraries) and jemalloc are hidden: what a GPU image with PyTorch alone offers, checked
+#            on a Debian machine (CI runs the --quick form). Needs unshare (util-linux) and root or
+#            unprivileged user namespaces with overlayfs.
 #
 # Environment: OUT (where results go; default BUILD_DIR/gpu-check), PYTHON (an interpreter with
 # torch; default: the first of python3, /usr/bin/python3 that imports it). Uses ccache when present
 # (the default build dir, build-gpu-check/, sits beside build/ so that the cache's relative paths
 # match and the objects the normal build compiled are reused).
-# Needs: CMake >= 3.18, a C++17 compiler, abseil, nlohmann-json, glog and GoogleTest where CMake
-# finds them (scripts/install-deps.sh installs them on Debian), and torch in PYTHON. Exit status:
-# non-zero when a step fails; the summary says which.
+# Needs: CMake >= 3.18, a C++17 compiler (C++20 for LibTorch 2.13 and later), abseil,
+# nlohmann-json, glog and GoogleTest where CMake finds them (scripts/install-deps.sh installs
+# them on Debian; or --deps), and torch in PYTHON. Exit status: non-zero when a step fails; the
+# summary says which.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 
-device= quick=0 jobs=$(nproc) build_dir= deps= pack_deps=
+args=("$@")
+device= quick=0 jobs=$(nproc) build_dir= deps= pack_deps= bare=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --device) device=$2; shift 2 ;;
@@ -48,7 +56,8 @@ while [ $# -gt 0 ]; do
     --deps=*) deps=${1#*=}; shift ;;
     --pack-deps) pack_deps=$2; shift 2 ;;
     --pack-deps=*) pack_deps=${1#*=}; shift ;;
-    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    --bare) bare=1; shift ;;
+    -h|--help) sed -n '2,39p' "$0"; exit 0 ;;
     *) echo "gpu-check: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -74,6 +83,42 @@ if [ -n "$pack_deps" ]; then
   (cd / && cp -a --parents "${paths[@]#/}" "$pack_deps")  # relative: cp --parents rejects /usr/... here
   log "packed $(du -sh "$pack_deps" | cut -f1) into $pack_deps (use it with --deps $pack_deps)"
   exit 0
+fi
+
+# --- --bare: this script again, without Debian's copies of what --deps carries ----------------
+if [ $bare = 1 ] && [ -z "${GPU_CHECK_BARE:-}" ]; then
+  command -v unshare >/dev/null || { log "--bare needs unshare (util-linux)"; exit 2; }
+  build_dir=${build_dir:-$ROOT/build-gpu-check}
+  mkdir -p "$build_dir" && build_dir=$(cd "$build_dir" && pwd)
+  deps=${deps:-$build_dir/deps}
+  [ -d "$deps/usr/include/absl" ] || "$ROOT/scripts/gpu-check.sh" --pack-deps "$deps"
+  deps=$(cd "$deps" && pwd)
+  mkdir -p "$build_dir/bare-mounts"  # empty here; a tmpfs of whiteouts inside the namespace
+  userns=()
+  [ "$(id -u)" = 0 ] || userns=(--map-root-user)
+  log "--bare: Debian's abseil, glog, gflags, libunwind, GoogleTest, nlohmann-json and jemalloc hidden"
+  # Debian's python3-torch links glog and gflags: the packed ones serve it too.
+  export GPU_CHECK_BARE=1 LD_LIBRARY_PATH="$deps/usr/lib/$multiarch${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  exec unshare --mount "${userns[@]}" bash -c '
+    set -euo pipefail
+    shopt -s nullglob
+    arch=$1 wo=$2; shift 2
+    mount -t tmpfs gpu-check-bare "$wo"
+    mkdir "$wo/lib" "$wo/include"
+    # Whiteouts (0/0 character devices) in the top layer of an overlay hide the files below them.
+    (cd "/usr/lib/$arch" && for f in libabsl_* libgtest* libgmock* libglog* libgflags* libunwind* \
+       libjemalloc*; do mknod "$wo/lib/$f" c 0 0; done)
+    (cd "/usr/include/$arch" && for f in libunwind*.h; do mknod "$wo/include/$f" c 0 0; done)
+    mount -t overlay gpu-check-bare -o "lowerdir=$wo/lib:/usr/lib/$arch" "/usr/lib/$arch"
+    mount -t overlay gpu-check-bare -o "lowerdir=$wo/include:/usr/include/$arch" "/usr/include/$arch"
+    for d in /usr/include/absl /usr/include/glog /usr/include/gflags /usr/include/gtest \
+             /usr/include/gmock /usr/include/nlohmann /usr/lib/$arch/cmake/absl \
+             /usr/lib/$arch/cmake/GTest /usr/lib/$arch/cmake/glog /usr/lib/$arch/cmake/gflags \
+             /usr/share/cmake/nlohmann_json /usr/share/glog /usr/src/googletest; do
+      if [ -d "$d" ]; then mount -t tmpfs gpu-check-bare "$d"; fi
+    done
+    exec "$@"' gpu-check-bare "$multiarch" "$build_dir/bare-mounts" \
+    "$ROOT/scripts/gpu-check.sh" "${args[@]}" --deps "$deps" --build-dir "$build_dir"
 fi
 
 # --- the Python with torch, and what its torch is ---------------------------------------------
@@ -217,7 +262,9 @@ fi
 {
   echo "# collabserve GPU check ($device, $(date -u +'%Y-%m-%d %H:%M UTC'))"
   echo
-  echo "torch $torch_version ($PYTHON), CUDA available: $cuda_ok, C++11 ABI: $torch_abi; model preset $preset"
+  cxx_std=$(sed -n 's/^-- \(C++[0-9]*\) (LibTorch .*/\1/p' "$OUT/configure.log" 2>/dev/null | tail -1)
+  echo "torch $torch_version ($PYTHON), CUDA available: $cuda_ok, C++11 ABI: $torch_abi," \
+       "${cxx_std:-C++ standard unknown}; model preset $preset"
   [ "$device" != cpu ] && command -v nvidia-smi >/dev/null && \
     echo "GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -1)"
   echo
