@@ -56,7 +56,7 @@ test-tsan: deps
 # once into $(BUILD_DIR)/libtorch2), as the CUDA image will build it (C++17), and as C++20, the
 # standard LibTorch 2.13 and later need; CI runs both on server/ and tests/.
 check-libtorch2: configure
-	JOBS=$(JOBS) scripts/check-libtorch2.sh $(BUILD_DIR)
+	CXX_STANDARD=17 JOBS=$(JOBS) scripts/check-libtorch2.sh $(BUILD_DIR)
 	CXX_STANDARD=20 JOBS=$(JOBS) scripts/check-libtorch2.sh $(BUILD_DIR)
 
 # scripts/gpu-check.sh's CPU form as a GPU image with PyTorch alone would run it: abseil, glog,

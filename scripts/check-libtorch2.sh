@@ -84,10 +84,10 @@ with open(os.path.join(work, 'jobs'), 'w') as jobs:
                 skip = False
             elif a == '-o':
                 skip = True
-            elif std and a.startswith('-std='):
-                out.append('-std=c++' + std)
-            else:
+            elif not (std and a.startswith('-std=')):
                 out.append(a)
+        if std:
+            out.append('-std=c++' + std)  # the last -std wins
         out[1:1] = ['-fsyntax-only', '-isystem', api, '-isystem', include]
         rel = os.path.relpath(src, root)
         log = os.path.join(work, rel.replace('/', '_') + '.log')

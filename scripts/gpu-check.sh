@@ -23,11 +23,12 @@
 #            laid out as under /usr, and stops. For a GPU machine whose image has PyTorch but none of
 #            these (carry DIR there).
 #   --deps DIR: a folder made by --pack-deps: found by CMake first, its libraries on the run path.
-#   --bare: packs them (into BUILD_DIR/deps unless --deps names a packed folder) and runs the check
+#   --bare: packs them into BUILD_DIR/deps (unless --deps names a packed folder) and runs the check
 #            with --deps in a mount namespace where Debian's copies (headers, CMake files,
 #            libraries) and jemalloc are hidden: what a GPU image with PyTorch alone offers, checked
-#            on a Debian machine (CI runs the --quick form). Needs unshare (util-linux) and root or
-#            unprivileged user namespaces with overlayfs.
+#            on a Debian machine (CI runs the --quick form). Its own build dir (default
+#            build-gpu-bare/): a tree configured with the system's copies would keep their paths.
+#            Needs unshare (util-linux) and root, or unprivileged user namespaces and overlayfs.
 #
 # Environment: OUT (where results go; default BUILD_DIR/gpu-check), PYTHON (an interpreter with
 # torch; default: the first of python3, /usr/bin/python3 that imports it). Uses ccache when present
@@ -38,8 +39,10 @@
 # them on Debian; or --deps), and torch in PYTHON. Exit status: non-zero when a step fails; the
 # summary says which.
 set -euo pipefail
+caller=$PWD
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
+absolute() { case "$1" in ''|/*) printf '%s' "$1" ;; *) printf '%s/%s' "$caller" "$1" ;; esac; }
 
 args=("$@")
 device= quick=0 jobs=$(nproc) build_dir= deps= pack_deps= bare=0
@@ -63,6 +66,10 @@ while [ $# -gt 0 ]; do
 done
 
 log() { echo "gpu-check: $*" >&2; }
+# Folders named on the command line are relative to where the script was called from.
+build_dir=$(absolute "$build_dir") deps=$(absolute "$deps") pack_deps=$(absolute "$pack_deps")
+[ -z "$pack_deps" ] || [ $bare = 0 ] || { log "--pack-deps only packs: run --bare separately"; exit 2; }
+packed_stamp=.gpu-check-deps  # written last by --pack-deps: the folder is complete
 multiarch=$( (gcc -print-multiarch || c++ -print-multiarch) 2>/dev/null || echo x86_64-linux-gnu)
 [ -n "$multiarch" ] || multiarch=x86_64-linux-gnu
 
@@ -80,7 +87,9 @@ if [ -n "$pack_deps" ]; then
   done
   mkdir -p "$pack_deps"
   pack_deps=$(cd "$pack_deps" && pwd)
+  rm -f "$pack_deps/$packed_stamp"
   (cd / && cp -a --parents "${paths[@]#/}" "$pack_deps")  # relative: cp --parents rejects /usr/... here
+  echo "packed from $(hostname) on $(date -u +%FT%TZ)" > "$pack_deps/$packed_stamp"
   log "packed $(du -sh "$pack_deps" | cut -f1) into $pack_deps (use it with --deps $pack_deps)"
   exit 0
 fi
@@ -88,14 +97,19 @@ fi
 # --- --bare: this script again, without Debian's copies of what --deps carries ----------------
 if [ $bare = 1 ] && [ -z "${GPU_CHECK_BARE:-}" ]; then
   command -v unshare >/dev/null || { log "--bare needs unshare (util-linux)"; exit 2; }
-  build_dir=${build_dir:-$ROOT/build-gpu-check}
-  mkdir -p "$build_dir" && build_dir=$(cd "$build_dir" && pwd)
-  deps=${deps:-$build_dir/deps}
-  [ -d "$deps/usr/include/absl" ] || "$ROOT/scripts/gpu-check.sh" --pack-deps "$deps"
-  deps=$(cd "$deps" && pwd)
-  mkdir -p "$build_dir/bare-mounts"  # empty here; a tmpfs of whiteouts inside the namespace
   userns=()
   [ "$(id -u)" = 0 ] || userns=(--map-root-user)
+  unshare --mount "${userns[@]}" true 2>/dev/null || {
+    log "--bare: cannot make a mount namespace here (unshare --mount ${userns[*]}: needs root, or" \
+        "unprivileged user namespaces)"; exit 2; }
+  build_dir=${build_dir:-$ROOT/build-gpu-bare}
+  case "$build_dir" in *[,:]*) log "--bare: the build dir's path may not hold ',' or ':' (overlayfs options)"; exit 2 ;; esac
+  mkdir -p "$build_dir" && build_dir=$(cd "$build_dir" && pwd)
+  if [ -z "$deps" ]; then
+    deps=$build_dir/deps
+    [ -f "$deps/$packed_stamp" ] || { rm -rf "$deps"; "$ROOT/scripts/gpu-check.sh" --pack-deps "$deps"; }
+  fi
+  mkdir -p "$build_dir/bare-mounts"  # empty here; a tmpfs of whiteouts inside the namespace
   log "--bare: Debian's abseil, glog, gflags, libunwind, GoogleTest, nlohmann-json and jemalloc hidden"
   # Debian's python3-torch links glog and gflags: the packed ones serve it too.
   export GPU_CHECK_BARE=1 LD_LIBRARY_PATH="$deps/usr/lib/$multiarch${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -109,8 +123,11 @@ if [ $bare = 1 ] && [ -z "${GPU_CHECK_BARE:-}" ]; then
     (cd "/usr/lib/$arch" && for f in libabsl_* libgtest* libgmock* libglog* libgflags* libunwind* \
        libjemalloc*; do mknod "$wo/lib/$f" c 0 0; done)
     (cd "/usr/include/$arch" && for f in libunwind*.h; do mknod "$wo/include/$f" c 0 0; done)
-    mount -t overlay gpu-check-bare -o "lowerdir=$wo/lib:/usr/lib/$arch" "/usr/lib/$arch"
-    mount -t overlay gpu-check-bare -o "lowerdir=$wo/include:/usr/include/$arch" "/usr/include/$arch"
+    for d in lib include; do
+      mount -t overlay gpu-check-bare -o "lowerdir=$wo/$d:/usr/$d/$arch" "/usr/$d/$arch" || {
+        echo "gpu-check: --bare: cannot mount an overlay on /usr/$d/$arch (overlayfs in a user" \
+             "namespace needs Linux 5.11 or later)" >&2; exit 2; }
+    done
     for d in /usr/include/absl /usr/include/glog /usr/include/gflags /usr/include/gtest \
              /usr/include/gmock /usr/include/nlohmann /usr/lib/$arch/cmake/absl \
              /usr/lib/$arch/cmake/GTest /usr/lib/$arch/cmake/glog /usr/lib/$arch/cmake/gflags \
@@ -169,7 +186,8 @@ command -v ninja >/dev/null && cmake_args+=(-G Ninja)
 # has none under the Python package: its LibTorch is libtorch-dev's).
 prefixes=
 if [ -n "$deps" ]; then
-  [ -d "$deps/usr/include/absl" ] || { log "--deps $deps: not a folder made by --pack-deps"; exit 2; }
+  [ -f "$deps/$packed_stamp" ] || {
+    log "--deps $deps: not a folder made by --pack-deps (or its packing did not finish)"; exit 2; }
   deps=$(cd "$deps" && pwd)
   prefixes="$deps/usr"
   export LD_LIBRARY_PATH="$deps/usr/lib/$multiarch${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
