@@ -73,15 +73,18 @@ packed_stamp=.gpu-check-deps  # written last by --pack-deps: the folder is compl
 multiarch=$( (gcc -print-multiarch || c++ -print-multiarch) 2>/dev/null || echo x86_64-linux-gnu)
 [ -n "$multiarch" ] || multiarch=x86_64-linux-gnu
 
+# What --pack-deps carries and --bare hides: folders, and libraries of /usr/lib/<arch> (globs).
+lib=/usr/lib/$multiarch
+dep_dirs=(/usr/include/absl /usr/include/gtest /usr/include/gmock /usr/include/glog /usr/include/gflags
+          /usr/include/nlohmann "$lib/cmake/absl" "$lib/cmake/GTest" "$lib/cmake/glog"
+          "$lib/cmake/gflags" /usr/share/cmake/nlohmann_json)
+dep_libs=('libabsl_*.so*' 'libgtest*.a' 'libgmock*.a' 'libglog*' 'libgflags*' 'libunwind.so*')
+
 # --- --pack-deps: the non-torch C++ dependencies, for a machine that lacks them -------------
 if [ -n "$pack_deps" ]; then
-  lib=/usr/lib/$multiarch
-  paths=(/usr/include/absl /usr/include/gtest /usr/include/gmock /usr/include/glog /usr/include/gflags
-         /usr/include/nlohmann "$lib/cmake/absl" "$lib/cmake/GTest" "$lib/cmake/glog" "$lib/cmake/gflags"
-         /usr/share/cmake/nlohmann_json)
+  paths=("${dep_dirs[@]}")
   shopt -s nullglob
-  paths+=("$lib"/libabsl_*.so* "$lib"/libgtest*.a "$lib"/libgmock*.a "$lib"/libglog* "$lib"/libgflags*
-          "$lib"/libunwind.so*)
+  for g in "${dep_libs[@]}"; do paths+=("$lib"/$g); done
   for p in "${paths[@]}"; do
     [ -e "$p" ] || { log "--pack-deps: $p is missing (run scripts/install-deps.sh)"; exit 1; }
   done
@@ -111,6 +114,10 @@ if [ $bare = 1 ] && [ -z "${GPU_CHECK_BARE:-}" ]; then
   fi
   mkdir -p "$build_dir/bare-mounts"  # empty here; a tmpfs of whiteouts inside the namespace
   log "--bare: Debian's abseil, glog, gflags, libunwind, GoogleTest, nlohmann-json and jemalloc hidden"
+  # Besides what is packed: glog's find modules and GoogleTest's sources, every libunwind library
+  # and header (glog's CMake config looks for them), jemalloc (the benches link it when found).
+  export GPU_CHECK_HIDE_DIRS="${dep_dirs[*]} /usr/share/glog /usr/src/googletest"
+  export GPU_CHECK_HIDE_LIBS="${dep_libs[*]} libgtest* libgmock* libunwind* libjemalloc*"
   # Debian's python3-torch links glog and gflags: the packed ones serve it too.
   export GPU_CHECK_BARE=1 LD_LIBRARY_PATH="$deps/usr/lib/$multiarch${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   exec unshare --mount "${userns[@]}" bash -c '
@@ -120,18 +127,15 @@ if [ $bare = 1 ] && [ -z "${GPU_CHECK_BARE:-}" ]; then
     mount -t tmpfs gpu-check-bare "$wo"
     mkdir "$wo/lib" "$wo/include"
     # Whiteouts (0/0 character devices) in the top layer of an overlay hide the files below them.
-    (cd "/usr/lib/$arch" && for f in libabsl_* libgtest* libgmock* libglog* libgflags* libunwind* \
-       libjemalloc*; do mknod "$wo/lib/$f" c 0 0; done)
+    (cd "/usr/lib/$arch" && for f in $GPU_CHECK_HIDE_LIBS; do
+       [ -e "$wo/lib/$f" ] || mknod "$wo/lib/$f" c 0 0; done)
     (cd "/usr/include/$arch" && for f in libunwind*.h; do mknod "$wo/include/$f" c 0 0; done)
     for d in lib include; do
       mount -t overlay gpu-check-bare -o "lowerdir=$wo/$d:/usr/$d/$arch" "/usr/$d/$arch" || {
         echo "gpu-check: --bare: cannot mount an overlay on /usr/$d/$arch (overlayfs in a user" \
              "namespace needs Linux 5.11 or later)" >&2; exit 2; }
     done
-    for d in /usr/include/absl /usr/include/glog /usr/include/gflags /usr/include/gtest \
-             /usr/include/gmock /usr/include/nlohmann /usr/lib/$arch/cmake/absl \
-             /usr/lib/$arch/cmake/GTest /usr/lib/$arch/cmake/glog /usr/lib/$arch/cmake/gflags \
-             /usr/share/cmake/nlohmann_json /usr/share/glog /usr/src/googletest; do
+    for d in $GPU_CHECK_HIDE_DIRS; do
       if [ -d "$d" ]; then mount -t tmpfs gpu-check-bare "$d"; fi
     done
     exec "$@"' gpu-check-bare "$multiarch" "$build_dir/bare-mounts" \
