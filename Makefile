@@ -19,7 +19,7 @@ export CCACHE_SLOPPINESS := pch_defines,time_macros,include_file_mtime,include_f
 export CCACHE_NOHASHDIR := 1
 
 .PHONY: all deps configure build test test-all test-asan test-tsan run bench soak clean fuzz demo-model \
-        check-libtorch2 gpu-check-bare
+        check-libtorch2 gpu-check-bare check-fresh-debian
 
 all: build
 
@@ -63,6 +63,12 @@ check-libtorch2: configure
 # GoogleTest and nlohmann-json from a --pack-deps folder, Debian's copies hidden (--bare; in CI).
 gpu-check-bare: deps
 	scripts/gpu-check.sh --device cpu --quick --bare --build-dir $(BUILD_DIR)-gpu-bare --jobs $(JOBS)
+
+# `make test` on a fresh root of another Debian release (SUITE, default trixie: LibTorch 2.6, GCC 14)
+# from the committed HEAD; needs root and mmdebstrap, ~40 min. Not in CI (network, time).
+SUITE ?= trixie
+check-fresh-debian:
+	JOBS=$(JOBS) scripts/check-fresh-debian.sh $(SUITE)
 
 run: build
 	scripts/run-demo.sh $(BUILD_DIR) $(PORT) $(METRICS_PORT) $(ARGS)

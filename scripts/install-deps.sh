@@ -3,6 +3,8 @@
 # is already installed is not touched, and apt is only called when something is missing.
 #   scripts/install-deps.sh            build + runtime + test packages
 #   scripts/install-deps.sh --runtime  only what the server needs at run time (container images)
+# Debian 12 (bookworm) and 13 (trixie); scripts/check-fresh-debian.sh runs `make test` on a fresh
+# root of a release. The --runtime names are bookworm's (the images' base).
 set -euo pipefail
 
 BUILD_PKGS=(
@@ -11,7 +13,7 @@ BUILD_PKGS=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   prometheus-cpp-dev libabsl-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev libssl-dev zlib1g-dev
-  clang-14 libclang-rt-14-dev
+  clang libclang-rt-dev
 )
 TEST_PKGS=(python3-torch python3-numpy python3-grpcio curl prometheus)
 RUNTIME_PKGS=(libtorch1.13 libopenblas0-pthread libjemalloc2 libgoogle-glog0v6 libgrpc++1.51 libprotobuf32 libprometheus-cpp-core1.0 libprometheus-cpp-pull1.0)

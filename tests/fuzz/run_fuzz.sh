@@ -30,7 +30,7 @@ if [ -z "$cxx" ]; then
   for c in clang++-14 clang++; do command -v "$c" >/dev/null 2>&1 && { cxx=$c; break; }; done
 fi
 if [ -z "$cxx" ]; then
-  echo "run_fuzz: no clang++ found; install clang-14 and libclang-rt-14-dev (scripts/install-deps.sh)" >&2
+  echo "run_fuzz: no clang++ found; install clang and libclang-rt-dev (scripts/install-deps.sh)" >&2
   exit 1
 fi
 
