@@ -39,6 +39,18 @@ say "making a $suite root in $root"
 mmdebstrap --variant=apt --include=make,ca-certificates "$suite" "$root" "$mirror" >>"$log" 2>&1 || {
   say "mmdebstrap failed (see $log)"; exit 1; }
 cp /etc/resolv.conf "$root/etc/resolv.conf"
+# The site's own certificate authorities (a TLS-inspecting proxy's, say), as a machine on this
+# network would have them: npm fetches over https and Node reads extra CAs only from
+# NODE_EXTRA_CA_CERTS.
+extra_env=()
+if compgen -G "/usr/local/share/ca-certificates/*.crt" >/dev/null; then
+  cp /usr/local/share/ca-certificates/*.crt "$root/usr/local/share/ca-certificates/"
+  chroot "$root" update-ca-certificates >>"$log" 2>&1
+  extra_env+=(NODE_EXTRA_CA_CERTS=/etc/ssl/certs/ca-certificates.crt)
+fi
+for v in http_proxy https_proxy no_proxy HTTP_PROXY HTTPS_PROXY NO_PROXY; do
+  [ -z "${!v:-}" ] || extra_env+=("$v=${!v}")
+done
 
 # A clone of the committed HEAD: no build trees, no node_modules, no uncommitted change.
 git clone -q --no-hardlinks "$ROOT" "$root/src"
@@ -48,12 +60,12 @@ set +e
 # Its own mount namespace: /proc, /sys, /dev and a fresh /dev/shm go away with it.
 unshare --mount --fork bash -c '
   set -e
-  r=$1 jobs=$2
+  r=$1 jobs=$2; shift 2
   for d in proc sys dev; do mount --rbind "/$d" "$r/$d"; mount --make-rslave "$r/$d"; done
   mount -t tmpfs shm "$r/dev/shm"
   exec chroot "$r" env -i HOME=/root PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
-    LANG=C.UTF-8 DEBIAN_FRONTEND=noninteractive bash -c "cd /src && make test JOBS=$jobs"' \
-  check-fresh-debian "$root" "${JOBS:-$(nproc)}" >>"$log" 2>&1
+    LANG=C.UTF-8 DEBIAN_FRONTEND=noninteractive "$@" bash -c "cd /src && make test JOBS=$jobs"' \
+  check-fresh-debian "$root" "${JOBS:-$(nproc)}" "${extra_env[@]}" >>"$log" 2>&1
 rc=$?
 set -e
 grep -E "tests passed|tests failed|\*\*\*Failed|Error [0-9]+" "$log" | tail -20 >&2 || true
