@@ -28,7 +28,8 @@ command -v unshare >/dev/null || { echo "check-fresh-debian: needs unshare (util
 case "$root" in /|/usr|/var|/var/tmp|/tmp) echo "check-fresh-debian: refusing FRESH_ROOT=$root" >&2; exit 2 ;; esac
 
 say() { echo "check-fresh-debian: $*" | tee -a "$log" >&2; }
-# A root left mounted by an interrupted run would take the host's /proc and /dev with it on rm.
+# This script's own mounts live in a private namespace and vanish with it; a root mounted by hand
+# (chroot into a KEEP=1 root, say) would take the host's /proc and /dev with it on rm.
 if [ -d "$root" ]; then
   if grep -q " $root/" /proc/mounts; then say "$root has mounts under it; unmount them first"; exit 2; fi
   rm -rf "$root"
