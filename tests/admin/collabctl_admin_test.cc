@@ -178,9 +178,10 @@ TEST(CollabctlAdminTest, UploadedDemoAtAQuarterRankKeepsItsAccuracyOverGrpc) {
   EXPECT_GE(right_compressed / n, right_original / n - 0.01) << right_compressed << " vs " << right_original;
   EXPECT_GE(agree / n, 0.97) << agree << " of " << texts.size();
 
-  // The target search (compress RESULTS section 10: 8.7x fewer Q/K parameters, 99.3% of the test
-  // answers). The target held on the held-out calibration texts by construction; on the test split,
-  // which the search never saw, allow half a point.
+  // The target search (README: 8.05x fewer Q/K parameters with OpenBLAS's Haswell kernels, 7.04x with
+  // its AVX-512 ones: one held-out answer of 204 moves the stopping point, and the kernels round
+  // differently). The target held on the held-out calibration texts by construction; on the test
+  // split, which the search never saw, allow half a point.
   const std::vector<std::string> targeted = classify("demo-t99");
   ASSERT_EQ(targeted.size(), texts.size());
   int agree_t = 0, right_t = 0;
@@ -192,7 +193,8 @@ TEST(CollabctlAdminTest, UploadedDemoAtAQuarterRankKeepsItsAccuracyOverGrpc) {
   EXPECT_GE(right_t / n, right_original / n - 0.01);
   auto before = (*client)->GetModel("demo"), after = (*client)->GetModel("demo-t99");
   ASSERT_TRUE(before.ok() && after.ok());
-  EXPECT_GE(static_cast<double>(before->parameters().attention_qk()) / after->parameters().attention_qk(), 8.0);
+  // Both are about twice the uniform D_k/4 = 64 (3.72x); 6.5 leaves room for other kernels.
+  EXPECT_GE(static_cast<double>(before->parameters().attention_qk()) / after->parameters().attention_qk(), 6.5);
 }
 
 TEST(CollabctlAdminTest, TalksTlsToAnAdminServiceBehindTls) {
