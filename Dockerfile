@@ -10,8 +10,10 @@
 # statically (syntax, stage graph, COPY sources against .dockerignore, user, ports, health check),
 # and deploy/docker/runtime-packages.sh is tested on the host; neither target has been built or run.
 # The `cuda` target in particular rests on unverified assumptions: the base image tags below exist,
-# Ubuntu 24.04's gRPC 1.51/protobuf 3.21/abseil 20220623 build the code as Debian bookworm's do, and
-# the official LibTorch (built without glog) links next to Ubuntu's glog.
+# and the official LibTorch (built without glog) links next to Ubuntu's glog. Checked by hand in an
+# Ubuntu 24.04 root (2026-12-03): the cuda-build apt list below installs, and every translation unit
+# compiles with its GCC 13, gRPC 1.51, protobuf 3.21 and abseil 20220623 against LibTorch 2.6
+# (Debian 13's, standing in for the official zip, which could not be fetched).
 
 ARG DEBIAN_IMAGE=debian:bookworm
 ARG DEBIAN_RUNTIME_IMAGE=debian:bookworm-slim

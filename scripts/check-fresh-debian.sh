@@ -40,6 +40,9 @@ say "making a $suite root in $root"
 mmdebstrap --variant=apt --include=make,ca-certificates "$suite" "$root" "$mirror" >>"$log" 2>&1 || {
   say "mmdebstrap failed (see $log)"; exit 1; }
 cp /etc/resolv.conf "$root/etc/resolv.conf"
+# An installed system or a container runtime always provides /etc/hosts; a bookworm mmdebstrap root
+# has none, and gRPC's resolver then cannot resolve "localhost" (the TLS tests' certificate name).
+[ -e "$root/etc/hosts" ] || printf '127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n' >"$root/etc/hosts"
 # The site's own certificate authorities (a TLS-inspecting proxy's, say), as a machine on this
 # network would have them: npm fetches over https and Node reads extra CAs only from
 # NODE_EXTRA_CA_CERTS.
@@ -58,7 +61,8 @@ git clone -q --no-hardlinks "$ROOT" "$root/src"
 say "root ready in $((SECONDS - t0)) s; make test in $root/src (HEAD $(git -C "$ROOT" rev-parse --short HEAD))"
 
 set +e
-# Its own mount namespace: /proc, /sys, /dev and a fresh /dev/shm go away with it.
+# Its own mount namespace: /proc, /sys, /dev and a fresh /dev/shm go away with it. `env -i`: none of
+# this host's environment leaks in (OPENBLAS_CORETYPE, for one, changes which kernels OpenBLAS runs).
 unshare --mount --fork bash -c '
   set -e
   r=$1 jobs=$2; shift 2
