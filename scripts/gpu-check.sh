@@ -5,7 +5,7 @@
 # the same weights and inputs, times the compression, and prints one summary table.
 #
 #   scripts/gpu-check.sh [--device cuda|cpu] [--quick] [--jobs N] [--build-dir DIR] [--deps DIR]
-#                        [--bare]
+#                        [--bare] [--time-limit S]
 #   scripts/gpu-check.sh --pack-deps DIR
 #
 #   --device cuda (default when torch sees a GPU): the CUDA parity tests (float32 within 1e-4 of the
@@ -29,6 +29,12 @@
 #            on a Debian machine (CI runs the --quick form). Its own build dir (default
 #            build-gpu-bare/): a tree configured with the system's copies would keep their paths.
 #            Needs unshare (util-linux) and root, or unprivileged user namespaces and overlayfs.
+#   --time-limit S: finish within S seconds of the start (a lent GPU machine's minutes): a step
+#            that can no longer start in time is skipped, the bench's time per grid point and model
+#            (3 s on a GPU) shrinks to fit what is left, and the exit status is 124 when the limit
+#            cut a step.
+#   On SIGTERM or SIGINT (what timeout(1) sends) the script writes the summary of what finished,
+#   names the step it interrupted, and exits with 143 (130).
 #
 # Environment: OUT (where results go; default BUILD_DIR/gpu-check), PYTHON (an interpreter with
 # torch; default: the first of python3, /usr/bin/python3 that imports it). Uses ccache when present
@@ -36,8 +42,8 @@
 # match and the objects the normal build compiled are reused).
 # Needs: CMake >= 3.18, a C++17 compiler (C++20 for LibTorch 2.13 and later), abseil,
 # nlohmann-json, glog and GoogleTest where CMake finds them (scripts/install-deps.sh installs
-# them on Debian; or --deps), and torch in PYTHON. Exit status: non-zero when a step fails; the
-# summary says which.
+# them on Debian; or --deps), and torch in PYTHON. Exit status: non-zero when a step fails (124
+# when --time-limit cut one, 143 / 130 when a signal did); the summary says which.
 set -euo pipefail
 caller=$PWD
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -45,7 +51,7 @@ cd "$ROOT"
 absolute() { case "$1" in ''|/*) printf '%s' "$1" ;; *) printf '%s/%s' "$caller" "$1" ;; esac; }
 
 args=("$@")
-device= quick=0 jobs=$(nproc) build_dir= deps= pack_deps= bare=0
+device= quick=0 jobs=$(nproc) build_dir= deps= pack_deps= bare=0 time_limit=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --device) device=$2; shift 2 ;;
@@ -60,7 +66,9 @@ while [ $# -gt 0 ]; do
     --pack-deps) pack_deps=$2; shift 2 ;;
     --pack-deps=*) pack_deps=${1#*=}; shift ;;
     --bare) bare=1; shift ;;
-    -h|--help) sed -n '2,39p' "$0"; exit 0 ;;
+    --time-limit) time_limit=$2; shift 2 ;;
+    --time-limit=*) time_limit=${1#*=}; shift ;;
+    -h|--help) sed -n '2,46p' "$0"; exit 0 ;;
     *) echo "gpu-check: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -167,20 +175,92 @@ build_dir=${build_dir:-$ROOT/build-gpu-check}
 OUT=${OUT:-$build_dir/gpu-check}
 mkdir -p "$OUT"
 summary=$OUT/summary.md
-status=()  # "step: ok|FAILED" lines for the summary
+rm -f "$summary" "$OUT"/*.tsv "$OUT"/compress-on-*.json  # no figures from an earlier run
+case "$time_limit" in ''|*[!0-9]*) log "--time-limit must be whole seconds, not '$time_limit'"; exit 2 ;; esac
+status=()  # "| step | outcome | time |" rows for the summary
+current= current_t0=0 cut=0 notes=()
+# Seconds left before --time-limit (a large number without one).
+left() { if [ "$time_limit" -gt 0 ]; then echo $((time_limit - SECONDS)); else echo 1000000; fi; }
 run_step() {  # name, command...: runs it with its output in $OUT/<name>.log; records the outcome
   local name=$1; shift
-  log "$name ..."
-  local t0=$SECONDS
-  if "$@" >"$OUT/$name.log" 2>&1; then
-    status+=("| $name | ok | $((SECONDS - t0)) s |")
-  else
-    status+=("| $name | **FAILED** (see $name.log) | $((SECONDS - t0)) s |")
-    tail -20 "$OUT/$name.log" >&2
+  # A step needs a few seconds at least: one that would start in the last 10 is not begun.
+  if [ "$(left)" -lt 10 ]; then
+    status+=("| $name | **skipped**: --time-limit $time_limit s reached | 0 s |")
+    log "$name: skipped, the time limit ($time_limit s) is reached"
+    cut=1
     return 1
   fi
+  log "$name ..."
+  current=$name current_t0=$SECONDS
+  if "$@" >"$OUT/$name.log" 2>&1; then
+    status+=("| $name | ok | $((SECONDS - current_t0)) s |")
+  else
+    status+=("| $name | **FAILED** (see $name.log) | $((SECONDS - current_t0)) s |")
+    tail -20 "$OUT/$name.log" >&2
+    current=
+    return 1
+  fi
+  current=
 }
 failed=0
+
+# --- summary ----------------------------------------------------------------------------------
+write_summary() {
+  local -; set +e  # whatever failed, the summary is written
+{
+  echo "# collabserve GPU check ($device, $(date -u +'%Y-%m-%d %H:%M UTC'))"
+  echo
+  cxx_std=$(sed -n 's/^-- \(C++[0-9]*\) (LibTorch .*/\1/p' "$OUT/configure.log" 2>/dev/null | tail -1 || true)
+  echo "torch $torch_version ($PYTHON), CUDA available: $cuda_ok, C++11 ABI: $torch_abi," \
+       "${cxx_std:-C++ standard unknown}; model preset ${preset:-(not chosen yet)}"
+  [ "$device" != cpu ] && command -v nvidia-smi >/dev/null && \
+    echo "GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -1)"
+  echo
+  echo "| step | result | time |"
+  echo "|---|---|---|"
+  printf '%s\n' "${status[@]}"
+  [ ${#notes[@]} = 0 ] || { echo; printf '%s\n' "${notes[@]}"; }
+  echo
+  grep -h '^\[ cuda' "$OUT"/test-engine_reference_test.log 2>/dev/null | sed 's/^/    /' || true
+  for dt in ${dtypes:-}; do
+    [ -f "$OUT/engine-$dt.tsv" ] || continue
+    echo
+    echo "Engine vs PyTorch eager, $dt, seq/s (collaborative: D~ = ${first_rank:-}; every model in engine-$dt.log):"
+    echo
+    echo "| batch x seq | collabserve | PyTorch | ratio | D~ = ${first_rank:-} | / standard |"
+    echo "|---|---|---|---|---|---|"
+    awk -F'\t' 'NR == FNR { if ($1 !~ /^#/) py[$1 "x" $2] = $3; next }
+      $1 !~ /^#/ { k = $1 "x" $2; p = (k in py) ? py[k] : 0;
+        r = ($3 > 0) ? $6 / $3 : 0;
+        printf "| %s x %s | %.2f | %s | %s | %.2f | %.2fx |\n", $1, $2, $3,
+          (p ? sprintf("%.2f", p) : "-"), (p ? sprintf("%.2fx", $3 / p) : "-"), $6, r }' \
+      "$([ -f "$OUT/pytorch-$dt.tsv" ] && echo "$OUT/pytorch-$dt.tsv" || echo /dev/null)" "$OUT/engine-$dt.tsv"
+  done
+  if [ -f "$OUT/compress-on-$device.json" ]; then
+    echo
+    "$PYTHON" - "$OUT/compress-on-$device.json" "${first_rank:-}" "$device" <<'PYEOF' || true
+import json, sys
+r = json.load(open(sys.argv[1]))
+print(f"Compression at D~ = {sys.argv[2]} on {sys.argv[3]}: {r.get('seconds', 0):.2f} s in all, "
+      f"{r.get('decompose_seconds', 0):.2f} s of CP-ALS, top-1 agreement "
+      f"{r.get('fidelity', {}).get('top1_agreement', float('nan')):.3f}")
+PYEOF
+  fi
+} >"$summary"
+}
+# On a signal (timeout(1) sends SIGTERM to the whole group, so the step's command ends too): the
+# summary of what finished, and the step it cut.
+on_signal() {
+  trap - TERM INT
+  [ -z "$current" ] || status+=("| $current | **interrupted** by $1 | $((SECONDS - current_t0)) s |")
+  notes+=("Interrupted by $1 after $SECONDS s.")
+  write_summary
+  cat "$summary"
+  log "interrupted by $1; results so far in $OUT"
+  exit "$2"
+}
+trap 'on_signal SIGTERM 143' TERM
+trap 'on_signal SIGINT 130' INT
 
 # --- configure and build --------------------------------------------------------------------
 cmake_args=(-S "$ROOT" -B "$build_dir" -DCMAKE_BUILD_TYPE=Release -DCOLLABSERVE_WITH_GRPC=OFF
@@ -212,12 +292,16 @@ fi
 targets=(collabserve-model engine_bench engine_reference_test)
 [ $quick = 1 ] || targets+=(engine_test kernels_test cp_als_test collaborative_test)
 [ $failed = 0 ] && { run_step build cmake --build "$build_dir" -j "$jobs" --target "${targets[@]}" || failed=1; }
+# What follows needs the build; each later step only what it uses, so that on a lent GPU's few
+# minutes a failed parity test still leaves the bench's figures.
+built=0
+[ $failed = 0 ] && built=1
 bin=$build_dir/bin
 tests=$build_dir/tests
 
 # --- parity tests -----------------------------------------------------------------------------
 export COLLABSERVE_SOURCE_DIR=$ROOT COLLABSERVE_PYTHON=$PYTHON
-if [ $failed = 0 ]; then
+if [ $built = 1 ]; then
   if [ $quick = 1 ]; then
     run_step tests "$tests/engine_reference_test" || failed=1
   else
@@ -237,16 +321,19 @@ preset=base batches=1,8,32,128 seqs=16,128,512 dtypes="float16 float32" budget=3
 if [ $quick = 1 ]; then preset=mini batches=1,2 seqs=16 dtypes=float32 budget=0.2; fi
 # D~ = D_k/2 and D_k/4 of the preset's 12 x 64 (base) or 4 x 64 (mini) heads.
 if [ "$preset" = base ]; then ranks="384 192"; else ranks="128 64"; fi
-if [ $failed = 0 ]; then
+have_models=0
+if [ $built = 1 ]; then
   mkdir -p "$models"
+  have_models=1
   [ -f "$models/$preset/config.json" ] || run_step make-model \
-    "$bin/collabserve-model" make --out "$models/$preset" --preset "$preset" || failed=1
+    "$bin/collabserve-model" make --out "$models/$preset" --preset "$preset" || have_models=0
   for r in $ranks; do
-    if [ ! -f "$models/$preset-$r/config.json" ]; then
+    if [ $have_models = 1 ] && [ ! -f "$models/$preset-$r/config.json" ]; then
       run_step "compress-$r" "$bin/collabserve-model" compress --model "$models/$preset" \
-        --out "$models/$preset-$r" --rank "$r" || failed=1
+        --out "$models/$preset-$r" --rank "$r" || have_models=0
     fi
   done
+  [ $have_models = 1 ] || failed=1
 fi
 
 # --- the compression on the device, timed -----------------------------------------------------
@@ -256,7 +343,7 @@ compress_on_device() {  # the JSON report alone into compress-on-DEVICE.json
   "$bin/collabserve-model" compress --model "$models/$preset" --out "$models/$preset-$first_rank-$device" \
     --rank "$first_rank" --device "$device" >"$OUT/compress-on-$device.json"
 }
-if [ $failed = 0 ]; then
+if [ -f "$models/$preset/config.json" ]; then
   run_step "compress-on-$device" compress_on_device || failed=1
 fi
 
@@ -265,61 +352,39 @@ collab_dirs=
 for r in $ranks; do collab_dirs+="${collab_dirs:+,}$models/$preset-$r"; done
 threads=$(nproc)
 [ "$device" = cpu ] && threads=2
-if [ $failed = 0 ]; then
+# With a time limit, each grid point and model gets what is left over the runs the bench makes:
+# per dtype, PyTorch's one model and the engine's standard and collaborative ones at every point;
+# 20 s per process for starting (Python and CUDA, loading the models, warm-ups); and half of the
+# rest, since a point's runs also stop at --max_runs or carry on to --min_runs.
+if [ $have_models = 1 ] && [ "$time_limit" -gt 0 ] && [ "$(left)" -ge 10 ]; then
+  set -- $dtypes; n_dtypes=$#
+  set -- $ranks; n_models=$(($# + 1))
+  n_points=$(( $(echo "$batches" | tr ',' '\n' | wc -l) * $(echo "$seqs" | tr ',' '\n' | wc -l) ))
+  fit=$(awk -v left="$(left)" -v d="$n_dtypes" -v p="$n_points" -v m="$n_models" -v b="$budget" '
+    BEGIN { f = 0.5 * (left - 10 - 2 * d * 20) / (d * p * (m + 1)); if (f > b) f = b; if (f < 0.05) f = 0.05;
+            printf "%.2f", f }')
+  notes+=("Bench: $fit s per grid point and model (at most $budget; --time-limit $time_limit s, $(left) s left when it began).")
+  budget=$fit
+fi
+if [ $have_models = 1 ]; then
   sdpa=()
   "$PYTHON" -c 'import torch.nn.functional as F; F.scaled_dot_product_attention' 2>/dev/null && sdpa=(--sdpa)
   for dt in $dtypes; do
     run_step "pytorch-$dt" env OMP_NUM_THREADS=$threads "$PYTHON" "$ROOT/bench/engine/pytorch_bench.py" \
       --model "$models/$preset" --out "$OUT/pytorch-$dt.tsv" --device "$device" --dtype "$dt" \
       --batches "$batches" --seqs "$seqs" --threads "$threads" --budget_s "$budget" "${sdpa[@]}" || failed=1
+    py_tsv=()  # the engine's table without PyTorch's column when that run failed
+    [ -f "$OUT/pytorch-$dt.tsv" ] && py_tsv=(--pytorch_tsv="$OUT/pytorch-$dt.tsv")
     run_step "engine-$dt" env OMP_NUM_THREADS=$threads OMP_WAIT_POLICY=PASSIVE "$bin/engine_bench" \
       --model="$models/$preset" --collab_model="$collab_dirs" --device="$device" --dtype="$dt" \
       --batches="$batches" --seqs="$seqs" --threads="$threads" --budget_s="$budget" \
-      --pytorch_tsv="$OUT/pytorch-$dt.tsv" --tsv_out="$OUT/engine-$dt.tsv" --sgemm=0 --stream_mb=0 \
-      --memory=0 || failed=1
+      "${py_tsv[@]}" --tsv_out="$OUT/engine-$dt.tsv" --sgemm=0 --stream_mb=0 --memory=0 || failed=1
   done
 fi
 
-# --- summary ----------------------------------------------------------------------------------
-{
-  echo "# collabserve GPU check ($device, $(date -u +'%Y-%m-%d %H:%M UTC'))"
-  echo
-  cxx_std=$(sed -n 's/^-- \(C++[0-9]*\) (LibTorch .*/\1/p' "$OUT/configure.log" 2>/dev/null | tail -1)
-  echo "torch $torch_version ($PYTHON), CUDA available: $cuda_ok, C++11 ABI: $torch_abi," \
-       "${cxx_std:-C++ standard unknown}; model preset $preset"
-  [ "$device" != cpu ] && command -v nvidia-smi >/dev/null && \
-    echo "GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -1)"
-  echo
-  echo "| step | result | time |"
-  echo "|---|---|---|"
-  printf '%s\n' "${status[@]}"
-  echo
-  grep -h '^\[ cuda' "$OUT"/test-engine_reference_test.log 2>/dev/null | sed 's/^/    /' || true
-  for dt in $dtypes; do
-    [ -f "$OUT/engine-$dt.tsv" ] || continue
-    echo
-    echo "Engine vs PyTorch eager, $dt, seq/s (collaborative: D~ = ${first_rank}; every model in engine-$dt.log):"
-    echo
-    echo "| batch x seq | collabserve | PyTorch | ratio | D~ = $first_rank | / standard |"
-    echo "|---|---|---|---|---|---|"
-    awk -F'\t' 'NR == FNR { if ($1 !~ /^#/) py[$1 "x" $2] = $3; next }
-      $1 !~ /^#/ { k = $1 "x" $2; p = (k in py) ? py[k] : 0;
-        r = ($3 > 0) ? $6 / $3 : 0;
-        printf "| %s x %s | %.2f | %s | %s | %.2f | %.2fx |\n", $1, $2, $3,
-          (p ? sprintf("%.2f", p) : "-"), (p ? sprintf("%.2fx", $3 / p) : "-"), $6, r }' \
-      "$OUT/pytorch-$dt.tsv" "$OUT/engine-$dt.tsv"
-  done
-  if [ -f "$OUT/compress-on-$device.json" ]; then
-    echo
-    "$PYTHON" - "$OUT/compress-on-$device.json" "$first_rank" "$device" <<'PYEOF'
-import json, sys
-r = json.load(open(sys.argv[1]))
-print(f"Compression at D~ = {sys.argv[2]} on {sys.argv[3]}: {r.get('seconds', 0):.2f} s in all, "
-      f"{r.get('decompose_seconds', 0):.2f} s of CP-ALS, top-1 agreement "
-      f"{r.get('fidelity', {}).get('top1_agreement', float('nan')):.3f}")
-PYEOF
-  fi
-} >"$summary"
+write_summary
 cat "$summary"
 log "results in $OUT"
+# 1 when a step failed, else 124 when the time limit cut one (timeout(1)'s status).
+[ $failed = 0 ] || printf '%s\n' "${status[@]}" | grep -q FAILED || [ $cut = 0 ] || exit 124
 exit $failed

@@ -579,6 +579,7 @@ int Main(int argc, char** argv) {
       if (tsv) {
         std::fprintf(tsv, "%d\t%d\t%.4f\t%zu\t%.3f\t%.4f\n", b, s, p.seq_per_s, p.times.size(),
                      p.cpu_ms_per_seq, pc.seq_per_s);
+        std::fflush(tsv);  // a run cut short (a time limit) keeps the rows it measured
       }
     }
   }
