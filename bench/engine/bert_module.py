@@ -6,7 +6,8 @@ bench/engine and the graph exported to ONNX for the ONNX Runtime baseline.
 
 Standard (non-collaborative) checkpoints with hidden_act gelu only: that is what the bench uses.
 `load(..., sdpa=True)` computes attention with torch's fused scaled_dot_product_attention
-(torch >= 2.0), what Hugging Face's "sdpa" attention does: the GPU baseline.
+(torch >= 2.0) and no mask when nothing is padded, what Hugging Face's "sdpa" attention does: the
+GPU baseline.
 """
 import math
 import os
@@ -65,6 +66,7 @@ class BertClassifier(nn.Module):
         self.pos = nn.Embedding(cfg["max_position_embeddings"], D)
         self.token_type = nn.Embedding(cfg.get("type_vocab_size", 2), D)
         self.emb_ln = nn.LayerNorm(D, eps=eps)
+        self.sdpa = sdpa
         self.layers = nn.ModuleList(Layer(D, H, F, eps, sdpa) for _ in range(cfg["num_hidden_layers"]))
         self.pooler = nn.Linear(D, D)
         self.classifier = nn.Linear(D, len(cfg.get("id2label", {})) or cfg.get("num_labels", 2))
@@ -73,6 +75,8 @@ class BertClassifier(nn.Module):
         pos = torch.arange(input_ids.size(1), dtype=torch.long, device=input_ids.device).unsqueeze(0)
         h = self.emb_ln(self.word(input_ids) + self.pos(pos) + self.token_type(token_type_ids))
         ext = (1.0 - attention_mask[:, None, None, :].to(h.dtype)) * torch.finfo(h.dtype).min
+        if self.sdpa and bool((attention_mask == 1).all()):
+            ext = None  # no padding: no mask, as Hugging Face's SDPA attention (flash attention may run)
         for layer in self.layers:
             h = layer(h, ext)
         return self.classifier(torch.tanh(self.pooler(h[:, 0])))

@@ -3,14 +3,24 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
+#include <torch/version.h>
 
 #include <algorithm>
 #include <cmath>
 
 #include "server/model/kernels.h"
 
+// at::scaled_dot_product_attention with its scale argument: LibTorch 2.1 and later.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
+#define COLLABSERVE_HAVE_SDPA 1
+#else
+#define COLLABSERVE_HAVE_SDPA 0
+#endif
+
 namespace collabserve::model::internal {
 namespace {
+
+constexpr bool kHaveSdpa = COLLABSERVE_HAVE_SDPA;
 
 // Up to this many positions a head's attention keeps its scores in registers (kernels.h:
 // Attention) instead of forming them on the micro-kernel. Default kSmallAttentionDefaultMaxS;
@@ -270,9 +280,46 @@ at::Tensor ProjectAndAttend(SgemmFn sgemm, const at::Tensor& x, const EncoderLay
   return ctx;
 }
 
+bool SdpaAvailable() { return kHaveSdpa; }
+
+bool UseSdpa(const at::Tensor& x) {
+  if (!kHaveSdpa) return false;
+  static const bool forced = util::EnvString("COLLABSERVE_ATTENTION") == "sdpa";
+  return x.is_cuda() || forced;
+}
+
 at::Tensor AtenAttention(const EncoderLayer& l, const at::Tensor& proj, const at::Tensor& mask_add,
                          int64_t B, int64_t S, int64_t Sq, int64_t H, int64_t dk) {
   const int64_t D = H * dk;
+#if COLLABSERVE_HAVE_SDPA
+  if (UseSdpa(proj)) {
+    // One fused kernel (flash attention without a mask, memory-efficient attention with one):
+    // the [B, H, Sq, S] scores are never written to memory.
+    at::Tensor q, k, v, bias;
+    double scale = 1.0;
+    if (l.collaborative) {
+      // Head i's queries x W~_Q scaled by m_i (the mixing has 1/sqrt(d_k) folded in), the shared
+      // keys y W~_K, and the content term v_i^T y as a bias on every query row.
+      const int64_t R = l.rank;
+      auto p3 = proj.view({B, S, -1});
+      q = p3.narrow(2, 0, R).narrow(1, 0, Sq).unsqueeze(1) * l.mixing.view({1, H, 1, R});  // [B, H, Sq, R]
+      k = p3.narrow(2, R, R).unsqueeze(1).expand({B, H, S, R});
+      v = p3.narrow(2, 2 * R, D).view({B, S, H, dk}).transpose(1, 2);
+      bias = p3.narrow(2, 2 * R + D, H).transpose(1, 2).unsqueeze(2);  // [B, H, 1, S]
+      bias = mask_add.defined() ? bias + mask_add : bias.contiguous();
+    } else {
+      auto qkv = proj.view({B, S, 3, H, dk});
+      q = qkv.select(2, 0).narrow(1, 0, Sq).transpose(1, 2);  // [B, H, Sq, dk]
+      k = qkv.select(2, 1).transpose(1, 2);
+      v = qkv.select(2, 2).transpose(1, 2);
+      bias = mask_add;  // [B, 1, 1, S] or none (no padding)
+      scale = 1.0 / std::sqrt(static_cast<double>(dk));
+    }
+    at::Tensor ctx = bias.defined() ? at::scaled_dot_product_attention(q, k, v, bias, 0.0, false, scale)
+                                    : at::scaled_dot_product_attention(q, k, v, {}, 0.0, false, scale);
+    return ctx.transpose(1, 2).reshape({B * Sq, D});
+  }
+#endif
   at::Tensor scores, v;
   if (l.collaborative) {
     const int64_t R = l.rank;

@@ -16,6 +16,7 @@
 #include <vector>
 #include <nlohmann/json.hpp>
 
+#include "server/model/attention_ops.h"
 #include "server/model/checkpoint_maker.h"
 #include "server/model/engine.h"
 #include "server/model/param_counts.h"
@@ -208,6 +209,17 @@ void ExpectEngineMatchesReference(const std::string& dir, const std::string& nam
   float spread = 0;
   for (size_t i = 1; i < expected.size(); ++i) spread = std::max(spread, std::abs(expected[i][0] - expected[0][0]));
   EXPECT_GT(spread, 0.05) << name;
+}
+
+// engine_reference_sdpa_test runs this file under COLLABSERVE_ATTENTION=sdpa (and
+// COLLABSERVE_GEMM=aten): attention on at::scaled_dot_product_attention, as on CUDA. A LibTorch
+// without it would quietly run the other path.
+TEST(EngineReferenceSdpaTest, SdpaIsThereWhenAskedFor) {
+  const char* attention = std::getenv("COLLABSERVE_ATTENTION");
+  if (attention != nullptr && std::string(attention) == "sdpa") {
+    EXPECT_TRUE(internal::SdpaAvailable()) << "COLLABSERVE_ATTENTION=sdpa needs LibTorch >= 2.1";
+    EXPECT_TRUE(internal::UseSdpa(at::zeros({1})));
+  }
 }
 
 TEST_P(EngineReferenceTest, LogitsMatchTheReference) {
