@@ -151,16 +151,20 @@ if [ $bare = 1 ] && [ -z "${GPU_CHECK_BARE:-}" ]; then
 fi
 
 # --- the Python with torch, and what its torch is ---------------------------------------------
+# The reference (tests/reference/bert_reference.py) and the PyTorch baseline need numpy too.
 if [ -z "${PYTHON:-}" ]; then
   for p in python3 /usr/bin/python3; do
-    if command -v "$p" >/dev/null && "$p" -c 'import torch' 2>/dev/null; then PYTHON=$(command -v "$p"); break; fi
+    if command -v "$p" >/dev/null && "$p" -c 'import torch, numpy' 2>/dev/null; then PYTHON=$(command -v "$p"); break; fi
   done
 fi
-[ -n "${PYTHON:-}" ] || { log "no Python with torch found (set PYTHON)"; exit 1; }
-read -r torch_version cuda_ok torch_cmake torch_abi <<<"$("$PYTHON" -c '
+[ -n "${PYTHON:-}" ] || { log "no Python with torch and numpy found (set PYTHON)"; exit 1; }
+"$PYTHON" -c 'import torch, numpy' 2>/dev/null || { log "$PYTHON cannot import torch and numpy"; exit 1; }
+read -r torch_version cuda_ok torch_cmake torch_abi torch_cuda gpu_arch <<<"$("$PYTHON" -c '
 import torch
-print(torch.__version__, int(torch.cuda.is_available()), torch.utils.cmake_prefix_path,
-      int(torch._C._GLIBCXX_USE_CXX11_ABI))')"
+ok = torch.cuda.is_available()
+arch = "%d.%d" % torch.cuda.get_device_capability(0) if ok else "-"
+print(torch.__version__, int(ok), torch.utils.cmake_prefix_path,
+      int(torch._C._GLIBCXX_USE_CXX11_ABI), torch.version.cuda or "-", arch)')"
 if [ -z "$device" ]; then
   device=cpu
   [ "$cuda_ok" = 1 ] && device=cuda
@@ -170,6 +174,29 @@ case "$device" in
   cuda|cuda:*) [ "$cuda_ok" = 1 ] || { log "--device $device, but torch $torch_version sees no GPU"; exit 1; } ;;
   *) log "--device must be cpu or cuda[:N], not '$device'"; exit 2 ;;
 esac
+
+# A CUDA build of torch: its CMake package (Caffe2's public/cuda.cmake) needs the CUDA toolkit
+# (nvcc and the CUDA headers and libraries), or configure stops with "Your installed Caffe2 version
+# uses CUDA but I cannot find the CUDA libraries". Found on PATH, under CUDA_HOME / CUDA_PATH,
+# /usr/local/cuda*, or a pip package of the Python (nvidia-cuda-nvcc); the kernels' architecture is
+# the GPU's own (TORCH_CUDA_ARCH_LIST), so that torch's CMake does not probe for it.
+nvcc=
+if [ "$torch_cuda" != - ]; then
+  for c in "$(command -v nvcc || true)" "${CUDA_HOME:+$CUDA_HOME/bin/nvcc}" "${CUDA_PATH:+$CUDA_PATH/bin/nvcc}" \
+           /usr/local/cuda/bin/nvcc /usr/local/cuda-*/bin/nvcc \
+           "$("$PYTHON" -c 'import glob, os, nvidia; print(next(iter(sorted(glob.glob(os.path.join(list(nvidia.__path__)[0], "*", "bin", "nvcc")))), ""))' 2>/dev/null)"; do
+    if [ -n "$c" ] && [ -x "$c" ]; then nvcc=$c; break; fi
+  done
+  if [ -n "$nvcc" ]; then
+    cuda_root=$(cd "$(dirname "$nvcc")/.." && pwd)
+    export PATH="$cuda_root/bin:$PATH" CUDACXX="$nvcc" CUDAToolkit_ROOT="$cuda_root" CUDA_HOME="$cuda_root"
+    [ "$gpu_arch" = - ] || export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-$gpu_arch}"
+  else
+    log "warning: torch $torch_version is built for CUDA $torch_cuda but no nvcc was found (PATH," \
+        "CUDA_HOME, /usr/local/cuda): torch's CMake package will not configure without the toolkit"
+  fi
+fi
+nvcc_version=$([ -n "$nvcc" ] && "$nvcc" --version 2>/dev/null | sed -n 's/.*release \([0-9.]*\).*/\1/p' | head -1 || true)
 
 build_dir=${build_dir:-$ROOT/build-gpu-check}
 OUT=${OUT:-$build_dir/gpu-check}
@@ -211,7 +238,8 @@ write_summary() {
   echo "# collabserve GPU check ($device, $(date -u +'%Y-%m-%d %H:%M UTC'))"
   echo
   cxx_std=$(sed -n 's/^-- \(C++[0-9]*\) (LibTorch .*/\1/p' "$OUT/configure.log" 2>/dev/null | tail -1 || true)
-  echo "torch $torch_version ($PYTHON), CUDA available: $cuda_ok, C++11 ABI: $torch_abi," \
+  echo "torch $torch_version ($PYTHON), CUDA available: $cuda_ok (torch's CUDA $torch_cuda, nvcc" \
+       "${nvcc_version:-none}, arch $gpu_arch), C++11 ABI: $torch_abi," \
        "${cxx_std:-C++ standard unknown}; model preset ${preset:-(not chosen yet)}"
   [ "$device" != cpu ] && command -v nvidia-smi >/dev/null && \
     echo "GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -1)"
@@ -221,7 +249,8 @@ write_summary() {
   printf '%s\n' "${status[@]}"
   [ ${#notes[@]} = 0 ] || { echo; printf '%s\n' "${notes[@]}"; }
   echo
-  grep -h '^\[ cuda' "$OUT"/test-engine_reference_test.log 2>/dev/null | sed 's/^/    /' || true
+  grep -h '^\[ cuda' "$OUT"/test-engine_reference_test.log "$OUT"/test-collaborative_test.log 2>/dev/null |
+    sed 's/^/    /' || true
   for dt in ${dtypes:-}; do
     [ -f "$OUT/engine-$dt.tsv" ] || continue
     echo
@@ -306,8 +335,9 @@ if [ $built = 1 ]; then
     run_step tests "$tests/engine_reference_test" || failed=1
   else
     # On a GPU engine_reference_test adds its CUDA blocks (float32 / float16 / bfloat16 against the
-    # reference, standard and collaborative); cp_als_test and collaborative_test compare CP-ALS on
-    # the device with the CPU at the same seed where a GPU is present.
+    # reference, standard and collaborative); cp_als_test compares CP-ALS on the device with the
+    # CPU at the same seed, and collaborative_test the whole conversion (plain and whitened, SVD
+    # and random starts, an exact full-rank layer and a standard one).
     for t in engine_reference_test engine_test kernels_test cp_als_test collaborative_test; do
       run_step "test-$t" "$tests/$t" || failed=1
     done

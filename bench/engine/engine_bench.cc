@@ -4,9 +4,9 @@
 // collaborative version of the model, and the achieved GFLOP/s against a large-SGEMM peak measured
 // at the start of the run. scripts/run-bench.sh runs all of it.
 //
-// Timing: per grid point one warm-up Run (of at most --warmup_batch sequences), then timed Runs
-// until --budget_s is spent, at least --min_runs and at most --max_runs of them; the median is
-// reported. All sequences of a batch have the same length (no padding); token ids are a fixed
+// Timing: per grid point one warm-up Run (of at most --warmup_batch sequences; on CUDA the whole
+// batch), then timed Runs until --budget_s is spent, at least --min_runs and at most --max_runs of
+// them; the median is reported. All sequences of a batch have the same length (no padding); token ids are a fixed
 // function of (b, s) shared with the baselines.
 //
 // Collaborative models (--collab_model, one or more directories) are measured at each grid point
@@ -188,8 +188,11 @@ std::vector<Point> MeasureAlternating(const std::vector<const Engine*>& models, 
     }
   };
   // Warm-up (allocator, OpenBLAS buffers, first-touch pages) on at most --warmup_batch sequences:
-  // a full 32 × 512 batch would cost as much as a timed run.
-  const std::vector<TokenizedInput> head(inputs.begin(), inputs.begin() + std::min(batch, f.warmup_batch));
+  // a full 32 × 512 batch would cost as much as a timed run. A GPU warms up on the full shape (its
+  // caching allocator and kernel choices are per shape), as pytorch_bench.py does there.
+  const bool gpu = f.device.rfind("cuda", 0) == 0;
+  const std::vector<TokenizedInput> head(inputs.begin(),
+                                         inputs.begin() + (gpu ? batch : std::min(batch, f.warmup_batch)));
   for (const Engine* e : models) run(*e, head);
   const size_t M = models.size();
   std::vector<std::vector<double>> times(M), cpu_times(M);

@@ -225,7 +225,10 @@ void ContentScores(SgemmFn sgemm, const EncoderLayer& l, const AttentionLayout& 
 
 at::Tensor Project(SgemmFn sgemm, const EncoderLayer& l, const AttentionLayout& L, const at::Tensor& x) {
   if (!l.collaborative) return Dense(x, l.fused, l.fused_b);
-  if (sgemm == nullptr || !x.is_cpu() || x.scalar_type() != at::kFloat) {
+  // ATen ops on the plain weights: CUDA, half types, and the CPU without the sgemm while the plain
+  // fused weight is kept (COLLABSERVE_GEMM=aten: nothing packed). A served model whose weights are
+  // packed and plain ones released takes the CPU path below, on PackedLinear where there is no sgemm.
+  if (!x.is_cpu() || x.scalar_type() != at::kFloat || (sgemm == nullptr && l.fused.plain.defined())) {
     return at::cat({at::linear(x, l.fused.plain, l.fused_b.narrow(0, 0, L.fused_n)),
                     at::linear(x, l.content.plain)}, 1);
   }
@@ -234,9 +237,10 @@ at::Tensor Project(SgemmFn sgemm, const EncoderLayer& l, const AttentionLayout& 
   at::Tensor proj = at::empty({T, L.ld}, x.options());
   float* p = proj.data_ptr<float>();
   const float* b = l.fused_b.data_ptr<float>();
-  if (UsePackedLinear(l.fused, T)) {
+  if (UsePackedLinear(l.fused, T)) {  // always, without the sgemm
     PackedLinear(xc.data_ptr<float>(), D, T, *l.fused.packed, b, nullptr, 0, p, L.ld);
   } else {
+    TORCH_CHECK(sgemm != nullptr, "a collaborative projection kept only packed needs PackedLinear or the sgemm");
     DenseColumns(sgemm, xc.data_ptr<float>(), D, T, l.fused, false, b, nullptr, 0, p, L.ld, 0, L.fused_n);
   }
   ContentScores(sgemm, l, L, xc.data_ptr<float>(), D, 0, T, p);

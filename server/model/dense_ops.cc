@@ -17,7 +17,9 @@ namespace {
 // weight (1.5-2x the GFLOP/s at 16 rows, on par at 128); dnnl_sgemm above that, where its own
 // blocking beats ours. kDnnl: dnnl_sgemm for every size (the engine before PackedLinear).
 // kAten: at::addmm and ATen attention everywhere. COLLABSERVE_GEMM=aten|dnnl|packed chooses;
-// "packed" uses PackedLinear at every size (tests, benchmarks).
+// "packed" uses PackedLinear at every size (tests, benchmarks); "nosgemm" is the default on a
+// LibTorch that does not export dnnl_sgemm (a PyTorch wheel may link oneDNN without exporting it):
+// PackedLinear and ATen ops, no sgemm (the tests of that case).
 enum class GemmMode { kAten, kDnnl, kHybrid, kPacked };
 
 GemmMode ChosenGemmMode() {
@@ -31,6 +33,11 @@ GemmMode ChosenGemmMode() {
   return mode;
 }
 
+bool SgemmHidden() {
+  static const bool hidden = util::EnvString("COLLABSERVE_GEMM") == "nosgemm";
+  return hidden;
+}
+
 }  // namespace
 
 // oneDNN's row-major SGEMM (dnnl_sgemm, oneDNN >= 1.0), looked up at run time in the libraries
@@ -41,7 +48,7 @@ GemmMode ChosenGemmMode() {
 // COLLABSERVE_GEMM=aten, everything goes through ATen ops instead.
 SgemmFn FindSgemm() {
   static const SgemmFn fn = [] {
-    if (ChosenGemmMode() == GemmMode::kAten) return SgemmFn(nullptr);
+    if (ChosenGemmMode() == GemmMode::kAten || SgemmHidden()) return SgemmFn(nullptr);
     return util::DnnlSgemm();
   }();
   return fn;

@@ -8,6 +8,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -369,6 +370,58 @@ TEST_F(CollaborativeTest, FactorsDoNotDependOnParallelLayers) {
     }
     for (size_t t = 0; t < got.size(); ++t) {
       EXPECT_TRUE(at::equal(got[t], expected[t])) << "parallel_layers " << p << ", tensor " << t;
+    }
+  }
+}
+
+// On a GPU (none on the development machines: scripts/gpu-check.sh runs this there) the whole
+// conversion with CP-ALS on CUDA gives the CPU's: plain and activation-aware (calibration text),
+// from the SVD and from a random start, per-layer ranks with a full-rank layer (the exact block
+// form) and a standard one. The same per-layer errors (float32 sweeps: 1e-4, as cp_als_test's
+// device check) and compressed models whose logits agree (a bound to confirm on the first GPU run).
+TEST_F(CollaborativeTest, CudaConversionAgreesWithTheCpu) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no GPU";
+  model::MakeOptions m;
+  m.seed = 13;
+  m.layers = 4;
+  ASSERT_TRUE(model::MakeCheckpoint(work_ / "four", m).ok());
+  std::vector<std::string> calibration;
+  const char* words[] = {"the", "market", "rose", "after", "a", "quiet", "night", "of", "rain",
+                         "and", "music", "from", "old", "radio", "stations", "near", "river"};
+  for (int i = 0; i < 40; ++i) {
+    std::string t;
+    for (int j = 0; j < 6 + i % 9; ++j) t += std::string(j ? " " : "") + words[(i * 7 + j * 5) % 17];
+    calibration.push_back(t);
+  }
+  for (bool whiten : {false, true}) {
+    for (auto init : {CpAlsOptions::Init::kSvd, CpAlsOptions::Init::kRandom}) {
+      CompressOptions o;
+      o.spec.kind = RankSpec::Kind::kPerLayer;
+      o.spec.ranks = {64, 24, 0, 12};
+      o.tol = 0;
+      o.max_iters = 20;
+      o.seed = 3;
+      o.init = init;
+      if (whiten) o.calibration = calibration;
+      const std::string what = std::string(whiten ? "whitened" : "plain") +
+                               (init == CpAlsOptions::Init::kSvd ? ", svd start" : ", random start");
+      const std::string tag = std::to_string(whiten) + std::to_string(static_cast<int>(init));
+      auto cpu = CompressModelDirectory(work_ / "four", work_ / ("cpu" + tag), o);
+      o.device = "cuda";
+      auto gpu = CompressModelDirectory(work_ / "four", work_ / ("gpu" + tag), o);
+      ASSERT_TRUE(cpu.ok()) << what << ": " << cpu.status();
+      ASSERT_TRUE(gpu.ok()) << what << ": " << gpu.status();
+      ASSERT_EQ(cpu->layers.size(), gpu->layers.size());
+      for (size_t i = 0; i < cpu->layers.size(); ++i) {
+        EXPECT_EQ(gpu->layers[i].rank, cpu->layers[i].rank) << what << ", layer " << i;
+        EXPECT_EQ(gpu->layers[i].exact, cpu->layers[i].exact) << what << ", layer " << i;
+        EXPECT_NEAR(gpu->layers[i].relative_error, cpu->layers[i].relative_error, 1e-4) << what << ", layer " << i;
+        EXPECT_NEAR(gpu->layers[i].activation_error, cpu->layers[i].activation_error, 1e-4)
+            << what << ", layer " << i;
+      }
+      const float diff = MaxDiff(Logits(work_ / ("cpu" + tag)), Logits(work_ / ("gpu" + tag)));
+      EXPECT_LT(diff, 1e-2) << what;
+      std::printf("[ cuda     ] conversion %s: max |logit(cuda CP) - logit(cpu CP)| %.3g\n", what.c_str(), diff);
     }
   }
 }

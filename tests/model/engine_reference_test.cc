@@ -113,12 +113,8 @@ MakeOptions Opts(std::string preset, WeightFormat f, WeightDType d, std::string 
 // members together (637 rows each, above kPackedMaxMemberRows), or on blocks of it unpacked on
 // the per-operation path) and run alone (<= 256: PackedLinear; attention in registers up to 48
 // tokens, on the micro-kernel above).
-void ExpectEngineMatchesReference(const std::string& dir, const std::string& name) {
-  const std::vector<std::vector<float>> expected = [&] {
-    auto engine = Engine::Load(dir);
-    EXPECT_TRUE(engine.ok()) << engine.status();
-    return engine.ok() ? ReferenceLogits(dir, MakeInputs(**engine)) : std::vector<std::vector<float>>{};
-  }();
+void ExpectCpuMatchesReference(const std::string& dir, const std::string& name,
+                               const std::vector<std::vector<float>>& expected) {
   std::vector<std::vector<float>> served;
   const int saved_threads = at::get_num_threads();
   for (bool pack : {true, false}) {
@@ -176,11 +172,14 @@ void ExpectEngineMatchesReference(const std::string& dir, const std::string& nam
     }
   }
   at::set_num_threads(saved_threads);
+}
 
-  // On CUDA, where a GPU is present (none on the development machines, where this part does not
-  // run; scripts/gpu-check.sh runs it on a GPU machine): float32 within the same 1e-4 of the
-  // reference; float16 and bfloat16 within bounds for half precision (estimates until a GPU run
-  // measures them: ~100 and ~50 units of their roundoff, 2^-11 and 2^-8, on logits of order 1).
+// On CUDA, where a GPU is present (none on the development machines, where this part does not
+// run; scripts/gpu-check.sh runs it on a GPU machine): float32 within the same 1e-4 of the
+// reference; float16 and bfloat16 within bounds for half precision (estimates until a GPU run
+// measures them: ~100 and ~50 units of their roundoff, 2^-11 and 2^-8, on logits of order 1).
+void ExpectCudaMatchesReference(const std::string& dir, const std::string& name,
+                                const std::vector<std::vector<float>>& expected) {
   if (at::hasCUDA()) {
     auto cpu = Engine::Load(dir);
     ASSERT_TRUE(cpu.ok()) << cpu.status();
@@ -204,6 +203,20 @@ void ExpectEngineMatchesReference(const std::string& dir, const std::string& nam
                   dtype.c_str(), max_diff, bound);
     }
   }
+}
+
+// The engine on the CPU, then on CUDA where there is a GPU, against the reference: each part on
+// its own, so that a CPU failure (a fatal assertion returns from its function) leaves the CUDA
+// results of the same GPU run.
+void ExpectEngineMatchesReference(const std::string& dir, const std::string& name) {
+  const std::vector<std::vector<float>> expected = [&] {
+    auto engine = Engine::Load(dir);
+    EXPECT_TRUE(engine.ok()) << engine.status();
+    return engine.ok() ? ReferenceLogits(dir, MakeInputs(**engine)) : std::vector<std::vector<float>>{};
+  }();
+  ASSERT_FALSE(expected.empty()) << name << ": no reference logits";
+  ExpectCpuMatchesReference(dir, name, expected);
+  ExpectCudaMatchesReference(dir, name, expected);
 
   // The logits vary across inputs (the generated weights are not degenerate).
   float spread = 0;
