@@ -295,53 +295,46 @@ bool UseSdpa(const at::Tensor& x) {
 at::Tensor AtenAttention(const EncoderLayer& l, const at::Tensor& proj, const at::Tensor& mask_add,
                          int64_t B, int64_t S, int64_t Sq, int64_t H, int64_t dk) {
   const int64_t D = H * dk;
-#if COLLABSERVE_HAVE_SDPA
-  if (UseSdpa(proj)) {
-    // One fused kernel (flash attention without a mask, memory-efficient attention with one):
-    // the [B, H, Sq, S] scores are never written to memory.
-    at::Tensor q, k, v, bias;
-    double scale = 1.0;
-    if (l.collaborative) {
-      // Head i's queries x W~_Q scaled by m_i (the mixing has 1/sqrt(d_k) folded in), the shared
-      // keys y W~_K, and the content term v_i^T y as a bias on every query row.
-      const int64_t R = l.rank;
-      auto p3 = proj.view({B, S, -1});
-      q = p3.narrow(2, 0, R).narrow(1, 0, Sq).unsqueeze(1) * l.mixing.view({1, H, 1, R});  // [B, H, Sq, R]
-      k = p3.narrow(2, R, R).unsqueeze(1).expand({B, H, S, R});
-      v = p3.narrow(2, 2 * R, D).view({B, S, H, dk}).transpose(1, 2);
-      bias = p3.narrow(2, 2 * R + D, H).transpose(1, 2).unsqueeze(2);  // [B, H, 1, S]
-      bias = mask_add.defined() ? bias + mask_add : bias.contiguous();
-    } else {
-      auto qkv = proj.view({B, S, 3, H, dk});
-      q = qkv.select(2, 0).narrow(1, 0, Sq).transpose(1, 2);  // [B, H, Sq, dk]
-      k = qkv.select(2, 1).transpose(1, 2);
-      v = qkv.select(2, 2).transpose(1, 2);
-      bias = mask_add;  // [B, 1, 1, S] or none (no padding)
-      scale = 1.0 / std::sqrt(static_cast<double>(dk));
-    }
-    at::Tensor ctx = bias.defined() ? at::scaled_dot_product_attention(q, k, v, bias, 0.0, false, scale)
-                                    : at::scaled_dot_product_attention(q, k, v, {}, 0.0, false, scale);
-    return ctx.transpose(1, 2).reshape({B * Sq, D});
-  }
-#endif
-  at::Tensor scores, v;
+  const bool fused = UseSdpa(proj);
+  // Every head's queries q [B, H, Sq, w], keys k ([B, H, S, w]; [B, 1, S, w] shared by the heads of
+  // a collaborative layer), values v [B, H, S, dk], a bias added to the scores [B, H, Sq, S] (a
+  // collaborative layer's content term v_i^T y, the padding mask) and the scores' scale.
+  at::Tensor q, k, v, bias;
+  double scale = 1.0;
   if (l.collaborative) {
     const int64_t R = l.rank;
     auto p3 = proj.view({B, S, -1});
-    auto qc = p3.narrow(2, 0, R).narrow(1, 0, Sq).unsqueeze(1);  // [B, 1, Sq, R]
-    auto kc = p3.narrow(2, R, R).unsqueeze(1);                    // [B, 1, S, R]
+    // Head i's queries x W~_Q scaled by m_i (the mixing has 1/sqrt(d_k) folded in).
+    q = p3.narrow(2, 0, R).narrow(1, 0, Sq).unsqueeze(1) * l.mixing.view({1, H, 1, R});
+    k = p3.narrow(2, R, R).unsqueeze(1);
     v = p3.narrow(2, 2 * R, D).view({B, S, H, dk}).transpose(1, 2);
-    auto content = p3.narrow(2, 2 * R + D, H).transpose(1, 2).unsqueeze(2);  // [B, H, 1, S]
-    scores = at::matmul(qc * l.mixing.view({1, H, 1, R}), kc.transpose(-1, -2));  // [B, H, Sq, S]
-    scores.add_(content);
+    bias = p3.narrow(2, 2 * R + D, H).transpose(1, 2).unsqueeze(2);  // [B, H, 1, S]
+    if (mask_add.defined()) bias = bias + mask_add;
   } else {
-    // One copy to [3, B, H, S, dk] makes q, k and v contiguous batches of [S, dk] matrices.
-    auto qkv = proj.view({B, S, 3, H, dk}).permute({2, 0, 3, 1, 4}).contiguous().view({3, B * H, S, dk});
-    scores = at::bmm(qkv[0].narrow(1, 0, Sq), qkv[1].transpose(1, 2)).view({B, H, Sq, S});
-    scores.mul_(1.0 / std::sqrt(static_cast<double>(dk)));
-    v = qkv[2].view({B, H, S, dk});
+    // [3, B, H, S, dk]: read in place by the fused kernel; one copy makes q, k and v contiguous
+    // batches of [S, dk] matrices for the products.
+    at::Tensor qkv = proj.view({B, S, 3, H, dk}).permute({2, 0, 3, 1, 4});
+    if (!fused) qkv = qkv.contiguous();
+    q = qkv[0].narrow(2, 0, Sq);
+    k = qkv[1];
+    v = qkv[2];
+    bias = mask_add;  // [B, 1, 1, S], or none (no padding)
+    scale = 1.0 / std::sqrt(static_cast<double>(dk));
   }
-  if (mask_add.defined()) scores.add_(mask_add);
+#if COLLABSERVE_HAVE_SDPA
+  if (fused) {
+    // One kernel (flash attention without a bias, memory-efficient attention with one): the
+    // scores are never written to memory. It takes as many key heads as query heads.
+    if (l.collaborative) k = k.expand({B, H, S, l.rank});
+    at::Tensor ctx = bias.defined()
+                         ? at::scaled_dot_product_attention(q, k, v, bias.contiguous(), 0.0, false, scale)
+                         : at::scaled_dot_product_attention(q, k, v, {}, 0.0, false, scale);
+    return ctx.transpose(1, 2).reshape({B * Sq, D});
+  }
+#endif
+  at::Tensor scores = at::matmul(q, k.transpose(-1, -2));  // [B, H, Sq, S]
+  if (scale != 1.0) scores.mul_(scale);
+  if (bias.defined()) scores.add_(bias);
   auto probs = at::_softmax(scores, -1, false);
   // [B, H, Sq, dk] -> [B, Sq, H, dk] = [B·Sq, D].
   return at::matmul(probs, v).transpose(1, 2).reshape({B * Sq, D});

@@ -96,16 +96,16 @@ at::Tensor ProjectAndAttend(SgemmFn sgemm, const at::Tensor& x, const EncoderLay
                             const AttentionLayout& L, const at::Tensor& mask_add, int64_t B,
                             int64_t S, int64_t Sq, int64_t H);
 
-// Self-attention with ATen ops for layer l (without the sgemm: CUDA, half types,
-// COLLABSERVE_GEMM=aten): proj [B·S, *] -> ctx [B·Sq, D], for the queries at the first Sq positions of each sequence.
-// On CUDA with LibTorch >= 2.1 (UseSdpa) one at::scaled_dot_product_attention per layer, as
-// PyTorch's own BERT does; else the scores, ATen's softmax and the context as three operations.
 // Whether this LibTorch has at::scaled_dot_product_attention with a scale (2.1 and later), and
 // whether AtenAttention uses it for x's device: on CUDA, and on the CPU under
 // COLLABSERVE_ATTENTION=sdpa (the tests of that path on machines without a GPU).
 bool SdpaAvailable();
 bool UseSdpa(const at::Tensor& x);
 
+// Self-attention with ATen ops for layer l (without the sgemm: CUDA, half types,
+// COLLABSERVE_GEMM=aten): proj [B·S, *] -> ctx [B·Sq, D], for the queries at the first Sq positions of each sequence.
+// Where UseSdpa (CUDA with LibTorch >= 2.1) one at::scaled_dot_product_attention per layer, as
+// PyTorch's own BERT does; else the scores, ATen's softmax and the context as three operations.
 at::Tensor AtenAttention(const EncoderLayer& l, const at::Tensor& proj, const at::Tensor& mask_add,
                          int64_t B, int64_t S, int64_t Sq, int64_t H, int64_t dk);
 
