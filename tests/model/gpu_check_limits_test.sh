@@ -7,7 +7,9 @@ set -uo pipefail
 src=$1 build=$2 work=$3
 script=$src/scripts/gpu-check.sh
 fail() { echo "FAIL: $*" >&2; exit 1; }
-rm -rf "$work" && mkdir -p "$work"
+rm -rf "$work" && mkdir -p "$work/tmp"
+# The parity test killed mid-run leaves its temporary directories: here, not in /tmp.
+export TMPDIR=$work/tmp
 
 # 1. A limit too short for any step: every step is skipped, the summary says so, status 124.
 OUT=$work/limit "$script" --device cpu --quick --build-dir "$build" --time-limit 5 >"$work/limit.out" 2>&1
