@@ -156,15 +156,18 @@ if [ -z "${PYTHON:-}" ]; then
   for p in python3 /usr/bin/python3; do
     if command -v "$p" >/dev/null && "$p" -c 'import torch, numpy' 2>/dev/null; then PYTHON=$(command -v "$p"); break; fi
   done
+  [ -n "${PYTHON:-}" ] || { log "no Python with torch and numpy found (set PYTHON)"; exit 1; }
+elif ! "$PYTHON" -c 'import torch, numpy' 2>/dev/null; then
+  log "$PYTHON cannot import torch and numpy"; exit 1
 fi
-[ -n "${PYTHON:-}" ] || { log "no Python with torch and numpy found (set PYTHON)"; exit 1; }
-"$PYTHON" -c 'import torch, numpy' 2>/dev/null || { log "$PYTHON cannot import torch and numpy"; exit 1; }
-read -r torch_version cuda_ok torch_cmake torch_abi torch_cuda gpu_arch <<<"$("$PYTHON" -c '
+# Everything asked of torch, in one import (a CUDA torch takes seconds to import).
+read -r torch_version cuda_ok torch_cmake torch_abi torch_cuda gpu_arch has_sdpa <<<"$("$PYTHON" -c '
 import torch
 ok = torch.cuda.is_available()
 arch = "%d.%d" % torch.cuda.get_device_capability(0) if ok else "-"
 print(torch.__version__, int(ok), torch.utils.cmake_prefix_path,
-      int(torch._C._GLIBCXX_USE_CXX11_ABI), torch.version.cuda or "-", arch)')"
+      int(torch._C._GLIBCXX_USE_CXX11_ABI), torch.version.cuda or "-", arch,
+      int(hasattr(torch.nn.functional, "scaled_dot_product_attention")))')"
 if [ -z "$device" ]; then
   device=cpu
   [ "$cuda_ok" = 1 ] && device=cuda
@@ -205,7 +208,7 @@ summary=$OUT/summary.md
 rm -f "$summary" "$OUT"/*.tsv "$OUT"/compress-on-*.json  # no figures from an earlier run
 case "$time_limit" in ''|*[!0-9]*) log "--time-limit must be whole seconds, not '$time_limit'"; exit 2 ;; esac
 status=()  # "| step | outcome | time |" rows for the summary
-current= current_t0=0 cut=0 notes=()
+current= current_t0=0 notes=()
 # Seconds left before --time-limit (a large number without one).
 left() { if [ "$time_limit" -gt 0 ]; then echo $((time_limit - SECONDS)); else echo 1000000; fi; }
 run_step() {  # name, command...: runs it with its output in $OUT/<name>.log; records the outcome
@@ -214,7 +217,6 @@ run_step() {  # name, command...: runs it with its output in $OUT/<name>.log; re
   if [ "$(left)" -lt 10 ]; then
     status+=("| $name | **skipped**: --time-limit $time_limit s reached | 0 s |")
     log "$name: skipped, the time limit ($time_limit s) is reached"
-    cut=1
     return 1
   fi
   log "$name ..."
@@ -277,16 +279,24 @@ PYEOF
   fi
 } >"$summary"
 }
+# Writes and prints the summary and exits: with STATUS when given, else 1 when a step failed, 124
+# when --time-limit skipped one (timeout(1)'s status), 0.
+finish() {  # message [status]
+  write_summary
+  cat "$summary"
+  log "$1"
+  [ $# -lt 2 ] || exit "$2"
+  printf '%s\n' "${status[@]}" | grep -q FAILED && exit 1
+  printf '%s\n' "${status[@]}" | grep -q skipped && exit 124
+  exit $failed
+}
 # On a signal (timeout(1) sends SIGTERM to the whole group, so the step's command ends too): the
 # summary of what finished, and the step it cut.
 on_signal() {
   trap - TERM INT
   [ -z "$current" ] || status+=("| $current | **interrupted** by $1 | $((SECONDS - current_t0)) s |")
   notes+=("Interrupted by $1 after $SECONDS s.")
-  write_summary
-  cat "$summary"
-  log "interrupted by $1; results so far in $OUT"
-  exit "$2"
+  finish "interrupted by $1; results so far in $OUT" "$2"
 }
 trap 'on_signal SIGTERM 143' TERM
 trap 'on_signal SIGINT 130' INT
@@ -398,7 +408,7 @@ if [ $have_models = 1 ] && [ "$time_limit" -gt 0 ] && [ "$(left)" -ge 10 ]; then
 fi
 if [ $have_models = 1 ]; then
   sdpa=()
-  "$PYTHON" -c 'import torch.nn.functional as F; F.scaled_dot_product_attention' 2>/dev/null && sdpa=(--sdpa)
+  [ "$has_sdpa" = 1 ] && sdpa=(--sdpa)
   for dt in $dtypes; do
     run_step "pytorch-$dt" env OMP_NUM_THREADS=$threads "$PYTHON" "$ROOT/bench/engine/pytorch_bench.py" \
       --model "$models/$preset" --out "$OUT/pytorch-$dt.tsv" --device "$device" --dtype "$dt" \
@@ -412,9 +422,4 @@ if [ $have_models = 1 ]; then
   done
 fi
 
-write_summary
-cat "$summary"
-log "results in $OUT"
-# 1 when a step failed, else 124 when the time limit cut one (timeout(1)'s status).
-[ $failed = 0 ] || printf '%s\n' "${status[@]}" | grep -q FAILED || [ $cut = 0 ] || exit 124
-exit $failed
+finish "results in $OUT"
