@@ -96,6 +96,10 @@ at::Tensor AttentionScratch(int64_t S, int64_t width, int64_t dk, const at::Tens
 
 int64_t AttentionScratchSize(int64_t S, int64_t width, int64_t dk) { return LayoutOfScratch(S, width, dk).size; }
 
+int64_t CollaborativeProjectionWidth(int64_t R, int64_t D, int64_t H) {
+  return (2 * R + D + H + 15) / 16 * 16;
+}
+
 AttentionLayout LayoutOf(const EncoderLayer& l, int64_t H, int64_t dk) {
   const int64_t D = H * dk;
   AttentionLayout a;
@@ -106,7 +110,7 @@ AttentionLayout LayoutOf(const EncoderLayer& l, int64_t H, int64_t dk) {
     // at D~ = 384, 1164 at 192), every other 32-float store of the projection split a cache line:
     // PackedLinear ran that product at 140-145 GFLOP/s against 175-185 for 1552 or 1536 columns
     // (512 rows, one core, gemm_bench), and the attention kernels read the rows unaligned.
-    a.ld = (2 * R + D + H + 15) / 16 * 16;
+    a.ld = CollaborativeProjectionWidth(R, D, H);
     a.fused_n = 2 * R + D;
     a.content_n = H;
     a.width = R;
@@ -228,9 +232,10 @@ at::Tensor Project(SgemmFn sgemm, const EncoderLayer& l, const AttentionLayout& 
   // ATen ops on the plain weights: CUDA, half types, and the CPU without the sgemm while the plain
   // fused weight is kept (COLLABSERVE_GEMM=aten: nothing packed). A served model whose weights are
   // packed and plain ones released takes the CPU path below, on PackedLinear where there is no sgemm.
+  // The plain fused weight holds every column of the row ([W~Q^T; W~K^T; value; content_bias;
+  // zeros], L.ld rows): one product, its rows L.ld apart.
   if (!x.is_cpu() || x.scalar_type() != at::kFloat || (sgemm == nullptr && l.fused.plain.defined())) {
-    return at::cat({at::linear(x, l.fused.plain, l.fused_b.narrow(0, 0, L.fused_n)),
-                    at::linear(x, l.content.plain)}, 1);
+    return at::linear(x, l.fused.plain, l.fused_b);
   }
   const at::Tensor xc = x.contiguous();
   const int64_t T = xc.size(0), D = xc.size(1);
@@ -325,6 +330,13 @@ at::Tensor AtenAttention(const EncoderLayer& l, const at::Tensor& proj, const at
   if (fused) {
     // One kernel (flash attention without a bias, memory-efficient attention with one): the
     // scores are never written to memory. It takes as many key heads as query heads.
+    // Keys and values are read in place from the projection, whose rows are whole 64-byte lines
+    // (CollaborativeProjectionWidth); where the rank does not keep their first columns on a 16-byte
+    // boundary, the kernels' alignment checks fail: then they are copied out.
+    if (l.collaborative && l.rank % 8 != 0) {
+      k = k.contiguous();
+      v = v.contiguous();
+    }
     if (l.collaborative) k = k.expand({B, H, S, l.rank});
     at::Tensor ctx = bias.defined()
                          ? at::scaled_dot_product_attention(q, k, v, bias.contiguous(), 0.0, false, scale)

@@ -37,6 +37,12 @@ struct AttentionLayout {
 at::Tensor AttentionScratch(int64_t S, int64_t width, int64_t dk, const at::TensorOptions& options);
 int64_t AttentionScratchSize(int64_t S, int64_t width, int64_t dk);
 
+// Floats per row of a collaborative layer's projection [x W~Q | x W~K | values | content scores]
+// (2R + D + H), rounded up to whole 64-byte lines: the CPU kernels' stores and loads stay aligned,
+// and on CUDA the keys and values read in place meet the fused attention kernels' alignment (a
+// row of 1548 half floats at D~ = 384 failed memory-efficient attention's key-stride check).
+int64_t CollaborativeProjectionWidth(int64_t R, int64_t D, int64_t H);
+
 // The layout of layer l's attention, H heads of d_k (its mixing pointer only for CPU float32).
 AttentionLayout LayoutOf(const EncoderLayer& l, int64_t H, int64_t dk);
 

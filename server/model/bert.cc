@@ -29,6 +29,7 @@ namespace collabserve::model {
 
 using internal::AtenAttention;
 using internal::AttentionLayout;
+using internal::CollaborativeProjectionWidth;
 using internal::Dense;
 using internal::FindSgemm;
 using internal::FusedAttention;
@@ -154,7 +155,7 @@ void BertClassifier::Prepare(const c10::Device& device, c10::ScalarType dtype, b
                         &pooler_b_, &cls_w_, &cls_b_}) {
     mv(*t);
   }
-  const int64_t H = config_.num_attention_heads;
+  const int64_t H = config_.num_attention_heads, D = config_.hidden_size;
   const bool pack = pack_weights && UsePacking(device, dtype);
   // A dropped parameter keeps its handle (and name) but no storage.
   auto release = [](at::Tensor& t) { t.set_data(at::empty({0}, t.options())); };
@@ -170,9 +171,12 @@ void BertClassifier::Prepare(const c10::Device& device, c10::ScalarType dtype, b
     const std::array<at::Tensor*, 6> dense = PackedWeightsOf(l);
     const std::array<at::Tensor*, 3> sections = {dense[0], dense[1], dense[2]};
     std::vector<at::Tensor> biases;
+    // Collaborative: the projection's row is CollaborativeProjectionWidth wide (the content scores
+    // and padding after the fused columns), and so is the bias (zeros there).
+    const int64_t width = l.collaborative ? CollaborativeProjectionWidth(l.rank, D, H) : 3 * D;
     if (l.collaborative) {
       auto zeros = at::zeros({l.rank}, l.value_b.options());
-      biases = {zeros, zeros, l.value_b, at::zeros({H}, l.value_b.options())};
+      biases = {zeros, zeros, l.value_b, at::zeros({width - 2 * l.rank - D}, l.value_b.options())};
     } else {
       biases = {l.query_b, l.key_b, l.value_b};
     }
@@ -183,11 +187,20 @@ void BertClassifier::Prepare(const c10::Device& device, c10::ScalarType dtype, b
     } else {
       l.fused_b = at::cat(biases, 0);
     }
+    std::vector<at::Tensor*> rows(sections.begin(), sections.end());
     std::vector<at::Tensor> parts;
-    for (at::Tensor* t : sections) parts.push_back(*t);
+    for (at::Tensor* t : rows) parts.push_back(*t);
+    // Unpacked, a collaborative layer's fused weight also holds the content vectors and zero rows
+    // up to the row width, so that one product (Project's ATen path: CUDA, half types) writes the
+    // whole projection. Packed, it holds the fused columns alone (PackedLinear would pad the H
+    // content rows to a whole panel; NarrowProduct computes them from content_bias).
+    if (l.collaborative && !pack) {
+      rows.push_back(&l.content_bias);
+      parts.push_back(l.content_bias);
+      parts.push_back(at::zeros({width - 2 * l.rank - D - H, D}, l.content_bias.options()));
+    }
     at::Tensor fused = at::cat(parts, 0);
     l.fused = l.attn_out = l.inter = l.out = l.content = DenseWeight();
-    if (l.collaborative) l.content.plain = l.content_bias;
     if (pack) {
       l.fused.packed = std::make_shared<const PackedWeight>(fused);
       l.attn_out.packed = std::make_shared<const PackedWeight>(l.attn_out_w);
@@ -198,7 +211,7 @@ void BertClassifier::Prepare(const c10::Device& device, c10::ScalarType dtype, b
     } else {
       // The sections become views of the fused weight: one copy of each.
       int64_t row = 0;
-      for (at::Tensor* t : sections) {
+      for (at::Tensor* t : rows) {
         const int64_t n = t->size(0);
         t->set_data(fused.narrow(0, row, n));
         row += n;
@@ -208,6 +221,7 @@ void BertClassifier::Prepare(const c10::Device& device, c10::ScalarType dtype, b
       l.inter.plain = l.inter_w;
       l.out.plain = l.out_w;
     }
+    if (l.collaborative) l.content.plain = l.content_bias;
   }
 }
 
@@ -222,7 +236,7 @@ void BertClassifier::Prepare(const c10::Device& device, c10::ScalarType dtype, b
 void BertClassifier::KeepSmallTensorsTogether() {
   const int64_t D = config_.hidden_size, H = config_.num_attention_heads;
   for (EncoderLayer& l : layers_) {
-    l.fused_b = torch::empty({l.collaborative ? 2 * l.rank + D + H : 3 * D});
+    l.fused_b = torch::empty({l.collaborative ? CollaborativeProjectionWidth(l.rank, D, H) : 3 * D});
   }
   std::vector<at::Tensor*> small = {&emb_ln_w_, &emb_ln_b_, &type_emb_, &pooler_b_, &cls_w_, &cls_b_};
   for (EncoderLayer& l : layers_) {

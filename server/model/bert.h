@@ -57,13 +57,15 @@ struct EncoderLayer {
   at::Tensor attn_out_w, attn_out_b, attn_ln_w, attn_ln_b;
   at::Tensor inter_w, inter_b, out_w, out_b, out_ln_w, out_ln_b;
   // The input projection as one product, its rows the parameters stacked (exactly: no scale is
-  // folded in): standard [3D, D] = [query; key; value]; collaborative [2R + D, D] =
-  // [W~Q^T; W~K^T; value]. fused_b: its bias, then (collaborative) H zeros.
+  // folded in): standard [3D, D] = [query; key; value]; collaborative packed [2R + D, D] =
+  // [W~Q^T; W~K^T; value], and plain [W, D] = [W~Q^T; W~K^T; value; content_bias; zeros] (W =
+  // internal::CollaborativeProjectionWidth, 2R + D + H rounded up to 16: one product writes a
+  // whole projection row). fused_b: its bias, then (collaborative) zeros up to W.
   DenseWeight fused;
   at::Tensor fused_b;
   // Collaborative: content_bias [H, D], always plain (H rows: packing would pad them to a whole
-  // panel), its product x · content_bias^T the content scores v_i·y, H columns beside the fused
-  // product's.
+  // panel; unpacked, a view of the fused weight's rows), its product x · content_bias^T the
+  // content scores v_i·y, H columns beside the fused product's.
   DenseWeight content;
   // The other three dense weights (plain: the parameters themselves, until a served model drops
   // them).

@@ -489,11 +489,19 @@ TEST(EngineMemoryTest, SmallTensorsShareOneBlockOfTheirOwn) {
     }
     if (l.collaborative) {
       small.push_back(&l.mixing);
-      small.push_back(&l.content_bias);
-      ASSERT_EQ(l.fused_b.numel(), 2 * l.rank + D + H);
+      // Unpacked (no AVX-512, COLLABSERVE_GEMM=aten), the content vectors are rows of the fused
+      // weight instead.
+      if (m.weights_released()) {
+        small.push_back(&l.content_bias);
+      } else {
+        EXPECT_TRUE(l.content_bias.storage().is_alias_of(l.fused.plain.storage()));
+      }
+      // The projection's row: 2R + D + H rounded up to 16 floats, zeros after the values' bias.
+      const int64_t width = (2 * l.rank + D + H + 15) / 16 * 16;
+      ASSERT_EQ(l.fused_b.numel(), width);
       EXPECT_TRUE(l.fused_b.narrow(0, 0, 2 * l.rank).eq(0).all().item<bool>());
       EXPECT_TRUE(l.fused_b.narrow(0, 2 * l.rank, D).equal(l.value_b));
-      EXPECT_TRUE(l.fused_b.narrow(0, 2 * l.rank + D, H).eq(0).all().item<bool>());
+      EXPECT_TRUE(l.fused_b.narrow(0, 2 * l.rank + D, width - 2 * l.rank - D).eq(0).all().item<bool>());
     } else {
       small.push_back(&l.query_b);
       small.push_back(&l.key_b);
