@@ -103,7 +103,7 @@ TEST_F(CollaborativeTest, LowRankMatchesAnIndependentEvaluationOfTheFormula) {
     req["token_type_ids"].push_back(in.token_type_ids);
   }
   std::ofstream(work_ / "in.jsonl") << req.dump() << "\n";
-  auto r = RunCommand("/usr/bin/python3 " + ShellQuote(testing::SourceDir() + "/tests/reference/bert_reference.py") +
+  auto r = RunCommand(ShellQuote(testing::ReferencePython()) + " " + ShellQuote(testing::SourceDir() + "/tests/reference/bert_reference.py") +
                       " " + ShellQuote(work_ / "out") + " < " + ShellQuote(work_ / "in.jsonl"));
   ASSERT_EQ(r.exit_code, 0);
   auto expected = nlohmann::json::parse(r.output)["logits"].get<std::vector<std::vector<float>>>();
@@ -378,7 +378,8 @@ TEST_F(CollaborativeTest, FactorsDoNotDependOnParallelLayers) {
 // conversion with CP-ALS on CUDA gives the CPU's: plain and activation-aware (calibration text),
 // from the SVD and from a random start, per-layer ranks with a full-rank layer (the exact block
 // form) and a standard one. The same per-layer errors (float32 sweeps: 1e-4, as cp_als_test's
-// device check) and compressed models whose logits agree (a bound to confirm on the first GPU run).
+// device check) and compressed models whose logits agree within 1e-2 (on an H200, torch 2.11,
+// 2026-12-04: at most 0.002, whitened from the SVD start; 1.5e-5 to 6.5e-4 for the others).
 TEST_F(CollaborativeTest, CudaConversionAgreesWithTheCpu) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no GPU";
   model::MakeOptions m;

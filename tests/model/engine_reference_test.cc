@@ -68,10 +68,7 @@ std::vector<std::vector<float>> ReferenceLogits(const std::string& dir, const st
     req["token_type_ids"].push_back(in.token_type_ids);
   }
   std::ofstream(tmp / "in.jsonl") << req.dump() << "\n";
-  // COLLABSERVE_PYTHON: an interpreter with torch where /usr/bin/python3 has none (a GPU
-  // machine's image; scripts/gpu-check.sh sets it).
-  const char* python = std::getenv("COLLABSERVE_PYTHON");
-  auto r = RunCommand(std::string(python != nullptr && *python != '\0' ? python : "/usr/bin/python3") + " " +
+  auto r = RunCommand(ShellQuote(testing::ReferencePython()) + " " +
                       ShellQuote(testing::SourceDir() + "/tests/reference/bert_reference.py") +
                       " " + ShellQuote(dir) + " < " + ShellQuote(tmp / "in.jsonl"));
   EXPECT_EQ(r.exit_code, 0) << "the Python reference failed (is python3-torch installed? run scripts/install-deps.sh)";
@@ -176,8 +173,9 @@ void ExpectCpuMatchesReference(const std::string& dir, const std::string& name,
 
 // On CUDA, where a GPU is present (none on the development machines, where this part does not
 // run; scripts/gpu-check.sh runs it on a GPU machine): float32 within the same 1e-4 of the
-// reference; float16 and bfloat16 within bounds for half precision (estimates until a GPU run
-// measures them: ~100 and ~50 units of their roundoff, 2^-11 and 2^-8, on logits of order 1).
+// reference; float16 and bfloat16 within ~100 units of their roundoff (2^-11 and 2^-8) on logits
+// of order 1. Measured on an H200 (torch 2.11, 2026-12-04) over these 10 models: at most 0.028
+// in float16 (58 units) and 0.20 in bfloat16 (51 units).
 void ExpectCudaMatchesReference(const std::string& dir, const std::string& name,
                                 const std::vector<std::vector<float>>& expected) {
   if (at::hasCUDA()) {
@@ -185,7 +183,7 @@ void ExpectCudaMatchesReference(const std::string& dir, const std::string& name,
     ASSERT_TRUE(cpu.ok()) << cpu.status();
     auto inputs = MakeInputs(**cpu);
     const std::vector<std::pair<std::string, float>> dtypes = {
-        {"float32", 1e-4f}, {"float16", 5e-2f}, {"bfloat16", 2e-1f}};
+        {"float32", 1e-4f}, {"float16", 5e-2f}, {"bfloat16", 4e-1f}};
     for (const auto& [dtype, bound] : dtypes) {
       auto cuda = Engine::Load(dir, {"cuda", dtype});
       ASSERT_TRUE(cuda.ok()) << cuda.status();

@@ -22,6 +22,7 @@
 
 #include "server/model/bert.h"
 #include "server/model/checkpoint_maker.h"
+#include "server/model/dense_ops.h"
 #include "server/model/io/checkpoint.h"
 #include "server/model/io/safetensors.h"
 #include "server/model/param_counts.h"
@@ -354,6 +355,9 @@ TEST(EngineBatchTest, LongBatchesGiveEachSequenceItsLogitsAlone) {
 // left there: its logits are those of the same pass on freshly allocated buffers (the arena
 // leased elsewhere), bit for bit, on the prepacked path (<= 256 tokens) and the long one.
 TEST(EnginePassArenaTest, PassesOnTheArenaEqualPassesOnTheAllocator) {
+  // The team path needs oneDNN's sgemm; a LibTorch that does not export it (a PyTorch wheel's,
+  // COLLABSERVE_GEMM=nosgemm) runs per operation, on no arena.
+  if (internal::FindSgemm() == nullptr) GTEST_SKIP() << "no dnnl_sgemm: passes run per operation";
   IntraOpThreads two(2);
   TempDir dir;
   std::unique_ptr<Engine> engine = LoadMini(dir, 17);

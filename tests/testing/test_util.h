@@ -19,6 +19,12 @@ inline std::string BinaryDir() {
   return s ? s : ".";
 }
 inline std::string TestData(const std::string& name) { return SourceDir() + "/tests/data/" + name; }
+// The Python that runs the references (torch and numpy): COLLABSERVE_PYTHON where set (a GPU
+// machine's PyTorch lives in its own environment; scripts/gpu-check.sh sets it), else Debian's.
+inline std::string ReferencePython() {
+  const char* s = std::getenv("COLLABSERVE_PYTHON");
+  return s != nullptr && *s != '\0' ? s : "/usr/bin/python3";
+}
 inline std::string Tool(const std::string& name) { return BinaryDir() + "/bin/" + name; }
 
 // A fresh directory under $TMPDIR, removed with everything in it on destruction.
