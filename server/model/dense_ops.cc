@@ -103,18 +103,10 @@ void SgemmAccumulate(SgemmFn sgemm, const float* x, int64_t ldx, int64_t rows, c
   }
 }
 
-// out[T, N] += x[T, K] · w[N, K]^T, in place (out holds the bias, or bias + residual).
-void GemmAccumulate(at::Tensor& out, const at::Tensor& x, const DenseWeight& w) {
-  SgemmFn sgemm = FindSgemm();
-  if (sgemm != nullptr && out.is_cpu() && out.scalar_type() == at::kFloat &&
-      x.scalar_type() == at::kFloat && x.is_contiguous() && out.is_contiguous() &&
-      (!w.plain.defined() || (w.plain.scalar_type() == at::kFloat && w.plain.is_contiguous()))) {
-    SgemmAccumulate(sgemm, x.data_ptr<float>(), x.size(1), x.size(0), w, out.data_ptr<float>(),
-                    out.size(1), 0, out.size(1));
-    return;
-  }
-  TORCH_CHECK(w.plain.defined(), "a dense weight kept only packed needs the sgemm");
-  at::addmm_out(out, out, x, w.plain.t());
+// Whether the sgemm computes a product with x (CPU float32) and w (packed, or plain float32).
+bool SgemmRuns(const at::Tensor& x, const DenseWeight& w) {
+  return FindSgemm() != nullptr && x.is_cpu() && x.scalar_type() == at::kFloat &&
+         (!w.plain.defined() || (w.plain.scalar_type() == at::kFloat && w.plain.is_contiguous()));
 }
 
 }  // namespace
@@ -135,11 +127,23 @@ at::Tensor Dense(const at::Tensor& x, const DenseWeight& w, const at::Tensor& b,
                  r.defined() ? r.data_ptr<float>() : nullptr, N, out.data_ptr<float>(), N);
     return out;
   }
-  // clone, not contiguous(): for T = 1 the expanded bias is already contiguous, and contiguous()
-  // would return the bias parameter itself, which the accumulating GEMM then overwrote.
+  if (!SgemmRuns(x, w)) {
+    // ATen (CUDA, half types, COLLABSERVE_GEMM=aten), as PyTorch's nn.Linear and residual add: the
+    // bias in the product's epilogue (cuBLASLt on CUDA). Accumulating into an output filled with
+    // the bias first wrote and re-read the whole output once more (on CUDA, three products of a
+    // BERT-base layer are [T, 2304], [T, 3072] and [T, 768] wide).
+    TORCH_CHECK(w.plain.defined(), "a dense weight kept only packed needs the sgemm or PackedLinear");
+    at::Tensor out = at::linear(x, w.plain, b);
+    if (residual.defined()) out.add_(residual);
+    return out;
+  }
+  // out = bias (+ residual), then out += x · w^T on the sgemm. clone, not contiguous(): for T = 1
+  // the expanded bias is already contiguous, and contiguous() would return the bias parameter
+  // itself, which the accumulating GEMM then overwrote.
   at::Tensor out = residual.defined() ? at::add(residual, b)
                                       : b.unsqueeze(0).expand({T, N}).clone(at::MemoryFormat::Contiguous);
-  GemmAccumulate(out, x.contiguous(), w);
+  const at::Tensor xc = x.contiguous();
+  SgemmAccumulate(FindSgemm(), xc.data_ptr<float>(), xc.size(1), T, w, out.data_ptr<float>(), N, 0, N);
   return out;
 }
 
