@@ -256,15 +256,20 @@ write_summary() {
   for dt in ${dtypes:-}; do
     [ -f "$OUT/engine-$dt.tsv" ] || continue
     echo
-    echo "Engine vs PyTorch eager, $dt, seq/s (collaborative: D~ = ${first_rank:-}; every model in engine-$dt.log):"
+    echo "Engine vs PyTorch eager, $dt, seq/s; each collaborative model against the standard one," \
+         "same run (every figure in engine-$dt.log):"
     echo
-    echo "| batch x seq | collabserve | PyTorch | ratio | D~ = ${first_rank:-} | / standard |"
-    echo "|---|---|---|---|---|---|"
-    awk -F'\t' 'NR == FNR { if ($1 !~ /^#/) py[$1 "x" $2] = $3; next }
-      $1 !~ /^#/ { k = $1 "x" $2; p = (k in py) ? py[k] : 0;
-        r = ($3 > 0) ? $6 / $3 : 0;
-        printf "| %s x %s | %.2f | %s | %s | %.2f | %.2fx |\n", $1, $2, $3,
-          (p ? sprintf("%.2f", p) : "-"), (p ? sprintf("%.2fx", $3 / p) : "-"), $6, r }' \
+    # engine-DT.tsv: batch, seq, seq/s, runs, CPU ms, then one column per collaborative model.
+    awk -F'\t' 'FILENAME == ARGV[1] { if ($1 !~ /^#/) py[$1 "x" $2] = $3; next }
+      $1 ~ /^#/ { head = "| batch x seq | collabserve | PyTorch | ratio |"; rule = "|---|---|---|---|";
+        for (i = 6; i <= NF; ++i) { r = $i; gsub(/^rank_|_seq_per_s$/, "", r);
+          head = head " D~ = " r " / standard |"; rule = rule "---|" }
+        print head; print rule; next }
+      { k = $1 "x" $2; p = (k in py) ? py[k] : 0;
+        line = sprintf("| %s x %s | %.2f | %s | %s |", $1, $2, $3,
+          (p ? sprintf("%.2f", p) : "-"), (p ? sprintf("%.2fx", $3 / p) : "-"));
+        for (i = 6; i <= NF; ++i) line = line sprintf(" %.2fx |", ($3 > 0) ? $i / $3 : 0);
+        print line }' \
       "$([ -f "$OUT/pytorch-$dt.tsv" ] && echo "$OUT/pytorch-$dt.tsv" || echo /dev/null)" "$OUT/engine-$dt.tsv"
   done
   if [ -f "$OUT/compress-on-$device.json" ]; then

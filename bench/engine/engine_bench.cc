@@ -516,7 +516,13 @@ int Main(int argc, char** argv) {
     return 1;
   }
   if (tsv) {
-    std::fprintf(tsv, "# batch\tseq\tcollabserve_seq_per_s\truns\tcpu_ms_per_seq\tcollab_seq_per_s\n");
+    // Then one column per collaborative model (--collab_model's order), named by its first rank.
+    std::fprintf(tsv, "# batch\tseq\tcollabserve_seq_per_s\truns\tcpu_ms_per_seq");
+    for (const auto& c : collabs) {
+      const auto& ranks = c->info().collaborative_ranks;
+      std::fprintf(tsv, "\trank_%d_seq_per_s", ranks.empty() ? 0 : ranks[0]);
+    }
+    std::fprintf(tsv, "\n");
   }
 
   struct CollabRow {
@@ -580,8 +586,9 @@ int Main(int argc, char** argv) {
                   std::to_string(p.times.size()).c_str());
       std::fflush(stdout);
       if (tsv) {
-        std::fprintf(tsv, "%d\t%d\t%.4f\t%zu\t%.3f\t%.4f\n", b, s, p.seq_per_s, p.times.size(),
-                     p.cpu_ms_per_seq, pc.seq_per_s);
+        std::fprintf(tsv, "%d\t%d\t%.4f\t%zu\t%.3f", b, s, p.seq_per_s, p.times.size(), p.cpu_ms_per_seq);
+        for (const Point& c : pcs) std::fprintf(tsv, "\t%.4f", c.seq_per_s);
+        std::fprintf(tsv, "\n");
         std::fflush(tsv);  // a run cut short (a time limit) keeps the rows it measured
       }
     }
