@@ -96,6 +96,10 @@ at::Tensor AttentionScratch(int64_t S, int64_t width, int64_t dk, const at::Tens
 
 int64_t AttentionScratchSize(int64_t S, int64_t width, int64_t dk) { return LayoutOfScratch(S, width, dk).size; }
 
+bool FusedAttentionAvailable(SgemmFn sgemm) {
+  return sgemm != nullptr || (!AtenOnly() && UseAttentionKernel());
+}
+
 int64_t CollaborativeProjectionWidth(int64_t R, int64_t D, int64_t H) {
   return (2 * R + D + H + 15) / 16 * 16;
 }

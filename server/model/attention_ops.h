@@ -65,9 +65,14 @@ void AttendUnits(SgemmFn sgemm, const float* p, const AttentionLayout& L, const 
                  int64_t u0, int64_t u1, int64_t H, int64_t S, int64_t Sq, int64_t D,
                  at::Tensor& scratch, float* ctx);
 
+// Whether AttendHeads (FusedAttention, the team path) can run: on the AVX-512 attention kernel, or
+// on the sgemm (`sgemm` non-null). A LibTorch that hides oneDNN's sgemm (a PyTorch wheel) still has
+// the kernel wherever AVX-512 is.
+bool FusedAttentionAvailable(SgemmFn sgemm);
+
 // Self-attention for one layer, fused per (sequence, head) (AttendHeads) and split over threads
 // by (sequence, head); proj [B·S, L.ld] -> ctx [B·Sq, D] (the queries at the first Sq positions of
-// each sequence). Needs the sgemm.
+// each sequence). Needs FusedAttentionAvailable(sgemm).
 at::Tensor FusedAttention(SgemmFn sgemm, const at::Tensor& proj, const AttentionLayout& L,
                           const at::Tensor& mask_add, int64_t B, int64_t S, int64_t Sq, int64_t H);
 

@@ -1,12 +1,13 @@
 // BertClassifier: the parameter tree, Prepare, and the forward pass. Which path runs a pass:
-//  - the ThreadTeam path (encoder_team.cc): a CPU float32 pass with oneDNN's sgemm and more than
-//    one thread runs every layer in one team run, standard and collaborative layers alike;
+//  - the ThreadTeam path (encoder_team.cc): a CPU float32 pass with more than one thread, and
+//    oneDNN's sgemm or (where LibTorch hides it) packed weights and AVX-512, runs every layer in one
+//    team run, standard and collaborative layers alike;
 //  - the per-operation path (Layer, below): the other CPU float32 passes (one thread, a caller
 //    already in a parallel region, d_k not a multiple of 16, more tokens than
 //    COLLABSERVE_TEAM_MAX_ROWS), one parallel region per operation, on the same kernels
 //    (attention_ops.h, dense_ops.h);
-//  - ATen ops (Layer with AtenAttention, at::linear): without the sgemm, i.e. CUDA, float16 /
-//    bfloat16, or COLLABSERVE_GEMM=aten.
+//  - ATen ops (Layer with AtenAttention, at::linear): CUDA, float16 / bfloat16,
+//    COLLABSERVE_GEMM=aten, or a CPU with neither the sgemm nor AVX-512.
 // Every path computes the same function (engine_reference_test checks each against the Python
 // reference).
 #include "server/model/bert.h"
@@ -33,6 +34,7 @@ using internal::CollaborativeProjectionWidth;
 using internal::Dense;
 using internal::FindSgemm;
 using internal::FusedAttention;
+using internal::FusedAttentionAvailable;
 using internal::LayerNormInPlace;
 using internal::LayoutOf;
 using internal::Project;
@@ -312,7 +314,7 @@ at::Tensor BertClassifier::Layer(const EncoderLayer& l, const at::Tensor& h,
   const at::Tensor hq = cls_only ? h.select(1, 0) : h2;
   at::Tensor ctx;
   SgemmFn sgemm = FindSgemm();
-  const bool fused_attention = sgemm != nullptr && h.scalar_type() == at::kFloat && h.is_cpu();
+  const bool fused_attention = FusedAttentionAvailable(sgemm) && h.scalar_type() == at::kFloat && h.is_cpu();
   at::Tensor mask2;
   if (fused_attention && mask_add.defined()) mask2 = mask_add.view({B, S}).contiguous();
   if (fused_attention) {

@@ -54,6 +54,8 @@ SgemmFn FindSgemm() {
   return fn;
 }
 
+bool AtenOnly() { return ChosenGemmMode() == GemmMode::kAten; }
+
 bool UsePacking(const c10::Device& device, c10::ScalarType dtype) {
   const GemmMode mode = ChosenGemmMode();
   return device.is_cpu() && dtype == at::kFloat && PackedLinearSupported() &&

@@ -30,6 +30,10 @@ inline constexpr int64_t kPackedMaxMemberRows = 512;
 // The sgemm, looked up once; null with COLLABSERVE_GEMM=aten or when LibTorch hides its oneDNN.
 SgemmFn FindSgemm();
 
+// COLLABSERVE_GEMM=aten: every CPU operation on ATen ops, attention included (the tests of the
+// path CUDA takes).
+bool AtenOnly();
+
 // Whether Prepare packs the dense weights for PackedLinear on this device and dtype.
 bool UsePacking(const c10::Device& device, c10::ScalarType dtype);
 

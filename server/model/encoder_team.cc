@@ -26,6 +26,7 @@ using internal::AttentionScratchSize;
 using internal::ContentScores;
 using internal::DenseColumns;
 using internal::FindSgemm;
+using internal::FusedAttentionAvailable;
 using internal::kPackedMaxMemberRows;
 using internal::kPackedMaxRows;
 using internal::LayoutOf;
@@ -46,7 +47,7 @@ int64_t TeamMaxRows() {
 }  // namespace
 
 // The whole encoder in one ThreadTeam run, standard and collaborative layers alike, with the
-// sgemm. Short passes: each parallel ATen/OpenMP op would wake the other threads and let them go
+// sgemm (or, where LibTorch hides it, on PackedLinear and the attention kernel alone). Short passes: each parallel ATen/OpenMP op would wake the other threads and let them go
 // back to sleep (dozens of times per pass at batch 1). Long passes (above kPackedMaxRows tokens):
 // oneDNN's own 2-thread split of one product left a core idle (CPU 147-166% of 2 cores); here
 // every member runs its own share of the rows, on PackedLinear up to kPackedMaxMemberRows rows
@@ -71,7 +72,10 @@ bool BertClassifier::EncodeOnTeam(at::Tensor& h, const at::Tensor& mask_add, boo
   const int64_t H = config_.num_attention_heads, dk = config_.head_size();
   const int64_t F = config_.intermediate_size;
   SgemmFn sgemm = FindSgemm();
-  if (n <= 1 || at::in_parallel_region() || sgemm == nullptr || !h.is_cpu() ||
+  // Without the sgemm (a LibTorch that hides it) every product runs on PackedLinear: the weights
+  // must be kept packed, and attention on the AVX-512 kernel.
+  const bool products = sgemm != nullptr || weights_released_;
+  if (n <= 1 || at::in_parallel_region() || !products || !FusedAttentionAvailable(sgemm) || !h.is_cpu() ||
       h.scalar_type() != at::kFloat || T > TeamMaxRows() || dk % PackedWeight::kPanel != 0) {
     return false;
   }

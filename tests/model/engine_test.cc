@@ -23,6 +23,7 @@
 #include "server/model/bert.h"
 #include "server/model/checkpoint_maker.h"
 #include "server/model/dense_ops.h"
+#include "server/model/kernels.h"
 #include "server/model/io/checkpoint.h"
 #include "server/model/io/safetensors.h"
 #include "server/model/param_counts.h"
@@ -355,9 +356,10 @@ TEST(EngineBatchTest, LongBatchesGiveEachSequenceItsLogitsAlone) {
 // left there: its logits are those of the same pass on freshly allocated buffers (the arena
 // leased elsewhere), bit for bit, on the prepacked path (<= 256 tokens) and the long one.
 TEST(EnginePassArenaTest, PassesOnTheArenaEqualPassesOnTheAllocator) {
-  // The team path needs oneDNN's sgemm; a LibTorch that does not export it (a PyTorch wheel's,
-  // COLLABSERVE_GEMM=nosgemm) runs per operation, on no arena.
-  if (internal::FindSgemm() == nullptr) GTEST_SKIP() << "no dnnl_sgemm: passes run per operation";
+  // The team path runs with the sgemm, or without it on PackedLinear and the AVX-512 kernels.
+  if (internal::AtenOnly() || (internal::FindSgemm() == nullptr && !PackedLinearSupported())) {
+    GTEST_SKIP() << "no team path here (COLLABSERVE_GEMM=aten, or neither the sgemm nor AVX-512)";
+  }
   IntraOpThreads two(2);
   TempDir dir;
   std::unique_ptr<Engine> engine = LoadMini(dir, 17);
