@@ -333,8 +333,16 @@ if [ -f "$build_dir/CMakeCache.txt" ] && grep -q "^COLLABSERVE_WITH_GRPC:BOOL=ON
 elif ! run_step configure cmake "${cmake_args[@]}"; then
   failed=1
 fi
+# The parity tests a full check runs (--quick: engine_reference_test alone). On a GPU
+# engine_reference_test adds its CUDA blocks (float32 / float16 / bfloat16 against the reference,
+# standard and collaborative); cp_als_test compares CP-ALS on the device with the CPU at the same
+# seed, and collaborative_test the whole conversion (plain and whitened, SVD and random starts, an
+# exact full-rank layer and a standard one); cxx_runtime_binding_test: the executables bind
+# libstdc++'s functions, not the copies a PyTorch wheel's libtorch.so exports (its
+# std::filesystem::remove_all crashed every test).
+test_names=(engine_reference_test engine_test kernels_test cp_als_test collaborative_test cxx_runtime_binding_test)
 targets=(collabserve-model engine_bench engine_reference_test)
-[ $quick = 1 ] || targets+=(engine_test kernels_test cp_als_test collaborative_test cxx_runtime_binding_test)
+[ $quick = 1 ] || targets+=("${test_names[@]:1}")
 [ $failed = 0 ] && { run_step build cmake --build "$build_dir" -j "$jobs" --target "${targets[@]}" || failed=1; }
 # What follows needs the build; each later step only what it uses, so that on a lent GPU's few
 # minutes a failed parity test still leaves the bench's figures.
@@ -349,13 +357,7 @@ if [ $built = 1 ]; then
   if [ $quick = 1 ]; then
     run_step tests "$tests/engine_reference_test" || failed=1
   else
-    # On a GPU engine_reference_test adds its CUDA blocks (float32 / float16 / bfloat16 against the
-    # reference, standard and collaborative); cp_als_test compares CP-ALS on the device with the
-    # CPU at the same seed, and collaborative_test the whole conversion (plain and whitened, SVD
-    # and random starts, an exact full-rank layer and a standard one).
-    # cxx_runtime_binding_test: the executables bind libstdc++'s functions, not the copies a
-    # PyTorch wheel's libtorch.so exports (its std::filesystem::remove_all crashed every test).
-    for t in engine_reference_test engine_test kernels_test cp_als_test collaborative_test cxx_runtime_binding_test; do
+    for t in "${test_names[@]}"; do
       run_step "test-$t" "$tests/$t" || failed=1
     done
   fi
