@@ -389,8 +389,14 @@ std::vector<at::Tensor> BertClassifier::LayerInputs(const at::Tensor& input_ids,
 at::Tensor BertClassifier::MaskAdd(const at::Tensor& attention_mask, int64_t B, int64_t S) const {
   if (!attention_mask.defined()) return at::Tensor();
   // No padding: no mask (it would add zeros), as Hugging Face's SDPA attention drops it; on CUDA
-  // that lets the flash-attention kernel run. Checked where the tokenizer built the mask.
-  if (attention_mask.is_cpu() && attention_mask.eq(1).all().item<bool>()) return at::Tensor();
+  // that lets the flash-attention kernel run. Checked where the tokenizer built the mask, on its
+  // values in place: no operator that reads a value back (aten::item), which on a device would wait
+  // for it (tests/model/op_profile_test.cc).
+  if (attention_mask.is_cpu()) {
+    const at::Tensor m = attention_mask.to(at::kLong).contiguous();
+    const int64_t* p = m.data_ptr<int64_t>();
+    if (std::all_of(p, p + m.numel(), [](int64_t v) { return v == 1; })) return at::Tensor();
+  }
   // HF: (1 - mask) * finfo(dtype).min, broadcast over heads and query positions.
   auto m = attention_mask.to(device_).to(dtype_).view({B, 1, 1, S});
   double lowest = dtype_ == c10::kHalf       ? -65504.0
