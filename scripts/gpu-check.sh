@@ -13,7 +13,9 @@
 #            standard and collaborative models), the bench on the GPU in float16 and float32
 #            (TF32 off) against PyTorch eager with scaled-dot-product attention, batch
 #            {1, 8, 32, 128} x sequence {16, 128, 512}, standard and D~ = D_k/2, D_k/4, and the
-#            BERT-base compression at D~ = 384 with --device cuda.
+#            BERT-base compression at D~ = 384 with --device cuda; then each engine's host time by
+#            operator (engine_bench --op_profile, pytorch_bench.py --op_profile) at batch {1, 128}
+#            x sequence {16, 128}.
 #   --device cpu: the same steps on the CPU, on fewer points (batch {1, 8} x sequence {16, 128}).
 #   --quick: the mini model (4 x 256) on batch {1, 2} x sequence {16}, the reference tests only:
 #            what `make test` runs (ctest gpu_check_cpu) so that this script cannot rot.
@@ -272,6 +274,14 @@ write_summary() {
         print line }' \
       "$([ -f "$OUT/pytorch-$dt.tsv" ] && echo "$OUT/pytorch-$dt.tsv" || echo /dev/null)" "$OUT/engine-$dt.tsv"
   done
+  for dt in ${dtypes:-}; do
+    [ -f "$OUT/pytorch-ops-$dt.log" ] || [ -f "$OUT/engine-ops-$dt.log" ] || continue
+    echo
+    echo "Host time by operator, $dt (the tables in pytorch-ops-$dt.log and engine-ops-$dt.log):"
+    echo
+    grep -h '^op profile: ' "$OUT/pytorch-ops-$dt.log" "$OUT/engine-ops-$dt.log" 2>/dev/null |
+      sed 's/^op profile: /- /' || true
+  done
   if [ -f "$OUT/compress-on-$device.json" ]; then
     echo
     "$PYTHON" - "$OUT/compress-on-$device.json" "${first_rank:-}" "$device" <<'PYEOF' || true
@@ -339,8 +349,10 @@ fi
 # seed, and collaborative_test the whole conversion (plain and whitened, SVD and random starts, an
 # exact full-rank layer and a standard one); cxx_runtime_binding_test: the executables bind
 # libstdc++'s functions, not the copies a PyTorch wheel's libtorch.so exports (its
-# std::filesystem::remove_all crashed every test).
-test_names=(engine_reference_test engine_test kernels_test cp_als_test collaborative_test cxx_runtime_binding_test)
+# std::filesystem::remove_all crashed every test); op_profile_test: no forward pass on CUDA (float32,
+# float16) reads a value back mid-pass (a wait for the device).
+test_names=(engine_reference_test engine_test kernels_test cp_als_test collaborative_test cxx_runtime_binding_test
+            op_profile_test)
 targets=(collabserve-model engine_bench engine_reference_test)
 [ $quick = 1 ] || targets+=("${test_names[@]:1}")
 [ $failed = 0 ] && { run_step build cmake --build "$build_dir" -j "$jobs" --target "${targets[@]}" || failed=1; }
@@ -403,14 +415,15 @@ threads=$(nproc)
 [ "$device" = cpu ] && threads=2
 # With a time limit, each grid point and model gets what is left over the runs the bench makes:
 # per dtype, PyTorch's one model and the engine's standard and collaborative ones at every point;
-# 20 s per process for starting (Python and CUDA, loading the models, warm-ups); and half of the
-# rest, since a point's runs also stop at --max_runs or carry on to --min_runs.
+# 20 s per process for starting (Python and CUDA, loading the models, warm-ups), 25 s per op profile
+# (two per dtype); and half of the rest, since a point's runs also stop at --max_runs or carry on
+# to --min_runs.
 if [ $have_models = 1 ] && [ "$time_limit" -gt 0 ] && [ "$(left)" -ge 10 ]; then
   set -- $dtypes; n_dtypes=$#
   set -- $ranks; n_models=$(($# + 1))
   n_points=$(( $(echo "$batches" | tr ',' '\n' | wc -l) * $(echo "$seqs" | tr ',' '\n' | wc -l) ))
   fit=$(awk -v left="$(left)" -v d="$n_dtypes" -v p="$n_points" -v m="$n_models" -v b="$budget" '
-    BEGIN { f = 0.5 * (left - 10 - 2 * d * 20) / (d * p * (m + 1)); if (f > b) f = b; if (f < 0.05) f = 0.05;
+    BEGIN { f = 0.5 * (left - 10 - 2 * d * 20 - 2 * d * 25) / (d * p * (m + 1)); if (f > b) f = b; if (f < 0.05) f = 0.05;
             printf "%.2f", f }')
   notes+=("Bench: $fit s per grid point and model (at most $budget; --time-limit $time_limit s, $(left) s left when it began).")
   budget=$fit
@@ -428,6 +441,20 @@ if [ $have_models = 1 ]; then
       --model="$models/$preset" --collab_model="$collab_dirs" --device="$device" --dtype="$dt" \
       --batches="$batches" --seqs="$seqs" --threads="$threads" --budget_s="$budget" \
       "${py_tsv[@]}" --tsv_out="$OUT/engine-$dt.tsv" --sgemm=0 --stream_mb=0 --memory=0 || failed=1
+  done
+  # Where each engine's host time goes, operator by operator, at the points that show it best: a
+  # launch-bound pass (batch 1) and a large one; both engines, every model (--op_profile).
+  op_points=(--batches=1,128 --seqs=16,128) op_passes=20
+  [ "$device" = cpu ] && op_points=(--batches=1,8 --seqs=16,128) op_passes=5
+  [ $quick = 1 ] && op_points=(--batches=1 --seqs=16) op_passes=3
+  for dt in $dtypes; do
+    run_step "pytorch-ops-$dt" env OMP_NUM_THREADS=$threads "$PYTHON" "$ROOT/bench/engine/pytorch_bench.py" \
+      --model "$models/$preset" --device "$device" --dtype "$dt" "${op_points[@]}" \
+      --threads "$threads" --op_profile "$op_passes" "${sdpa[@]}" || failed=1
+    run_step "engine-ops-$dt" env OMP_NUM_THREADS=$threads OMP_WAIT_POLICY=PASSIVE "$bin/engine_bench" \
+      --model="$models/$preset" --collab_model="$collab_dirs" --device="$device" --dtype="$dt" \
+      "${op_points[@]}" --threads="$threads" --op_profile="$op_passes" --sgemm=0 --stream_mb=0 \
+      --memory=0 || failed=1
   done
 fi
 

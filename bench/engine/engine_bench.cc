@@ -27,8 +27,15 @@
 //                     [--max_runs=50] [--warmup_batch=8] [--pytorch_tsv=FILE] [--ort_tsv=FILE]
 //                     [--tsv_out=FILE] [--sgemm=2048] [--stream_mb=512] [--memory=1]
 //                     [--device=cpu|cuda[:N]] [--dtype=float32|float16|bfloat16]
+//                     [--op_profile=PASSES]
 // On a GPU (--device=cuda) the timings include copying the logits back (Run returns them on the
 // CPU, which waits for the GPU), and the memory table is skipped.
+// --op_profile=PASSES: instead of the tables, for each grid point and model, PASSES runs timed as
+// usual, then PASSES more observed by an OpProfile (server/model/op_profile.h): the ATen operators
+// the calling thread dispatches, by host time. On a GPU that is the whole pass, and the copy of the
+// logits to the CPU (aten::to, its longest call) holds the wait for the device: a pass whose
+// operators take nearly all its time, with a short wait in that copy, is bound by launching them.
+// On the CPU the encoder team's threads run most layers unobserved.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
@@ -57,6 +64,7 @@
 #include "server/model/checkpoint_maker.h"
 #include "server/model/engine.h"
 #include "server/model/kernels.h"
+#include "server/model/op_profile.h"
 #include "server/model/pass_arena.h"
 #include "server/util/process_env.h"
 #include "server/util/process_memory.h"
@@ -72,6 +80,7 @@ struct Flags {
   std::vector<std::string> collab_models;
   int memory = 1;
   int pack_weights = 1;  // --rss_child only: EngineOptions::pack_weights
+  int op_profile = 0;    // passes observed per grid point and model; 0: the timing tables
   std::string device = "cpu", dtype = "float32";
   std::vector<int> batches = {1, 8, 32};
   std::vector<int> seqs = {16, 128, 512};
@@ -92,6 +101,7 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
            .String("rss_child", &f->rss_child)
            .Int("memory", &f->memory)
            .Int("pack_weights", &f->pack_weights)
+           .Int("op_profile", &f->op_profile, 0)
            .String("device", &f->device)
            .String("dtype", &f->dtype)
            .String("pytorch_tsv", &f->pytorch_tsv)
@@ -218,6 +228,64 @@ std::vector<Point> MeasureAlternating(const std::vector<const Engine*>& models, 
     p.times = times[m];
   }
   return points;
+}
+
+// --op_profile: `passes` runs timed, then `passes` more under an OpProfile; prints the pass's time
+// both ways and the operators by host time a pass (the first 15, then the rest in one line).
+void PrintOpProfile(const std::string& label, const Engine& engine, int batch, int seq, int passes) {
+  const auto inputs = MakeInputs(batch, seq);
+  auto run = [&] {
+    auto r = engine.Run(inputs);
+    if (!r.ok()) {
+      std::fprintf(stderr, "engine_bench: Run failed: %s\n", r.status().ToString().c_str());
+      std::exit(1);
+    }
+  };
+  run();  // warm-up on the full shape (a GPU's allocator and kernel choices are per shape)
+  std::vector<double> plain, observed;
+  for (int i = 0; i < passes; ++i) {
+    const double t0 = Now();
+    run();
+    plain.push_back(Now() - t0);
+  }
+  OpProfile profile;
+  for (int i = 0; i < passes; ++i) {
+    const double t0 = Now();
+    run();
+    observed.push_back(Now() - t0);
+  }
+  profile.Stop();
+  const double n = passes;
+  const auto ops = profile.Ops();
+  int64_t nested = 0;
+  OpProfile::Op longest;
+  for (const auto& op : ops) {
+    nested += op.nested;
+    if (op.longest > longest.longest) longest = op;
+  }
+  std::printf("\nop profile: %s, %d x %d, %d passes: %.3f ms a pass (median; %.3f ms observed), of which "
+              "%.3f ms in %.1f top-level operator calls (%.1f nested in them); the longest call: %s, "
+              "%.3f ms\n",
+              label.c_str(), batch, seq, passes, 1e3 * Median(plain), 1e3 * Median(observed),
+              1e3 * profile.seconds() / n, profile.top_level_calls() / n, nested / n,
+              longest.name.empty() ? "(none)" : longest.name.c_str(), 1e3 * longest.longest);
+  std::printf("  %-40s %8s %10s %9s %11s %8s\n", "operator", "calls", "us a pass", "us a call",
+              "longest us", "nested");
+  double rest_s = 0, rest_calls = 0;
+  int shown = 0;
+  for (const auto& op : ops) {
+    if (op.calls == 0) continue;
+    if (shown++ >= 15) {
+      rest_s += op.seconds, rest_calls += op.calls;
+      continue;
+    }
+    std::printf("  %-40s %8.1f %10.1f %9.2f %11.1f %8.1f\n", op.name.c_str(), op.calls / n,
+                1e6 * op.seconds / n, 1e6 * op.seconds / op.calls, 1e6 * op.longest, op.nested / n);
+  }
+  if (rest_calls > 0) {
+    std::printf("  %-40s %8.1f %10.1f\n", "(the other operators)", rest_calls / n, 1e6 * rest_s / n);
+  }
+  std::fflush(stdout);
 }
 
 double SgemmPeak(int n) {
@@ -500,6 +568,21 @@ int Main(int argc, char** argv) {
                 f.collab_models[0].c_str());
   }
   std::printf("\n");
+  if (f.op_profile > 0) {
+    std::vector<std::pair<std::string, const Engine*>> models = {{f.model, engine.get()}};
+    for (size_t i = 0; i < collabs.size(); ++i) models.push_back({f.collab_models[i], collabs[i].get()});
+    for (int b : f.batches) {
+      for (int s : f.seqs) {
+        if (s > info.max_length) continue;
+        for (const auto& [dir, e] : models) {
+          std::string name = dir;
+          while (name.size() > 1 && name.back() == '/') name.pop_back();
+          PrintOpProfile(name.substr(name.find_last_of('/') + 1), *e, b, s, f.op_profile);
+        }
+      }
+    }
+    return 0;
+  }
   double peak = f.sgemm > 0 ? SgemmPeak(f.sgemm) : 0;
   if (peak > 0) std::printf("SGEMM peak (%d^3, faster of at::mm and PackedLinear, median of 5): %.1f GFLOP/s\n", f.sgemm, peak);
   if (f.stream_mb > 0) {

@@ -5,6 +5,7 @@ usage: pytorch_bench.py --model DIR --out FILE.tsv [--batches 1,8,32] [--seqs 16
                         [--threads 2] [--budget_s 4] [--min_runs 3] [--max_runs 50]
                         [--warmup_batch 8] [--export_onnx FILE.onnx]
                         [--device cpu|cuda[:N]] [--dtype float32|float16|bfloat16] [--sdpa]
+                        [--op_profile PASSES]
 
 Loads DIR with bert_module (checked against tests/reference/bert_reference.py first: logits within
 1e-4), then for each grid point runs one warm-up forward and timed forwards under
@@ -13,6 +14,10 @@ torch.inference_mode until --budget_s is spent (at least --min_runs, at most --m
 and inputs equal engine_bench's. On CUDA every timed forward ends with torch.cuda.synchronize()
 (as engine_bench's copy of the logits to the CPU does), TF32 is off for float32, and --sdpa uses
 torch's fused attention.
+
+--op_profile PASSES: instead of the TSV (--out is then not needed), for each grid point PASSES
+forwards timed, then PASSES more under torch.autograd.profiler: the top-level operators by host
+time, as engine_bench --op_profile prints them, and the time spent waiting in the synchronisation.
 """
 import argparse
 import os
@@ -35,10 +40,53 @@ def ints(s):
     return [int(x) for x in s.split(",")]
 
 
+def op_profile(model, inputs, passes, sync, label, b, s):
+    """engine_bench --op_profile's table for PyTorch: top-level operator calls by host time."""
+    model(*inputs)  # warm-up on the full shape
+    sync()
+    plain, observed, waits = [], [], []
+    for _ in range(passes):
+        t0 = time.perf_counter()
+        model(*inputs)
+        sync()
+        plain.append(time.perf_counter() - t0)
+    with torch.autograd.profiler.profile() as prof:
+        for _ in range(passes):
+            t0 = time.perf_counter()
+            model(*inputs)
+            t1 = time.perf_counter()
+            sync()
+            t2 = time.perf_counter()
+            observed.append(t2 - t0)
+            waits.append(t2 - t1)
+    ops, nested = {}, 0
+    for e in prof.function_events:
+        if e.cpu_parent is not None:
+            nested += 1
+            continue
+        calls, us, longest = ops.get(e.name, (0, 0.0, 0.0))
+        ops[e.name] = (calls + 1, us + e.cpu_time_total, max(longest, e.cpu_time_total))
+    n = float(passes)
+    total_us = sum(v[1] for v in ops.values())
+    print(f"\nop profile: {label}, {b} x {s}, {passes} passes: {1e3 * median(plain):.3f} ms a pass (median; "
+          f"{1e3 * median(observed):.3f} ms observed), of which {1e-3 * total_us / n:.3f} ms in "
+          f"{sum(v[0] for v in ops.values()) / n:.1f} top-level operator calls ({nested / n:.1f} nested in "
+          f"them); waiting in the synchronisation: {1e3 * median(waits):.3f} ms")
+    print(f"  {'operator':40s} {'calls':>8s} {'us a pass':>10s} {'us a call':>9s} {'longest us':>11s}")
+    rows = sorted(ops.items(), key=lambda kv: -kv[1][1])
+    for name, (calls, us, longest) in rows[:15]:
+        print(f"  {name[:40]:40s} {calls / n:8.1f} {us / n:10.1f} {us / calls:9.2f} {longest:11.1f}")
+    if len(rows) > 15:
+        rest = rows[15:]
+        print(f"  {'(the other operators)':40s} {sum(v[0] for _, v in rest) / n:8.1f} "
+              f"{sum(v[1] for _, v in rest) / n:10.1f}")
+    sys.stdout.flush()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out")
     ap.add_argument("--batches", type=ints, default=[1, 8, 32])
     ap.add_argument("--seqs", type=ints, default=[16, 128, 512])
     ap.add_argument("--threads", type=int, default=2)
@@ -50,7 +98,10 @@ def main():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     ap.add_argument("--sdpa", action="store_true")
+    ap.add_argument("--op_profile", type=int, default=0)
     a = ap.parse_args()
+    if not a.out and not a.op_profile:
+        ap.error("--out is required (except with --op_profile)")
 
     model, ref = bert_module.load(a.model, sdpa=a.sdpa)
     torch.set_num_threads(a.threads)
@@ -85,6 +136,13 @@ def main():
 
     print(f"pytorch_bench: torch {torch.__version__}, get_num_threads()={torch.get_num_threads()}, "
           f"{device} {a.dtype}{', sdpa' if a.sdpa else ''}", file=sys.stderr)
+    if a.op_profile:
+        with torch.inference_mode():
+            for b in a.batches:
+                for s in a.seqs:
+                    op_profile(model, [t.to(device) for t in bert_module.make_inputs(b, s)], a.op_profile,
+                               sync, f"PyTorch eager {a.dtype}{' sdpa' if a.sdpa else ''}", b, s)
+        return
     with open(a.out, "w") as out, torch.inference_mode():
         out.write("# batch\tseq\tpytorch_seq_per_s\truns\tcpu_ms_per_seq\n")
         for b in a.batches:
