@@ -14,8 +14,8 @@
 #            (TF32 off) against PyTorch eager with scaled-dot-product attention, batch
 #            {1, 8, 32, 128} x sequence {16, 128, 512}, standard and D~ = D_k/2, D_k/4, and the
 #            BERT-base compression at D~ = 384 with --device cuda; then each engine's host time by
-#            operator (engine_bench --op_profile, pytorch_bench.py --op_profile) at batch {1, 128}
-#            x sequence {16, 128}.
+#            operator (engine_bench --op_profile, pytorch_bench.py --op_profile) and the kernels
+#            the GPU ran (--gpu_kernels) at batch {1, 128} x sequence {16, 128}.
 #   --device cpu: the same steps on the CPU, on fewer points (batch {1, 8} x sequence {16, 128}).
 #   --quick: the mini model (4 x 256) on batch {1, 2} x sequence {16}, the reference tests only:
 #            what `make test` runs (ctest gpu_check_cpu) so that this script cannot rot.
@@ -281,6 +281,12 @@ write_summary() {
     echo
     grep -h '^op profile: ' "$OUT/pytorch-ops-$dt.log" "$OUT/engine-ops-$dt.log" 2>/dev/null |
       sed 's/^op profile: /- /' || true
+    [ -f "$OUT/pytorch-kernels-$dt.log" ] || [ -f "$OUT/engine-kernels-$dt.log" ] || continue
+    echo
+    echo "Device kernels, $dt (the tables in pytorch-kernels-$dt.log and engine-kernels-$dt.log):"
+    echo
+    grep -h '^gpu kernels: ' "$OUT/pytorch-kernels-$dt.log" "$OUT/engine-kernels-$dt.log" 2>/dev/null |
+      sed 's/^gpu kernels: /- /' || true
   done
   if [ -f "$OUT/compress-on-$device.json" ]; then
     echo
@@ -415,15 +421,16 @@ threads=$(nproc)
 [ "$device" = cpu ] && threads=2
 # With a time limit, each grid point and model gets what is left over the runs the bench makes:
 # per dtype, PyTorch's one model and the engine's standard and collaborative ones at every point;
-# 20 s per process for starting (Python and CUDA, loading the models, warm-ups), 25 s per op profile
-# (two per dtype); and half of the rest, since a point's runs also stop at --max_runs or carry on
-# to --min_runs.
+# 20 s per process for starting (Python and CUDA, loading the models, warm-ups), 15 s per op profile
+# and per kernel table (two of each, for the first dtype; kernel tables on a GPU only); and half of
+# the rest, since a point's runs also stop at --max_runs or carry on to --min_runs.
 if [ $have_models = 1 ] && [ "$time_limit" -gt 0 ] && [ "$(left)" -ge 10 ]; then
   set -- $dtypes; n_dtypes=$#
   set -- $ranks; n_models=$(($# + 1))
   n_points=$(( $(echo "$batches" | tr ',' '\n' | wc -l) * $(echo "$seqs" | tr ',' '\n' | wc -l) ))
-  fit=$(awk -v left="$(left)" -v d="$n_dtypes" -v p="$n_points" -v m="$n_models" -v b="$budget" '
-    BEGIN { f = 0.5 * (left - 10 - 2 * d * 20 - 2 * d * 25) / (d * p * (m + 1)); if (f > b) f = b; if (f < 0.05) f = 0.05;
+  n_profiles=1; [ "$device" = cpu ] || n_profiles=2  # op profiles; on a GPU, kernel tables too
+  fit=$(awk -v left="$(left)" -v d="$n_dtypes" -v p="$n_points" -v m="$n_models" -v b="$budget" -v k="$n_profiles" '
+    BEGIN { f = 0.5 * (left - 10 - 2 * d * 20 - 2 * 15 * k) / (d * p * (m + 1)); if (f > b) f = b; if (f < 0.05) f = 0.05;
             printf "%.2f", f }')
   notes+=("Bench: $fit s per grid point and model (at most $budget; --time-limit $time_limit s, $(left) s left when it began).")
   budget=$fit
@@ -443,11 +450,13 @@ if [ $have_models = 1 ]; then
       "${py_tsv[@]}" --tsv_out="$OUT/engine-$dt.tsv" --sgemm=0 --stream_mb=0 --memory=0 || failed=1
   done
   # Where each engine's host time goes, operator by operator, at the points that show it best: a
-  # launch-bound pass (batch 1) and a large one; both engines, every model (--op_profile).
+  # launch-bound pass (batch 1) and a large one; both engines, every model (--op_profile); in the
+  # first dtype (float16 on a GPU, whose goals it serves).
   op_points=(--batches=1,128 --seqs=16,128) op_passes=20
   [ "$device" = cpu ] && op_points=(--batches=1,8 --seqs=16,128) op_passes=5
   [ $quick = 1 ] && op_points=(--batches=1 --seqs=16) op_passes=3
-  for dt in $dtypes; do
+  profile_dtypes=${dtypes%% *}
+  for dt in $profile_dtypes; do
     run_step "pytorch-ops-$dt" env OMP_NUM_THREADS=$threads "$PYTHON" "$ROOT/bench/engine/pytorch_bench.py" \
       --model "$models/$preset" --device "$device" --dtype "$dt" "${op_points[@]}" \
       --threads "$threads" --op_profile "$op_passes" "${sdpa[@]}" || failed=1
@@ -456,6 +465,17 @@ if [ $have_models = 1 ]; then
       "${op_points[@]}" --threads="$threads" --op_profile="$op_passes" --sgemm=0 --stream_mb=0 \
       --memory=0 || failed=1
   done
+  # On a GPU, the kernels each engine's passes ran, by device time (--gpu_kernels), at the same points.
+  if [ "$device" != cpu ]; then
+    for dt in $profile_dtypes; do
+      run_step "pytorch-kernels-$dt" env OMP_NUM_THREADS=$threads "$PYTHON" "$ROOT/bench/engine/pytorch_bench.py" \
+        --model "$models/$preset" --device "$device" --dtype "$dt" "${op_points[@]}" \
+        --threads "$threads" --gpu_kernels 10 "${sdpa[@]}" || failed=1
+      run_step "engine-kernels-$dt" env OMP_NUM_THREADS=$threads OMP_WAIT_POLICY=PASSIVE "$bin/engine_bench" \
+        --model="$models/$preset" --collab_model="$collab_dirs" --device="$device" --dtype="$dt" \
+        "${op_points[@]}" --threads="$threads" --gpu_kernels=10 --sgemm=0 --stream_mb=0 --memory=0 || failed=1
+    done
+  fi
 fi
 
 finish "results in $OUT"

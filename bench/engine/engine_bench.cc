@@ -27,7 +27,7 @@
 //                     [--max_runs=50] [--warmup_batch=8] [--pytorch_tsv=FILE] [--ort_tsv=FILE]
 //                     [--tsv_out=FILE] [--sgemm=2048] [--stream_mb=512] [--memory=1]
 //                     [--device=cpu|cuda[:N]] [--dtype=float32|float16|bfloat16]
-//                     [--op_profile=PASSES]
+//                     [--op_profile=PASSES] [--gpu_kernels=PASSES]
 // On a GPU (--device=cuda) the timings include copying the logits back (Run returns them on the
 // CPU, which waits for the GPU), and the memory table is skipped.
 // --op_profile=PASSES: instead of the tables, for each grid point and model, PASSES runs timed as
@@ -36,9 +36,22 @@
 // logits to the CPU (aten::to, its longest call) holds the wait for the device: a pass whose
 // operators take nearly all its time, with a short wait in that copy, is bound by launching them.
 // On the CPU the encoder team's threads run most layers unobserved.
+// --gpu_kernels=PASSES (CUDA, LibTorch 2.x): instead of the tables, for each grid point and model
+// the kernels (and copies) the device ran in PASSES passes, recorded by LibTorch's Kineto profiler:
+// kernels a pass, device time a pass (summed, and the union of their intervals: the time the device
+// was busy) against the pass's wall time, and the kernels by device time. pytorch_bench.py
+// --gpu_kernels prints the same for PyTorch eager.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
+#include <torch/version.h>
+#if TORCH_VERSION_MAJOR >= 2
+// The device's kernels as LibTorch's Kineto profiler records them (1.13's events time in µs).
+#include <torch/csrc/autograd/profiler_kineto.h>
+#define COLLABSERVE_HAVE_KINETO_EVENTS 1
+#else
+#define COLLABSERVE_HAVE_KINETO_EVENTS 0
+#endif
 #include <dlfcn.h>
 #include <malloc.h>
 #include <sys/resource.h>
@@ -52,6 +65,7 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -81,6 +95,7 @@ struct Flags {
   int memory = 1;
   int pack_weights = 1;  // --rss_child only: EngineOptions::pack_weights
   int op_profile = 0;    // passes observed per grid point and model; 0: the timing tables
+  int gpu_kernels = 0;   // passes whose device kernels are recorded; 0: the timing tables
   std::string device = "cpu", dtype = "float32";
   std::vector<int> batches = {1, 8, 32};
   std::vector<int> seqs = {16, 128, 512};
@@ -102,6 +117,7 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
            .Int("memory", &f->memory)
            .Int("pack_weights", &f->pack_weights)
            .Int("op_profile", &f->op_profile, 0)
+           .Int("gpu_kernels", &f->gpu_kernels, 0)
            .String("device", &f->device)
            .String("dtype", &f->dtype)
            .String("pytorch_tsv", &f->pytorch_tsv)
@@ -286,6 +302,85 @@ void PrintOpProfile(const std::string& label, const Engine& engine, int batch, i
     std::printf("  %-40s %8.1f %10.1f\n", "(the other operators)", rest_calls / n, 1e6 * rest_s / n);
   }
   std::fflush(stdout);
+}
+
+// --gpu_kernels: `passes` runs timed, then `passes` more recorded by the Kineto profiler (device
+// activities only); prints kernels and device time a pass, and the kernels by device time.
+void PrintGpuKernels(const std::string& label, const Engine& engine, int batch, int seq, int passes) {
+#if COLLABSERVE_HAVE_KINETO_EVENTS
+  namespace tpi = torch::profiler::impl;
+  namespace tap = torch::autograd::profiler;
+  const auto inputs = MakeInputs(batch, seq);
+  auto run = [&] {
+    auto r = engine.Run(inputs);
+    if (!r.ok()) {
+      std::fprintf(stderr, "engine_bench: Run failed: %s\n", r.status().ToString().c_str());
+      std::exit(1);
+    }
+  };
+  run();  // warm-up on the full shape
+  std::vector<double> plain;
+  for (int i = 0; i < passes; ++i) {
+    const double t0 = Now();
+    run();
+    plain.push_back(Now() - t0);
+  }
+  const tpi::ProfilerConfig config(tpi::ProfilerState::KINETO);
+  const std::set<tpi::ActivityType> activities = {tpi::ActivityType::CUDA};
+  tap::prepareProfiler(config, activities);
+  tap::enableProfiler(config, activities);
+  for (int i = 0; i < passes; ++i) run();
+  const std::unique_ptr<tap::ProfilerResult> result = tap::disableProfiler();
+  struct Kernel {
+    int64_t calls = 0;
+    double ns = 0;
+  };
+  std::map<std::string, Kernel> kernels;
+  std::vector<std::pair<uint64_t, uint64_t>> spans;
+  for (const auto& e : result->events()) {
+    if (e.deviceType() != c10::DeviceType::CUDA) continue;
+    Kernel& k = kernels[e.name()];
+    ++k.calls;
+    k.ns += static_cast<double>(e.durationNs());
+    spans.emplace_back(e.startNs(), e.endNs());
+  }
+  std::sort(spans.begin(), spans.end());
+  double busy_ns = 0, total_ns = 0;
+  int64_t calls = 0;
+  uint64_t open_start = 0, open_end = 0;
+  for (const auto& [start, end] : spans) {
+    if (start > open_end) {
+      busy_ns += static_cast<double>(open_end - open_start);
+      open_start = start;
+    }
+    open_end = std::max(open_end, end);
+  }
+  busy_ns += static_cast<double>(open_end - open_start);
+  std::vector<std::pair<std::string, Kernel>> rows(kernels.begin(), kernels.end());
+  for (const auto& [name, k] : rows) total_ns += k.ns, calls += k.calls;
+  std::stable_sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second.ns > b.second.ns; });
+  const double n = passes;
+  std::printf("\ngpu kernels: %s, %d x %d, %d passes: %.3f ms a pass (median, unrecorded); %.1f kernels and "
+              "copies a pass, %.3f ms of device time (busy %.3f ms)\n",
+              label.c_str(), batch, seq, passes, 1e3 * Median(plain), calls / n, 1e-6 * total_ns / n,
+              1e-6 * busy_ns / n);
+  std::printf("  %-64s %8s %10s %9s\n", "kernel", "calls", "us a pass", "us a call");
+  double rest_ns = 0, rest_calls = 0;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const auto& [name, k] = rows[i];
+    if (i >= 15) {
+      rest_ns += k.ns, rest_calls += k.calls;
+      continue;
+    }
+    std::printf("  %-64.64s %8.1f %10.1f %9.2f\n", name.c_str(), k.calls / n, 1e-3 * k.ns / n, 1e-3 * k.ns / k.calls);
+  }
+  if (rest_calls > 0) std::printf("  %-64s %8.1f %10.1f\n", "(the other kernels)", rest_calls / n, 1e-3 * rest_ns / n);
+  std::fflush(stdout);
+#else
+  (void)label, (void)engine, (void)batch, (void)seq, (void)passes;
+  std::fprintf(stderr, "engine_bench: --gpu_kernels needs LibTorch 2.x (this is %s)\n", TORCH_VERSION);
+  std::exit(2);
+#endif
 }
 
 double SgemmPeak(int n) {
@@ -568,7 +663,11 @@ int Main(int argc, char** argv) {
                 f.collab_models[0].c_str());
   }
   std::printf("\n");
-  if (f.op_profile > 0) {
+  if (f.gpu_kernels > 0 && info.device.rfind("cuda", 0) != 0) {
+    std::fprintf(stderr, "engine_bench: --gpu_kernels records a GPU's kernels: it needs --device=cuda\n");
+    return 2;
+  }
+  if (f.op_profile > 0 || f.gpu_kernels > 0) {
     std::vector<std::pair<std::string, const Engine*>> models = {{f.model, engine.get()}};
     for (size_t i = 0; i < collabs.size(); ++i) models.push_back({f.collab_models[i], collabs[i].get()});
     for (int b : f.batches) {
@@ -577,7 +676,9 @@ int Main(int argc, char** argv) {
         for (const auto& [dir, e] : models) {
           std::string name = dir;
           while (name.size() > 1 && name.back() == '/') name.pop_back();
-          PrintOpProfile(name.substr(name.find_last_of('/') + 1), *e, b, s, f.op_profile);
+          name = name.substr(name.find_last_of('/') + 1);
+          if (f.op_profile > 0) PrintOpProfile(name, *e, b, s, f.op_profile);
+          if (f.gpu_kernels > 0) PrintGpuKernels(name, *e, b, s, f.gpu_kernels);
         }
       }
     }

@@ -5,7 +5,7 @@ usage: pytorch_bench.py --model DIR --out FILE.tsv [--batches 1,8,32] [--seqs 16
                         [--threads 2] [--budget_s 4] [--min_runs 3] [--max_runs 50]
                         [--warmup_batch 8] [--export_onnx FILE.onnx]
                         [--device cpu|cuda[:N]] [--dtype float32|float16|bfloat16] [--sdpa]
-                        [--op_profile PASSES]
+                        [--op_profile PASSES] [--gpu_kernels PASSES]
 
 Loads DIR with bert_module (checked against tests/reference/bert_reference.py first: logits within
 1e-4), then for each grid point runs one warm-up forward and timed forwards under
@@ -18,6 +18,8 @@ torch's fused attention.
 --op_profile PASSES: instead of the TSV (--out is then not needed), for each grid point PASSES
 forwards timed, then PASSES more under torch.autograd.profiler: the top-level operators by host
 time, as engine_bench --op_profile prints them, and the time spent waiting in the synchronisation.
+--gpu_kernels PASSES (CUDA): the same, but the kernels the device ran in PASSES passes, recorded by
+torch.profiler, as engine_bench --gpu_kernels prints them.
 """
 import argparse
 import os
@@ -83,6 +85,54 @@ def op_profile(model, inputs, passes, sync, label, b, s):
     sys.stdout.flush()
 
 
+def gpu_kernels(model, inputs, passes, sync, label, b, s):
+    """engine_bench --gpu_kernels's table for PyTorch: the device's kernels and copies by device time."""
+    from torch.profiler import ProfilerActivity, profile
+    model(*inputs)  # warm-up on the full shape
+    sync()
+    plain = []
+    for _ in range(passes):
+        t0 = time.perf_counter()
+        model(*inputs)
+        sync()
+        plain.append(time.perf_counter() - t0)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(passes):
+            model(*inputs)
+        sync()
+    kernels, spans = {}, []
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        start, end = e.time_range.start, e.time_range.end  # us
+        calls, us = kernels.get(e.name, (0, 0.0))
+        kernels[e.name] = (calls + 1, us + (end - start))
+        spans.append((start, end))
+    busy, open_start, open_end = 0.0, None, None
+    for start, end in sorted(spans):
+        if open_end is None or start > open_end:
+            if open_end is not None:
+                busy += open_end - open_start
+            open_start, open_end = start, end
+        else:
+            open_end = max(open_end, end)
+    if open_end is not None:
+        busy += open_end - open_start
+    n = float(passes)
+    print(f"\ngpu kernels: {label}, {b} x {s}, {passes} passes: {1e3 * median(plain):.3f} ms a pass (median, "
+          f"unrecorded); {sum(v[0] for v in kernels.values()) / n:.1f} kernels and copies a pass, "
+          f"{1e-3 * sum(v[1] for v in kernels.values()) / n:.3f} ms of device time (busy {1e-3 * busy / n:.3f} ms)")
+    print(f"  {'kernel':64s} {'calls':>8s} {'us a pass':>10s} {'us a call':>9s}")
+    rows = sorted(kernels.items(), key=lambda kv: -kv[1][1])
+    for name, (calls, us) in rows[:15]:
+        print(f"  {name[:64]:64s} {calls / n:8.1f} {us / n:10.1f} {us / calls:9.2f}")
+    if len(rows) > 15:
+        rest = rows[15:]
+        print(f"  {'(the other kernels)':64s} {sum(v[0] for _, v in rest) / n:8.1f} "
+              f"{sum(v[1] for _, v in rest) / n:10.1f}")
+    sys.stdout.flush()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -99,9 +149,12 @@ def main():
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     ap.add_argument("--sdpa", action="store_true")
     ap.add_argument("--op_profile", type=int, default=0)
+    ap.add_argument("--gpu_kernels", type=int, default=0)
     a = ap.parse_args()
-    if not a.out and not a.op_profile:
-        ap.error("--out is required (except with --op_profile)")
+    if not a.out and not a.op_profile and not a.gpu_kernels:
+        ap.error("--out is required (except with --op_profile or --gpu_kernels)")
+    if a.gpu_kernels and not a.device.startswith("cuda"):
+        ap.error("--gpu_kernels records a GPU's kernels: it needs --device cuda")
 
     model, ref = bert_module.load(a.model, sdpa=a.sdpa)
     torch.set_num_threads(a.threads)
@@ -136,12 +189,16 @@ def main():
 
     print(f"pytorch_bench: torch {torch.__version__}, get_num_threads()={torch.get_num_threads()}, "
           f"{device} {a.dtype}{', sdpa' if a.sdpa else ''}", file=sys.stderr)
-    if a.op_profile:
+    if a.op_profile or a.gpu_kernels:
+        label = f"PyTorch eager {a.dtype}{' sdpa' if a.sdpa else ''}"
         with torch.inference_mode():
             for b in a.batches:
                 for s in a.seqs:
-                    op_profile(model, [t.to(device) for t in bert_module.make_inputs(b, s)], a.op_profile,
-                               sync, f"PyTorch eager {a.dtype}{' sdpa' if a.sdpa else ''}", b, s)
+                    inputs = [t.to(device) for t in bert_module.make_inputs(b, s)]
+                    if a.op_profile:
+                        op_profile(model, inputs, a.op_profile, sync, label, b, s)
+                    if a.gpu_kernels:
+                        gpu_kernels(model, inputs, a.gpu_kernels, sync, label, b, s)
         return
     with open(a.out, "w") as out, torch.inference_mode():
         out.write("# batch\tseq\tpytorch_seq_per_s\truns\tcpu_ms_per_seq\n")
