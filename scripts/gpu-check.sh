@@ -274,19 +274,17 @@ write_summary() {
         print line }' \
       "$([ -f "$OUT/pytorch-$dt.tsv" ] && echo "$OUT/pytorch-$dt.tsv" || echo /dev/null)" "$OUT/engine-$dt.tsv"
   done
-  for dt in ${dtypes:-}; do
-    [ -f "$OUT/pytorch-ops-$dt.log" ] || [ -f "$OUT/engine-ops-$dt.log" ] || continue
-    echo
-    echo "Host time by operator, $dt (the tables in pytorch-ops-$dt.log and engine-ops-$dt.log):"
-    echo
-    grep -h '^op profile: ' "$OUT/pytorch-ops-$dt.log" "$OUT/engine-ops-$dt.log" 2>/dev/null |
-      sed 's/^op profile: /- /' || true
-    [ -f "$OUT/pytorch-kernels-$dt.log" ] || [ -f "$OUT/engine-kernels-$dt.log" ] || continue
-    echo
-    echo "Device kernels, $dt (the tables in pytorch-kernels-$dt.log and engine-kernels-$dt.log):"
-    echo
-    grep -h '^gpu kernels: ' "$OUT/pytorch-kernels-$dt.log" "$OUT/engine-kernels-$dt.log" 2>/dev/null |
-      sed 's/^gpu kernels: /- /' || true
+  # The profiles' headline lines: step kind, the lines' prefix, the title.
+  for profile in "ops|op profile|Host time by operator" "kernels|gpu kernels|Device kernels"; do
+    IFS='|' read -r kind prefix title <<<"$profile"
+    for dt in ${dtypes:-}; do
+      [ -f "$OUT/pytorch-$kind-$dt.log" ] || [ -f "$OUT/engine-$kind-$dt.log" ] || continue
+      echo
+      echo "$title, $dt (the tables in pytorch-$kind-$dt.log and engine-$kind-$dt.log):"
+      echo
+      grep -h "^$prefix: " "$OUT/pytorch-$kind-$dt.log" "$OUT/engine-$kind-$dt.log" 2>/dev/null |
+        sed "s/^$prefix: /- /" || true
+    done
   done
   if [ -f "$OUT/compress-on-$device.json" ]; then
     echo

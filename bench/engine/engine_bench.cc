@@ -164,6 +164,28 @@ std::vector<TokenizedInput> MakeInputs(int batch, int seq) {
   return out;
 }
 
+// One Engine::Run; a failed one ends the bench.
+void RunOrDie(const Engine& engine, const std::vector<TokenizedInput>& inputs) {
+  auto r = engine.Run(inputs);
+  if (!r.ok()) {
+    std::fprintf(stderr, "engine_bench: Run failed: %s\n", r.status().ToString().c_str());
+    std::exit(1);
+  }
+}
+
+// The profiles' baseline: one warm-up Run on the full shape (a GPU's allocator and kernel choices
+// are per shape), then `passes` timed ones; their seconds.
+std::vector<double> WarmAndTime(const Engine& engine, const std::vector<TokenizedInput>& inputs, int passes) {
+  RunOrDie(engine, inputs);
+  std::vector<double> times;
+  for (int i = 0; i < passes; ++i) {
+    const double t0 = Now();
+    RunOrDie(engine, inputs);
+    times.push_back(Now() - t0);
+  }
+  return times;
+}
+
 // Multiply-adds ×2 of the forward pass collabserve computes: every matmul weight once per token
 // (the head once per sequence) plus attention's scores and context products; in the last layer
 // (whose output the pooler reads at [CLS] only) the keys and values for every token and the rest
@@ -206,20 +228,13 @@ struct Point {
 std::vector<Point> MeasureAlternating(const std::vector<const Engine*>& models, int batch, int seq,
                                       const Flags& f) {
   const auto inputs = MakeInputs(batch, seq);
-  auto run = [&](const Engine& engine, const std::vector<TokenizedInput>& in) {
-    auto r = engine.Run(in);
-    if (!r.ok()) {
-      std::fprintf(stderr, "engine_bench: Run failed: %s\n", r.status().ToString().c_str());
-      std::exit(1);
-    }
-  };
   // Warm-up (allocator, OpenBLAS buffers, first-touch pages) on at most --warmup_batch sequences:
   // a full 32 × 512 batch would cost as much as a timed run. A GPU warms up on the full shape (its
   // caching allocator and kernel choices are per shape), as pytorch_bench.py does there.
   const bool gpu = f.device.rfind("cuda", 0) == 0;
   const std::vector<TokenizedInput> head(inputs.begin(),
                                          inputs.begin() + (gpu ? batch : std::min(batch, f.warmup_batch)));
-  for (const Engine* e : models) run(*e, head);
+  for (const Engine* e : models) RunOrDie(*e, head);
   const size_t M = models.size();
   std::vector<std::vector<double>> times(M), cpu_times(M);
   double spent = 0;
@@ -227,7 +242,7 @@ std::vector<Point> MeasureAlternating(const std::vector<const Engine*>& models, 
     for (size_t i = 0; i < M; ++i) {
       const size_t m = (i + r) % M;
       const double t0 = Now(), c0 = CpuSeconds();
-      run(*models[m], inputs);
+      RunOrDie(*models[m], inputs);
       times[m].push_back(Now() - t0);
       cpu_times[m].push_back(CpuSeconds() - c0);
       spent += times[m].back();
@@ -250,24 +265,12 @@ std::vector<Point> MeasureAlternating(const std::vector<const Engine*>& models, 
 // both ways and the operators by host time a pass (the first 15, then the rest in one line).
 void PrintOpProfile(const std::string& label, const Engine& engine, int batch, int seq, int passes) {
   const auto inputs = MakeInputs(batch, seq);
-  auto run = [&] {
-    auto r = engine.Run(inputs);
-    if (!r.ok()) {
-      std::fprintf(stderr, "engine_bench: Run failed: %s\n", r.status().ToString().c_str());
-      std::exit(1);
-    }
-  };
-  run();  // warm-up on the full shape (a GPU's allocator and kernel choices are per shape)
-  std::vector<double> plain, observed;
-  for (int i = 0; i < passes; ++i) {
-    const double t0 = Now();
-    run();
-    plain.push_back(Now() - t0);
-  }
+  const std::vector<double> plain = WarmAndTime(engine, inputs, passes);
+  std::vector<double> observed;
   OpProfile profile;
   for (int i = 0; i < passes; ++i) {
     const double t0 = Now();
-    run();
+    RunOrDie(engine, inputs);
     observed.push_back(Now() - t0);
   }
   profile.Stop();
@@ -311,25 +314,12 @@ void PrintGpuKernels(const std::string& label, const Engine& engine, int batch, 
   namespace tpi = torch::profiler::impl;
   namespace tap = torch::autograd::profiler;
   const auto inputs = MakeInputs(batch, seq);
-  auto run = [&] {
-    auto r = engine.Run(inputs);
-    if (!r.ok()) {
-      std::fprintf(stderr, "engine_bench: Run failed: %s\n", r.status().ToString().c_str());
-      std::exit(1);
-    }
-  };
-  run();  // warm-up on the full shape
-  std::vector<double> plain;
-  for (int i = 0; i < passes; ++i) {
-    const double t0 = Now();
-    run();
-    plain.push_back(Now() - t0);
-  }
+  const std::vector<double> plain = WarmAndTime(engine, inputs, passes);
   const tpi::ProfilerConfig config(tpi::ProfilerState::KINETO);
   const std::set<tpi::ActivityType> activities = {tpi::ActivityType::CUDA};
   tap::prepareProfiler(config, activities);
   tap::enableProfiler(config, activities);
-  for (int i = 0; i < passes; ++i) run();
+  for (int i = 0; i < passes; ++i) RunOrDie(engine, inputs);
   const std::unique_ptr<tap::ProfilerResult> result = tap::disableProfiler();
   struct Kernel {
     int64_t calls = 0;

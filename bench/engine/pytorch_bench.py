@@ -42,16 +42,37 @@ def ints(s):
     return [int(x) for x in s.split(",")]
 
 
-def op_profile(model, inputs, passes, sync, label, b, s):
-    """engine_bench --op_profile's table for PyTorch: top-level operator calls by host time."""
-    model(*inputs)  # warm-up on the full shape
+def print_top(what, more, rows, n, width, other):
+    """A profile's table: rows (name, calls, us, *more values) over n passes, most time first; the
+    first 15 with calls and us a pass, us a call and the rest of their values, then one line for
+    the others."""
+    print(f"  {what:{width}s} {'calls':>8s} {'us a pass':>10s} {'us a call':>9s}" + "".join(f" {m:>11s}" for m in more))
+    rows = sorted(rows, key=lambda r: -r[2])
+    for name, calls, us, *values in rows[:15]:
+        print(f"  {name[:width]:{width}s} {calls / n:8.1f} {us / n:10.1f} {us / calls:9.2f}"
+              + "".join(f" {v:11.1f}" for v in values))
+    if len(rows) > 15:
+        rest = rows[15:]
+        print(f"  {other:{width}s} {sum(r[1] for r in rest) / n:8.1f} {sum(r[2] for r in rest) / n:10.1f}")
+    sys.stdout.flush()
+
+
+def warm_and_time(model, inputs, passes, sync):
+    """The profiles' baseline: one warm-up forward on the full shape, then `passes` timed; seconds."""
+    model(*inputs)
     sync()
-    plain, observed, waits = [], [], []
+    times = []
     for _ in range(passes):
         t0 = time.perf_counter()
         model(*inputs)
         sync()
-        plain.append(time.perf_counter() - t0)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def op_profile(model, inputs, passes, sync, label, b, s):
+    """engine_bench --op_profile's table for PyTorch: top-level operator calls by host time."""
+    plain, observed, waits = warm_and_time(model, inputs, passes, sync), [], []
     with torch.autograd.profiler.profile() as prof:
         for _ in range(passes):
             t0 = time.perf_counter()
@@ -74,28 +95,13 @@ def op_profile(model, inputs, passes, sync, label, b, s):
           f"{1e3 * median(observed):.3f} ms observed), of which {1e-3 * total_us / n:.3f} ms in "
           f"{sum(v[0] for v in ops.values()) / n:.1f} top-level operator calls ({nested / n:.1f} nested in "
           f"them); waiting in the synchronisation: {1e3 * median(waits):.3f} ms")
-    print(f"  {'operator':40s} {'calls':>8s} {'us a pass':>10s} {'us a call':>9s} {'longest us':>11s}")
-    rows = sorted(ops.items(), key=lambda kv: -kv[1][1])
-    for name, (calls, us, longest) in rows[:15]:
-        print(f"  {name[:40]:40s} {calls / n:8.1f} {us / n:10.1f} {us / calls:9.2f} {longest:11.1f}")
-    if len(rows) > 15:
-        rest = rows[15:]
-        print(f"  {'(the other operators)':40s} {sum(v[0] for _, v in rest) / n:8.1f} "
-              f"{sum(v[1] for _, v in rest) / n:10.1f}")
-    sys.stdout.flush()
+    print_top("operator", ["longest us"], [(k, *v) for k, v in ops.items()], n, 40, "(the other operators)")
 
 
 def gpu_kernels(model, inputs, passes, sync, label, b, s):
     """engine_bench --gpu_kernels's table for PyTorch: the device's kernels and copies by device time."""
     from torch.profiler import ProfilerActivity, profile
-    model(*inputs)  # warm-up on the full shape
-    sync()
-    plain = []
-    for _ in range(passes):
-        t0 = time.perf_counter()
-        model(*inputs)
-        sync()
-        plain.append(time.perf_counter() - t0)
+    plain = warm_and_time(model, inputs, passes, sync)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(passes):
             model(*inputs)
@@ -122,15 +128,7 @@ def gpu_kernels(model, inputs, passes, sync, label, b, s):
     print(f"\ngpu kernels: {label}, {b} x {s}, {passes} passes: {1e3 * median(plain):.3f} ms a pass (median, "
           f"unrecorded); {sum(v[0] for v in kernels.values()) / n:.1f} kernels and copies a pass, "
           f"{1e-3 * sum(v[1] for v in kernels.values()) / n:.3f} ms of device time (busy {1e-3 * busy / n:.3f} ms)")
-    print(f"  {'kernel':64s} {'calls':>8s} {'us a pass':>10s} {'us a call':>9s}")
-    rows = sorted(kernels.items(), key=lambda kv: -kv[1][1])
-    for name, (calls, us) in rows[:15]:
-        print(f"  {name[:64]:64s} {calls / n:8.1f} {us / n:10.1f} {us / calls:9.2f}")
-    if len(rows) > 15:
-        rest = rows[15:]
-        print(f"  {'(the other kernels)':64s} {sum(v[0] for _, v in rest) / n:8.1f} "
-              f"{sum(v[1] for _, v in rest) / n:10.1f}")
-    sys.stdout.flush()
+    print_top("kernel", [], [(k, *v) for k, v in kernels.items()], n, 64, "(the other kernels)")
 
 
 def main():
