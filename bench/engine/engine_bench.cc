@@ -46,7 +46,8 @@
 #include <c10/core/InferenceMode.h>
 #include <torch/version.h>
 #if TORCH_VERSION_MAJOR >= 2
-// The device's kernels as LibTorch's Kineto profiler records them (1.13's events time in µs).
+// The device's kernels as LibTorch's Kineto profiler records them: 2.x only (1.13's events time
+// in µs, and Debian's 1.13 is built without Kineto).
 #include <torch/csrc/autograd/profiler_kineto.h>
 #define COLLABSERVE_HAVE_KINETO_EVENTS 1
 #else

@@ -12,8 +12,11 @@
 //     operator on this thread), so the times add up without counting anything twice.
 //   - Time in an operator includes any wait inside it: on CUDA, a copy to the CPU waits there for
 //     the device to finish the work queued before it.
-//   - Observing adds a callback to every operator call (well under a microsecond).
-#pragma once
+//   - Stop() and the destructor run on the observing thread (its callback is that thread's).
+//   - Observing adds a callback to every operator call: 0.2-0.3 us each here, against 0.7-1.4 us
+//     for dispatching a small at::neg.
+#ifndef COLLABSERVE_SERVER_MODEL_OP_PROFILE_H_
+#define COLLABSERVE_SERVER_MODEL_OP_PROFILE_H_
 
 #include <cstdint>
 #include <memory>
@@ -57,3 +60,5 @@ class OpProfile {
 };
 
 }  // namespace collabserve::model
+
+#endif  // COLLABSERVE_SERVER_MODEL_OP_PROFILE_H_
