@@ -262,6 +262,37 @@ std::vector<Point> MeasureAlternating(const std::vector<const Engine*>& models, 
   return points;
 }
 
+// A profile's table (as pytorch_bench.py's print_top): rows over `passes` passes, most time first;
+// the first 15 with calls and µs a pass, µs a call and their further columns, then one line for
+// the others.
+struct ProfileRow {
+  std::string name;
+  double calls = 0, seconds = 0;
+  std::vector<double> more;  // printed as they are, under `more_heads`
+};
+void PrintTop(const char* what, int width, const std::vector<const char*>& more_heads,
+              std::vector<ProfileRow> rows, int passes, const char* other) {
+  std::stable_sort(rows.begin(), rows.end(), [](const ProfileRow& a, const ProfileRow& b) { return a.seconds > b.seconds; });
+  const double n = passes;
+  std::printf("  %-*s %8s %10s %9s", width, what, "calls", "us a pass", "us a call");
+  for (const char* h : more_heads) std::printf(" %11s", h);
+  std::printf("\n");
+  double rest_s = 0, rest_calls = 0;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const ProfileRow& r = rows[i];
+    if (i >= 15) {
+      rest_s += r.seconds, rest_calls += r.calls;
+      continue;
+    }
+    std::printf("  %-*.*s %8.1f %10.1f %9.2f", width, width, r.name.c_str(), r.calls / n, 1e6 * r.seconds / n,
+                1e6 * r.seconds / r.calls);
+    for (double v : r.more) std::printf(" %11.1f", v);
+    std::printf("\n");
+  }
+  if (rest_calls > 0) std::printf("  %-*s %8.1f %10.1f\n", width, other, rest_calls / n, 1e6 * rest_s / n);
+  std::fflush(stdout);
+}
+
 // --op_profile: `passes` runs timed, then `passes` more under an OpProfile; prints the pass's time
 // both ways and the operators by host time a pass (the first 15, then the rest in one line).
 void PrintOpProfile(const std::string& label, const Engine& engine, int batch, int seq, int passes) {
@@ -289,23 +320,11 @@ void PrintOpProfile(const std::string& label, const Engine& engine, int batch, i
               label.c_str(), batch, seq, passes, 1e3 * Median(plain), 1e3 * Median(observed),
               1e3 * profile.seconds() / n, profile.top_level_calls() / n, nested / n,
               longest.name.empty() ? "(none)" : longest.name.c_str(), 1e3 * longest.longest);
-  std::printf("  %-40s %8s %10s %9s %11s %8s\n", "operator", "calls", "us a pass", "us a call",
-              "longest us", "nested");
-  double rest_s = 0, rest_calls = 0;
-  int shown = 0;
+  std::vector<ProfileRow> rows;
   for (const auto& op : ops) {
-    if (op.calls == 0) continue;
-    if (shown++ >= 15) {
-      rest_s += op.seconds, rest_calls += op.calls;
-      continue;
-    }
-    std::printf("  %-40s %8.1f %10.1f %9.2f %11.1f %8.1f\n", op.name.c_str(), op.calls / n,
-                1e6 * op.seconds / n, 1e6 * op.seconds / op.calls, 1e6 * op.longest, op.nested / n);
+    if (op.calls > 0) rows.push_back({op.name, double(op.calls), op.seconds, {1e6 * op.longest, op.nested / n}});
   }
-  if (rest_calls > 0) {
-    std::printf("  %-40s %8.1f %10.1f\n", "(the other operators)", rest_calls / n, 1e6 * rest_s / n);
-  }
-  std::fflush(stdout);
+  PrintTop("operator", 40, {"longest us", "nested"}, rows, passes, "(the other operators)");
 }
 
 // --gpu_kernels: `passes` runs timed, then `passes` more recorded by the Kineto profiler (device
@@ -347,26 +366,17 @@ void PrintGpuKernels(const std::string& label, const Engine& engine, int batch, 
     open_end = std::max(open_end, end);
   }
   busy_ns += static_cast<double>(open_end - open_start);
-  std::vector<std::pair<std::string, Kernel>> rows(kernels.begin(), kernels.end());
-  for (const auto& [name, k] : rows) total_ns += k.ns, calls += k.calls;
-  std::stable_sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second.ns > b.second.ns; });
+  std::vector<ProfileRow> rows;
+  for (const auto& [name, k] : kernels) {
+    rows.push_back({name, double(k.calls), 1e-9 * k.ns, {}});
+    total_ns += k.ns, calls += k.calls;
+  }
   const double n = passes;
   std::printf("\ngpu kernels: %s, %d x %d, %d passes: %.3f ms a pass (median, unrecorded); %.1f kernels and "
               "copies a pass, %.3f ms of device time (busy %.3f ms)\n",
               label.c_str(), batch, seq, passes, 1e3 * Median(plain), calls / n, 1e-6 * total_ns / n,
               1e-6 * busy_ns / n);
-  std::printf("  %-64s %8s %10s %9s\n", "kernel", "calls", "us a pass", "us a call");
-  double rest_ns = 0, rest_calls = 0;
-  for (size_t i = 0; i < rows.size(); ++i) {
-    const auto& [name, k] = rows[i];
-    if (i >= 15) {
-      rest_ns += k.ns, rest_calls += k.calls;
-      continue;
-    }
-    std::printf("  %-64.64s %8.1f %10.1f %9.2f\n", name.c_str(), k.calls / n, 1e-3 * k.ns / n, 1e-3 * k.ns / k.calls);
-  }
-  if (rest_calls > 0) std::printf("  %-64s %8.1f %10.1f\n", "(the other kernels)", rest_calls / n, 1e-3 * rest_ns / n);
-  std::fflush(stdout);
+  PrintTop("kernel", 64, {}, rows, passes, "(the other kernels)");
 #else
   (void)label, (void)engine, (void)batch, (void)seq, (void)passes;
   std::fprintf(stderr, "engine_bench: --gpu_kernels needs LibTorch 2.x (this is %s)\n", TORCH_VERSION);

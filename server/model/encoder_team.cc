@@ -46,12 +46,13 @@ int64_t TeamMaxRows() {
 
 }  // namespace
 
-// The whole encoder in one ThreadTeam run, standard and collaborative layers alike, with the
-// sgemm (or, where LibTorch hides it, on PackedLinear and the attention kernel alone). Short passes: each parallel ATen/OpenMP op would wake the other threads and let them go
-// back to sleep (dozens of times per pass at batch 1). Long passes (above kPackedMaxRows tokens):
-// oneDNN's own 2-thread split of one product left a core idle (CPU 147-166% of 2 cores); here
-// every member runs its own share of the rows, on PackedLinear up to kPackedMaxMemberRows rows
-// each, else on a single-threaded sgemm.
+// The whole encoder in one ThreadTeam run, standard and collaborative layers alike, with the sgemm
+// (or, where LibTorch hides it, on PackedLinear and the attention kernel alone). Short passes: each
+// parallel ATen/OpenMP op would wake the other threads and let them go back to sleep (dozens of
+// times per pass at batch 1). Long passes (above kPackedMaxRows tokens): oneDNN's own 2-thread
+// split of one product left a core idle (CPU 147-166% of 2 cores); here every member runs its own
+// share of the rows, on PackedLinear up to kPackedMaxMemberRows rows each, else on a
+// single-threaded sgemm.
 // Member t of n takes, per layer, up to kPackedMaxRows tokens: the q/k/v columns and attention of
 // heads [t·H/n, (t+1)·H/n) (no wait between the two, as in ProjectAndAttend); 1/n of the output
 // projection's panels (+ residual); 1/n of the rows of the LayerNorm; 1/n of the intermediate
