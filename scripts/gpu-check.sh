@@ -13,7 +13,9 @@
 #            standard and collaborative models), the bench on the GPU in float16 and float32
 #            (TF32 off) against PyTorch eager with scaled-dot-product attention, batch
 #            {1, 8, 32, 128} x sequence {16, 128, 512}, standard and D~ = D_k/2, D_k/4, and the
-#            BERT-base compression at D~ = 384 with --device cuda; then each engine's host time by
+#            BERT-base compression at D~ = 384 with --device cuda (the engine with CUDA graphs for
+#            passes of up to 4096 tokens, as served, and its standard model once more without them,
+#            float16 only); then each engine's host time by
 #            operator (engine_bench --op_profile, pytorch_bench.py --op_profile) and the kernels
 #            the GPU ran (--gpu_kernels) at batch {1, 128} x sequence {16, 128}.
 #   --device cpu: the same steps on the CPU, on fewer points (batch {1, 8} x sequence {16, 128}).
@@ -259,20 +261,27 @@ write_summary() {
     [ -f "$OUT/engine-$dt.tsv" ] || continue
     echo
     echo "Engine vs PyTorch eager, $dt, seq/s; each collaborative model against the standard one," \
-         "same run (every figure in engine-$dt.log):"
+         "same run; the standard model without CUDA graphs where it ran (every figure in engine-$dt.log" \
+         "and engine-nographs-$dt.log):"
     echo
     # engine-DT.tsv: batch, seq, seq/s, runs, CPU ms, then one column per collaborative model.
-    awk -F'\t' 'FILENAME == ARGV[1] { if ($1 !~ /^#/) py[$1 "x" $2] = $3; next }
+    ng=$OUT/engine-nographs-$dt.tsv
+    awk -F'\t' -v has_ng="$([ -f "$ng" ] && echo 1 || echo 0)" '
+      FILENAME == ARGV[1] { if ($1 !~ /^#/) py[$1 "x" $2] = $3; next }
+      FILENAME == ARGV[2] { if ($1 !~ /^#/) eager[$1 "x" $2] = $3; next }
       $1 ~ /^#/ { head = "| batch x seq | collabserve | PyTorch | ratio |"; rule = "|---|---|---|---|";
         for (i = 6; i <= NF; ++i) { r = $i; gsub(/^rank_|_seq_per_s$/, "", r);
           head = head " D~ = " r " / standard |"; rule = rule "---|" }
+        if (has_ng) { head = head " no graphs | graphs / none |"; rule = rule "---|---|" }
         print head; print rule; next }
-      { k = $1 "x" $2; p = (k in py) ? py[k] : 0;
+      { k = $1 "x" $2; p = (k in py) ? py[k] : 0; e = (k in eager) ? eager[k] : 0;
         line = sprintf("| %s x %s | %.2f | %s | %s |", $1, $2, $3,
           (p ? sprintf("%.2f", p) : "-"), (p ? sprintf("%.2fx", $3 / p) : "-"));
         for (i = 6; i <= NF; ++i) line = line sprintf(" %.2fx |", ($3 > 0) ? $i / $3 : 0);
+        if (has_ng) line = line (e ? sprintf(" %.2f | %.2fx |", e, $3 / e) : " - | - |");
         print line }' \
-      "$([ -f "$OUT/pytorch-$dt.tsv" ] && echo "$OUT/pytorch-$dt.tsv" || echo /dev/null)" "$OUT/engine-$dt.tsv"
+      "$([ -f "$OUT/pytorch-$dt.tsv" ] && echo "$OUT/pytorch-$dt.tsv" || echo /dev/null)" \
+      "$([ -f "$ng" ] && echo "$ng" || echo /dev/null)" "$OUT/engine-$dt.tsv"
   done
   # The profiles' headline lines: step kind, the lines' prefix, the title.
   for profile in "ops|op profile|Host time by operator" "kernels|gpu kernels|Device kernels"; do
@@ -354,9 +363,11 @@ fi
 # exact full-rank layer and a standard one); cxx_runtime_binding_test: the executables bind
 # libstdc++'s functions, not the copies a PyTorch wheel's libtorch.so exports (its
 # std::filesystem::remove_all crashed every test); op_profile_test: no forward pass on CUDA (float32,
-# float16) reads a value back mid-pass (a wait for the device).
+# float16) reads a value back mid-pass (a wait for the device); forward_graphs_test: CUDA graph
+# replays against eager passes (standard and collaborative, float32 and float16, several buckets,
+# several threads, an engine with graphs against one without).
 test_names=(engine_reference_test engine_test kernels_test cp_als_test collaborative_test cxx_runtime_binding_test
-            op_profile_test)
+            op_profile_test forward_graphs_test)
 targets=(collabserve-model engine_bench engine_reference_test)
 [ $quick = 1 ] || targets+=("${test_names[@]:1}")
 [ $failed = 0 ] && { run_step build cmake --build "$build_dir" -j "$jobs" --target "${targets[@]}" || failed=1; }
@@ -418,8 +429,8 @@ for r in $ranks; do collab_dirs+="${collab_dirs:+,}$models/$preset-$r"; done
 threads=$(nproc)
 [ "$device" = cpu ] && threads=2
 # With a time limit, each grid point and model gets what is left over the runs the bench makes:
-# per dtype, PyTorch's one model and the engine's standard and collaborative ones at every point;
-# 20 s per process for starting (Python and CUDA, loading the models, warm-ups), 15 s per op profile
+# per dtype, PyTorch's one model and the engine's standard and collaborative ones at every point
+# (on a GPU, the standard one once more without CUDA graphs, in the first dtype); 20 s per process for starting (Python and CUDA, loading the models, warm-ups), 15 s per op profile
 # and per kernel table (two of each, for the first dtype; kernel tables on a GPU only); and half of
 # the rest, since a point's runs also stop at --max_runs or carry on to --min_runs.
 if [ $have_models = 1 ] && [ "$time_limit" -gt 0 ] && [ "$(left)" -ge 10 ]; then
@@ -427,8 +438,9 @@ if [ $have_models = 1 ] && [ "$time_limit" -gt 0 ] && [ "$(left)" -ge 10 ]; then
   set -- $ranks; n_models=$(($# + 1))
   n_points=$(( $(echo "$batches" | tr ',' '\n' | wc -l) * $(echo "$seqs" | tr ',' '\n' | wc -l) ))
   n_profiles=1; [ "$device" = cpu ] || n_profiles=2  # op profiles; on a GPU, kernel tables too
-  fit=$(awk -v left="$(left)" -v d="$n_dtypes" -v p="$n_points" -v m="$n_models" -v b="$budget" -v k="$n_profiles" '
-    BEGIN { f = 0.5 * (left - 10 - 2 * d * 20 - 2 * 15 * k) / (d * p * (m + 1)); if (f > b) f = b; if (f < 0.05) f = 0.05;
+  n_extra=0; [ "$device" = cpu ] || n_extra=1  # on a GPU: the standard model without graphs, first dtype
+  fit=$(awk -v left="$(left)" -v d="$n_dtypes" -v p="$n_points" -v m="$n_models" -v b="$budget" -v k="$n_profiles" -v x="$n_extra" '
+    BEGIN { f = 0.5 * (left - 10 - (2 * d + x) * 20 - 2 * 15 * k) / (p * (d * (m + 1) + x)); if (f > b) f = b; if (f < 0.05) f = 0.05;
             printf "%.2f", f }')
   notes+=("Bench: $fit s per grid point and model (at most $budget; --time-limit $time_limit s, $(left) s left when it began).")
   budget=$fit
@@ -446,10 +458,18 @@ if [ $have_models = 1 ]; then
       --model="$models/$preset" --collab_model="$collab_dirs" --device="$device" --dtype="$dt" \
       --batches="$batches" --seqs="$seqs" --threads="$threads" --budget_s="$budget" \
       "${py_tsv[@]}" --tsv_out="$OUT/engine-$dt.tsv" --sgemm=0 --stream_mb=0 --memory=0 || failed=1
+    # On a GPU, in the first dtype, the standard model once more without CUDA graphs: what they gain.
+    if [ "$device" != cpu ] && [ "$dt" = "${dtypes%% *}" ]; then
+      run_step "engine-nographs-$dt" env OMP_NUM_THREADS=$threads OMP_WAIT_POLICY=PASSIVE "$bin/engine_bench" \
+        --model="$models/$preset" --device="$device" --dtype="$dt" --cuda_graph_max_tokens=0 \
+        --batches="$batches" --seqs="$seqs" --threads="$threads" --budget_s="$budget" \
+        --tsv_out="$OUT/engine-nographs-$dt.tsv" --sgemm=0 --stream_mb=0 --memory=0 || failed=1
+    fi
   done
   # Where each engine's host time goes, operator by operator, at the points that show it best: a
   # launch-bound pass (batch 1) and a large one; both engines, every model (--op_profile); in the
-  # first dtype (float16 on a GPU, whose goals it serves).
+  # first dtype (float16 on a GPU, whose goals it serves). The engine's passes without CUDA graphs
+  # (a replay dispatches no operator; it launches the same kernels).
   op_points=(--batches=1,128 --seqs=16,128) op_passes=20
   [ "$device" = cpu ] && op_points=(--batches=1,8 --seqs=16,128) op_passes=5
   [ $quick = 1 ] && op_points=(--batches=1 --seqs=16) op_passes=3
@@ -461,7 +481,7 @@ if [ $have_models = 1 ]; then
     run_step "engine-ops-$dt" env OMP_NUM_THREADS=$threads OMP_WAIT_POLICY=PASSIVE "$bin/engine_bench" \
       --model="$models/$preset" --collab_model="$collab_dirs" --device="$device" --dtype="$dt" \
       "${op_points[@]}" --threads="$threads" --op_profile="$op_passes" --sgemm=0 --stream_mb=0 \
-      --memory=0 || failed=1
+      --memory=0 --cuda_graph_max_tokens=0 || failed=1
   done
   # On a GPU, the kernels each engine's passes ran, by device time (--gpu_kernels), at the same points.
   if [ "$device" != cpu ]; then
@@ -471,7 +491,8 @@ if [ $have_models = 1 ]; then
         --threads "$threads" --gpu_kernels 10 "${sdpa[@]}" || failed=1
       run_step "engine-kernels-$dt" env OMP_NUM_THREADS=$threads OMP_WAIT_POLICY=PASSIVE "$bin/engine_bench" \
         --model="$models/$preset" --collab_model="$collab_dirs" --device="$device" --dtype="$dt" \
-        "${op_points[@]}" --threads="$threads" --gpu_kernels=10 --sgemm=0 --stream_mb=0 --memory=0 || failed=1
+        "${op_points[@]}" --threads="$threads" --gpu_kernels=10 --sgemm=0 --stream_mb=0 --memory=0 \
+        --cuda_graph_max_tokens=0 || failed=1
     done
   fi
 fi

@@ -27,9 +27,11 @@
 //                     [--max_runs=50] [--warmup_batch=8] [--pytorch_tsv=FILE] [--ort_tsv=FILE]
 //                     [--tsv_out=FILE] [--sgemm=2048] [--stream_mb=512] [--memory=1]
 //                     [--device=cpu|cuda[:N]] [--dtype=float32|float16|bfloat16]
-//                     [--op_profile=PASSES] [--gpu_kernels=PASSES]
+//                     [--op_profile=PASSES] [--gpu_kernels=PASSES] [--cuda_graph_max_tokens=N]
 // On a GPU (--device=cuda) the timings include copying the logits back (Run returns them on the
-// CPU, which waits for the GPU), and the memory table is skipped.
+// CPU, which waits for the GPU), and the memory table is skipped. Passes of up to
+// --cuda_graph_max_tokens tokens replay CUDA graphs (EngineOptions; default 4096, 0: none), the
+// first run of each point captures them in the warm-up.
 // --op_profile=PASSES: instead of the tables, for each grid point and model, PASSES runs timed as
 // usual, then PASSES more observed by an OpProfile (server/model/op_profile.h): the ATen operators
 // the calling thread dispatches, by host time. On a GPU that is the whole pass, and the copy of the
@@ -97,6 +99,7 @@ struct Flags {
   int pack_weights = 1;  // --rss_child only: EngineOptions::pack_weights
   int op_profile = 0;    // passes observed per grid point and model; 0: the timing tables
   int gpu_kernels = 0;   // passes whose device kernels are recorded; 0: the timing tables
+  int cuda_graph_max_tokens = static_cast<int>(EngineOptions{}.cuda_graph_max_tokens);
   std::string device = "cpu", dtype = "float32";
   std::vector<int> batches = {1, 8, 32};
   std::vector<int> seqs = {16, 128, 512};
@@ -119,6 +122,7 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
            .Int("pack_weights", &f->pack_weights)
            .Int("op_profile", &f->op_profile, 0)
            .Int("gpu_kernels", &f->gpu_kernels, 0)
+           .Int("cuda_graph_max_tokens", &f->cuda_graph_max_tokens, 0)
            .String("device", &f->device)
            .String("dtype", &f->dtype)
            .String("pytorch_tsv", &f->pytorch_tsv)
@@ -482,6 +486,7 @@ std::unique_ptr<Engine> LoadOrDie(const std::string& dir, const Flags& f) {
   o.device = f.device;
   o.dtype = f.dtype;
   o.pack_weights = f.pack_weights != 0;
+  o.cuda_graph_max_tokens = f.cuda_graph_max_tokens;
   auto e = Engine::Load(dir, o);
   if (!e.ok()) {
     std::fprintf(stderr, "engine_bench: %s\n", e.status().ToString().c_str());
@@ -656,7 +661,13 @@ int Main(int argc, char** argv) {
               std::getenv("OMP_WAIT_POLICY") ? std::getenv("OMP_WAIT_POLICY") : "(unset)",
               sysconf(_SC_NPROCESSORS_ONLN), loadavg[0]);
   const ModelInfo& info = engine->info();
-  std::printf("device %s, dtype %s\n", info.device.c_str(), info.dtype.c_str());
+  std::string graphs;
+  if (info.device != "cpu") {
+    graphs = f.cuda_graph_max_tokens > 0
+                 ? ", CUDA graphs up to " + std::to_string(f.cuda_graph_max_tokens) + " tokens a pass"
+                 : ", no CUDA graphs";
+  }
+  std::printf("device %s, dtype %s%s\n", info.device.c_str(), info.dtype.c_str(), graphs.c_str());
   std::printf("model: %d layers, hidden %d, %d heads, FFN %d, %zu labels", info.num_layers,
               info.hidden_size, info.num_heads, info.intermediate_size, info.labels.size());
   if (collab && !collab->info().collaborative_ranks.empty()) {

@@ -407,6 +407,11 @@ at::Tensor BertClassifier::MaskAdd(const at::Tensor& attention_mask, int64_t B, 
 
 at::Tensor BertClassifier::Forward(const at::Tensor& input_ids, const at::Tensor& token_type_ids,
                                    const at::Tensor& attention_mask) const {
+  return DeviceLogits(input_ids, token_type_ids, attention_mask).to(at::kCPU, at::kFloat);
+}
+
+at::Tensor BertClassifier::DeviceLogits(const at::Tensor& input_ids, const at::Tensor& token_type_ids,
+                                        const at::Tensor& attention_mask) const {
   // The pooler reads the [CLS] position alone, so the last layer computes only that one (its keys
   // and values still for every position): 1/12 of BERT-base's work at 16-128 tokens.
   auto h = Encode(input_ids, token_type_ids, attention_mask, /*cls_only=*/true);
@@ -422,7 +427,7 @@ at::Tensor BertClassifier::Forward(const at::Tensor& input_ids, const at::Tensor
     return Dense(pooled, DenseWeight{cls_w_, nullptr}, cls_b_);
   }
   auto pooled = at::tanh(at::linear(first, pooler_w_, pooler_b_));
-  return at::linear(pooled, cls_w_, cls_b_).to(at::kCPU, at::kFloat);
+  return at::linear(pooled, cls_w_, cls_b_);
 }
 
 }  // namespace collabserve::model

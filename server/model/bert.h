@@ -102,6 +102,12 @@ class BertClassifier : public ParamNode {
   at::Tensor Forward(const at::Tensor& input_ids, const at::Tensor& token_type_ids,
                      const at::Tensor& attention_mask) const;
 
+  // Forward's logits [B, num_labels] where the pass leaves them: on the model's device, in its dtype
+  // (float32 on the CPU). Inputs may already be on the device. Reads no value back to the host and
+  // copies nothing to it, so a CUDA graph can capture it (forward_graphs.h).
+  at::Tensor DeviceLogits(const at::Tensor& input_ids, const at::Tensor& token_type_ids,
+                          const at::Tensor& attention_mask) const;
+
   // Hidden states after the embeddings and after each layer (for tests and the fidelity report).
   at::Tensor EncoderOutput(const at::Tensor& input_ids, const at::Tensor& token_type_ids,
                            const at::Tensor& attention_mask) const;

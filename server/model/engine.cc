@@ -14,6 +14,7 @@
 #include "server/model/config.h"
 #include "server/model/dense_ops.h"
 #include "server/model/device.h"
+#include "server/model/forward_graphs.h"
 #include "server/model/io/checkpoint.h"
 #include "server/model/param_counts.h"
 #include "server/model/pass_arena.h"
@@ -60,8 +61,12 @@ absl::StatusOr<c10::ScalarType> ParseDType(const std::string& s, const c10::Devi
 class TorchEngine final : public Engine {
  public:
   TorchEngine(std::unique_ptr<BertClassifier> model, std::unique_ptr<text::BertTokenizer> tokenizer,
-              ModelInfo info)
-      : model_(std::move(model)), tokenizer_(std::move(tokenizer)), info_(std::move(info)) {}
+              ModelInfo info, int64_t cuda_graph_max_tokens)
+      : model_(std::move(model)), tokenizer_(std::move(tokenizer)), info_(std::move(info)) {
+    if (model_->device().is_cuda() && cuda_graph_max_tokens > 0 && ForwardGraphs::Supported()) {
+      graphs_ = std::make_unique<ForwardGraphs>(*model_, cuda_graph_max_tokens);
+    }
+  }
 
   const ModelInfo& info() const override { return info_; }
   const text::BertTokenizer& tokenizer() const override { return *tokenizer_; }
@@ -101,24 +106,20 @@ class TorchEngine final : public Engine {
       if (i > 0 && n != S) ragged = true;
       S = std::max(S, n);
     }
-    at::Tensor ids = at::full({B, S}, c.pad_token_id, at::kLong);
-    at::Tensor types = at::zeros({B, S}, at::kLong);
-    at::Tensor mask = ragged ? at::zeros({B, S}, at::kLong) : at::Tensor();
-    auto ids_a = ids.accessor<int64_t, 2>();
-    auto types_a = types.accessor<int64_t, 2>();
-    for (int64_t b = 0; b < B; ++b) {
-      const TokenizedInput& in = *batch[b];
-      for (size_t s = 0; s < in.input_ids.size(); ++s) {
-        ids_a[b][s] = in.input_ids[s];
-        if (!in.token_type_ids.empty()) types_a[b][s] = in.token_type_ids[s];
-      }
-      if (ragged) mask.narrow(0, b, 1).narrow(1, 0, in.input_ids.size()).fill_(1);
-    }
     at::Tensor logits;
     try {
-      const PassArena::Pass pass = PassArena::Shared().BeginPass();
       c10::InferenceMode guard;
-      logits = model_->Forward(ids, types, mask).contiguous();
+      const std::optional<GraphBucket> bucket =
+          graphs_ != nullptr ? graphs_->BucketFor(B, S, ragged) : std::nullopt;
+      if (bucket) {
+        const BatchTensors in = MakeBatchTensors(batch, bucket->rows, bucket->length, bucket->masked,
+                                                 c.pad_token_id);
+        logits = graphs_->Logits(*bucket, in).narrow(0, 0, B).contiguous();
+      } else {
+        const BatchTensors in = MakeBatchTensors(batch, B, S, ragged, c.pad_token_id);
+        const PassArena::Pass pass = PassArena::Shared().BeginPass();
+        logits = model_->Forward(in.ids, in.types, in.mask).contiguous();
+      }
     } catch (const std::exception& e) {
       return absl::InternalError(absl::StrCat("forward pass failed: ", e.what()));
     }
@@ -145,6 +146,7 @@ class TorchEngine final : public Engine {
   std::unique_ptr<BertClassifier> model_;
   std::unique_ptr<text::BertTokenizer> tokenizer_;
   ModelInfo info_;
+  std::unique_ptr<ForwardGraphs> graphs_;  // CUDA only; declared last: destroyed before the model
 };
 
 }  // namespace
@@ -186,6 +188,10 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Load(const std::string& dir,
   }
   ASSIGN_OR_RETURN(c10::Device device, ParseDevice(options.device));
   ASSIGN_OR_RETURN(c10::ScalarType dtype, ParseDType(options.dtype, device));
+  if (options.cuda_graph_max_tokens < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("cuda_graph_max_tokens is ", options.cuda_graph_max_tokens,
+                                                   "; it must be 0 (no CUDA graphs) or more"));
+  }
   ASSIGN_OR_RETURN(BertConfig config, BertConfig::FromFile(util::JoinPath(dir, "config.json")));
   ASSIGN_OR_RETURN(auto tokenizer, text::BertTokenizer::FromDirectory(dir));
   if (tokenizer->vocab_size() > config.vocab_size) {
@@ -219,8 +225,12 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Load(const std::string& dir,
   info.params = params;
   info.device = device.str();
   info.dtype = options.dtype;
-  return std::unique_ptr<Engine>(
-      std::make_unique<TorchEngine>(std::move(model), std::move(tokenizer), std::move(info)));
+  try {
+    return std::unique_ptr<Engine>(std::make_unique<TorchEngine>(
+        std::move(model), std::move(tokenizer), std::move(info), options.cuda_graph_max_tokens));
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat(dir, ": setting up CUDA graphs: ", e.what()));
+  }
 }
 
 int64_t PassArenaResidentBytes() { return PassArena::Shared().resident_bytes(); }

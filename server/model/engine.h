@@ -31,6 +31,10 @@ struct EngineOptions {
   // unpacked on the fly). The classifier's plain dense parameters are then released, so models
   // that are converted or saved (admin jobs, `collabserve-model compress`) load without it.
   bool pack_weights = true;
+  // CUDA: passes of at most this many tokens (the batch and length rounded up to powers of two)
+  // replay CUDA graphs (forward_graphs.h), one captured per such shape on its first pass; 0: none.
+  // Ignored on the CPU.
+  int64_t cuda_graph_max_tokens = 4096;
 };
 
 // Parameter counts by part of the model (the numbers `inspect` and the metrics report).

@@ -612,6 +612,7 @@ absl::StatusOr<std::unique_ptr<model::Engine>> ValidateUpload(
     model::EngineOptions eo;
     eo.device = compress ? "cpu" : serving_device;
     eo.pack_weights = false;  // validated, converted and measured here, never served
+    eo.cuda_graph_max_tokens = 0;  // a few passes: capturing graphs would cost more than it saves
     absl::StatusOr<std::unique_ptr<model::Engine>> loaded = model::Engine::Load(input_dir, eo);
     if (!loaded.ok()) {
       valid = absl::InvalidArgumentError(absl::StrCat("the engine rejects the checkpoint: ", loaded.status().message()));

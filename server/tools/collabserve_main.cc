@@ -50,6 +50,9 @@ ABSL_FLAG(int, versions_to_keep, 1, "newest versions of each model to serve");
 ABSL_FLAG(int, num_load_threads, 1, "versions loaded in parallel");
 ABSL_FLAG(std::string, device, "cpu", "cpu, cuda or cuda:N");
 ABSL_FLAG(std::string, dtype, "float32", "float32; float16/bfloat16 on CUDA");
+ABSL_FLAG(int64_t, cuda_graph_max_tokens, 4096,
+          "CUDA: passes of at most this many tokens (batch and length rounded up to powers of two) "
+          "replay CUDA graphs, one captured per shape on its first pass; 0 = none");
 ABSL_FLAG(int, num_batch_threads, 0,
           "batch threads per model version (concurrent forward passes); 0 = on CPU one per CPU up to 4 "
           "(or CPUs / --inference_threads), on CUDA 1");
@@ -279,6 +282,7 @@ int Run(int argc, char** argv, int cpus) {
   o.num_load_threads = absl::GetFlag(FLAGS_num_load_threads);
   o.servable.engine.device = absl::GetFlag(FLAGS_device);
   o.servable.engine.dtype = absl::GetFlag(FLAGS_dtype);
+  o.servable.engine.cuda_graph_max_tokens = absl::GetFlag(FLAGS_cuda_graph_max_tokens);
   auto& b = o.servable.batching;
   b.max_batch_size = absl::GetFlag(FLAGS_max_batch_size);
   b.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);

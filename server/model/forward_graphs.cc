@@ -1,0 +1,202 @@
+#include "server/model/forward_graphs.h"
+
+#include <ATen/ATen.h>
+#include <glog/logging.h>
+
+#include <chrono>
+#include <stdexcept>
+
+#include "absl/strings/str_cat.h"
+#include "server/model/bert.h"
+
+// COLLABSERVE_WITH_CUDA: set by server/model/CMakeLists.txt where LibTorch was built with CUDA
+// (its CUDA headers and libtorch_cuda are there); scripts/check-libtorch2.sh compiles this file
+// both ways.
+#if COLLABSERVE_WITH_CUDA
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace collabserve::model {
+
+BatchTensors MakeBatchTensors(absl::Span<const TokenizedInput* const> batch, int64_t rows,
+                              int64_t length, bool masked, int64_t pad_token_id) {
+  const int64_t B = static_cast<int64_t>(batch.size());
+  BatchTensors t;
+  t.ids = at::full({rows, length}, pad_token_id, at::kLong);
+  t.types = at::zeros({rows, length}, at::kLong);
+  if (masked) t.mask = at::zeros({rows, length}, at::kLong);
+  auto ids = t.ids.accessor<int64_t, 2>();
+  auto types = t.types.accessor<int64_t, 2>();
+  for (int64_t b = 0; b < B; ++b) {
+    const TokenizedInput& in = *batch[b];
+    const int64_t n = static_cast<int64_t>(in.input_ids.size());
+    for (int64_t s = 0; s < n; ++s) {
+      ids[b][s] = in.input_ids[s];
+      if (!in.token_type_ids.empty()) types[b][s] = in.token_type_ids[s];
+    }
+    if (masked) t.mask.select(0, b).narrow(0, 0, n).fill_(1);
+  }
+  // Rows past the batch: a one-token input of [PAD] (no row of only masked positions).
+  if (masked && rows > B) t.mask.narrow(0, B, rows - B).select(1, 0).fill_(1);
+  return t;
+}
+
+namespace {
+
+int64_t PowerOfTwoAtLeast(int64_t n) {
+  int64_t p = 1;
+  while (p < n) p *= 2;
+  return p;
+}
+
+}  // namespace
+
+std::optional<GraphBucket> GraphBucketFor(int64_t batch, int64_t longest, bool ragged,
+                                          int64_t max_positions, int64_t max_tokens) {
+  if (max_tokens <= 0 || batch < 1 || longest < 1 || longest > max_positions) return std::nullopt;
+  GraphBucket b;
+  b.rows = PowerOfTwoAtLeast(batch);
+  b.length = std::min(PowerOfTwoAtLeast(std::max<int64_t>(longest, 16)), max_positions);
+  b.masked = ragged || b.length != longest;
+  if (b.tokens() > max_tokens) return std::nullopt;
+  return b;
+}
+
+std::optional<GraphBucket> ForwardGraphs::BucketFor(int64_t batch, int64_t longest, bool ragged) const {
+  if (failed_.load(std::memory_order_relaxed)) return std::nullopt;
+  return GraphBucketFor(batch, longest, ragged, model_.config().max_position_embeddings, max_tokens_);
+}
+
+#if COLLABSERVE_WITH_CUDA
+
+bool ForwardGraphs::Supported() { return true; }
+
+struct ForwardGraphs::Device {
+  c10::cuda::CUDAStream stream;
+  at::cuda::MempoolId_t pool;
+};
+
+// A captured pass: its inputs, which each replay's are copied into, and its output, which each
+// replay overwrites. The graph is destroyed first (members in reverse order), then the tensors it
+// used.
+struct ForwardGraphs::Graph {
+  at::Tensor ids, types, mask;
+  at::Tensor logits;  // float32 [rows, num_labels], in the graphs' pool
+  std::unique_ptr<at::cuda::CUDAGraph> graph;
+};
+
+ForwardGraphs::ForwardGraphs(const BertClassifier& model, int64_t max_tokens)
+    : model_(model), max_tokens_(max_tokens) {
+  if (!model.device().is_cuda()) throw std::invalid_argument("ForwardGraphs: the model is not on a CUDA device");
+  device_ = std::make_unique<Device>(Device{
+      c10::cuda::getStreamFromPool(/*isHighPriority=*/false, model.device().index()),
+      at::cuda::graph_pool_handle()});
+}
+
+ForwardGraphs::~ForwardGraphs() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!graphs_.empty()) device_->stream.synchronize();
+  graphs_.clear();
+}
+
+int64_t ForwardGraphs::captured() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  int64_t n = 0;
+  for (const auto& [bucket, g] : graphs_) n += g != nullptr;
+  return n;
+}
+
+at::Tensor ForwardGraphs::Logits(const GraphBucket& bucket, const BatchTensors& in) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!failed_.load()) {
+      c10::cuda::CUDAStreamGuard on_stream(device_->stream);
+      std::unique_ptr<Graph>& slot = graphs_[bucket];
+      if (slot == nullptr) {
+        slot = Capture(bucket, in);
+      } else {
+        slot->ids.copy_(in.ids);
+        slot->types.copy_(in.types);
+        if (bucket.masked) slot->mask.copy_(in.mask);
+      }
+      if (slot != nullptr) {
+        slot->graph->replay();
+        return slot->logits.to(at::kCPU);  // waits for the replay
+      }
+      graphs_.erase(bucket);
+    }
+  }
+  // Graphs are off (this capture, or an earlier one, failed): the pass as without them, on the
+  // thread's own stream.
+  return model_.Forward(in.ids, in.types, in.mask);
+}
+
+std::unique_ptr<ForwardGraphs::Graph> ForwardGraphs::Capture(const GraphBucket& bucket,
+                                                             const BatchTensors& in) {
+  const auto start = std::chrono::steady_clock::now();
+  auto g = std::make_unique<Graph>();
+  try {
+    const auto opts = at::TensorOptions().dtype(at::kLong).device(model_.device());
+    g->ids = in.ids.to(opts);
+    g->types = in.types.to(opts);
+    if (bucket.masked) g->mask = in.mask.to(opts);
+    // The parameters were written on other streams (loading); this stream has not waited for
+    // them. Then one pass on this stream before capturing: cuBLAS makes its handle's workspace
+    // for a stream on its first product there, and nothing may be allocated outside the graphs'
+    // pool during a capture.
+    c10::cuda::device_synchronize();
+    model_.DeviceLogits(g->ids, g->types, g->mask);
+    device_->stream.synchronize();
+    g->graph = std::make_unique<at::cuda::CUDAGraph>();
+    // Thread-local: other threads' passes (buckets without a graph) go on meanwhile.
+    g->graph->capture_begin(device_->pool, cudaStreamCaptureModeThreadLocal);
+    try {
+      g->logits = model_.DeviceLogits(g->ids, g->types, g->mask).to(at::kFloat);
+    } catch (...) {
+      try {
+        g->graph->capture_end();  // ends the stream's capture; throws, the capture being invalid
+      } catch (...) {
+      }
+      throw;
+    }
+    g->graph->capture_end();
+  } catch (const std::exception& e) {
+    failed_ = true;
+    LOG(ERROR) << "capturing the CUDA graph of " << bucket.rows << " x " << bucket.length
+               << (bucket.masked ? " masked" : "") << " passes failed; passes run without graphs from now on: "
+               << e.what();
+    return nullptr;
+  }
+  LOG(INFO) << "captured the CUDA graph of " << bucket.rows << " x " << bucket.length
+            << (bucket.masked ? " masked" : "") << " passes in "
+            << std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count()
+            << " ms (" << graphs_.size() << " graphs)";
+  return g;
+}
+
+#else  // !COLLABSERVE_WITH_CUDA
+
+bool ForwardGraphs::Supported() { return false; }
+
+struct ForwardGraphs::Device {};
+struct ForwardGraphs::Graph {};
+
+ForwardGraphs::ForwardGraphs(const BertClassifier& model, int64_t max_tokens)
+    : model_(model), max_tokens_(max_tokens) {
+  throw std::logic_error("ForwardGraphs: this build's LibTorch has no CUDA (ForwardGraphs::Supported())");
+}
+
+ForwardGraphs::~ForwardGraphs() = default;
+
+int64_t ForwardGraphs::captured() const { return 0; }
+
+at::Tensor ForwardGraphs::Logits(const GraphBucket&, const BatchTensors&) {
+  throw std::logic_error("ForwardGraphs: this build's LibTorch has no CUDA");
+}
+
+#endif  // COLLABSERVE_WITH_CUDA
+
+}  // namespace collabserve::model

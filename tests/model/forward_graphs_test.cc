@@ -1,0 +1,305 @@
+// The batch's input tensors and the buckets CUDA graphs run in (forward_graphs.h): the bucket
+// rules; a batch padded to its bucket gives every input the logits of its unpadded pass (on the
+// CPU here, as on any device: this is what makes a graph's padded pass correct); and, where there
+// is a GPU (scripts/gpu-check.sh runs this test there), graph replays against eager passes:
+// standard and collaborative, float32 and float16, a bucket replayed with new inputs, several
+// buckets, passes from several threads, and an engine with graphs against one without.
+#include "server/model/forward_graphs.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "server/model/bert.h"
+#include "server/model/checkpoint_maker.h"
+#include "server/model/config.h"
+#include "server/model/engine.h"
+#include "tests/testing/test_util.h"
+
+namespace collabserve::model {
+namespace {
+
+using ::testing::HasSubstr;
+
+TEST(GraphBucketTest, RoundsBatchAndLengthUpToPowersOfTwo) {
+  struct Case {
+    int64_t batch, longest;
+    bool ragged;
+    GraphBucket want;
+  };
+  const Case cases[] = {
+      {1, 16, false, {1, 16, false}},    // exact: no mask
+      {1, 13, false, {1, 16, true}},     // shorter than its bucket: masked
+      {1, 1, false, {1, 16, true}},      // at least 16 positions
+      {3, 100, true, {4, 128, true}},
+      {8, 128, true, {8, 128, true}},    // inputs of several lengths: masked
+      {5, 64, false, {8, 64, false}},    // extra rows need no mask
+      {8, 512, false, {8, 512, false}},  // 4096 tokens: the limit
+      {128, 32, false, {128, 32, false}},
+  };
+  for (const Case& c : cases) {
+    const auto b = GraphBucketFor(c.batch, c.longest, c.ragged, 512, 4096);
+    ASSERT_TRUE(b.has_value()) << c.batch << " x " << c.longest;
+    EXPECT_EQ(*b, c.want) << c.batch << " x " << c.longest << ": got " << b->rows << " x " << b->length
+                          << (b->masked ? " masked" : "");
+  }
+  // A model of 384 positions: 300 tokens round up to 384, not 512.
+  EXPECT_EQ(*GraphBucketFor(1, 300, false, 384, 4096), (GraphBucket{1, 384, true}));
+  EXPECT_EQ(*GraphBucketFor(1, 384, false, 384, 4096), (GraphBucket{1, 384, false}));
+}
+
+TEST(GraphBucketTest, NoBucketAboveTheTokenLimitOrForBadShapes) {
+  EXPECT_FALSE(GraphBucketFor(9, 512, false, 512, 4096));   // 16 x 512
+  EXPECT_FALSE(GraphBucketFor(1, 257, false, 512, 256));    // 512 tokens padded
+  EXPECT_FALSE(GraphBucketFor(1, 16, false, 512, 0));       // graphs off
+  EXPECT_FALSE(GraphBucketFor(0, 16, false, 512, 4096));    // no input
+  EXPECT_FALSE(GraphBucketFor(1, 0, false, 512, 4096));
+  EXPECT_FALSE(GraphBucketFor(1, 513, false, 512, 4096));   // longer than the model takes
+  EXPECT_TRUE(GraphBucketFor(1, 256, false, 512, 256));
+}
+
+std::vector<TokenizedInput> Inputs(const std::vector<int>& lengths, int seed) {
+  std::vector<TokenizedInput> out;
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    TokenizedInput in;
+    for (int s = 0; s < lengths[i]; ++s) {
+      in.input_ids.push_back(1000 + (seed * 131 + static_cast<int>(i) * 37 + s * 11) % 1900);
+      in.token_type_ids.push_back(s >= lengths[i] / 2 ? 1 : 0);
+    }
+    out.push_back(std::move(in));
+  }
+  return out;
+}
+
+std::vector<const TokenizedInput*> Ptrs(const std::vector<TokenizedInput>& v) {
+  std::vector<const TokenizedInput*> p;
+  for (const auto& x : v) p.push_back(&x);
+  return p;
+}
+
+TEST(MakeBatchTensorsTest, PadsRowsAndPositionsAndMasksThem) {
+  const auto batch = Inputs({3, 5}, 1);
+  const BatchTensors t = MakeBatchTensors(Ptrs(batch), 4, 8, /*masked=*/true, /*pad_token_id=*/7);
+  ASSERT_EQ(t.ids.sizes(), (std::vector<int64_t>{4, 8}));
+  ASSERT_EQ(t.types.sizes(), (std::vector<int64_t>{4, 8}));
+  ASSERT_EQ(t.mask.sizes(), (std::vector<int64_t>{4, 8}));
+  for (int64_t b = 0; b < 4; ++b) {
+    const int64_t n = b < 2 ? static_cast<int64_t>(batch[b].input_ids.size()) : 0;
+    for (int64_t s = 0; s < 8; ++s) {
+      const std::string at = "row " + std::to_string(b) + ", position " + std::to_string(s);
+      EXPECT_EQ(t.ids[b][s].item<int64_t>(), s < n ? batch[b].input_ids[s] : 7) << at;
+      EXPECT_EQ(t.types[b][s].item<int64_t>(), s < n ? batch[b].token_type_ids[s] : 0) << at;
+      // Rows past the batch: a one-token input, so that no row is masked everywhere.
+      EXPECT_EQ(t.mask[b][s].item<int64_t>(), (s < n || (b >= 2 && s == 0)) ? 1 : 0) << at;
+    }
+  }
+  const BatchTensors u = MakeBatchTensors(Ptrs(Inputs({4, 4}, 2)), 2, 4, /*masked=*/false, 0);
+  EXPECT_FALSE(u.mask.defined());
+  EXPECT_EQ(u.ids.sizes(), (std::vector<int64_t>{2, 4}));
+}
+
+BertConfig SmallConfig(std::vector<int> ranks) {
+  BertConfig c;
+  c.vocab_size = 3000;
+  c.hidden_size = 64;
+  c.num_attention_heads = 2;
+  c.num_hidden_layers = 2;
+  c.intermediate_size = 128;
+  c.max_position_embeddings = 64;
+  c.id2label = {"a", "b", "c"};
+  c.collaborative.ranks = std::move(ranks);
+  return c;
+}
+
+std::unique_ptr<BertClassifier> SmallModel(std::vector<int> ranks, const c10::Device& device,
+                                           at::ScalarType dtype) {
+  auto m = std::make_unique<BertClassifier>(SmallConfig(std::move(ranks)));
+  c10::InferenceMode guard;
+  at::manual_seed(5);
+  for (auto& p : m->named_parameters()) p.value().normal_(0.0, 0.3);
+  m->Prepare(device, dtype);
+  return m;
+}
+
+// The batches the tests run: exact buckets, shorter inputs, inputs of several lengths, rows
+// rounded up.
+const std::vector<std::vector<int>> kBatches = {{16}, {9}, {16, 16}, {5, 16, 11}, {32, 20, 32, 32, 7}, {40}};
+
+// The bucket's pass gives each input the logits of the batch's own pass: padding rows and
+// positions changes nothing but rounding.
+TEST(ForwardGraphsTest, PaddedToItsBucketEveryInputKeepsItsLogits) {
+  for (const std::vector<int>& ranks : {std::vector<int>{}, std::vector<int>{24, 0}, std::vector<int>{20, 12}}) {
+    auto m = SmallModel(ranks, c10::Device(c10::kCPU), at::kFloat);
+    c10::InferenceMode guard;
+    for (size_t i = 0; i < kBatches.size(); ++i) {
+      const auto batch = Inputs(kBatches[i], static_cast<int>(i));
+      const auto ptrs = Ptrs(batch);
+      const int64_t B = static_cast<int64_t>(batch.size());
+      int64_t S = 0;
+      bool ragged = false;
+      for (const auto& in : batch) {
+        if (S != 0 && static_cast<int64_t>(in.input_ids.size()) != S) ragged = true;
+        S = std::max<int64_t>(S, in.input_ids.size());
+      }
+      const auto bucket = GraphBucketFor(B, S, ragged, 64, 4096);
+      ASSERT_TRUE(bucket.has_value());
+      const BatchTensors own = MakeBatchTensors(ptrs, B, S, ragged, 0);
+      const BatchTensors padded = MakeBatchTensors(ptrs, bucket->rows, bucket->length, bucket->masked, 0);
+      const at::Tensor want = m->Forward(own.ids, own.types, own.mask);
+      const at::Tensor got = m->Forward(padded.ids, padded.types, padded.mask);
+      ASSERT_EQ(got.size(0), bucket->rows);
+      EXPECT_TRUE(at::allclose(got.narrow(0, 0, B), want, 1e-4, 1e-5))
+          << "ranks " << ranks.size() << ", batch " << i << ": max |diff| "
+          << (got.narrow(0, 0, B) - want).abs().max().item<float>();
+    }
+  }
+}
+
+TEST(ForwardGraphsTest, EngineRejectsANegativeTokenLimit) {
+  testing::TempDir dir;
+  ASSERT_TRUE(MakeCheckpoint(dir.path(), MakeOptions{}).ok());
+  EngineOptions o;
+  o.cuda_graph_max_tokens = -1;
+  auto e = Engine::Load(dir.path(), o);
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(e.status().message()), HasSubstr("cuda_graph_max_tokens"));
+}
+
+// ---- With a GPU ----
+
+#define REQUIRE_CUDA_GRAPHS()                                                              \
+  do {                                                                                     \
+    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device (scripts/gpu-check.sh runs this)"; \
+    ASSERT_TRUE(ForwardGraphs::Supported()) << "a CUDA LibTorch, but built without COLLABSERVE_WITH_CUDA"; \
+  } while (0)
+
+// Graph replays equal eager passes over the same tensors (the same kernels: float32 within 1e-5,
+// float16 within 1e-2), for every bucket and for a bucket replayed with other inputs; one graph
+// per bucket.
+TEST(ForwardGraphsTest, ReplaysEqualEagerPassesOnCuda) {
+  REQUIRE_CUDA_GRAPHS();
+  for (at::ScalarType dtype : {at::kFloat, at::kHalf}) {
+    for (const std::vector<int>& ranks : {std::vector<int>{}, std::vector<int>{24, 0}, std::vector<int>{20, 12}}) {
+      auto m = SmallModel(ranks, c10::Device(c10::kCUDA), dtype);
+      const double tol = dtype == at::kFloat ? 1e-5 : 1e-2;
+      c10::InferenceMode guard;
+      ForwardGraphs graphs(*m, 4096);
+      std::vector<GraphBucket> seen;
+      for (int round = 0; round < 2; ++round) {
+        for (size_t i = 0; i < kBatches.size(); ++i) {
+          // The second round replays every bucket with other token ids.
+          const auto batch = Inputs(kBatches[i], static_cast<int>(i + 10 * round));
+          const auto ptrs = Ptrs(batch);
+          const int64_t B = static_cast<int64_t>(batch.size());
+          int64_t S = 0;
+          bool ragged = false;
+          for (const auto& in : batch) {
+            if (S != 0 && static_cast<int64_t>(in.input_ids.size()) != S) ragged = true;
+            S = std::max<int64_t>(S, in.input_ids.size());
+          }
+          const auto bucket = graphs.BucketFor(B, S, ragged);
+          ASSERT_TRUE(bucket.has_value());
+          if (std::find(seen.begin(), seen.end(), *bucket) == seen.end()) seen.push_back(*bucket);
+          const BatchTensors in = MakeBatchTensors(ptrs, bucket->rows, bucket->length, bucket->masked, 0);
+          const at::Tensor got = graphs.Logits(*bucket, in);
+          const at::Tensor want = m->Forward(in.ids, in.types, in.mask);
+          const std::string what = std::string(c10::toString(dtype)) + ", ranks " + std::to_string(ranks.size()) +
+                                   ", batch " + std::to_string(i) + ", round " + std::to_string(round);
+          ASSERT_EQ(got.sizes(), want.sizes()) << what;
+          EXPECT_EQ(got.device().type(), c10::kCPU) << what;
+          EXPECT_EQ(got.scalar_type(), at::kFloat) << what;
+          EXPECT_TRUE(at::allclose(got, want, 0, tol))
+              << what << ": max |diff| " << (got - want).abs().max().item<float>();
+        }
+        EXPECT_EQ(graphs.captured(), static_cast<int64_t>(seen.size()));  // none failed, none twice
+      }
+    }
+  }
+}
+
+// Passes from several threads, each with its own inputs, through the same graphs (and one bucket
+// above the limit, without a graph, beside them): each gets its own inputs' logits.
+TEST(ForwardGraphsTest, ConcurrentPassesGetTheirOwnLogitsOnCuda) {
+  REQUIRE_CUDA_GRAPHS();
+  auto m = SmallModel({24, 0}, c10::Device(c10::kCUDA), at::kFloat);
+  ForwardGraphs graphs(*m, 64);
+  constexpr int kThreads = 4, kPasses = 25;
+  std::vector<std::string> errors(kThreads);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      c10::InferenceMode guard;
+      for (int p = 0; p < kPasses; ++p) {
+        // Buckets at a limit of 64 tokens: 1 x 16; 1 x 16 masked; none (5 x 14 rounds to 8 x 16);
+        // 1 x 64 masked.
+        const int len = t == 3 ? 40 : 16 - t;
+        const auto batch = Inputs(t == 2 ? std::vector<int>{len, len, len, len, len} : std::vector<int>{len}, 100 * t + p);
+        const auto ptrs = Ptrs(batch);
+        const int64_t B = static_cast<int64_t>(batch.size());
+        const auto bucket = graphs.BucketFor(B, len, false);
+        at::Tensor got, want;
+        if (bucket) {
+          const BatchTensors in = MakeBatchTensors(ptrs, bucket->rows, bucket->length, bucket->masked, 0);
+          got = graphs.Logits(*bucket, in).narrow(0, 0, B);
+        } else {
+          const BatchTensors in = MakeBatchTensors(ptrs, B, len, false, 0);
+          got = m->Forward(in.ids, in.types, in.mask);
+        }
+        const BatchTensors own = MakeBatchTensors(ptrs, B, len, false, 0);
+        want = m->Forward(own.ids, own.types, own.mask);
+        if (!at::allclose(got, want, 1e-4, 1e-5)) {
+          errors[t] = "thread " + std::to_string(t) + ", pass " + std::to_string(p) + ": max |diff| " +
+                      std::to_string((got - want).abs().max().item<float>());
+          return;
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (const auto& e : errors) EXPECT_EQ(e, "");
+  // Thread 2's 5 x 14 rounds to 8 x 16 = 128 tokens, over the limit of 64: no graph for it.
+  EXPECT_EQ(graphs.captured(), 3);
+}
+
+// The engine with graphs (the default on CUDA) against one without: the same predictions.
+TEST(ForwardGraphsTest, EngineWithGraphsMatchesEngineWithoutOnCuda) {
+  REQUIRE_CUDA_GRAPHS();
+  testing::TempDir dir;
+  MakeOptions mo;
+  mo.preset = "mini";
+  ASSERT_TRUE(MakeCheckpoint(dir.path(), mo).ok());
+  EngineOptions with, without;
+  with.device = without.device = "cuda";
+  without.cuda_graph_max_tokens = 0;
+  auto a = Engine::Load(dir.path(), with);
+  auto b = Engine::Load(dir.path(), without);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  for (size_t i = 0; i < kBatches.size(); ++i) {
+    for (int round = 0; round < 2; ++round) {
+      const auto batch = Inputs(kBatches[i], static_cast<int>(i + 10 * round));
+      auto x = (*a)->Run(batch);
+      auto y = (*b)->Run(batch);
+      ASSERT_TRUE(x.ok()) << x.status();
+      ASSERT_TRUE(y.ok()) << y.status();
+      ASSERT_EQ(x->size(), batch.size());
+      for (size_t r = 0; r < batch.size(); ++r) {
+        EXPECT_EQ((*x)[r].label, (*y)[r].label) << "batch " << i << ", input " << r;
+        for (size_t k = 0; k < (*x)[r].logits.size(); ++k) {
+          EXPECT_NEAR((*x)[r].logits[k], (*y)[r].logits[k], 1e-4) << "batch " << i << ", input " << r;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace collabserve::model
