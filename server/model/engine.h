@@ -81,7 +81,8 @@ struct Prediction {
 };
 
 // Thread-safety: after Load, all const methods are safe to call concurrently from many threads.
-// Each Run call runs one forward pass under InferenceMode; concurrent Runs execute in parallel.
+// Each Run call runs one forward pass under InferenceMode; concurrent Runs execute in parallel,
+// except on CUDA those that replay a graph (cuda_graph_max_tokens): one replay at a time.
 class Engine {
  public:
   virtual ~Engine() = default;
