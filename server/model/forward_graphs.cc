@@ -1,6 +1,7 @@
 #include "server/model/forward_graphs.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
 #include <glog/logging.h>
 
 #include <chrono>
@@ -110,6 +111,9 @@ int64_t ForwardGraphs::captured() const {
 }
 
 at::Tensor ForwardGraphs::Logits(const GraphBucket& bucket, const BatchTensors& in) {
+  // The graphs' inputs are inference tensors, written in place by every replay: whatever the
+  // caller's mode.
+  c10::InferenceMode inference;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!failed_.load()) {
