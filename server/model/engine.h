@@ -108,6 +108,13 @@ class Engine {
 
   // Convenience: Run over owned inputs.
   absl::StatusOr<std::vector<Prediction>> Run(const std::vector<TokenizedInput>& batch) const;
+
+  // Runs a pass of every shape whose first pass costs more than the next ones, for batches of up
+  // to max_batch_size inputs: on CUDA, one in each CUDA graph bucket (both with and without the
+  // padding mask), which captures its graph (forward_graphs.h). Nothing on the CPU. Errors as Run.
+  virtual absl::Status WarmUpGraphs(int64_t max_batch_size) const = 0;
+  // CUDA graphs captured so far (0 on the CPU, or with cuda_graph_max_tokens = 0).
+  virtual int64_t cuda_graphs() const = 0;
 };
 
 // Bytes of the process-wide pass arena (pass_arena.h: the buffers of team passes, kept between

@@ -5,6 +5,7 @@
 #include <glog/logging.h>
 
 #include <chrono>
+#include <set>
 #include <stdexcept>
 
 #include "absl/strings/str_cat.h"
@@ -64,6 +65,28 @@ std::optional<GraphBucket> GraphBucketFor(int64_t batch, int64_t longest, bool r
   b.masked = ragged || b.length != longest;
   if (b.tokens() > max_tokens) return std::nullopt;
   return b;
+}
+
+std::vector<WarmUpPass> GraphWarmUpPasses(int64_t max_batch_size, int64_t max_length,
+                                          int64_t max_positions, int64_t max_tokens) {
+  std::vector<WarmUpPass> passes;
+  if (max_batch_size < 1 || max_length < 1) return passes;
+  std::set<GraphBucket> done;
+  const int64_t max_rows = PowerOfTwoAtLeast(max_batch_size);
+  for (int64_t rows = 1; rows <= max_rows; rows *= 2) {
+    const int64_t n = std::min(rows, max_batch_size);  // rounds up to `rows`
+    for (int64_t length = 16;; length *= 2) {
+      const int64_t s = std::min(length, max_length);
+      // The bucket of inputs of s tokens (no mask where s fills it), then of s - 1 (masked).
+      for (const int64_t tokens : {s, s - 1}) {
+        if (tokens < 1) continue;
+        const auto bucket = GraphBucketFor(n, tokens, false, max_positions, max_tokens);
+        if (bucket && done.insert(*bucket).second) passes.push_back({n, tokens});
+      }
+      if (length >= max_length) break;
+    }
+  }
+  return passes;
 }
 
 std::optional<GraphBucket> ForwardGraphs::BucketFor(int64_t batch, int64_t longest, bool ragged) const {

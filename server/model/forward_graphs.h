@@ -24,6 +24,7 @@
 #include <mutex>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "absl/types/span.h"
 #include "server/model/engine.h"
@@ -63,6 +64,15 @@ struct GraphBucket {
 // that length), for a model taking at most `max_positions` tokens; nullopt when its pass would
 // cover more than max_tokens tokens (or max_tokens is 0, or the inputs are empty or too long).
 std::optional<GraphBucket> GraphBucketFor(int64_t batch, int64_t longest, bool ragged,
+                                          int64_t max_positions, int64_t max_tokens);
+
+// One pass for each bucket that a batch of up to max_batch_size inputs of up to max_length tokens
+// can fall in (GraphBucketFor with the other arguments): `inputs` inputs of `tokens` tokens each.
+// What a server runs at load so that no request waits for a capture.
+struct WarmUpPass {
+  int64_t inputs = 0, tokens = 0;
+};
+std::vector<WarmUpPass> GraphWarmUpPasses(int64_t max_batch_size, int64_t max_length,
                                           int64_t max_positions, int64_t max_tokens);
 
 // CUDA graphs of one classifier's DeviceLogits, one per bucket, captured on a bucket's first pass

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -63,6 +64,46 @@ TEST(GraphBucketTest, NoBucketAboveTheTokenLimitOrForBadShapes) {
   EXPECT_FALSE(GraphBucketFor(1, 0, false, 512, 4096));
   EXPECT_FALSE(GraphBucketFor(1, 513, false, 512, 4096));   // longer than the model takes
   EXPECT_TRUE(GraphBucketFor(1, 256, false, 512, 256));
+}
+
+// The warm-up passes reach every bucket a batch of up to max_batch_size inputs can fall in (all
+// lengths, one length or several), each once, within the batch and length limits.
+TEST(GraphBucketTest, WarmUpPassesCoverEveryReachableBucketOnce) {
+  struct Case {
+    int64_t max_batch, max_length, max_positions, max_tokens;
+  };
+  for (const Case& c : {Case{8, 512, 512, 4096}, Case{20, 384, 512, 4096}, Case{3, 300, 384, 2048},
+                        Case{1, 8, 8, 4096}, Case{32, 512, 512, 256}, Case{32, 512, 512, 0}}) {
+    const std::string what = "max batch " + std::to_string(c.max_batch) + ", max length " +
+                             std::to_string(c.max_length) + ", " + std::to_string(c.max_tokens) + " tokens";
+    std::set<GraphBucket> reachable;
+    for (int64_t n = 1; n <= c.max_batch; ++n) {
+      for (int64_t s = 1; s <= c.max_length; ++s) {
+        for (bool ragged : {false, true}) {
+          if (ragged && (n < 2 || s < 2)) continue;
+          if (auto b = GraphBucketFor(n, s, ragged, c.max_positions, c.max_tokens)) reachable.insert(*b);
+        }
+      }
+    }
+    std::set<GraphBucket> warmed;
+    for (const WarmUpPass& p : GraphWarmUpPasses(c.max_batch, c.max_length, c.max_positions, c.max_tokens)) {
+      EXPECT_GE(p.inputs, 1) << what;
+      EXPECT_LE(p.inputs, c.max_batch) << what;
+      EXPECT_GE(p.tokens, 1) << what;
+      EXPECT_LE(p.tokens, c.max_length) << what;
+      const auto b = GraphBucketFor(p.inputs, p.tokens, false, c.max_positions, c.max_tokens);
+      ASSERT_TRUE(b.has_value()) << what;
+      EXPECT_TRUE(warmed.insert(*b).second) << what << ": bucket " << b->rows << " x " << b->length
+                                            << (b->masked ? " masked" : "") << " twice";
+    }
+    EXPECT_EQ(warmed.size(), reachable.size()) << what;
+    EXPECT_TRUE(warmed == reachable) << what;
+    if (c.max_tokens == 0) {
+      EXPECT_TRUE(warmed.empty());
+    }
+  }
+  // BERT-base served with batches of up to 32: 33 shapes, with and without the mask.
+  EXPECT_EQ(GraphWarmUpPasses(32, 512, 512, 4096).size(), 66u);
 }
 
 std::vector<TokenizedInput> Inputs(const std::vector<int>& lengths, int seed) {
@@ -160,6 +201,15 @@ TEST(ForwardGraphsTest, PaddedToItsBucketEveryInputKeepsItsLogits) {
           << (got.narrow(0, 0, B) - want).abs().max().item<float>();
     }
   }
+}
+
+TEST(ForwardGraphsTest, NoGraphsOnTheCpu) {
+  testing::TempDir dir;
+  ASSERT_TRUE(MakeCheckpoint(dir.path(), MakeOptions{}).ok());
+  auto e = Engine::Load(dir.path());
+  ASSERT_TRUE(e.ok()) << e.status();
+  EXPECT_TRUE((*e)->WarmUpGraphs(8).ok());
+  EXPECT_EQ((*e)->cuda_graphs(), 0);
 }
 
 TEST(ForwardGraphsTest, EngineRejectsANegativeTokenLimit) {
@@ -283,6 +333,13 @@ TEST(ForwardGraphsTest, EngineWithGraphsMatchesEngineWithoutOnCuda) {
   auto b = Engine::Load(dir.path(), without);
   ASSERT_TRUE(a.ok()) << a.status();
   ASSERT_TRUE(b.ok()) << b.status();
+  // The warm-up captures a graph for every bucket of up to 8 inputs: the passes after it capture
+  // none.
+  ASSERT_TRUE((*a)->WarmUpGraphs(8).ok());
+  const int64_t warmed = (*a)->cuda_graphs();
+  EXPECT_EQ(warmed, static_cast<int64_t>(GraphWarmUpPasses(8, (*a)->info().max_length, 512, 4096).size()));
+  EXPECT_TRUE((*b)->WarmUpGraphs(8).ok());
+  EXPECT_EQ((*b)->cuda_graphs(), 0);
   for (size_t i = 0; i < kBatches.size(); ++i) {
     for (int round = 0; round < 2; ++round) {
       const auto batch = Inputs(kBatches[i], static_cast<int>(i + 10 * round));
@@ -299,6 +356,7 @@ TEST(ForwardGraphsTest, EngineWithGraphsMatchesEngineWithoutOnCuda) {
       }
     }
   }
+  EXPECT_EQ((*a)->cuda_graphs(), warmed);
 }
 
 }  // namespace
