@@ -22,6 +22,7 @@
 #include "server/model/checkpoint_maker.h"
 #include "server/model/config.h"
 #include "server/model/engine.h"
+#include "tests/model/small_model.h"
 #include "tests/testing/test_util.h"
 
 namespace collabserve::model {
@@ -146,27 +147,25 @@ TEST(MakeBatchTensorsTest, PadsRowsAndPositionsAndMasksThem) {
   EXPECT_EQ(u.ids.sizes(), (std::vector<int64_t>{2, 4}));
 }
 
-BertConfig SmallConfig(std::vector<int> ranks) {
-  BertConfig c;
-  c.vocab_size = 3000;
-  c.hidden_size = 64;
-  c.num_attention_heads = 2;
-  c.num_hidden_layers = 2;
-  c.intermediate_size = 128;
-  c.max_position_embeddings = 64;
-  c.id2label = {"a", "b", "c"};
-  c.collaborative.ranks = std::move(ranks);
-  return c;
-}
-
 std::unique_ptr<BertClassifier> SmallModel(std::vector<int> ranks, const c10::Device& device,
                                            at::ScalarType dtype) {
-  auto m = std::make_unique<BertClassifier>(SmallConfig(std::move(ranks)));
-  c10::InferenceMode guard;
-  at::manual_seed(5);
-  for (auto& p : m->named_parameters()) p.value().normal_(0.0, 0.3);
-  m->Prepare(device, dtype);
-  return m;
+  return SmallBertModel(std::move(ranks), 3, 5, device, dtype);
+}
+
+// The shape of a batch as Engine::Run pads it: inputs, longest input, whether lengths differ.
+struct Shape {
+  int64_t batch = 0, longest = 0;
+  bool ragged = false;
+};
+Shape ShapeOf(const std::vector<TokenizedInput>& batch) {
+  Shape s;
+  s.batch = static_cast<int64_t>(batch.size());
+  for (const auto& in : batch) {
+    const int64_t n = static_cast<int64_t>(in.input_ids.size());
+    if (s.longest != 0 && n != s.longest) s.ragged = true;
+    s.longest = std::max(s.longest, n);
+  }
+  return s;
 }
 
 // The batches the tests run: exact buckets, shorter inputs, inputs of several lengths, rows
@@ -182,13 +181,7 @@ TEST(ForwardGraphsTest, PaddedToItsBucketEveryInputKeepsItsLogits) {
     for (size_t i = 0; i < kBatches.size(); ++i) {
       const auto batch = Inputs(kBatches[i], static_cast<int>(i));
       const auto ptrs = Ptrs(batch);
-      const int64_t B = static_cast<int64_t>(batch.size());
-      int64_t S = 0;
-      bool ragged = false;
-      for (const auto& in : batch) {
-        if (S != 0 && static_cast<int64_t>(in.input_ids.size()) != S) ragged = true;
-        S = std::max<int64_t>(S, in.input_ids.size());
-      }
+      const auto [B, S, ragged] = ShapeOf(batch);
       const auto bucket = GraphBucketFor(B, S, ragged, 64, 4096);
       ASSERT_TRUE(bucket.has_value());
       const BatchTensors own = MakeBatchTensors(ptrs, B, S, ragged, 0);
@@ -248,13 +241,7 @@ TEST(ForwardGraphsTest, ReplaysEqualEagerPassesOnCuda) {
           // The second round replays every bucket with other token ids.
           const auto batch = Inputs(kBatches[i], static_cast<int>(i + 10 * round));
           const auto ptrs = Ptrs(batch);
-          const int64_t B = static_cast<int64_t>(batch.size());
-          int64_t S = 0;
-          bool ragged = false;
-          for (const auto& in : batch) {
-            if (S != 0 && static_cast<int64_t>(in.input_ids.size()) != S) ragged = true;
-            S = std::max<int64_t>(S, in.input_ids.size());
-          }
+          const auto [B, S, ragged] = ShapeOf(batch);
           const auto bucket = graphs.BucketFor(B, S, ragged);
           ASSERT_TRUE(bucket.has_value());
           if (std::find(seen.begin(), seen.end(), *bucket) == seen.end()) seen.push_back(*bucket);

@@ -15,6 +15,7 @@
 
 #include "server/model/bert.h"
 #include "server/model/config.h"
+#include "tests/model/small_model.h"
 
 namespace collabserve::model {
 namespace {
@@ -106,20 +107,8 @@ TEST(OpProfileTest, ForwardPassReadsNoValueBack) {
   }
   for (const auto& [device, dtype] : targets) {
     for (bool collaborative : {false, true}) {
-      BertConfig c;
-      c.vocab_size = 3000;
-      c.hidden_size = 64;
-      c.num_attention_heads = 2;
-      c.num_hidden_layers = 2;
-      c.intermediate_size = 128;
-      c.max_position_embeddings = 64;
-      c.id2label = {"a", "b"};
-      if (collaborative) c.collaborative.ranks = {24, 0};
-      BertClassifier m(c);
+      const auto m = SmallBertModel(collaborative ? std::vector<int>{24, 0} : std::vector<int>{}, 2, 3, device, dtype);
       c10::InferenceMode guard;
-      at::manual_seed(3);
-      for (auto& p : m.named_parameters()) p.value().normal_(0.0, 0.3);
-      m.Prepare(device, dtype);
       const at::Tensor ids = at::randint(1000, 2000, {2, 9}, at::kLong), types = at::zeros({2, 9}, at::kLong);
       at::Tensor padded = at::ones({2, 9}, at::kLong);
       padded.narrow(0, 1, 1).narrow(1, 5, 4).zero_();
@@ -127,9 +116,9 @@ TEST(OpProfileTest, ForwardPassReadsNoValueBack) {
         const std::string what = device.str() + " " + std::string(c10::toString(dtype)) +
                                  (collaborative ? ", collaborative" : ", standard") +
                                  (!mask.defined() ? ", no mask" : mask.equal(padded) ? ", padded" : ", all ones");
-        m.Forward(ids, types, mask);  // warm
+        m->Forward(ids, types, mask);  // warm
         OpProfile profile;
-        const at::Tensor logits = m.Forward(ids, types, mask);
+        const at::Tensor logits = m->Forward(ids, types, mask);
         profile.Stop();
         EXPECT_EQ(logits.sizes(), (std::vector<int64_t>{2, 2})) << what;
         EXPECT_GT(profile.top_level_calls(), 0) << what;
