@@ -65,7 +65,6 @@ class TorchEngine final : public Engine {
       : model_(std::move(model)), tokenizer_(std::move(tokenizer)), info_(std::move(info)) {
     if (model_->device().is_cuda() && cuda_graph_max_tokens > 0 && ForwardGraphs::Supported()) {
       graphs_ = std::make_unique<ForwardGraphs>(*model_, cuda_graph_max_tokens);
-      max_tokens_ = cuda_graph_max_tokens;
     }
   }
 
@@ -147,7 +146,7 @@ class TorchEngine final : public Engine {
     if (graphs_ == nullptr) return absl::OkStatus();
     const BertConfig& c = model_->config();
     for (const WarmUpPass& p : GraphWarmUpPasses(max_batch_size, info_.max_length,
-                                                 c.max_position_embeddings, max_tokens_)) {
+                                                 c.max_position_embeddings, graphs_->max_tokens())) {
       TokenizedInput in;
       in.input_ids.assign(p.tokens, c.pad_token_id);
       RETURN_IF_ERROR(Engine::Run(std::vector<TokenizedInput>(p.inputs, in)).status());
@@ -161,7 +160,6 @@ class TorchEngine final : public Engine {
   std::unique_ptr<BertClassifier> model_;
   std::unique_ptr<text::BertTokenizer> tokenizer_;
   ModelInfo info_;
-  int64_t max_tokens_ = 0;                  // with graphs_: their cuda_graph_max_tokens
   std::unique_ptr<ForwardGraphs> graphs_;  // CUDA only; declared last: destroyed before the model
 };
 

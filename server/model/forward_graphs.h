@@ -102,6 +102,7 @@ class ForwardGraphs {
 
   // Graphs captured so far.
   int64_t captured() const;
+  int64_t max_tokens() const { return max_tokens_; }
 
  private:
   struct Graph;
