@@ -260,12 +260,17 @@ write_summary() {
   for dt in ${dtypes:-}; do
     [ -f "$OUT/engine-$dt.tsv" ] || continue
     echo
-    echo "Engine vs PyTorch eager, $dt, seq/s; each collaborative model against the standard one," \
-         "same run; the standard model without CUDA graphs where it ran (every figure in engine-$dt.log" \
-         "and engine-nographs-$dt.log):"
+    ng=$OUT/engine-nographs-$dt.tsv
+    if [ -f "$ng" ]; then
+      echo "Engine vs PyTorch eager, $dt, seq/s; each collaborative model against the standard one," \
+           "same run; the standard model without CUDA graphs (every figure in engine-$dt.log and" \
+           "engine-nographs-$dt.log):"
+    else
+      echo "Engine vs PyTorch eager, $dt, seq/s; each collaborative model against the standard one," \
+           "same run (every figure in engine-$dt.log):"
+    fi
     echo
     # engine-DT.tsv: batch, seq, seq/s, runs, CPU ms, then one column per collaborative model.
-    ng=$OUT/engine-nographs-$dt.tsv
     awk -F'\t' -v has_ng="$([ -f "$ng" ] && echo 1 || echo 0)" '
       FILENAME == ARGV[1] { if ($1 !~ /^#/) py[$1 "x" $2] = $3; next }
       FILENAME == ARGV[2] { if ($1 !~ /^#/) eager[$1 "x" $2] = $3; next }
