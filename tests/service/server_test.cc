@@ -340,6 +340,14 @@ TEST_F(ServerTest, AnInputWhoseDeadlinePassedNeverReachesTheModel) {
   auto late = StartAsync(Request("tiny", {"late", "later"}), absl::Milliseconds(300));
   late->finished.WaitForNotification();
   EXPECT_EQ(late->status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  // The server learns that the client gave up from the client's cancellation or from its own
+  // deadline (the timeout counted from the call's arrival): on a loaded machine, after the client's
+  // deadline, and until then it may rightly run the inputs. Let it see the end of the call before
+  // the batch thread is free again: the cancellation (OnCancel), or its refusal at Schedule.
+  ASSERT_TRUE(Eventually([&] {
+    return server_->inference_service().cancellations() == 1 ||
+           Metrics()["collabserve_requests_total{code=\"DEADLINE_EXCEEDED\",model=\"tiny\",version=\"1\"}"] == 1;
+  }));
   gate_.Open();
   running->finished.WaitForNotification();
   EXPECT_TRUE(running->status.ok());
