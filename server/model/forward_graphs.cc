@@ -27,9 +27,10 @@ BatchTensors MakeBatchTensors(absl::Span<const TokenizedInput* const> batch, int
                               int64_t length, bool masked, int64_t pad_token_id) {
   const int64_t B = static_cast<int64_t>(batch.size());
   BatchTensors t;
-  t.ids = at::full({rows, length}, pad_token_id, at::kLong);
-  t.types = at::zeros({rows, length}, at::kLong);
-  if (masked) t.mask = at::zeros({rows, length}, at::kLong);
+  t.packed = at::zeros({3, rows, length}, at::kLong);
+  t.ids = t.packed[0].fill_(pad_token_id);
+  t.types = t.packed[1];
+  if (masked) t.mask = t.packed[2];
   auto ids = t.ids.accessor<int64_t, 2>();
   auto types = t.types.accessor<int64_t, 2>();
   for (int64_t b = 0; b < B; ++b) {
@@ -107,7 +108,7 @@ struct ForwardGraphs::Device {
 // replay overwrites. The graph is destroyed first (members in reverse order), then the tensors it
 // used.
 struct ForwardGraphs::Graph {
-  at::Tensor ids, types, mask;
+  at::Tensor packed, ids, types, mask;  // BatchTensors' layout, on the device
   at::Tensor logits;  // float32 [rows, num_labels], in the graphs' pool
   std::unique_ptr<at::cuda::CUDAGraph> graph;
 };
@@ -145,9 +146,7 @@ at::Tensor ForwardGraphs::Logits(const GraphBucket& bucket, const BatchTensors& 
       if (slot == nullptr) {
         slot = Capture(bucket, in);
       } else {
-        slot->ids.copy_(in.ids);
-        slot->types.copy_(in.types);
-        if (bucket.masked) slot->mask.copy_(in.mask);
+        slot->packed.copy_(in.packed);
       }
       if (slot != nullptr) {
         slot->graph->replay();
@@ -166,10 +165,10 @@ std::unique_ptr<ForwardGraphs::Graph> ForwardGraphs::Capture(const GraphBucket& 
   const auto start = std::chrono::steady_clock::now();
   auto g = std::make_unique<Graph>();
   try {
-    const auto opts = at::TensorOptions().dtype(at::kLong).device(model_.device());
-    g->ids = in.ids.to(opts);
-    g->types = in.types.to(opts);
-    if (bucket.masked) g->mask = in.mask.to(opts);
+    g->packed = in.packed.to(model_.device());
+    g->ids = g->packed[0];
+    g->types = g->packed[1];
+    if (bucket.masked) g->mask = g->packed[2];
     // The parameters were written on other streams (loading); this stream has not waited for
     // them. Then one pass on this stream before capturing: cuBLAS makes its handle's workspace
     // for a stream on its first product there, and nothing may be allocated outside the graphs'

@@ -35,8 +35,11 @@ class BertClassifier;
 
 // The forward pass's inputs, int64 [rows, length] CPU tensors: token ids ([PAD] after each input's
 // end and in rows past the batch), token types, and the attention mask (1 on every input's tokens
-// and on the first position of the rows past the batch; undefined when `masked` is false).
+// and on the first position of the rows past the batch; undefined when `masked` is false). All
+// three are views of `packed` [3, rows, length], so that a graph's inputs take one copy to the
+// device.
 struct BatchTensors {
+  at::Tensor packed;
   at::Tensor ids, types, mask;
 };
 
