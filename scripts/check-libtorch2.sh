@@ -16,7 +16,8 @@
 #                        zip's libtorch/include); default: Debian's libtorch-dev of LIBTORCH2_SUITE,
 #                        downloaded once into BUILD_DIR/libtorch2 (a private apt lists directory:
 #                        the system's apt state is not touched; nothing is installed)
-#     LIBTORCH2_SUITE    Debian suite to take libtorch-dev from (trixie: LibTorch 2.6)
+#     LIBTORCH2_SUITE    Debian suite to take libtorch-dev from (trixie: LibTorch 2.6; sid: 2.14.1
+#                        on 2026-12-05, with CUDA 12.4 headers)
 #     CUDA_INCLUDE       the CUDA toolkit's `include` directory (cuda_runtime_api.h); default: Debian's
 #                        nvidia-cuda-dev of LIBTORCH2_SUITE (non-free; CUDA 12.4 in trixie), its
 #                        headers kept in BUILD_DIR/libtorch2/cuda-include
@@ -88,7 +89,9 @@ fi
 
 api=$include/torch/csrc/api/include
 [[ -f $api/torch/version.h ]] || { echo "check-libtorch2: $api/torch/version.h is missing: not a LibTorch include directory" >&2; exit 2; }
-version=$(sed -n 's/^ *"\([0-9][0-9.]*\)".*/\1/p' "$api/torch/version.h" | head -1)
+# The version string: in torch/version.h, or (2.14 at least) torch/headeronly/version.h, which
+# it includes.
+version=$(sed -n 's/^ *"\([0-9][0-9.]*\)".*/\1/p' "$api/torch/version.h" "$include/torch/headeronly/version.h" 2>/dev/null | head -1)
 
 # The build's own compile commands (CMakeLists.txt exports them).
 [[ -f $BUILD_DIR/compile_commands.json ]] || cmake -DCMAKE_EXPORT_COMPILE_COMMANDS=ON "$BUILD_DIR" > /dev/null
