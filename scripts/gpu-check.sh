@@ -447,6 +447,11 @@ collab_dirs=
 for r in $ranks; do collab_dirs+="${collab_dirs:+,}$models/$preset-$r"; done
 threads=$(nproc)
 [ "$device" = cpu ] && threads=2
+# Both engines' processes alike (bench/engine/RESULTS.md's setting): with OpenMP's default active
+# wait its workers spin between parallel regions, and OpenBLAS's own pool (Debian's python3-torch
+# runs its products there) starves: BERT-base's PyTorch eager passes on 2 cores were 3.5x slower
+# (1 x 16: 6.9 seq/s, 24.4 with passive wait).
+bench_env=(env OMP_NUM_THREADS=$threads OPENBLAS_NUM_THREADS=$threads OMP_WAIT_POLICY=PASSIVE)
 # With a time limit, each grid point and model gets what is left over the runs the bench makes:
 # per dtype, PyTorch's one model and the engine's standard and collaborative ones at every point
 # (on a GPU, the standard one once more without CUDA graphs, in the first dtype); 20 s per process for starting (Python and CUDA, loading the models, warm-ups), 15 s per op profile
@@ -468,18 +473,18 @@ if [ $have_models = 1 ]; then
   sdpa=()
   [ "$has_sdpa" = 1 ] && sdpa=(--sdpa)
   for dt in $dtypes; do
-    run_step "pytorch-$dt" env OMP_NUM_THREADS=$threads "$PYTHON" "$ROOT/bench/engine/pytorch_bench.py" \
+    run_step "pytorch-$dt" "${bench_env[@]}" "$PYTHON" "$ROOT/bench/engine/pytorch_bench.py" \
       --model "$models/$preset" --out "$OUT/pytorch-$dt.tsv" --device "$device" --dtype "$dt" \
       --batches "$batches" --seqs "$seqs" --threads "$threads" --budget_s "$budget" "${sdpa[@]}" || failed=1
     py_tsv=()  # the engine's table without PyTorch's column when that run failed
     [ -f "$OUT/pytorch-$dt.tsv" ] && py_tsv=(--pytorch_tsv="$OUT/pytorch-$dt.tsv")
-    run_step "engine-$dt" env OMP_NUM_THREADS=$threads OMP_WAIT_POLICY=PASSIVE "$bin/engine_bench" \
+    run_step "engine-$dt" "${bench_env[@]}" "$bin/engine_bench" \
       --model="$models/$preset" --collab_model="$collab_dirs" --device="$device" --dtype="$dt" \
       --batches="$batches" --seqs="$seqs" --threads="$threads" --budget_s="$budget" \
       "${py_tsv[@]}" --tsv_out="$OUT/engine-$dt.tsv" --sgemm=0 --stream_mb=0 --memory=0 || failed=1
     # On a GPU, in the first dtype, the standard model once more without CUDA graphs: what they gain.
     if [ "$device" != cpu ] && [ "$dt" = "${dtypes%% *}" ]; then
-      run_step "engine-nographs-$dt" env OMP_NUM_THREADS=$threads OMP_WAIT_POLICY=PASSIVE "$bin/engine_bench" \
+      run_step "engine-nographs-$dt" "${bench_env[@]}" "$bin/engine_bench" \
         --model="$models/$preset" --device="$device" --dtype="$dt" --cuda_graph_max_tokens=0 \
         --batches="$batches" --seqs="$seqs" --threads="$threads" --budget_s="$budget" \
         --tsv_out="$OUT/engine-nographs-$dt.tsv" --sgemm=0 --stream_mb=0 --memory=0 || failed=1
@@ -494,10 +499,10 @@ if [ $have_models = 1 ]; then
   [ $quick = 1 ] && op_points=(--batches=1 --seqs=16) op_passes=3
   profile_dtypes=${dtypes%% *}
   for dt in $profile_dtypes; do
-    run_step "pytorch-ops-$dt" env OMP_NUM_THREADS=$threads "$PYTHON" "$ROOT/bench/engine/pytorch_bench.py" \
+    run_step "pytorch-ops-$dt" "${bench_env[@]}" "$PYTHON" "$ROOT/bench/engine/pytorch_bench.py" \
       --model "$models/$preset" --device "$device" --dtype "$dt" "${op_points[@]}" \
       --threads "$threads" --op_profile "$op_passes" "${sdpa[@]}" || failed=1
-    run_step "engine-ops-$dt" env OMP_NUM_THREADS=$threads OMP_WAIT_POLICY=PASSIVE "$bin/engine_bench" \
+    run_step "engine-ops-$dt" "${bench_env[@]}" "$bin/engine_bench" \
       --model="$models/$preset" --collab_model="$collab_dirs" --device="$device" --dtype="$dt" \
       "${op_points[@]}" --threads="$threads" --op_profile="$op_passes" --sgemm=0 --stream_mb=0 \
       --memory=0 --cuda_graph_max_tokens=0 || failed=1
@@ -505,10 +510,10 @@ if [ $have_models = 1 ]; then
   # On a GPU, the kernels each engine's passes ran, by device time (--gpu_kernels), at the same points.
   if [ "$device" != cpu ]; then
     for dt in $profile_dtypes; do
-      run_step "pytorch-kernels-$dt" env OMP_NUM_THREADS=$threads "$PYTHON" "$ROOT/bench/engine/pytorch_bench.py" \
+      run_step "pytorch-kernels-$dt" "${bench_env[@]}" "$PYTHON" "$ROOT/bench/engine/pytorch_bench.py" \
         --model "$models/$preset" --device "$device" --dtype "$dt" "${op_points[@]}" \
         --threads "$threads" --gpu_kernels 10 "${sdpa[@]}" || failed=1
-      run_step "engine-kernels-$dt" env OMP_NUM_THREADS=$threads OMP_WAIT_POLICY=PASSIVE "$bin/engine_bench" \
+      run_step "engine-kernels-$dt" "${bench_env[@]}" "$bin/engine_bench" \
         --model="$models/$preset" --collab_model="$collab_dirs" --device="$device" --dtype="$dt" \
         "${op_points[@]}" --threads="$threads" --gpu_kernels=10 --sgemm=0 --stream_mb=0 --memory=0 \
         --cuda_graph_max_tokens=0 || failed=1
