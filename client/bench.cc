@@ -274,14 +274,23 @@ absl::StatusOr<BenchResult> RunBench(const Client& client, const BenchOptions& o
     }
     running.Wait();
   } else if (options.api == BenchApi::kCallback) {
-    // One in-flight call per worker; its completion callback (on a gRPC thread) records it and
-    // starts the next. The context and response live in the callback, which gRPC destroys once
-    // the call is done with them, so that nothing here outlives RunBench.
+    // One in-flight call per worker; its completion callback (on a gRPC thread) records it,
+    // deletes the call's context and response, and only then starts the next call or counts the
+    // worker out. The callback owns nothing (gRPC copies it): the context holds the channel, and a
+    // copy left alive on another thread could outlive RunBench and the Client, so that the
+    // channel's last reference dropped on a thread of gRPC's callback completion queue, which
+    // cannot release the queue from its own thread (a later abort; bench_test's
+    // NoCallOutlivesTheRun).
     struct Worker {
       int64_t next = 0;
       std::vector<double> latencies;
       int64_t errors = 0;
       std::string first_error;
+    };
+    struct Call {
+      grpc::ClientContext context;
+      v1::ClassifyResponse response;
+      Clock::time_point start;
     };
     std::vector<Worker> workers(options.concurrency);
     absl::BlockingCounter running(options.concurrency);
@@ -293,14 +302,13 @@ absl::StatusOr<BenchResult> RunBench(const Client& client, const BenchOptions& o
       }
       const v1::ClassifyRequest& request = requests[w->next % requests.size()];
       w->next += options.concurrency;
-      auto context = std::make_shared<grpc::ClientContext>();
-      context->set_deadline(std::chrono::system_clock::now() + options.deadline);
-      auto response = std::make_shared<v1::ClassifyResponse>();
-      const auto t0 = Clock::now();
+      auto* call = new Call;
+      call->context.set_deadline(std::chrono::system_clock::now() + options.deadline);
+      call->start = Clock::now();
       client.stub()->async()->Classify(
-          context.get(), &request, response.get(),
-          [&send, w, t0, context, response](grpc::Status status) {
-            const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+          &call->context, &request, &call->response, [&send, w, call](grpc::Status status) {
+            const double ms = std::chrono::duration<double, std::milli>(Clock::now() - call->start).count();
+            delete call;  // the call is done with its context and response
             if (status.ok()) {
               w->latencies.push_back(ms);
             } else {
