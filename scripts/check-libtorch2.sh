@@ -14,13 +14,14 @@
 #   Environment:
 #     LIBTORCH2_INCLUDE  a LibTorch 2.x `include` directory to check against (an official LibTorch
 #                        zip's libtorch/include); default: Debian's libtorch-dev of LIBTORCH2_SUITE,
-#                        downloaded once into BUILD_DIR/libtorch2 (a private apt lists directory:
+#                        downloaded once into BUILD_DIR/libtorch2 (libtorch2-SUITE for
+#                        another suite; a private apt lists directory:
 #                        the system's apt state is not touched; nothing is installed)
 #     LIBTORCH2_SUITE    Debian suite to take libtorch-dev from (trixie: LibTorch 2.6; sid: 2.14.1
 #                        on 2026-12-05, with CUDA 12.4 headers)
 #     CUDA_INCLUDE       the CUDA toolkit's `include` directory (cuda_runtime_api.h); default: Debian's
 #                        nvidia-cuda-dev of LIBTORCH2_SUITE (non-free; CUDA 12.4 in trixie), its
-#                        headers kept in BUILD_DIR/libtorch2/cuda-include
+#                        headers kept in that folder's cuda-include
 #     CXX_STANDARD       17 or 20: compile as that C++ standard instead of the build's own. With 20
 #                        (what CMakeLists.txt chooses for LibTorch 2.13 and later) the translation
 #                        units without LibTorch are compiled too: the whole build must take C++20
@@ -31,6 +32,8 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BUILD_DIR=$(cd "${1:-build}" && pwd)
 shift || true
 SUITE=${LIBTORCH2_SUITE:-trixie}
+# Each suite's downloads in their own folder of BUILD_DIR (trixie's in libtorch2/).
+cache_name=libtorch2; [[ $SUITE == trixie ]] || cache_name=libtorch2-$SUITE
 JOBS=${JOBS:-$(nproc)}
 STD=${CXX_STANDARD:-}
 [[ -z $STD || $STD == 17 || $STD == 20 ]] || { echo "check-libtorch2: CXX_STANDARD must be 17 or 20, not '$STD'" >&2; exit 2; }
@@ -39,7 +42,7 @@ STD=${CXX_STANDARD:-}
 
 include=${LIBTORCH2_INCLUDE:-}
 if [[ -z $include ]]; then
-  cache=$BUILD_DIR/libtorch2
+  cache=$BUILD_DIR/$cache_name
   include=$cache/include
   if [[ ! -f $include/torch/csrc/api/include/torch/version.h ]]; then
     echo "check-libtorch2: fetching libtorch-dev from Debian $SUITE into $cache"
@@ -63,7 +66,7 @@ fi
 # The CUDA toolkit's headers, for the translation units that test COLLABSERVE_WITH_CUDA.
 cuda_include=${CUDA_INCLUDE:-}
 if [[ -z $cuda_include ]] && git -C "$ROOT" grep --untracked -q -l COLLABSERVE_WITH_CUDA -- '*.cc' '*.h'; then
-  cache=$BUILD_DIR/libtorch2
+  cache=$BUILD_DIR/$cache_name
   cuda_include=$cache/cuda-include
   if [[ ! -f $cuda_include/cuda_runtime_api.h ]]; then
     echo "check-libtorch2: fetching the CUDA headers (nvidia-cuda-dev) from Debian $SUITE into $cuda_include"
@@ -91,7 +94,9 @@ api=$include/torch/csrc/api/include
 [[ -f $api/torch/version.h ]] || { echo "check-libtorch2: $api/torch/version.h is missing: not a LibTorch include directory" >&2; exit 2; }
 # The version string: in torch/version.h, or (2.14 at least) torch/headeronly/version.h, which
 # it includes.
-version=$(sed -n 's/^ *"\([0-9][0-9.]*\)".*/\1/p' "$api/torch/version.h" "$include/torch/headeronly/version.h" 2>/dev/null | head -1)
+version_files=("$api/torch/version.h")
+[[ -f $include/torch/headeronly/version.h ]] && version_files+=("$include/torch/headeronly/version.h")
+version=$(sed -n 's/^ *"\([0-9][0-9.]*\)".*/\1/p' "${version_files[@]}" | head -1)
 
 # The build's own compile commands (CMakeLists.txt exports them).
 [[ -f $BUILD_DIR/compile_commands.json ]] || cmake -DCMAKE_EXPORT_COMPILE_COMMANDS=ON "$BUILD_DIR" > /dev/null
