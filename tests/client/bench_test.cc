@@ -47,20 +47,30 @@ TEST(BenchTest, RejectsBadOptionsBeforeSendingAnything) {
   EXPECT_EQ(RunBench(**client, o).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
-TEST(BenchTest, AnUnreachableServerCountsEveryRequestAsAnError) {
+// A client of an address where nothing listens, one attempt a call.
+absl::StatusOr<std::unique_ptr<Client>> UnreachableClient() {
   ClientOptions co;
   co.address = "127.0.0.1:1";
   co.retry.max_attempts = 1;
-  auto client = Client::Create(co);
+  return Client::Create(co);
+}
+
+// A run of `max_requests` calls (each fails at once against UnreachableClient).
+BenchOptions FailingRun(BenchApi api, int concurrency, int64_t max_requests) {
+  BenchOptions o;
+  o.api = api;
+  o.concurrency = concurrency;
+  o.duration_s = 60;
+  o.max_requests = max_requests;
+  o.deadline = std::chrono::milliseconds(5000);
+  return o;
+}
+
+TEST(BenchTest, AnUnreachableServerCountsEveryRequestAsAnError) {
+  auto client = UnreachableClient();
   ASSERT_TRUE(client.ok());
   for (BenchApi api : {BenchApi::kCallback, BenchApi::kThreads}) {
-    BenchOptions o;
-    o.api = api;
-    o.concurrency = 3;
-    o.duration_s = 60;
-    o.max_requests = 30;
-    o.deadline = std::chrono::milliseconds(5000);
-    auto r = RunBench(**client, o);
+    auto r = RunBench(**client, FailingRun(api, 3, 30));
     ASSERT_TRUE(r.ok()) << r.status();
     EXPECT_EQ(r->requests, 0);
     EXPECT_EQ(r->errors, 30);
@@ -74,21 +84,12 @@ TEST(BenchTest, AnUnreachableServerCountsEveryRequestAsAnError) {
 // that queue's own threads, which cannot join itself (a later abort in grpc_cq_internal_unref, 3 of
 // 100 runs of this binary on a loaded machine).
 TEST(BenchTest, NoCallOutlivesTheRun) {
-  ClientOptions co;
-  co.address = "127.0.0.1:1";
-  co.retry.max_attempts = 1;
-  auto client = Client::Create(co);
+  auto client = UnreachableClient();
   ASSERT_TRUE(client.ok());
   const long held = (*client)->channel().use_count();
   for (int round = 0; round < 20; ++round) {
     for (BenchApi api : {BenchApi::kCallback, BenchApi::kStream, BenchApi::kThreads}) {
-      BenchOptions o;
-      o.api = api;
-      o.concurrency = 4;
-      o.duration_s = 60;
-      o.max_requests = 8;
-      o.deadline = std::chrono::milliseconds(5000);
-      ASSERT_TRUE(RunBench(**client, o).ok());
+      ASSERT_TRUE(RunBench(**client, FailingRun(api, 4, 8)).ok());
       ASSERT_EQ((*client)->channel().use_count(), held) << "round " << round << ", api " << static_cast<int>(api);
     }
   }
