@@ -170,18 +170,28 @@ TEST_F(AdminBinaryTest, KillDuringCompressionAndAfterPublishThenRestart) {
       ASSERT_TRUE(s.ok()) << s.error_message();
       grpc::ClientContext wctx;
       Authorize(&wctx, kToken);
+      // The watch lasts as long as the compression takes to reach `kill_at`: ~5 s here, but over
+      // a minute (Authorize's deadline) on 2 cores shared with three busy processes.
+      wctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Minutes(5)));
       v1::WatchJobRequest wreq;
       wreq.set_job_id(resp.job_id());
       auto reader = stub->WatchJob(&wctx, wreq);
       v1::WatchJobResponse r;
       bool reached = false;
+      std::vector<std::string> seen;  // for the failure message
       while (reader->Read(&r)) {
+        seen.push_back(absl::StrCat(v1::JobEvent::Kind_Name(r.event().kind()), " ", r.event().message()));
         if (r.event().kind() == kill_at) {
           reached = true;
           break;
         }
       }
-      ASSERT_TRUE(reached);
+      if (!reached) {
+        const grpc::Status watch = reader->Finish();
+        FAIL() << "the watch ended (" << watch.error_code() << " " << watch.error_message()
+               << ") after: " << absl::StrJoin(seen, "; ") << "\n"
+               << util::ReadFile(tmp_.path() + "/server.log").value_or("");
+      }
       server->Kill();
       wctx.TryCancel();
     }
