@@ -261,14 +261,10 @@ write_summary() {
     [ -f "$OUT/engine-$dt.tsv" ] || continue
     echo
     ng=$OUT/engine-nographs-$dt.tsv
-    if [ -f "$ng" ]; then
-      echo "Engine vs PyTorch eager, $dt, seq/s; each collaborative model against the standard one," \
-           "same run; the standard model without CUDA graphs (every figure in engine-$dt.log and" \
-           "engine-nographs-$dt.log):"
-    else
-      echo "Engine vs PyTorch eager, $dt, seq/s; each collaborative model against the standard one," \
-           "same run (every figure in engine-$dt.log):"
-    fi
+    ng_run= ng_log=
+    [ -f "$ng" ] && ng_run="; the standard model without CUDA graphs" ng_log=" and engine-nographs-$dt.log"
+    echo "Engine vs PyTorch eager, $dt, seq/s; each collaborative model against the standard one," \
+         "same run$ng_run (every figure in engine-$dt.log$ng_log):"
     echo
     # engine-DT.tsv: batch, seq, seq/s, runs, CPU ms, then one column per collaborative model.
     awk -F'\t' -v has_ng="$([ -f "$ng" ] && echo 1 || echo 0)" '
