@@ -13,8 +13,9 @@ ABSL_FLAG(int64_t, max_upload_bytes, int64_t{2} << 30, "largest checkpoint uploa
 ABSL_FLAG(int, max_concurrent_jobs, 1,
           "admin jobs (validation, compression) running at once; keep it below the inference threads");
 ABSL_FLAG(bool, admin_job_idle_priority, true,
-          "run admin jobs at Linux SCHED_IDLE priority (any inference thread preempts them, so a job "
-          "may use every core); false = nice 10");
+          "run admin jobs at Linux SCHED_IDLE priority: any other runnable thread on their CPUs "
+          "(inference, or another process in the same cgroup) preempts them, so a job may use every "
+          "idle core but all but stops while the CPUs are busy; false = nice 10");
 ABSL_FLAG(int, max_queued_jobs, 4,
           "admin jobs receiving or waiting for a worker; one more is RESOURCE_EXHAUSTED");
 

@@ -56,7 +56,10 @@ class AdminBinaryTest : public ::testing::Test {
     auto p = std::make_unique<ServerProcess>(
         std::vector<std::string>{"--host=127.0.0.1", "--port=0", "--metrics_port=-1",
                                  "--poll_interval_s=0", "--model_repository=" + repo_.path(),
-                                 "--admin_token_file=" + tmp_.path() + "/token"},
+                                 "--admin_token_file=" + tmp_.path() + "/token",
+                                 // What is tested here is crash safety, not priority: at SCHED_IDLE
+                                 // a job all but stops while other tests keep the CPUs busy.
+                                 "--admin_job_idle_priority=false"},
         tmp_.path() + "/server.log");
     EXPECT_TRUE(p->serving()) << "see " << tmp_.path() << "/server.log";
     EXPECT_EQ(p->admin_port(), p->port());  // --admin_port=0: the inference port
@@ -171,7 +174,7 @@ TEST_F(AdminBinaryTest, KillDuringCompressionAndAfterPublishThenRestart) {
       grpc::ClientContext wctx;
       Authorize(&wctx, kToken);
       // The watch lasts as long as the compression takes to reach `kill_at`: ~5 s here, but over
-      // a minute (Authorize's deadline) on 2 cores shared with three busy processes.
+      // a minute (Authorize's deadline) on 2 cores shared with three busy processes (nice 10).
       wctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Minutes(5)));
       v1::WatchJobRequest wreq;
       wreq.set_job_id(resp.job_id());
