@@ -13,7 +13,8 @@
 #            standard and collaborative models), the bench on the GPU in float16 and float32
 #            (TF32 off) against PyTorch eager with scaled-dot-product attention, batch
 #            {1, 8, 32, 128} x sequence {16, 128, 512}, standard and D~ = D_k/2, D_k/4, and the
-#            BERT-base compression at D~ = 384 with --device cuda (the engine with CUDA graphs for
+#            BERT-base compression at D~ = 384 with --device cuda, plain and activation-aware
+#            (1024 calibration texts; that one also on the CPU) (the engine with CUDA graphs for
 #            passes of up to 4096 tokens, as served, and its standard model once more without them,
 #            float16 only); then each engine's host time by
 #            operator (engine_bench --op_profile, pytorch_bench.py --op_profile) and the kernels
@@ -209,7 +210,7 @@ build_dir=${build_dir:-$ROOT/build-gpu-check}
 OUT=${OUT:-$build_dir/gpu-check}
 mkdir -p "$OUT"
 summary=$OUT/summary.md
-rm -f "$summary" "$OUT"/*.tsv "$OUT"/compress-on-*.json  # no figures from an earlier run
+rm -f "$summary" "$OUT"/*.tsv "$OUT"/compress-*.json  # no figures from an earlier run
 case "$time_limit" in ''|*[!0-9]*) log "--time-limit must be whole seconds, not '$time_limit'"; exit 2 ;; esac
 status=()  # "| step | outcome | time |" rows for the summary
 current= current_t0=0 notes=()
@@ -296,16 +297,24 @@ write_summary() {
         sed "s/^$prefix: /- /" || true
     done
   done
-  if [ -f "$OUT/compress-on-$device.json" ]; then
+  local runs=("on-$device" "whitened-on-$device")
+  [ "$device" = cpu ] || runs+=(whitened-on-cpu)
+  for name in "${runs[@]}"; do
+    [ -f "$OUT/compress-$name.json" ] || continue
     echo
-    "$PYTHON" - "$OUT/compress-on-$device.json" "${first_rank:-}" "$device" <<'PYEOF' || true
+    "$PYTHON" - "$OUT/compress-$name.json" "${first_rank:-}" "$name" <<'PYEOF' || true
 import json, sys
 r = json.load(open(sys.argv[1]))
-print(f"Compression at D~ = {sys.argv[2]} on {sys.argv[3]}: {r.get('seconds', 0):.2f} s in all, "
-      f"{r.get('decompose_seconds', 0):.2f} s of CP-ALS, top-1 agreement "
-      f"{r.get('fidelity', {}).get('top1_agreement', float('nan')):.3f}")
+w, steps = r.get("whitening", {}), r.get("steps", {})
+what = sys.argv[3].replace("-", " ")
+calibration = (f"calibration pass {w.get('seconds', 0):.2f} s ({w.get('fit_texts', 0)} texts), "
+               if w.get("on") else "")
+print(f"Compression at D~ = {sys.argv[2]}, {what}: {r.get('seconds', 0):.2f} s in all: {calibration}"
+      f"{r.get('decompose_seconds', 0):.2f} s of CP-ALS, fidelity {steps.get('fidelity_seconds', 0):.2f} s; "
+      f"top-1 agreement {r.get('fidelity', {}).get('top1_agreement', float('nan')):.3f} "
+      f"on {r.get('fidelity', {}).get('probes', 0)} texts")
 PYEOF
-  fi
+  done
 } >"$summary"
 }
 # Writes and prints the summary and exits: with STATUS when given, else 1 when a step failed, 124
@@ -429,13 +438,23 @@ fi
 
 # --- the compression on the device, timed -----------------------------------------------------
 first_rank=${ranks%% *}
-compress_on_device() {  # the JSON report alone into compress-on-DEVICE.json
-  rm -rf "$models/$preset-$first_rank-$device"
-  "$bin/collabserve-model" compress --model "$models/$preset" --out "$models/$preset-$first_rank-$device" \
-    --rank "$first_rank" --device "$device" >"$OUT/compress-on-$device.json"
+compress_on() {  # DEVICE NAME [FLAGS...]: the JSON report alone into compress-NAME.json
+  local on=$1 name=$2
+  shift 2
+  rm -rf "$models/$preset-$first_rank-$name"
+  "$bin/collabserve-model" compress --model "$models/$preset" --out "$models/$preset-$first_rank-$name" \
+    --rank "$first_rank" --device "$on" "$@" >"$OUT/compress-$name.json"
 }
 if [ -f "$models/$preset/config.json" ]; then
-  run_step "compress-on-$device" compress_on_device || failed=1
+  run_step "compress-on-$device" compress_on "$device" "on-$device" || failed=1
+  # Activation-aware (1024 calibration texts): its model passes (the calibration statistics, the
+  # fidelity probes) run where CP-ALS does; on a GPU once more on the CPU, the same run's baseline.
+  calibration=$ROOT/tests/data/demo/calibration.txt
+  run_step "compress-whitened-on-$device" compress_on "$device" "whitened-on-$device" \
+    --calibration "$calibration" || failed=1
+  if [ "$device" != cpu ]; then
+    run_step compress-whitened-on-cpu compress_on cpu whitened-on-cpu --calibration "$calibration" || failed=1
+  fi
 fi
 
 # --- engine against PyTorch eager -------------------------------------------------------------

@@ -275,6 +275,56 @@ absl::Status ForEachLayer(const std::vector<int>& order, int workers, bool on_cp
   return first_error;
 }
 
+// Every parameter of `out` that `source` has under the same name gets the source's CPU float32
+// storage (a copy where the source's is on another device or of another type). Shared rather than
+// copied: a compressed model would otherwise double the memory of everything the conversion leaves
+// unchanged. set_ rebinds the parameter's TensorImpl, so the model's own handles to it
+// (EncoderLayer) see the shared storage too. Call under InferenceMode; throws on a shape mismatch.
+void ShareParameters(const model::BertClassifier& source, model::BertClassifier* out) {
+  std::map<std::string, at::Tensor> src_params;
+  for (const auto& item : source.named_parameters(true)) src_params[item.key()] = item.value();
+  for (auto& item : out->named_parameters(true)) {
+    auto it = src_params.find(item.key());
+    if (it == src_params.end()) continue;
+    at::Tensor src = it->second.to(at::kCPU, at::kFloat);  // no copy when it already is
+    if (src.sizes() == item.value().sizes()) {
+      item.value().set_(src);
+    } else {
+      item.value().copy_(src);  // throws, naming the shapes
+    }
+  }
+}
+
+absl::StatusOr<PassModel> PassModel::On(const model::BertClassifier& m, const c10::Device& device, bool copy) {
+  PassModel p;
+  p.model_ = &m;
+  if (!copy && m.device() == device && m.dtype() == c10::kFloat) return p;
+  if (m.weights_released()) return ReleasedWeightsError();
+  try {
+    // Normal tensors, whatever mode the caller is in: Prepare writes into the copy's own.
+    std::unique_ptr<model::BertClassifier> copy;
+    {
+      c10::InferenceMode normal_tensors(false);
+      copy = std::make_unique<model::BertClassifier>(m.config());
+    }
+    {
+      c10::InferenceMode guard;
+      ShareParameters(m, copy.get());
+    }
+    // Moves the copy's own handles (set_data), never m's: the two share storage only until then.
+    copy->Prepare(device, c10::kFloat, /*pack_weights=*/false);
+    p.copy_ = std::move(copy);
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("copying the model to ", device.str(), " for its passes failed: ", e.what()));
+  }
+  return p;
+}
+
+int PassWorkers(const model::BertClassifier& m) {
+  if (!m.device().is_cpu()) return 1;
+  return std::max(1, util::UsableCpus() / std::max(1, at::get_num_threads()));
+}
+
 absl::StatusOr<std::unique_ptr<model::BertClassifier>> AssembleCollaborative(
     const model::BertClassifier& source, const std::vector<const LayerDecomposition*>& layers,
     const CompressOptions& o, CompressReport* report) {
@@ -298,21 +348,7 @@ absl::StatusOr<std::unique_ptr<model::BertClassifier>> AssembleCollaborative(
   auto out = std::make_unique<model::BertClassifier>(nc);
   try {
     c10::InferenceMode guard;
-    std::map<std::string, at::Tensor> src_params;
-    for (const auto& item : source.named_parameters(true)) src_params[item.key()] = item.value();
-    for (auto& item : out->named_parameters(true)) {
-      auto it = src_params.find(item.key());
-      if (it == src_params.end()) continue;
-      at::Tensor src = it->second.to(at::kCPU, at::kFloat);  // no copy when it already is
-      // Share the storage rather than copy it (the compressed model would otherwise double the
-      // memory of everything the conversion leaves unchanged). set_ rebinds the parameter's
-      // TensorImpl, so the model's own handles to it (EncoderLayer) see the shared storage too.
-      if (src.sizes() == item.value().sizes()) {
-        item.value().set_(src);
-      } else {
-        item.value().copy_(src);  // throws, naming the shapes
-      }
-    }
+    ShareParameters(source, out.get());
     const double scale = 1.0 / std::sqrt(static_cast<double>(dk));
     for (int i = 0; i < L; ++i) {
       if (!layers[i]->cp) continue;
@@ -549,11 +585,11 @@ absl::StatusOr<CalibrationStats> CollectCalibrationStats(const model::BertClassi
   st.truncated = tb.truncated;
   const int64_t D = model.config().hidden_size;
   const size_t L = model.layers().size();
-  // The batches run on every CPU the caller's ATen threads leave: worker w takes batches w, w + W,
-  // ..., and the partial sums (float64) are added in worker order, so the result depends on the
-  // texts and the worker count only.
-  const int workers = std::max(1, std::min<int>(util::UsableCpus() / std::max(1, at::get_num_threads()),
-                                                static_cast<int>(tb.batches.size())));
+  // The batches run on every CPU the caller's ATen threads leave (on a GPU, one thread): worker w
+  // takes batches w, w + W, ..., and the partial sums (float64, on the model's device) are added in
+  // worker order, so the result depends on the texts and the worker count only.
+  const int workers = std::max(1, std::min<int>(internal::PassWorkers(model), static_cast<int>(tb.batches.size())));
+  const at::TensorOptions sums = at::TensorOptions().dtype(at::kDouble).device(model.device());
   const int intra_op = at::get_num_threads();
   struct Partial {
     std::vector<at::Tensor> second_moment, mean;
@@ -569,8 +605,8 @@ absl::StatusOr<CalibrationStats> CollectCalibrationStats(const model::BertClassi
       // Passes as Engine::Run's: on the arena that keeps their pages (this thread for its life).
       const model::PassArena::Pass pass = model::PassArena::Shared().BeginPass();
       for (size_t l = 0; l < L; ++l) {
-        p.second_moment.push_back(at::zeros({D, D}, at::kDouble));
-        p.mean.push_back(at::zeros({D}, at::kDouble));
+        p.second_moment.push_back(at::zeros({D, D}, sums));
+        p.mean.push_back(at::zeros({D}, sums));
       }
       for (size_t i = w; i < tb.batches.size(); i += workers) {
         const internal::TextBatch& b = tb.batches[i];
@@ -579,8 +615,7 @@ absl::StatusOr<CalibrationStats> CollectCalibrationStats(const model::BertClassi
         p.tokens += keep.size(0);
         std::vector<at::Tensor> inputs = model.LayerInputs(b.ids, at::zeros_like(b.ids), b.mask);
         for (size_t l = 0; l < L; ++l) {
-          at::Tensor x = inputs[l].reshape({-1, D}).index_select(0, keep.to(inputs[l].device()))
-                             .to(at::kCPU, at::kDouble);
+          at::Tensor x = inputs[l].reshape({-1, D}).index_select(0, keep.to(inputs[l].device())).to(at::kDouble);
           p.second_moment[l].add_(at::matmul(x.t(), x));
           p.mean[l].add_(x.sum(0));
         }
@@ -609,8 +644,8 @@ absl::StatusOr<CalibrationStats> CollectCalibrationStats(const model::BertClassi
       st.tokens += partial[w].tokens;
     }
     for (size_t l = 0; l < L; ++l) {
-      st.second_moment[l].div_(static_cast<double>(st.tokens));
-      st.mean[l].div_(static_cast<double>(st.tokens));
+      st.second_moment[l] = st.second_moment[l].div(static_cast<double>(st.tokens)).to(at::kCPU);
+      st.mean[l] = st.mean[l].div(static_cast<double>(st.tokens)).to(at::kCPU);
     }
   } catch (const std::exception& e) {
     return absl::InternalError(absl::StrCat("calibration pass failed: ", e.what()));
@@ -662,7 +697,8 @@ absl::StatusOr<FidelityReport> MeasureFidelity(const model::BertClassifier& orig
   // runs ATen and OpenBLAS single-threaded), the compressed model runs on a second thread at the
   // same time as the original, so the step costs one model's passes instead of two. The thread
   // runs ATen with the caller's intra-op thread count and inherits its scheduling priority.
-  const bool concurrent = 2 * at::get_num_threads() <= util::UsableCpus() && util::BlasThreads() <= 1;
+  const bool concurrent = original.device().is_cpu() && compressed.device().is_cpu() &&
+                          2 * at::get_num_threads() <= util::UsableCpus() && util::BlasThreads() <= 1;
   absl::StatusOr<std::vector<at::Tensor>> a, b;
   std::thread other;
   if (concurrent) other = std::thread([&] { b = internal::BatchLogits(compressed, tb, 1); });
@@ -778,9 +814,10 @@ absl::StatusOr<CompressReport> CompressModelDirectory(const std::string& in_dir,
 }
 
 namespace {
-// Fits the whitening on the first part of o->calibration and, when no probes were given, makes the
-// rest the fidelity probes; records both in the report.
-absl::Status PrepareWhitening(const model::BertClassifier& source, const std::string& vocab_dir,
+// Fits the whitening on the first part of o->calibration (run through `passes`, the source where
+// the passes run) and, when no probes were given, makes the rest the fidelity probes; records both
+// in the report.
+absl::Status PrepareWhitening(const model::BertClassifier& passes, const std::string& vocab_dir,
                               CompressOptions* o, CompressReport* report, std::vector<std::string>* fit_out) {
   const int64_t n = static_cast<int64_t>(o->calibration.size());
   if (n < kMinCalibrationTexts) {
@@ -795,7 +832,7 @@ absl::Status PrepareWhitening(const model::BertClassifier& source, const std::st
   std::vector<std::string>& fit_texts = *fit_out;
   fit_texts.assign(o->calibration.begin(), o->calibration.begin() + fit);
   auto t = Clock::now();
-  ASSIGN_OR_RETURN(CalibrationStats stats, CollectCalibrationStats(source, vocab_dir, fit_texts));
+  ASSIGN_OR_RETURN(CalibrationStats stats, CollectCalibrationStats(passes, vocab_dir, fit_texts));
   ASSIGN_OR_RETURN(o->whitening, WhiteningFromStats(stats, o->whiten_damping));
   report->whitened = true;
   report->calibration_fit_texts = fit;
@@ -821,6 +858,7 @@ absl::StatusOr<std::unique_ptr<model::BertClassifier>> ConvertOnCompressedInputs
     CompressOptions o, CompressReport* report) {
   RETURN_IF_ERROR(internal::CheckConvertible(source, o));
   ASSIGN_OR_RETURN(std::vector<int> ranks, ResolveRanks(o.spec, source.config()));
+  ASSIGN_OR_RETURN(const c10::Device device, model::ParseDevice(o.device));
   const int L = source.config().num_hidden_layers;
   std::vector<internal::LayerDecomposition> layers(L), standard(L);
   std::vector<const internal::LayerDecomposition*> chosen(L);
@@ -836,7 +874,7 @@ absl::StatusOr<std::unique_ptr<model::BertClassifier>> ConvertOnCompressedInputs
       CompressReport scratch;
       ASSIGN_OR_RETURN(auto partial, internal::AssembleCollaborative(source, chosen, o, &scratch));
       try {
-        partial->Prepare(c10::Device(c10::kCPU), c10::kFloat, /*pack_weights=*/false);
+        partial->Prepare(device, c10::kFloat, /*pack_weights=*/false);  // its passes run there
       } catch (const std::exception& e) {
         return absl::InternalError(absl::StrCat("preparing the partly converted model failed: ", e.what()));
       }
@@ -883,8 +921,11 @@ absl::StatusOr<CompressReport> CompressLoadedModel(const model::BertClassifier& 
   if (source.weights_released()) return internal::ReleasedWeightsError();
   CompressOptions o = options;
   if (o.source.empty()) o.source = in_dir;
+  ASSIGN_OR_RETURN(const c10::Device device, model::ParseDevice(o.device));
   CompressReport report;
   step("convert");
+  // The source where the model passes run: itself on the CPU; a copy on a GPU.
+  ASSIGN_OR_RETURN(const internal::PassModel source_passes, internal::PassModel::On(source, device));
   const bool target = o.spec.kind == RankSpec::Kind::kTargetAgreement || o.spec.kind == RankSpec::Kind::kMaxKl;
   if (o.whiten_compressed_inputs && (o.calibration.empty() || target)) {
     return absl::InvalidArgumentError(
@@ -892,7 +933,7 @@ absl::StatusOr<CompressReport> CompressLoadedModel(const model::BertClassifier& 
   }
   std::vector<std::string> fit_texts;
   if (!o.calibration.empty() && o.whitening.empty()) {
-    RETURN_IF_ERROR(PrepareWhitening(source, in_dir, &o, &report, &fit_texts));
+    RETURN_IF_ERROR(PrepareWhitening(source_passes.get(), in_dir, &o, &report, &fit_texts));
     if (o.whiten_compressed_inputs) absl::StrAppend(&report.whitening_note, "; each layer by its inputs in the compressed model");
   } else if (o.whitening.empty()) {
     report.whitening_note = "off: no calibration text (plain weight-space CP)";
@@ -907,8 +948,7 @@ absl::StatusOr<CompressReport> CompressLoadedModel(const model::BertClassifier& 
   } else if (target) {
     // The search measures on the same held-out texts as the fidelity step below.
     ASSIGN_OR_RETURN(std::vector<internal::LayerDecomposition> layers,
-                     internal::SearchRanks(source, in_dir, o.probes, o, &report.search));
-    ASSIGN_OR_RETURN(c10::Device device, model::ParseDevice(o.device));
+                     internal::SearchRanks(source, source_passes.get(), in_dir, o.probes, o, &report.search));
     ASSIGN_OR_RETURN(report.parallel_layers,
                      ResolveParallelLayers(o.parallel_layers, source.config().num_hidden_layers, device.is_cpu()));
     report.decompose_seconds = report.search.decompose_seconds;
@@ -930,6 +970,9 @@ absl::StatusOr<CompressReport> CompressLoadedModel(const model::BertClassifier& 
   report.convert_seconds = SecondsSince(step_start);
   step("fidelity");
   step_start = Clock::now();
+  // The compressed model stays on the CPU for the write; its probes run where the source's do.
+  absl::StatusOr<internal::PassModel> compressed_passes;
+  if (report.search.chosen < 0) compressed_passes = internal::PassModel::On(*compressed, device);
   // Everything is written into a temporary sibling, then one rename publishes it. The weights
   // and the tokenizer files do not depend on the fidelity report, so a second thread writes them
   // while the probes run (the write is mostly the kernel copying 100s of MB and waiting for fsync,
@@ -971,10 +1014,14 @@ absl::StatusOr<CompressReport> CompressLoadedModel(const model::BertClassifier& 
   } catch (const std::system_error& e) {
     LOG(WARNING) << "no thread for the write (" << e.what() << "); writing after the fidelity step";
   }
-  // A target search already measured the model it returns on these texts.
-  absl::StatusOr<FidelityReport> fidelity = report.search.chosen >= 0
-                                                ? report.search.trials[report.search.chosen].fidelity
-                                                : MeasureFidelity(source, *compressed, in_dir, o.probes);
+  absl::StatusOr<FidelityReport> fidelity;
+  if (report.search.chosen >= 0) {
+    fidelity = report.search.trials[report.search.chosen].fidelity;  // measured on these texts
+  } else if (!compressed_passes.ok()) {
+    fidelity = compressed_passes.status();
+  } else {
+    fidelity = MeasureFidelity(source_passes.get(), compressed_passes->get(), in_dir, o.probes);
+  }
   report.fidelity_seconds = SecondsSince(step_start);
   if (writer.joinable()) {
     writer.join();

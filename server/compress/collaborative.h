@@ -117,8 +117,8 @@ struct CalibrationStats {
 };
 
 // Runs `texts` (tokenized with `vocab_dir`'s tokenizer, truncated at min(128, max positions)) through
-// `model` once and accumulates, per layer, the second moment and mean of the hidden states entering
-// it, in float64. INVALID_ARGUMENT for no texts, or a text that is not valid UTF-8 (naming it).
+// `model` once, on its device, and accumulates, per layer, the second moment and mean of the hidden
+// states entering it, in float64 (returned on the CPU). INVALID_ARGUMENT for no texts, or a text that is not valid UTF-8 (naming it).
 absl::StatusOr<CalibrationStats> CollectCalibrationStats(const model::BertClassifier& model,
                                                          const std::string& vocab_dir,
                                                          const std::vector<std::string>& texts);
@@ -136,7 +136,10 @@ struct CompressOptions {
   // layers after ~45 of 100 sweeps within 2e-4 of the 100-sweep error (README, compression).
   double tol = 1e-5;
   uint64_t seed = 0;
-  std::string device = "cpu";          // where CP-ALS runs: cpu | cuda[:N]
+  // Where CP-ALS and the model passes (calibration statistics, the rank search's measurements,
+  // the fidelity probes) run: cpu | cuda[:N]. The source is loaded and the result written on the
+  // CPU either way; on a GPU the passes run on a float32 copy there.
+  std::string device = "cpu";
   // Arithmetic of the ALS sweeps. float32 is about 2x faster on CPU; its final errors are within
   // ~3e-4 of float64's (bench/compress/RESULTS.md). The reported error is always float64.
   bool float64 = false;
@@ -239,7 +242,7 @@ absl::StatusOr<std::unique_ptr<model::BertClassifier>> ConvertToCollaborative(
     const model::BertClassifier& source, const CompressOptions& options, CompressReport* report);
 
 // Measures how closely `compressed` follows `original` on `probes` (tokenized with the vocabulary
-// in `vocab_dir`).
+// in `vocab_dir`), each model's passes on its own device.
 absl::StatusOr<FidelityReport> MeasureFidelity(const model::BertClassifier& original,
                                                const model::BertClassifier& compressed,
                                                const std::string& vocab_dir,

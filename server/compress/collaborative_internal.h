@@ -5,6 +5,7 @@
 #define COLLABSERVE_SERVER_COMPRESS_COLLABORATIVE_INTERNAL_H_
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 
 #include <functional>
 #include <memory>
@@ -52,6 +53,29 @@ absl::StatusOr<std::unique_ptr<model::BertClassifier>> AssembleCollaborative(
     const model::BertClassifier& source, const std::vector<const LayerDecomposition*>& layers,
     const CompressOptions& o, CompressReport* report);
 
+// The model a compression's passes (calibration statistics, the rank search's measurements, the
+// fidelity probes) run on: the given model itself where it already is on `device`, else a float32
+// copy on `device` with plain weights, owned here. The passes run where CP-ALS runs
+// (CompressOptions::device): on a GPU they take milliseconds where the CPU takes seconds.
+// copy: copy even where `m` already is on `device` (so that a machine without a GPU tests the
+// copy). FAILED_PRECONDITION (ReleasedWeightsError) for a model that dropped its plain weights.
+class PassModel {
+ public:
+  static absl::StatusOr<PassModel> On(const model::BertClassifier& m, const c10::Device& device, bool copy = false);
+  const model::BertClassifier& get() const {
+    if (copy_ != nullptr) return *copy_;
+    return *model_;
+  }
+
+ private:
+  const model::BertClassifier* model_ = nullptr;
+  std::unique_ptr<model::BertClassifier> copy_;
+};
+
+// Threads that take a model's batches in turn: on the CPU one per CPU the caller's ATen threads
+// leave; on a GPU one (its stream runs the passes one after another anyway).
+int PassWorkers(const model::BertClassifier& m);
+
 // Texts tokenized once (truncated at min(128, max positions)) and batched in order of length, so
 // each batch pads only to its own longest input.
 struct TextBatch {
@@ -76,10 +100,12 @@ absl::StatusOr<FidelityReport> CompareLogits(const std::vector<at::Tensor>& a, c
 
 // The fidelity-target search (RankSpec kTargetAgreement / kMaxKl; rank_search.cc says how):
 // one decomposition per layer, in layer order, for the cheapest ranks found that meet the target on
-// `texts` (empty: the built-in probes), tokenized with `vocab_dir`'s tokenizer. Fills `report`.
+// `texts` (empty: the built-in probes), tokenized with `vocab_dir`'s tokenizer. `passes` is `source`
+// where its measurements run (PassModel::On(source, device).get()). Fills `report`.
 // FAILED_PRECONDITION when no compressed allocation meets the target; DEADLINE_EXCEEDED when
 // o.search_seconds pass before one is verified; CANCELLED when o.cancelled is set.
 absl::StatusOr<std::vector<LayerDecomposition>> SearchRanks(const model::BertClassifier& source,
+                                                            const model::BertClassifier& passes,
                                                             const std::string& vocab_dir,
                                                             const std::vector<std::string>& texts,
                                                             const CompressOptions& o, RankSearchReport* report);

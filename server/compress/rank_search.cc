@@ -37,7 +37,6 @@
 #include "server/model/device.h"
 #include "server/model/param_counts.h"
 #include "server/model/probe_sentences.h"
-#include "server/util/process_env.h"
 #include "server/util/status_macros.h"
 
 namespace collabserve::compress::internal {
@@ -111,6 +110,7 @@ std::vector<Option> LowerHull(std::vector<Option> pts) {
 }  // namespace
 
 absl::StatusOr<std::vector<LayerDecomposition>> SearchRanks(const model::BertClassifier& source,
+                                                            const model::BertClassifier& passes,
                                                             const std::string& vocab_dir,
                                                             const std::vector<std::string>& texts_in,
                                                             const CompressOptions& o, RankSearchReport* report) {
@@ -145,8 +145,8 @@ absl::StatusOr<std::vector<LayerDecomposition>> SearchRanks(const model::BertCla
   const std::vector<std::string>& texts = texts_in.empty() ? model::BuiltinProbeSentences() : texts_in;
   ASSIGN_OR_RETURN(TextBatches tb, TokenizeInBatches(source, vocab_dir, texts, "held-out text"));
   rep.texts = static_cast<int>(tb.texts);
-  const int eval_workers = std::max(1, util::UsableCpus() / std::max(1, at::get_num_threads()));
-  ASSIGN_OR_RETURN(std::vector<at::Tensor> reference, BatchLogits(source, tb, eval_workers));
+  const int eval_workers = PassWorkers(passes);
+  ASSIGN_OR_RETURN(std::vector<at::Tensor> reference, BatchLogits(passes, tb, eval_workers));
 
   // 1. Every layer at every grid rank.
   std::vector<std::vector<LayerDecomposition>> table(L, std::vector<LayerDecomposition>(G));
@@ -172,7 +172,7 @@ absl::StatusOr<std::vector<LayerDecomposition>> SearchRanks(const model::BertCla
     CompressReport scratch;
     ASSIGN_OR_RETURN(auto m, AssembleCollaborative(source, layers, o, &scratch));
     try {
-      m->Prepare(c10::Device(c10::kCPU), c10::kFloat, /*pack_weights=*/false);
+      m->Prepare(passes.device(), c10::kFloat, /*pack_weights=*/false);
     } catch (const std::exception& e) {
       return absl::InternalError(absl::StrCat("preparing a candidate model failed: ", e.what()));
     }

@@ -89,7 +89,7 @@ struct JobManagerOptions {
   // weighs the share (a nice-10 thread still gets ~1/10 of a core an inference thread wants).
   bool idle_priority = true;
   int nice = 10;
-  // CP-ALS device.
+  // Where a compression job's CP-ALS and model passes run (the server's --device).
   std::string device = "cpu";
   // Ended jobs kept for GetJob/ListJobs (the oldest are forgotten first).
   int max_finished_jobs = 100;

@@ -15,6 +15,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
+#include "server/compress/collaborative_internal.h"
 #include "server/model/bert.h"
 #include "server/model/checkpoint_maker.h"
 #include "server/model/config.h"
@@ -65,6 +66,19 @@ float MaxDiff(const std::vector<std::vector<float>>& a, const std::vector<std::v
 }
 
 using compress_testing::Rank;
+
+// n calibration texts of 6 to 14 words.
+std::vector<std::string> CalibrationTexts(int n) {
+  const char* words[] = {"the", "market", "rose", "after", "a", "quiet", "night", "of", "rain",
+                         "and", "music", "from", "old", "radio", "stations", "near", "river"};
+  std::vector<std::string> out;
+  for (int i = 0; i < n; ++i) {
+    std::string t;
+    for (int j = 0; j < 6 + i % 9; ++j) t += std::string(j ? " " : "") + words[(i * 7 + j * 5) % 17];
+    out.push_back(t);
+  }
+  return out;
+}
 
 class CollaborativeTest : public ::testing::Test {
  protected:
@@ -386,14 +400,7 @@ TEST_F(CollaborativeTest, CudaConversionAgreesWithTheCpu) {
   m.seed = 13;
   m.layers = 4;
   ASSERT_TRUE(model::MakeCheckpoint(work_ / "four", m).ok());
-  std::vector<std::string> calibration;
-  const char* words[] = {"the", "market", "rose", "after", "a", "quiet", "night", "of", "rain",
-                         "and", "music", "from", "old", "radio", "stations", "near", "river"};
-  for (int i = 0; i < 40; ++i) {
-    std::string t;
-    for (int j = 0; j < 6 + i % 9; ++j) t += std::string(j ? " " : "") + words[(i * 7 + j * 5) % 17];
-    calibration.push_back(t);
-  }
+  const std::vector<std::string> calibration = CalibrationTexts(40);
   for (bool whiten : {false, true}) {
     for (auto init : {CpAlsOptions::Init::kSvd, CpAlsOptions::Init::kRandom}) {
       CompressOptions o;
@@ -424,6 +431,111 @@ TEST_F(CollaborativeTest, CudaConversionAgreesWithTheCpu) {
       EXPECT_LT(diff, 1e-2) << what;
       std::printf("[ cuda     ] conversion %s: max |logit(cuda CP) - logit(cpu CP)| %.3g\n", what.c_str(), diff);
     }
+  }
+}
+
+// On a GPU the model passes run there as well (CompressOptions::device): the calibration statistics,
+// the compressed model's own inputs, the rank search's measurements and the fidelity probes. They
+// give the CPU's statistics, errors, measurements and fidelity within float32 rounding and the
+// CUDA CP-ALS's difference (the test above).
+TEST_F(CollaborativeTest, CudaModelPassesAgreeWithTheCpu) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no GPU";
+  model::MakeOptions m;
+  m.seed = 13;
+  m.layers = 4;
+  ASSERT_TRUE(model::MakeCheckpoint(work_ / "four", m).ok());
+  CompressOptions inputs;  // each layer whitened by its inputs in the partly compressed model
+  inputs.spec.kind = RankSpec::Kind::kPerLayer;
+  inputs.spec.ranks = {32, 24, 0, 12};
+  inputs.whiten_compressed_inputs = true;
+  CompressOptions target;  // the rank search
+  target.spec.kind = RankSpec::Kind::kTargetAgreement;
+  target.spec.target_agreement = 0.9;
+  for (const auto& [what, options] : {std::pair<std::string, CompressOptions>{"compressed inputs", inputs},
+                                      std::pair<std::string, CompressOptions>{"target search", target}}) {
+    SCOPED_TRACE(what);
+    CompressOptions o = options;
+    o.calibration = CalibrationTexts(60);
+    o.max_iters = 20;
+    o.tol = 0;
+    o.seed = 3;
+    auto cpu = CompressModelDirectory(work_ / "four", work_ / ("cpu " + what), o);
+    o.device = "cuda";
+    auto gpu = CompressModelDirectory(work_ / "four", work_ / ("gpu " + what), o);
+    ASSERT_TRUE(cpu.ok()) << cpu.status();
+    ASSERT_TRUE(gpu.ok()) << gpu.status();
+    EXPECT_EQ(gpu->calibration_tokens, cpu->calibration_tokens);
+    EXPECT_EQ(gpu->fidelity.probes, cpu->fidelity.probes);
+    if (what == "target search") {
+      // Each layer's KL alone at two ranks: the same decompositions up to CP-ALS on CUDA.
+      ASSERT_EQ(gpu->search.layer_kl.size(), cpu->search.layer_kl.size());
+      for (size_t i = 0; i < cpu->search.layer_kl.size(); ++i) {
+        for (size_t k = 0; k < cpu->search.layer_kl[i].size(); ++k) {
+          EXPECT_NEAR(gpu->search.layer_kl[i][k], cpu->search.layer_kl[i][k], 0.05 * cpu->search.layer_kl[i][k])
+              << "layer " << i << ", point " << k;
+        }
+      }
+      EXPECT_GE(gpu->fidelity.top1_agreement, 0.9);
+    }
+    std::string ranks;
+    bool same_ranks = gpu->layers.size() == cpu->layers.size();
+    for (size_t i = 0; i < cpu->layers.size() && i < gpu->layers.size(); ++i) {
+      ranks += std::to_string(cpu->layers[i].rank) + "/" + std::to_string(gpu->layers[i].rank) + " ";
+      same_ranks &= cpu->layers[i].rank == gpu->layers[i].rank;
+    }
+    std::printf("[ cuda     ] %s: ranks (cpu/cuda) %s; top-1 agreement %.4f / %.4f, mean KL %.4g / %.4g\n",
+                what.c_str(), ranks.c_str(), cpu->fidelity.top1_agreement, gpu->fidelity.top1_agreement,
+                cpu->fidelity.mean_kl, gpu->fidelity.mean_kl);
+    if (!same_ranks) continue;  // a search may settle one step apart on a borderline trial
+    for (size_t i = 0; i < cpu->layers.size(); ++i) {
+      EXPECT_NEAR(gpu->layers[i].activation_error, cpu->layers[i].activation_error, 1e-4) << "layer " << i;
+    }
+    EXPECT_NEAR(gpu->fidelity.mean_kl, cpu->fidelity.mean_kl, 0.05 * cpu->fidelity.mean_kl + 1e-7);
+    EXPECT_NEAR(gpu->fidelity.top1_agreement, cpu->fidelity.top1_agreement, 1.5 / cpu->fidelity.probes);
+  }
+}
+
+// The copy a GPU's model passes run on (calibration, the rank search, the fidelity probes), made
+// here on the CPU: its model's logits exactly, standard and collaborative, and the model itself
+// left as it was (its handles keep their storage, its logits their values).
+TEST_F(CollaborativeTest, APassCopyGivesItsModelsLogitsAndLeavesItAlone) {
+  ASSERT_TRUE(CompressModelDirectory(src_.path(), work_ / "c16", Rank(16)).ok());
+  const at::Tensor ids = at::arange(1, 25, at::kLong).view({2, 12}).remainder(90).add(5);
+  const at::Tensor types = at::zeros_like(ids);
+  at::Tensor mask = at::ones_like(ids);
+  mask[1].narrow(0, 8, 4).zero_();
+  for (const std::string& dir : {src_.path(), work_ / "c16"}) {
+    SCOPED_TRACE(dir);
+    auto config = model::BertConfig::FromFile(dir + "/config.json");
+    ASSERT_TRUE(config.ok()) << config.status();
+    auto m = model::LoadClassifier(dir, *config);
+    ASSERT_TRUE(m.ok()) << m.status();
+    (*m)->Prepare(c10::Device(c10::kCPU), c10::kFloat, /*pack_weights=*/false);
+    c10::InferenceMode guard;
+    const at::Tensor before = (*m)->Forward(ids, types, mask);
+    const void* value_w = (*m)->layers()[0].value_w.data_ptr();
+    {
+      auto copy = internal::PassModel::On(**m, c10::Device(c10::kCPU), /*copy=*/true);
+      ASSERT_TRUE(copy.ok()) << copy.status();
+      ASSERT_NE(&copy->get(), m->get());
+      EXPECT_EQ(copy->get().config().collaborative.ranks, (*m)->config().collaborative.ranks);
+      EXPECT_TRUE(at::equal(copy->get().Forward(ids, types, mask), before));
+    }
+    EXPECT_EQ((*m)->layers()[0].value_w.data_ptr(), value_w);
+    EXPECT_TRUE(at::equal((*m)->Forward(ids, types, mask), before));
+    auto same = internal::PassModel::On(**m, c10::Device(c10::kCPU));
+    ASSERT_TRUE(same.ok());
+    EXPECT_EQ(&same->get(), m->get());  // already where its passes run: no copy
+  }
+  // A model prepared for serving keeps its dense weights packed only (on CPUs that pack them).
+  auto config = model::BertConfig::FromFile(src_.path() + "/config.json");
+  auto served = model::LoadClassifier(src_.path(), *config);
+  ASSERT_TRUE(served.ok());
+  (*served)->Prepare(c10::Device(c10::kCPU), c10::kFloat, /*pack_weights=*/true);
+  if ((*served)->weights_released()) {
+    auto copy = internal::PassModel::On(**served, c10::Device(c10::kCPU), /*copy=*/true);
+    EXPECT_EQ(copy.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(std::string(copy.status().message()), HasSubstr("pack_weights = false"));
   }
 }
 
