@@ -521,10 +521,8 @@ absl::StatusOr<TextBatches> TokenizeInBatches(const model::BertClassifier& model
   return out;
 }
 
-absl::StatusOr<std::vector<at::Tensor>> BatchLogits(const model::BertClassifier& m, const TextBatches& tb,
-                                                    int workers) {
+absl::Status ForEachBatch(size_t n, int workers, const std::function<void(size_t)>& fn) {
   const int intra_op = at::get_num_threads();
-  std::vector<at::Tensor> out(tb.batches.size());
   std::atomic<size_t> next{0};
   std::mutex mu;
   absl::Status status;
@@ -534,20 +532,27 @@ absl::StatusOr<std::vector<at::Tensor>> BatchLogits(const model::BertClassifier&
       model::SetThisThreadIntraOpThreads(intra_op);
       // Passes as Engine::Run's: on the arena that keeps their pages (this thread for its life).
       const model::PassArena::Pass pass = model::PassArena::Shared().BeginPass();
-      for (size_t i = next++; i < tb.batches.size(); i = next++) {
-        const TextBatch& b = tb.batches[i];
-        out[i] = m.Forward(b.ids, b.types, b.mask).to(at::kDouble);
-      }
+      for (size_t i = next++; i < n; i = next++) fn(i);
     } catch (const std::exception& e) {
       std::lock_guard<std::mutex> lock(mu);
       if (status.ok()) status = absl::InternalError(absl::StrCat("running the texts failed: ", e.what()));
+      next = n;  // the other threads stop at their next batch
     }
   };
   std::vector<std::thread> threads;
-  for (int t = 1; t < std::min<int>(workers, static_cast<int>(tb.batches.size())); ++t) threads.emplace_back(work);
+  for (int t = 1; t < std::min<int>(workers, static_cast<int>(n)); ++t) threads.emplace_back(work);
   work();
   for (auto& t : threads) t.join();
-  RETURN_IF_ERROR(status);
+  return status;
+}
+
+absl::StatusOr<std::vector<at::Tensor>> BatchLogits(const model::BertClassifier& m, const TextBatches& tb,
+                                                    int workers) {
+  std::vector<at::Tensor> out(tb.batches.size());
+  RETURN_IF_ERROR(ForEachBatch(tb.batches.size(), workers, [&](size_t i) {
+    const TextBatch& b = tb.batches[i];
+    out[i] = m.Forward(b.ids, b.types, b.mask).to(at::kDouble);
+  }));
   return out;
 }
 

@@ -89,8 +89,13 @@ struct TextBatches {
 absl::StatusOr<TextBatches> TokenizeInBatches(const model::BertClassifier& model, const std::string& vocab_dir,
                                               const std::vector<std::string>& texts, const char* what);
 
+// Runs fn(0), ..., fn(n - 1) on `workers` threads taking them in turn, each under InferenceMode with
+// the calling thread's ATen thread count, on the pass arena. INTERNAL on an exception (the rest
+// of the calls are then not begun).
+absl::Status ForEachBatch(size_t n, int workers, const std::function<void(size_t)>& fn);
+
 // `model`'s float64 logits for every batch, in order, computed by `workers` threads taking batches
-// in turn (each with the calling thread's ATen thread count). INTERNAL on a LibTorch error.
+// in turn (ForEachBatch). INTERNAL on a LibTorch error.
 absl::StatusOr<std::vector<at::Tensor>> BatchLogits(const model::BertClassifier& model, const TextBatches& batches,
                                                     int workers);
 

@@ -6,7 +6,9 @@
 //     N_h·d_k/64; a layer may also stay standard), whitened when calibration statistics are set;
 //  2. measures each layer's KL curve: the mean KL of the model with that layer alone at the grid
 //     ranks nearest N_h·d_k/8 and N_h·d_k/16, giving the proxy KL_l(r) ≈ K_l·(e_l(r)/e_l)^p_l
-//     through both points, e the layer's (activation-weighted) error at a rank. The exponent
+//     through both points, e the layer's (activation-weighted) error at a rank (each measured from
+//     the original's hidden states entering the layer: the layers before it are the original's
+//     in that model, so they run once for all the measurements). The exponent
 //     differs by layer: on the trained demo KL/e² rose 3-6x from rank 32 to 12 in two layers and
 //     fell 1.5x in the other two (bench/compress/RESULTS.md, section 11), so one point and p = 2
 //     misjudged which layer a rank buys the most in;
@@ -165,8 +167,8 @@ absl::StatusOr<std::vector<LayerDecomposition>> SearchRanks(const model::BertCla
 
   std::vector<LayerDecomposition> standard(L);
   for (int i = 0; i < L; ++i) standard[i].report.layer = i;
-  // Measures the model with layer i at grid[alloc[i]] (-1: standard).
-  auto measure = [&](const std::vector<int>& alloc) -> absl::StatusOr<FidelityReport> {
+  // The model with layer i at grid[alloc[i]] (-1: standard), where the passes run.
+  auto candidate = [&](const std::vector<int>& alloc) -> absl::StatusOr<std::unique_ptr<model::BertClassifier>> {
     std::vector<const LayerDecomposition*> layers;
     for (int i = 0; i < L; ++i) layers.push_back(alloc[i] < 0 ? &standard[i] : &table[i][alloc[i]]);
     CompressReport scratch;
@@ -176,6 +178,10 @@ absl::StatusOr<std::vector<LayerDecomposition>> SearchRanks(const model::BertCla
     } catch (const std::exception& e) {
       return absl::InternalError(absl::StrCat("preparing a candidate model failed: ", e.what()));
     }
+    return m;
+  };
+  auto measure = [&](const std::vector<int>& alloc) -> absl::StatusOr<FidelityReport> {
+    ASSIGN_OR_RETURN(auto m, candidate(alloc));
     ASSIGN_OR_RETURN(std::vector<at::Tensor> logits, BatchLogits(*m, tb, eval_workers));
     return CompareLogits(reference, logits, tb.texts);
   };
@@ -192,6 +198,17 @@ absl::StatusOr<std::vector<LayerDecomposition>> SearchRanks(const model::BertCla
   if (nearest(full / 16.0) != g_points[0]) g_points.push_back(nearest(full / 16.0));
   for (int g : g_points) rep.sensitivity_ranks.push_back(grid[g]);
   const auto ts = Clock::now();
+  // A model with layer i alone compressed computes what the original does up to layer i: each
+  // measurement runs from the original's hidden states entering layer i (the per-operation path,
+  // its reference logits too), layer by layer, the states advanced one layer at a time. On 12
+  // layers that is 12·13 layer passes for the 24 measurements instead of 24·12.
+  const size_t n_batches = tb.batches.size();
+  std::vector<at::Tensor> hidden(n_batches), layer_reference(n_batches);
+  RETURN_IF_ERROR(ForEachBatch(n_batches, eval_workers, [&](size_t b) {
+    const TextBatch& batch = tb.batches[b];
+    hidden[b] = passes.Embeddings(batch.ids, batch.types);
+    layer_reference[b] = passes.LogitsFrom(0, hidden[b], batch.mask).to(at::kDouble);
+  }));
   std::vector<double> coefficient(L), reference_error(L);
   for (int i = 0; i < L; ++i) {
     std::vector<double> kl;
@@ -200,8 +217,18 @@ absl::StatusOr<std::vector<LayerDecomposition>> SearchRanks(const model::BertCla
       if (out_of_time()) return deadline("while measuring the layers' sensitivities");
       std::vector<int> alloc(L, -1);
       alloc[i] = g;
-      ASSIGN_OR_RETURN(FidelityReport f, measure(alloc));
+      ASSIGN_OR_RETURN(auto m, candidate(alloc));
+      std::vector<at::Tensor> logits(n_batches);
+      RETURN_IF_ERROR(ForEachBatch(n_batches, eval_workers, [&](size_t b) {
+        logits[b] = m->LogitsFrom(i, hidden[b], tb.batches[b].mask).to(at::kDouble);
+      }));
+      ASSIGN_OR_RETURN(FidelityReport f, CompareLogits(layer_reference, logits, tb.texts));
       kl.push_back(f.mean_kl);
+    }
+    if (i + 1 < L) {
+      RETURN_IF_ERROR(ForEachBatch(n_batches, eval_workers, [&](size_t b) {
+        hidden[b] = passes.RunLayers(i, i + 1, hidden[b], tb.batches[b].mask);
+      }));
     }
     std::vector<double> errors;
     for (int g : g_points) errors.push_back(DrivingError(table[i][g].report));
@@ -210,6 +237,8 @@ absl::StatusOr<std::vector<LayerDecomposition>> SearchRanks(const model::BertCla
     coefficient[i] = kl[0];
     reference_error[i] = errors[0];
   }
+  hidden.clear();
+  layer_reference.clear();
   rep.sensitivity_seconds = SecondsSince(ts);
   auto proxy = [&](int i, double e) {
     if (reference_error[i] <= 0) return e > 0 ? coefficient[i] : 0.0;

@@ -374,16 +374,36 @@ at::Tensor BertClassifier::Encode(const at::Tensor& input_ids, const at::Tensor&
 std::vector<at::Tensor> BertClassifier::LayerInputs(const at::Tensor& input_ids,
                                                     const at::Tensor& token_type_ids,
                                                     const at::Tensor& attention_mask) const {
-  auto ids = input_ids.to(device_);
-  const at::Tensor mask_add = MaskAdd(attention_mask, ids.size(0), ids.size(1));
   std::vector<at::Tensor> out;
   out.reserve(layers_.size());
-  at::Tensor h = Embed(ids, token_type_ids.to(device_));
-  for (const EncoderLayer& l : layers_) {
+  at::Tensor h = Embeddings(input_ids, token_type_ids);
+  for (size_t i = 0; i < layers_.size(); ++i) {
     out.push_back(h);
-    h = Layer(l, h, mask_add, /*cls_only=*/false);
+    h = RunLayers(i, i + 1, h, attention_mask);
   }
   return out;
+}
+
+at::Tensor BertClassifier::Embeddings(const at::Tensor& input_ids, const at::Tensor& token_type_ids) const {
+  return Embed(input_ids.to(device_), token_type_ids.to(device_));
+}
+
+at::Tensor BertClassifier::RunLayers(size_t first, size_t last, const at::Tensor& h,
+                                     const at::Tensor& attention_mask) const {
+  TORCH_CHECK(first <= last && last <= layers_.size(), "RunLayers: layers [", first, ", ", last,
+              ") of a model of ", layers_.size());
+  const at::Tensor mask_add = MaskAdd(attention_mask, h.size(0), h.size(1));
+  at::Tensor x = h.contiguous();
+  for (size_t i = first; i < last; ++i) x = Layer(layers_[i], x, mask_add, /*cls_only=*/false);
+  return x;
+}
+
+at::Tensor BertClassifier::LogitsFrom(size_t first, const at::Tensor& h, const at::Tensor& attention_mask) const {
+  TORCH_CHECK(first <= layers_.size(), "LogitsFrom: layer ", first, " of a model of ", layers_.size());
+  const at::Tensor mask_add = MaskAdd(attention_mask, h.size(0), h.size(1));
+  at::Tensor x = h.contiguous();
+  for (size_t i = first; i < layers_.size(); ++i) x = Layer(layers_[i], x, mask_add, i + 1 == layers_.size());
+  return Classify(x.select(1, 0)).to(at::kCPU, at::kFloat);
 }
 
 at::Tensor BertClassifier::MaskAdd(const at::Tensor& attention_mask, int64_t B, int64_t S) const {
@@ -415,7 +435,10 @@ at::Tensor BertClassifier::DeviceLogits(const at::Tensor& input_ids, const at::T
   // The pooler reads the [CLS] position alone, so the last layer computes only that one (its keys
   // and values still for every position): 1/12 of BERT-base's work at 16-128 tokens.
   auto h = Encode(input_ids, token_type_ids, attention_mask, /*cls_only=*/true);
-  const at::Tensor first = h.select(1, 0);  // [B, D]: the [CLS] position
+  return Classify(h.select(1, 0));  // [B, D]: the [CLS] position
+}
+
+at::Tensor BertClassifier::Classify(const at::Tensor& first) const {
   if (FindSgemm() != nullptr && first.is_cpu() && first.scalar_type() == at::kFloat) {
     // Pooler and classifier on oneDNN's sgemm (OpenMP: its idle workers sleep, as
     // OMP_WAIT_POLICY=PASSIVE asks), not at::linear: ATen's addmm is OpenBLAS here, whose pool

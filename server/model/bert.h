@@ -118,6 +118,16 @@ class BertClassifier : public ParamNode {
   std::vector<at::Tensor> LayerInputs(const at::Tensor& input_ids, const at::Tensor& token_type_ids,
                                       const at::Tensor& attention_mask) const;
 
+  // The per-operation path in pieces, for measurements that rerun part of a model (the rank search
+  // measures a layer's compression from the original's hidden states entering it). h: the hidden
+  // states [B, S, D] entering layer `first` (Embeddings' output for layer 0, LayerInputs' element
+  // `first`), on the model's device; attention_mask as Forward's. Same thread-safety as Forward.
+  at::Tensor Embeddings(const at::Tensor& input_ids, const at::Tensor& token_type_ids) const;
+  // Layers [first, last) on h: the hidden states leaving layer last - 1.
+  at::Tensor RunLayers(size_t first, size_t last, const at::Tensor& h, const at::Tensor& attention_mask) const;
+  // Layers [first, L) on h, then the classifier: Forward's logits (float32 [B, num_labels], CPU).
+  at::Tensor LogitsFrom(size_t first, const at::Tensor& h, const at::Tensor& attention_mask) const;
+
   std::vector<EncoderLayer>& layers() { return layers_; }
   const std::vector<EncoderLayer>& layers() const { return layers_; }
 
@@ -135,6 +145,8 @@ class BertClassifier : public ParamNode {
   at::Tensor Layer(const EncoderLayer& l, const at::Tensor& h, const at::Tensor& mask_add,
                    bool cls_only) const;
   at::Tensor Activation(const at::Tensor& x) const;
+  // The pooler and classifier on the [CLS] positions' hidden states [B, D]: logits on the device.
+  at::Tensor Classify(const at::Tensor& first) const;
   // The constructor's last step: the small tensors (biases, LayerNorm, mixing, content vectors,
   // and room for the fused biases) become views of one mapping of their own.
   void KeepSmallTensorsTogether();

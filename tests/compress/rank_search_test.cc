@@ -174,6 +174,30 @@ TEST_F(RankSearchTest, TheReportSaysWhatWasSearched) {
   EXPECT_FALSE(nlohmann::json::parse(f->ToJson()).contains("search"));
 }
 
+// Each layer's KL curve is measured from the original's hidden states entering the layer; it must
+// be the KL of the whole model with that layer alone compressed (the same decomposition: a fixed
+// per-layer rank, seed and options), measured as any compression's fidelity is.
+TEST_F(RankSearchTest, EachLayersKlIsThatOfTheModelWithThatLayerAloneCompressed) {
+  auto r = Run(Agreement(0.9), "curves");
+  ASSERT_TRUE(r.ok()) << r.status();
+  const RankSearchReport& s = r->search;
+  ASSERT_EQ(s.layer_kl.size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    for (size_t k = 0; k < s.sensitivity_ranks.size(); ++k) {
+      CompressOptions alone;
+      alone.spec.kind = RankSpec::Kind::kPerLayer;
+      alone.spec.ranks = {0, 0, 0};
+      alone.spec.ranks[i] = s.sensitivity_ranks[k];
+      const std::string name = "alone" + std::to_string(i) + std::to_string(k);
+      auto f = Run(alone, name);
+      ASSERT_TRUE(f.ok()) << f.status();
+      ASSERT_GT(f->fidelity.mean_kl, 0);
+      EXPECT_NEAR(s.layer_kl[i][k], f->fidelity.mean_kl, 1e-3 * f->fidelity.mean_kl)
+          << "layer " << i << " at rank " << s.sensitivity_ranks[k];
+    }
+  }
+}
+
 TEST_F(RankSearchTest, WithCalibrationTextItMeasuresOnTheHeldOutPart) {
   CompressOptions o = Agreement(0.9);
   for (int i = 0; i < 3; ++i) {

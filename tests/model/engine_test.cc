@@ -472,6 +472,39 @@ TEST(EngineClsOnlyTest, CollaborativeLayersToo) {
   ExpectClsOnlyForwardEqualsFullEncoder(m, "collaborative");
 }
 
+// The per-operation path in pieces (Embeddings, RunLayers, LogitsFrom) is the whole pass: from the
+// hidden states entering any layer the logits are Forward's, and layers [i, j) take layer i's
+// inputs to layer j's, standard and collaborative, on a padded batch.
+TEST(EnginePiecesTest, AnyLayersInputsGiveForwardsLogits) {
+  BertClassifier m(SmallCollaborativeConfig());
+  {
+    c10::InferenceMode guard;
+    at::manual_seed(6);
+    for (auto& p : m.named_parameters()) p.value().normal_(0.0, 0.3);
+  }
+  m.Prepare(c10::Device(c10::kCPU), at::kFloat);
+  c10::InferenceMode guard;
+  auto [ids, types, mask] = PaddedBatch({9, 30, 17}, m.config().vocab_size);
+  const at::Tensor want = m.Forward(ids, types, mask);
+  const std::vector<at::Tensor> inputs = m.LayerInputs(ids, types, mask);
+  ASSERT_EQ(inputs.size(), 3u);
+  EXPECT_TRUE(at::equal(m.Embeddings(ids, types), inputs[0]));
+  const at::Tensor last = m.RunLayers(0, 3, inputs[0], mask);
+  for (size_t i = 0; i <= 3; ++i) {
+    const at::Tensor h = i < 3 ? inputs[i] : last;
+    const at::Tensor got = m.LogitsFrom(i, h, mask);
+    ASSERT_EQ(got.sizes(), want.sizes());
+    EXPECT_LT((got - want).abs().max().item<double>(), 1e-4) << "from layer " << i;
+    for (size_t j = i; j < 3; ++j) {
+      EXPECT_TRUE(at::equal(m.RunLayers(i, j, h, mask), inputs[j])) << "layers [" << i << ", " << j << ")";
+    }
+  }
+  EXPECT_GT(want.abs().max().item<double>(), 1e-3);  // not trivially zero
+  EXPECT_THROW(m.RunLayers(2, 1, inputs[0], mask), c10::Error);
+  EXPECT_THROW(m.RunLayers(0, 4, inputs[0], mask), c10::Error);
+  EXPECT_THROW(m.LogitsFrom(4, inputs[0], mask), c10::Error);
+}
+
 // The small tensors (biases, LayerNorm, mixing, content vectors, fused biases) share one block of
 // their own, each at a 64-byte boundary, none overlapping another, the block about their padded
 // bytes (with the model-wide ones: the embeddings' LayerNorm, token types, the head's); the fused biases Prepare writes there are the parameters' (zeros for the
