@@ -87,6 +87,13 @@ class CollaborativeTest : public ::testing::Test {
     m.seed = 11;
     ASSERT_TRUE(model::MakeCheckpoint(src_.path(), m).ok());
   }
+  // A 4-layer checkpoint in work_/four (the CUDA comparisons' model).
+  void MakeFourLayers() {
+    model::MakeOptions m;
+    m.seed = 13;
+    m.layers = 4;
+    ASSERT_TRUE(model::MakeCheckpoint(work_ / "four", m).ok());
+  }
   TempDir src_, work_;
 };
 
@@ -396,10 +403,7 @@ TEST_F(CollaborativeTest, FactorsDoNotDependOnParallelLayers) {
 // 2026-12-04: at most 0.002, whitened from the SVD start; 1.5e-5 to 6.5e-4 for the others).
 TEST_F(CollaborativeTest, CudaConversionAgreesWithTheCpu) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no GPU";
-  model::MakeOptions m;
-  m.seed = 13;
-  m.layers = 4;
-  ASSERT_TRUE(model::MakeCheckpoint(work_ / "four", m).ok());
+  ASSERT_NO_FATAL_FAILURE(MakeFourLayers());
   const std::vector<std::string> calibration = CalibrationTexts(40);
   for (bool whiten : {false, true}) {
     for (auto init : {CpAlsOptions::Init::kSvd, CpAlsOptions::Init::kRandom}) {
@@ -440,10 +444,7 @@ TEST_F(CollaborativeTest, CudaConversionAgreesWithTheCpu) {
 // CUDA CP-ALS's difference (the test above).
 TEST_F(CollaborativeTest, CudaModelPassesAgreeWithTheCpu) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no GPU";
-  model::MakeOptions m;
-  m.seed = 13;
-  m.layers = 4;
-  ASSERT_TRUE(model::MakeCheckpoint(work_ / "four", m).ok());
+  ASSERT_NO_FATAL_FAILURE(MakeFourLayers());
   CompressOptions inputs;  // each layer whitened by its inputs in the partly compressed model
   inputs.spec.kind = RankSpec::Kind::kPerLayer;
   inputs.spec.ranks = {32, 24, 0, 12};

@@ -461,14 +461,21 @@ BertConfig SmallCollaborativeConfig() {
   return c;
 }
 
-TEST(EngineClsOnlyTest, CollaborativeLayersToo) {
-  BertClassifier m(SmallCollaborativeConfig());
+// That model, its parameters drawn from normal(0, 0.3) after at::manual_seed(seed), prepared on the CPU.
+std::unique_ptr<BertClassifier> SmallCollaborativeModel(uint64_t seed) {
+  auto m = std::make_unique<BertClassifier>(SmallCollaborativeConfig());
   {
     c10::InferenceMode guard;
-    at::manual_seed(5);
-    for (auto& p : m.named_parameters()) p.value().normal_(0.0, 0.3);
+    at::manual_seed(seed);
+    for (auto& p : m->named_parameters()) p.value().normal_(0.0, 0.3);
   }
-  m.Prepare(c10::Device(c10::kCPU), at::kFloat);
+  m->Prepare(c10::Device(c10::kCPU), at::kFloat);
+  return m;
+}
+
+TEST(EngineClsOnlyTest, CollaborativeLayersToo) {
+  auto model = SmallCollaborativeModel(5);
+  const BertClassifier& m = *model;
   ExpectClsOnlyForwardEqualsFullEncoder(m, "collaborative");
 }
 
@@ -476,13 +483,8 @@ TEST(EngineClsOnlyTest, CollaborativeLayersToo) {
 // hidden states entering any layer the logits are Forward's, and layers [i, j) take layer i's
 // inputs to layer j's, standard and collaborative, on a padded batch.
 TEST(EnginePiecesTest, AnyLayersInputsGiveForwardsLogits) {
-  BertClassifier m(SmallCollaborativeConfig());
-  {
-    c10::InferenceMode guard;
-    at::manual_seed(6);
-    for (auto& p : m.named_parameters()) p.value().normal_(0.0, 0.3);
-  }
-  m.Prepare(c10::Device(c10::kCPU), at::kFloat);
+  auto model = SmallCollaborativeModel(6);
+  const BertClassifier& m = *model;
   c10::InferenceMode guard;
   auto [ids, types, mask] = PaddedBatch({9, 30, 17}, m.config().vocab_size);
   const at::Tensor want = m.Forward(ids, types, mask);
