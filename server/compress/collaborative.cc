@@ -298,7 +298,8 @@ void ShareParameters(const model::BertClassifier& source, model::BertClassifier*
 absl::StatusOr<PassModel> PassModel::On(const model::BertClassifier& m, const c10::Device& device, bool copy) {
   PassModel p;
   p.model_ = &m;
-  if (!copy && m.device() == device && m.dtype() == c10::kFloat) return p;
+  const bool there = device.is_cpu() ? m.device().is_cpu() : m.device() == device;  // cpu:0 is the CPU
+  if (!copy && there && m.dtype() == c10::kFloat) return p;
   if (m.weights_released()) return ReleasedWeightsError();
   try {
     // Normal tensors, whatever mode the caller is in: Prepare writes into the copy's own.
@@ -929,13 +930,13 @@ absl::StatusOr<CompressReport> CompressLoadedModel(const model::BertClassifier& 
   ASSIGN_OR_RETURN(const c10::Device device, model::ParseDevice(o.device));
   CompressReport report;
   step("convert");
-  // The source where the model passes run: itself on the CPU; a copy on a GPU.
-  ASSIGN_OR_RETURN(const internal::PassModel source_passes, internal::PassModel::On(source, device));
   const bool target = o.spec.kind == RankSpec::Kind::kTargetAgreement || o.spec.kind == RankSpec::Kind::kMaxKl;
   if (o.whiten_compressed_inputs && (o.calibration.empty() || target)) {
     return absl::InvalidArgumentError(
         "whitening by the compressed model's inputs needs calibration text and a fixed rank spec (not a target)");
   }
+  // The source where the model passes run: itself on the CPU; a copy on a GPU.
+  ASSIGN_OR_RETURN(const internal::PassModel source_passes, internal::PassModel::On(source, device));
   std::vector<std::string> fit_texts;
   if (!o.calibration.empty() && o.whitening.empty()) {
     RETURN_IF_ERROR(PrepareWhitening(source_passes.get(), in_dir, &o, &report, &fit_texts));
