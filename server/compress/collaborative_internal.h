@@ -89,10 +89,31 @@ struct TextBatches {
 absl::StatusOr<TextBatches> TokenizeInBatches(const model::BertClassifier& model, const std::string& vocab_dir,
                                               const std::vector<std::string>& texts, const char* what);
 
-// Runs fn(0), ..., fn(n - 1) on `workers` threads taking them in turn, each under InferenceMode with
-// the calling thread's ATen thread count, on the pass arena. INTERNAL on an exception (the rest
-// of the calls are then not begun).
-absl::Status ForEachBatch(size_t n, int workers, const std::function<void(size_t)>& fn);
+// Runs fn(w, i) for i = 0, ..., n - 1 on W = min(workers, n) threads (the calling thread one of
+// them), worker w taking i = w, w + W, ..., each under InferenceMode with the calling thread's ATen
+// thread count, on the pass arena. INTERNAL on an exception (the workers then stop).
+absl::Status ForEachBatch(size_t n, int workers, const std::function<void(int, size_t)>& fn);
+
+// Layer `layer`'s whitening (WhiteningFromStats) from its inputs' E[x xᵀ] `m2` and E[x] `mu`.
+absl::StatusOr<LayerWhitening> WhitenLayer(const at::Tensor& m2, const at::Tensor& mu, double damping, size_t layer);
+
+// The calibration statistics' sums (calibration pass, a layer's inputs in a partly converted model):
+// per worker of ForEachBatch and layer, over the non-padding tokens, in float64 on `device`.
+// Finish adds the workers' sums in worker order, so the statistics depend on the texts and the
+// worker count only. Add(w, ...) from worker w alone; the tokens are counted at layer 0.
+class LayerInputSums {
+ public:
+  LayerInputSums(int workers, size_t layers, int64_t hidden, const c10::Device& device);
+  // Adds the rows of h ([n, S, D], the hidden states entering `layer`) where mask ([n, S]) is 1.
+  void Add(int w, size_t layer, const at::Tensor& h, const at::Tensor& mask);
+  // E[x xᵀ] and E[x] per layer (on the CPU) and the token count into `st`.
+  void Finish(CalibrationStats* st) const;
+
+ private:
+  int64_t D_;
+  std::vector<int64_t> tokens_;
+  std::vector<std::vector<at::Tensor>> second_moment_, mean_;
+};
 
 // `model`'s float64 logits for every batch, in order, computed by `workers` threads taking batches
 // in turn (ForEachBatch). INTERNAL on a LibTorch error.

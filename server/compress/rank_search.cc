@@ -206,7 +206,7 @@ absl::StatusOr<std::vector<LayerDecomposition>> SearchRanks(const model::BertCla
   // N_h·d_k/8 or /16 costs.)
   const size_t n_batches = tb.batches.size();
   std::vector<at::Tensor> hidden(n_batches);
-  RETURN_IF_ERROR(ForEachBatch(n_batches, eval_workers, [&](size_t b) {
+  RETURN_IF_ERROR(ForEachBatch(n_batches, eval_workers, [&](int, size_t b) {
     hidden[b] = passes.Embeddings(tb.batches[b].ids, tb.batches[b].types);
   }));
   std::vector<double> coefficient(L), reference_error(L);
@@ -219,14 +219,14 @@ absl::StatusOr<std::vector<LayerDecomposition>> SearchRanks(const model::BertCla
       alloc[i] = g;
       ASSIGN_OR_RETURN(auto m, candidate(alloc));
       std::vector<at::Tensor> logits(n_batches);
-      RETURN_IF_ERROR(ForEachBatch(n_batches, eval_workers, [&](size_t b) {
+      RETURN_IF_ERROR(ForEachBatch(n_batches, eval_workers, [&](int, size_t b) {
         logits[b] = m->LogitsFrom(i, hidden[b], tb.batches[b].mask).to(at::kDouble);
       }));
       ASSIGN_OR_RETURN(FidelityReport f, CompareLogits(reference, logits, tb.texts));
       kl.push_back(f.mean_kl);
     }
     if (i + 1 < L) {
-      RETURN_IF_ERROR(ForEachBatch(n_batches, eval_workers, [&](size_t b) {
+      RETURN_IF_ERROR(ForEachBatch(n_batches, eval_workers, [&](int, size_t b) {
         hidden[b] = passes.RunLayers(i, i + 1, hidden[b], tb.batches[b].mask);
       }));
     }
