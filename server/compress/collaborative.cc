@@ -45,6 +45,13 @@ double SecondsSince(Clock::time_point t0) {
 
 bool IsCancelled(const CompressOptions& o) { return o.cancelled && o.cancelled->load(); }
 
+absl::Status CheckDamping(double damping) {
+  if (!(damping >= 0) || !std::isfinite(damping)) {
+    return absl::InvalidArgumentError(absl::StrCat("whitening damping must be a finite number >= 0, got ", damping));
+  }
+  return absl::OkStatus();
+}
+
 // Pins OpenBLAS's process-wide pool to one thread for its lifetime when `active` and OpenBLAS
 // runs more than one; restores the previous count.
 class ScopedSingleThreadedBlas {
@@ -677,9 +684,7 @@ absl::StatusOr<LayerWhitening> WhitenLayer(const at::Tensor& m2, const at::Tenso
 }  // namespace internal
 
 absl::StatusOr<std::vector<LayerWhitening>> WhiteningFromStats(const CalibrationStats& stats, double damping) {
-  if (!(damping >= 0) || !std::isfinite(damping)) {
-    return absl::InvalidArgumentError(absl::StrCat("whitening damping must be a finite number >= 0, got ", damping));
-  }
+  RETURN_IF_ERROR(CheckDamping(damping));
   std::vector<LayerWhitening> out;
   for (size_t l = 0; l < stats.second_moment.size(); ++l) {
     ASSIGN_OR_RETURN(LayerWhitening w, internal::WhitenLayer(stats.second_moment[l], stats.mean[l], damping, l));
@@ -817,9 +822,11 @@ absl::StatusOr<CompressReport> CompressModelDirectory(const std::string& in_dir,
 namespace {
 // Fits the whitening on the first part of o->calibration (run through `passes`, the source where
 // the passes run) and, when no probes were given, makes the rest the fidelity probes; records both
-// in the report.
+// in the report. Without `statistics` it only splits the texts (and checks the damping): the caller
+// measures the statistics itself (ConvertOnCompressedInputs).
 absl::Status PrepareWhitening(const model::BertClassifier& passes, const std::string& vocab_dir,
-                              CompressOptions* o, CompressReport* report, std::vector<std::string>* fit_out) {
+                              CompressOptions* o, CompressReport* report, std::vector<std::string>* fit_out,
+                              bool statistics) {
   const int64_t n = static_cast<int64_t>(o->calibration.size());
   if (n < kMinCalibrationTexts) {
     return absl::InvalidArgumentError(absl::StrCat("calibration: ", n, " texts; at least ",
@@ -832,15 +839,18 @@ absl::Status PrepareWhitening(const model::BertClassifier& passes, const std::st
       n, static_cast<int64_t>(std::ceil(o->calibration_fit_fraction * static_cast<double>(n)))));
   std::vector<std::string>& fit_texts = *fit_out;
   fit_texts.assign(o->calibration.begin(), o->calibration.begin() + fit);
-  auto t = Clock::now();
-  ASSIGN_OR_RETURN(CalibrationStats stats, CollectCalibrationStats(passes, vocab_dir, fit_texts));
-  ASSIGN_OR_RETURN(o->whitening, WhiteningFromStats(stats, o->whiten_damping));
+  RETURN_IF_ERROR(CheckDamping(o->whiten_damping));
   report->whitened = true;
   report->calibration_fit_texts = fit;
   report->calibration_heldout_texts = n - fit;
-  report->calibration_tokens = stats.tokens;
-  report->calibration_truncated = stats.truncated;
-  report->calibration_seconds = SecondsSince(t);
+  if (statistics) {
+    auto t = Clock::now();
+    ASSIGN_OR_RETURN(CalibrationStats stats, CollectCalibrationStats(passes, vocab_dir, fit_texts));
+    ASSIGN_OR_RETURN(o->whitening, WhiteningFromStats(stats, o->whiten_damping));
+    report->calibration_tokens = stats.tokens;
+    report->calibration_truncated = stats.truncated;
+    report->calibration_seconds = SecondsSince(t);
+  }
   if (o->probes.empty() && fit < n) {
     o->probes.assign(o->calibration.begin() + fit, o->calibration.end());
     report->whitening_note = absl::StrCat("fitted on ", fit, " calibration texts; fidelity on the other ", n - fit);
@@ -853,10 +863,10 @@ absl::Status PrepareWhitening(const model::BertClassifier& passes, const std::st
 
 // ConvertToCollaborative with CompressOptions::whiten_compressed_inputs: layer by layer, each
 // whitened by the statistics of its inputs in the model whose earlier layers are already
-// converted (o->whitening holds the original's; layer 0's is the same either way). The fit texts'
-// hidden states entering layer l in that model are kept for all the texts (tokens × hidden × 4
-// bytes: ~0.2 GB for 820 texts on BERT-base) and advanced one layer at a time: L layer passes in
-// all, where a whole pass of the partly converted model for every layer made L².
+// converted (layer 0's are the original's). The fit texts' hidden states entering layer l in that
+// model are kept for all the texts (tokens × hidden × 4 bytes: ~0.2 GB for 820 texts on
+// BERT-base) and advanced one layer at a time: one pass of the model in all, where a whole pass of
+// the partly converted model for every layer made L. Records the tokens in the report.
 absl::StatusOr<std::unique_ptr<model::BertClassifier>> ConvertOnCompressedInputs(
     const model::BertClassifier& source, const std::string& vocab_dir, const std::vector<std::string>& fit_texts,
     CompressOptions o, CompressReport* report) {
@@ -884,6 +894,10 @@ absl::StatusOr<std::unique_ptr<model::BertClassifier>> ConvertOnCompressedInputs
   auto t = Clock::now();
   ASSIGN_OR_RETURN(internal::TextBatches tb, internal::TokenizeInBatches(source, vocab_dir, fit_texts, "calibration text"));
   const size_t n = tb.batches.size();
+  report->calibration_truncated = tb.truncated;
+  report->calibration_tokens = 0;
+  for (const internal::TextBatch& b : tb.batches) report->calibration_tokens += b.mask.sum().item<int64_t>();
+  o.whitening.resize(L);
   ASSIGN_OR_RETURN(std::unique_ptr<model::BertClassifier> partial, converted());
   const int workers = internal::PassWorkers(*partial);
   std::vector<at::Tensor> hidden(n);  // entering layer l
@@ -894,7 +908,7 @@ absl::StatusOr<std::unique_ptr<model::BertClassifier>> ConvertOnCompressedInputs
   double decompose_seconds = 0;
   for (int l = 0; l < L; ++l) {
     if (IsCancelled(o)) return absl::CancelledError("compression cancelled");
-    if (l > 0 && ranks[l] != 0) {
+    if (ranks[l] != 0) {
       t = Clock::now();
       CalibrationStats st;
       try {
@@ -973,7 +987,8 @@ absl::StatusOr<CompressReport> CompressLoadedModel(const model::BertClassifier& 
   ASSIGN_OR_RETURN(const internal::PassModel source_passes, internal::PassModel::On(source, device));
   std::vector<std::string> fit_texts;
   if (!o.calibration.empty() && o.whitening.empty()) {
-    RETURN_IF_ERROR(PrepareWhitening(source_passes.get(), in_dir, &o, &report, &fit_texts));
+    RETURN_IF_ERROR(PrepareWhitening(source_passes.get(), in_dir, &o, &report, &fit_texts,
+                                     /*statistics=*/!o.whiten_compressed_inputs));
     if (o.whiten_compressed_inputs) absl::StrAppend(&report.whitening_note, "; each layer by its inputs in the compressed model");
   } else if (o.whitening.empty()) {
     report.whitening_note = "off: no calibration text (plain weight-space CP)";
