@@ -329,9 +329,9 @@ absl::StatusOr<PassModel> PassModel::On(const model::BertClassifier& m, const c1
   return p;
 }
 
-int PassWorkers(const model::BertClassifier& m) {
-  if (!m.device().is_cpu()) return 1;
-  return std::max(1, util::UsableCpus() / std::max(1, at::get_num_threads()));
+int PassWorkers(const model::BertClassifier& m, size_t batches) {
+  const int per_cpu = m.device().is_cpu() ? util::UsableCpus() / std::max(1, at::get_num_threads()) : 1;
+  return std::max(1, std::min<int>(per_cpu, static_cast<int>(batches)));
 }
 
 absl::StatusOr<std::unique_ptr<model::BertClassifier>> AssembleCollaborative(
@@ -594,6 +594,22 @@ void LayerInputSums::Finish(CalibrationStats* st) const {
   }
 }
 
+absl::StatusOr<std::vector<at::Tensor>> EmbedBatches(const model::BertClassifier& model, const TextBatches& tb,
+                                                     int workers) {
+  std::vector<at::Tensor> hidden(tb.batches.size());
+  RETURN_IF_ERROR(ForEachBatch(tb.batches.size(), workers, [&](int, size_t b) {
+    hidden[b] = model.Embeddings(tb.batches[b].ids, tb.batches[b].types);
+  }));
+  return hidden;
+}
+
+absl::Status AdvanceBatches(const model::BertClassifier& model, size_t layer, const TextBatches& tb, int workers,
+                            std::vector<at::Tensor>* hidden) {
+  return ForEachBatch(tb.batches.size(), workers, [&](int, size_t b) {
+    (*hidden)[b] = model.RunLayers(layer, layer + 1, (*hidden)[b], tb.batches[b].mask);
+  });
+}
+
 absl::StatusOr<std::vector<at::Tensor>> BatchLogits(const model::BertClassifier& m, const TextBatches& tb,
                                                     int workers) {
   std::vector<at::Tensor> out(tb.batches.size());
@@ -639,7 +655,7 @@ absl::StatusOr<CalibrationStats> CollectCalibrationStats(const model::BertClassi
   const size_t L = model.layers().size();
   // The batches run on every CPU the caller's ATen threads leave (on a GPU, one thread), each
   // batch through every layer, its tokens added to its worker's sums.
-  const int workers = std::max(1, std::min<int>(internal::PassWorkers(model), static_cast<int>(tb.batches.size())));
+  const int workers = internal::PassWorkers(model, tb.batches.size());
   try {
     internal::LayerInputSums sums(workers, L, model.config().hidden_size, model.device());
     absl::Status pass = internal::ForEachBatch(tb.batches.size(), workers, [&](int w, size_t i) {
@@ -868,8 +884,8 @@ absl::Status PrepareWhitening(const model::BertClassifier& passes, const std::st
 // BERT-base) and advanced one layer at a time: one pass of the model in all, where a whole pass of
 // the partly converted model for every layer made L. Records the tokens in the report.
 absl::StatusOr<std::unique_ptr<model::BertClassifier>> ConvertOnCompressedInputs(
-    const model::BertClassifier& source, const std::string& vocab_dir, const std::vector<std::string>& fit_texts,
-    CompressOptions o, CompressReport* report) {
+    const model::BertClassifier& source, const model::BertClassifier& passes, const std::string& vocab_dir,
+    const std::vector<std::string>& fit_texts, CompressOptions o, CompressReport* report) {
   RETURN_IF_ERROR(internal::CheckConvertible(source, o));
   ASSIGN_OR_RETURN(std::vector<int> ranks, ResolveRanks(o.spec, source.config()));
   ASSIGN_OR_RETURN(const c10::Device device, model::ParseDevice(o.device));
@@ -898,12 +914,11 @@ absl::StatusOr<std::unique_ptr<model::BertClassifier>> ConvertOnCompressedInputs
   report->calibration_tokens = 0;
   for (const internal::TextBatch& b : tb.batches) report->calibration_tokens += b.mask.sum().item<int64_t>();
   o.whitening.resize(L);
-  ASSIGN_OR_RETURN(std::unique_ptr<model::BertClassifier> partial, converted());
-  const int workers = internal::PassWorkers(*partial);
-  std::vector<at::Tensor> hidden(n);  // entering layer l
-  RETURN_IF_ERROR(internal::ForEachBatch(n, workers, [&](int, size_t b) {
-    hidden[b] = partial->Embeddings(tb.batches[b].ids, tb.batches[b].types);
-  }));
+  // The source (where the passes run) until a layer is converted, then the model converted so far.
+  std::unique_ptr<model::BertClassifier> owned;
+  const model::BertClassifier* partial = &passes;
+  const int workers = internal::PassWorkers(passes, n);
+  ASSIGN_OR_RETURN(std::vector<at::Tensor> hidden, internal::EmbedBatches(passes, tb, workers));  // entering layer l
   report->calibration_seconds += SecondsSince(t);
   double decompose_seconds = 0;
   for (int l = 0; l < L; ++l) {
@@ -912,7 +927,7 @@ absl::StatusOr<std::unique_ptr<model::BertClassifier>> ConvertOnCompressedInputs
       t = Clock::now();
       CalibrationStats st;
       try {
-        internal::LayerInputSums sums(workers, 1, source.config().hidden_size, partial->device());
+        internal::LayerInputSums sums(workers, 1, source.config().hidden_size, passes.device());
         RETURN_IF_ERROR(internal::ForEachBatch(n, workers, [&](int w, size_t b) {
           sums.Add(w, 0, hidden[b], tb.batches[b].mask);
         }));
@@ -938,11 +953,10 @@ absl::StatusOr<std::unique_ptr<model::BertClassifier>> ConvertOnCompressedInputs
     if (std::any_of(ranks.begin() + l + 1, ranks.end(), [](int r) { return r != 0; })) {
       t = Clock::now();
       if (ranks[l] != 0) {
-        ASSIGN_OR_RETURN(partial, converted());
+        ASSIGN_OR_RETURN(owned, converted());
+        partial = owned.get();
       }
-      RETURN_IF_ERROR(internal::ForEachBatch(n, workers, [&](int, size_t b) {
-        hidden[b] = partial->RunLayers(l, l + 1, hidden[b], tb.batches[b].mask);
-      }));
+      RETURN_IF_ERROR(internal::AdvanceBatches(*partial, l, tb, workers, &hidden));
       report->calibration_seconds += SecondsSince(t);
     } else {
       hidden.clear();
@@ -999,7 +1013,7 @@ absl::StatusOr<CompressReport> CompressLoadedModel(const model::BertClassifier& 
   auto step_start = Clock::now();
   std::unique_ptr<model::BertClassifier> compressed;
   if (o.whiten_compressed_inputs && !fit_texts.empty()) {
-    ASSIGN_OR_RETURN(compressed, ConvertOnCompressedInputs(source, in_dir, fit_texts, o, &report));
+    ASSIGN_OR_RETURN(compressed, ConvertOnCompressedInputs(source, source_passes.get(), in_dir, fit_texts, o, &report));
   } else if (target) {
     // The search measures on the same held-out texts as the fidelity step below.
     ASSIGN_OR_RETURN(std::vector<internal::LayerDecomposition> layers,

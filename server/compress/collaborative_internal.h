@@ -72,9 +72,10 @@ class PassModel {
   std::unique_ptr<model::BertClassifier> copy_;
 };
 
-// Threads that take a model's batches in turn: on the CPU one per CPU the caller's ATen threads
-// leave; on a GPU one (its stream runs the passes one after another anyway).
-int PassWorkers(const model::BertClassifier& m);
+// Threads that take a model's `batches` batches in turn: on the CPU one per CPU the caller's ATen
+// threads leave; on a GPU one (its stream runs the passes one after another anyway); at most one
+// per batch, at least one.
+int PassWorkers(const model::BertClassifier& m, size_t batches);
 
 // Texts tokenized once (truncated at min(128, max positions)) and batched in order of length, so
 // each batch pads only to its own longest input.
@@ -114,6 +115,13 @@ class LayerInputSums {
   std::vector<int64_t> tokens_;
   std::vector<std::vector<at::Tensor>> second_moment_, mean_;
 };
+
+// Every batch's hidden states entering layer 0 of `model` (its embeddings), on its device.
+absl::StatusOr<std::vector<at::Tensor>> EmbedBatches(const model::BertClassifier& model, const TextBatches& batches,
+                                                     int workers);
+// Advances `hidden` (every batch's states entering `layer`) through that layer of `model`.
+absl::Status AdvanceBatches(const model::BertClassifier& model, size_t layer, const TextBatches& batches,
+                            int workers, std::vector<at::Tensor>* hidden);
 
 // `model`'s float64 logits for every batch, in order, computed by `workers` threads taking batches
 // in turn (ForEachBatch). INTERNAL on a LibTorch error.

@@ -147,7 +147,7 @@ absl::StatusOr<std::vector<LayerDecomposition>> SearchRanks(const model::BertCla
   const std::vector<std::string>& texts = texts_in.empty() ? model::BuiltinProbeSentences() : texts_in;
   ASSIGN_OR_RETURN(TextBatches tb, TokenizeInBatches(source, vocab_dir, texts, "held-out text"));
   rep.texts = static_cast<int>(tb.texts);
-  const int eval_workers = PassWorkers(passes);
+  const int eval_workers = PassWorkers(passes, tb.batches.size());
   ASSIGN_OR_RETURN(std::vector<at::Tensor> reference, BatchLogits(passes, tb, eval_workers));
 
   // 1. Every layer at every grid rank.
@@ -205,10 +205,7 @@ absl::StatusOr<std::vector<LayerDecomposition>> SearchRanks(const model::BertCla
   // two differ by float rounding, ~1e-6 of a logit: a KL near 1e-12, far below what a layer at
   // N_h·d_k/8 or /16 costs.)
   const size_t n_batches = tb.batches.size();
-  std::vector<at::Tensor> hidden(n_batches);
-  RETURN_IF_ERROR(ForEachBatch(n_batches, eval_workers, [&](int, size_t b) {
-    hidden[b] = passes.Embeddings(tb.batches[b].ids, tb.batches[b].types);
-  }));
+  ASSIGN_OR_RETURN(std::vector<at::Tensor> hidden, EmbedBatches(passes, tb, eval_workers));
   std::vector<double> coefficient(L), reference_error(L);
   for (int i = 0; i < L; ++i) {
     std::vector<double> kl;
@@ -225,11 +222,7 @@ absl::StatusOr<std::vector<LayerDecomposition>> SearchRanks(const model::BertCla
       ASSIGN_OR_RETURN(FidelityReport f, CompareLogits(reference, logits, tb.texts));
       kl.push_back(f.mean_kl);
     }
-    if (i + 1 < L) {
-      RETURN_IF_ERROR(ForEachBatch(n_batches, eval_workers, [&](int, size_t b) {
-        hidden[b] = passes.RunLayers(i, i + 1, hidden[b], tb.batches[b].mask);
-      }));
-    }
+    if (i + 1 < L) RETURN_IF_ERROR(AdvanceBatches(passes, i, tb, eval_workers, &hidden));
     std::vector<double> errors;
     for (int g : g_points) errors.push_back(DrivingError(table[i][g].report));
     rep.kl_exponent.push_back(KlExponent(errors, kl));
