@@ -145,7 +145,7 @@ TEST_F(WhiteningTest, StatisticsComeFromTheLayerInputs) {
   // Layer 0's input is the embeddings' output: its mean over the tokens of the texts.
   auto tok = text::BertTokenizer::FromDirectory(dir_.path());
   ASSERT_TRUE(tok.ok());
-  at::Tensor sum = at::zeros({D_}, at::kDouble);
+  at::Tensor sum = at::zeros({D_}, at::kDouble), sum2 = at::zeros({D_, D_}, at::kDouble);
   int64_t tokens = 0;
   c10::InferenceMode guard;
   for (const auto& t : texts) {
@@ -153,10 +153,15 @@ TEST_F(WhiteningTest, StatisticsComeFromTheLayerInputs) {
     at::Tensor ids = at::tensor(std::vector<int64_t>(e->input_ids.begin(), e->input_ids.end())).view({1, -1});
     at::Tensor x = source_->LayerInputs(ids, at::zeros_like(ids), at::Tensor())[0].view({-1, D_});
     sum += x.to(at::kDouble).sum(0);
+    sum2 += x.to(at::kDouble).t().matmul(x.to(at::kDouble));
     tokens += x.size(0);
   }
   EXPECT_EQ(st->tokens, tokens);
   EXPECT_LT((st->mean[0] - sum / static_cast<double>(tokens)).abs().max().item<double>(), 1e-5);
+  // E[x xᵀ] (each batch's product is float32 on the CPU): within 1e-6 of its largest entry.
+  const at::Tensor m2 = sum2 / static_cast<double>(tokens);
+  EXPECT_EQ(st->second_moment[0].scalar_type(), at::kDouble);
+  EXPECT_LT((st->second_moment[0] - m2).abs().max().item<double>(), 1e-6 * m2.abs().max().item<double>());
   auto w = WhiteningFromStats(*st, 0.01);
   ASSERT_TRUE(w.ok()) << w.status();
   EXPECT_THAT(WhiteningFromStats(*st, -1).status().message(), HasSubstr("damping"));
