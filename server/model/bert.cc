@@ -379,7 +379,8 @@ std::vector<at::Tensor> BertClassifier::LayerInputs(const at::Tensor& input_ids,
   at::Tensor h = Embeddings(input_ids, token_type_ids);
   for (size_t i = 0; i < layers_.size(); ++i) {
     out.push_back(h);
-    h = RunLayers(i, i + 1, h, attention_mask);
+    // The last layer's output enters no layer: not computed (1/L of the pass).
+    if (i + 1 < layers_.size()) h = RunLayers(i, i + 1, h, attention_mask);
   }
   return out;
 }
