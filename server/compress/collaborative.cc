@@ -575,9 +575,9 @@ void LayerInputSums::Add(int w, size_t layer, const at::Tensor& h, const at::Ten
   // The batch's xᵀx in float32 on the CPU, added to the float64 sums: the sgemm runs at twice
   // the dgemm's rate and needs no float64 copy of the rows (BERT-base's calibration pass: 0.95×
   // the time). A batch has ~1,400 rows (16 texts), so its float32 sums are good to ~1e-6 of
-  // |x|², far below the damping (0.01 of the mean diagonal). On a GPU it
-  // stays float64: a data-centre GPU runs it at float32's rate, and a float32 product there
-  // would round to TF32 wherever a caller allowed it.
+  // |x|², far below the damping (0.01 of the mean diagonal). On a GPU it stays float64: a
+  // data-centre GPU runs it at float32's rate, and a float32 product there would round to TF32
+  // wherever a caller allowed it.
   const at::ScalarType product = h.is_cpu() ? at::kFloat : at::kDouble;
   const at::Tensor x = h.reshape({-1, D_}).index_select(0, keep).to(product);
   second_moment_[w][layer].add_(at::mm(x.t(), x));
