@@ -497,6 +497,7 @@ absl::StatusOr<TextBatches> TokenizeInBatches(const model::BertClassifier& model
     auto e = tok->Encode(texts[i], std::nullopt, max_len, true);
     if (!e.ok()) return absl::InvalidArgumentError(absl::StrCat(what, " ", i + 1, ": ", e.status().message()));
     out.truncated += e->truncated;
+    out.tokens += static_cast<int64_t>(e->input_ids.size());
     enc.push_back(*std::move(e));
   }
   std::vector<size_t> order(enc.size());
@@ -918,8 +919,7 @@ absl::StatusOr<std::unique_ptr<model::BertClassifier>> ConvertOnCompressedInputs
   ASSIGN_OR_RETURN(internal::TextBatches tb, internal::TokenizeInBatches(source, vocab_dir, fit_texts, "calibration text"));
   const size_t n = tb.batches.size();
   report->calibration_truncated = tb.truncated;
-  report->calibration_tokens = 0;
-  for (const internal::TextBatch& b : tb.batches) report->calibration_tokens += b.mask.sum().item<int64_t>();
+  report->calibration_tokens = tb.tokens;
   o.whitening.resize(L);
   // The source (where the passes run) until a layer is converted, then the model converted so far.
   std::unique_ptr<model::BertClassifier> owned;

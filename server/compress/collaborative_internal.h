@@ -85,6 +85,7 @@ struct TextBatch {
 struct TextBatches {
   std::vector<TextBatch> batches;
   int64_t texts = 0;
+  int64_t tokens = 0;  // non-padding tokens
   int64_t truncated = 0;
 };
 absl::StatusOr<TextBatches> TokenizeInBatches(const model::BertClassifier& model, const std::string& vocab_dir,

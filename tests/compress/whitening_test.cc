@@ -151,7 +151,7 @@ TEST_F(WhiteningTest, StatisticsComeFromTheLayerInputs) {
   for (const auto& t : texts) {
     auto e = (*tok)->Encode(t, std::nullopt, 0, true);
     at::Tensor ids = at::tensor(std::vector<int64_t>(e->input_ids.begin(), e->input_ids.end())).view({1, -1});
-    const at::Tensor x = source_->LayerInputs(ids, at::zeros_like(ids), at::Tensor())[0].view({-1, D_}).to(at::kDouble);
+    const at::Tensor x = source_->Embeddings(ids, at::zeros_like(ids)).view({-1, D_}).to(at::kDouble);
     sum += x.sum(0);
     sum2 += x.t().matmul(x);
     tokens += x.size(0);
