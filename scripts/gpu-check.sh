@@ -18,7 +18,9 @@
 #            passes of up to 4096 tokens, as served, and its standard model once more without them,
 #            float16 only); then each engine's host time by
 #            operator (engine_bench --op_profile, pytorch_bench.py --op_profile) and the kernels
-#            the GPU ran (--gpu_kernels) at batch {1, 128} x sequence {16, 128}.
+#            the GPU ran (--gpu_kernels) at batch {1, 128} x sequence {16, 128}; last, a
+#            collaborative layer's attention written five ways, under each SDPA backend, against the
+#            standard layer's, each checked against the formula (bench/engine/attention_variants.py).
 #   --device cpu: the same steps on the CPU, on fewer points (batch {1, 8} x sequence {16, 128}).
 #   --quick: the mini model (4 x 256) on batch {1, 2} x sequence {16}, the reference tests only:
 #            what `make test` runs (ctest gpu_check_cpu) so that this script cannot rot.
@@ -73,7 +75,7 @@ while [ $# -gt 0 ]; do
     --bare) bare=1; shift ;;
     --time-limit) time_limit=$2; shift 2 ;;
     --time-limit=*) time_limit=${1#*=}; shift ;;
-    -h|--help) sed -n '2,46p' "$0"; exit 0 ;;
+    -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1' "$0"; exit 0 ;;  # the comment above
     *) echo "gpu-check: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -297,6 +299,12 @@ write_summary() {
         sed "s/^$prefix: /- /" || true
     done
   done
+  if [ -f "$OUT/attention-variants.log" ]; then
+    echo
+    echo "A collaborative layer's attention, the engine's way against the fastest of five (attention-variants.log):"
+    echo
+    grep -h '^attention: ' "$OUT/attention-variants.log" | sed 's/^attention: /- /' || true
+  fi
   local runs=("on-$device" "whitened-on-$device")
   [ "$device" = cpu ] || runs+=(whitened-on-cpu)
   for name in "${runs[@]}"; do
@@ -470,15 +478,16 @@ bench_env=(env OMP_NUM_THREADS=$threads OPENBLAS_NUM_THREADS=$threads OMP_WAIT_P
 # With a time limit, each grid point and model gets what is left over the runs the bench makes:
 # per dtype, PyTorch's one model and the engine's standard and collaborative ones at every point
 # (on a GPU, the standard one once more without CUDA graphs, in the first dtype); 20 s per process for starting (Python and CUDA, loading the models, warm-ups), 15 s per op profile
-# and per kernel table (two of each, for the first dtype; kernel tables on a GPU only); and half of
-# the rest, since a point's runs also stop at --max_runs or carry on to --min_runs.
+# and per kernel table (two of each, for the first dtype; kernel tables on a GPU only), the attention
+# variants' step (40 s on a GPU, 10 on the CPU); and half of the rest, since a point's runs also stop at --max_runs or carry on to --min_runs.
 if [ $have_models = 1 ] && [ "$time_limit" -gt 0 ] && [ "$(left)" -ge 10 ]; then
   set -- $dtypes; n_dtypes=$#
   set -- $ranks; n_models=$(($# + 1))
   n_points=$(( $(echo "$batches" | tr ',' '\n' | wc -l) * $(echo "$seqs" | tr ',' '\n' | wc -l) ))
   n_profiles=1; [ "$device" = cpu ] || n_profiles=2  # op profiles; on a GPU, kernel tables too
   n_extra=0; [ "$device" = cpu ] || n_extra=1  # on a GPU: the standard model without graphs, first dtype
-  fit=$(awk -v left="$(left)" -v d="$n_dtypes" -v p="$n_points" -v m="$n_models" -v b="$budget" -v k="$n_profiles" -v x="$n_extra" '
+  variants_s=10; [ "$device" = cpu ] || variants_s=40
+  fit=$(awk -v left="$(($(left) - variants_s))" -v d="$n_dtypes" -v p="$n_points" -v m="$n_models" -v b="$budget" -v k="$n_profiles" -v x="$n_extra" '
     BEGIN { f = 0.5 * (left - 10 - (2 * d + x) * 20 - 2 * 15 * k) / (p * (d * (m + 1) + x)); if (f > b) f = b; if (f < 0.05) f = 0.05;
             printf "%.2f", f }')
   notes+=("Bench: $fit s per grid point and model (at most $budget; --time-limit $time_limit s, $(left) s left when it began).")
@@ -535,5 +544,17 @@ if [ $have_models = 1 ]; then
     done
   fi
 fi
+# The collaborative layer's attention written five ways (the engine's: an additive bias, which keeps
+# flash attention out; the bias as a column of the scores' product, or folded into the values),
+# under every SDPA backend that takes each, against the standard layer's; each way checked against
+# the formula in float64. No model needed: the preset's shape (12 or 4 heads of 64) and its ranks.
+heads=12
+[ "$preset" = base ] || heads=4
+variant_points=(--batches 1,8,32,128 --seqs 128,512 --reps 10)
+[ "$device" = cpu ] && variant_points=(--batches 1,8 --seqs 16,128 --reps 3)
+[ $quick = 1 ] && variant_points=(--batches 1,2 --seqs 16 --reps 2)
+run_step attention-variants "${bench_env[@]}" "$PYTHON" "$ROOT/bench/engine/attention_variants.py" \
+  --device "$device" --dtype "${dtypes%% *}" --ranks "${ranks// /,}" --heads "$heads" \
+  "${variant_points[@]}" --check || failed=1
 
 finish "results in $OUT"
