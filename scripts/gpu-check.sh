@@ -477,16 +477,18 @@ threads=$(nproc)
 bench_env=(env OMP_NUM_THREADS=$threads OPENBLAS_NUM_THREADS=$threads OMP_WAIT_POLICY=PASSIVE)
 # With a time limit, each grid point and model gets what is left over the runs the bench makes:
 # per dtype, PyTorch's one model and the engine's standard and collaborative ones at every point
-# (on a GPU, the standard one once more without CUDA graphs, in the first dtype); 20 s per process for starting (Python and CUDA, loading the models, warm-ups), 15 s per op profile
-# and per kernel table (two of each, for the first dtype; kernel tables on a GPU only), the attention
-# variants' step (40 s on a GPU, 10 on the CPU); and half of the rest, since a point's runs also stop at --max_runs or carry on to --min_runs.
+# (on a GPU, the standard one once more without CUDA graphs, in the first dtype); 20 s per process
+# for starting (Python and CUDA, loading the models, warm-ups), 15 s per op profile and per kernel
+# table (two of each, for the first dtype; kernel tables on a GPU only), the attention variants'
+# step (60 s on a GPU, 10 on the CPU); and half of the rest, since a point's runs also stop at
+# --max_runs or carry on to --min_runs.
 if [ $have_models = 1 ] && [ "$time_limit" -gt 0 ] && [ "$(left)" -ge 10 ]; then
   set -- $dtypes; n_dtypes=$#
   set -- $ranks; n_models=$(($# + 1))
   n_points=$(( $(echo "$batches" | tr ',' '\n' | wc -l) * $(echo "$seqs" | tr ',' '\n' | wc -l) ))
   n_profiles=1; [ "$device" = cpu ] || n_profiles=2  # op profiles; on a GPU, kernel tables too
   n_extra=0; [ "$device" = cpu ] || n_extra=1  # on a GPU: the standard model without graphs, first dtype
-  variants_s=10; [ "$device" = cpu ] || variants_s=40
+  variants_s=10; [ "$device" = cpu ] || variants_s=60
   fit=$(awk -v left="$(($(left) - variants_s))" -v d="$n_dtypes" -v p="$n_points" -v m="$n_models" -v b="$budget" -v k="$n_profiles" -v x="$n_extra" '
     BEGIN { f = 0.5 * (left - 10 - (2 * d + x) * 20 - 2 * 15 * k) / (p * (d * (m + 1) + x)); if (f > b) f = b; if (f < 0.05) f = 0.05;
             printf "%.2f", f }')
@@ -550,11 +552,11 @@ fi
 # the formula in float64. No model needed: the preset's shape (12 or 4 heads of 64) and its ranks.
 heads=12
 [ "$preset" = base ] || heads=4
-variant_points=(--batches 1,8,32,128 --seqs 128,512 --reps 10)
+variant_points=(--batches 8,32,128 --seqs 128,512 --reps 5)  # batch 1 is launch-bound
 [ "$device" = cpu ] && variant_points=(--batches 1,8 --seqs 16,128 --reps 3)
 [ $quick = 1 ] && variant_points=(--batches 1,2 --seqs 16 --reps 2)
 run_step attention-variants "${bench_env[@]}" "$PYTHON" "$ROOT/bench/engine/attention_variants.py" \
   --device "$device" --dtype "${dtypes%% *}" --ranks "${ranks// /,}" --heads "$heads" \
-  "${variant_points[@]}" --check || failed=1
+  "${variant_points[@]}" --masked --check || failed=1
 
 finish "results in $OUT"

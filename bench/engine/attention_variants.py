@@ -3,7 +3,8 @@
 
 usage: attention_variants.py [--device cuda|cpu] [--dtype float16|bfloat16|float32]
                              [--batches 1,8,32,128] [--seqs 128,512] [--ranks 384,192]
-                             [--heads 12] [--dk 64] [--reps 10] [--bias_std 2] [--check]
+                             [--heads 12] [--dk 64] [--reps 10] [--bias_std 2] [--masked]
+                             [--check]
 
 The engine's collaborative attention (server/model/attention_ops.cc, AtenAttention) hands
 scaled-dot-product attention each head's queries x W~_Q diag(m_i) and the shared keys y W~_K, D~ wide,
@@ -23,13 +24,18 @@ Each way starts from the projection's rows as the engine has them ([B·S, W]: q~
 bias | padding, W = CollaborativeProjectionWidth) and ends with the context [B·S, D], so the copies
 a way needs are in its time. For every grid point: the standard layer's attention ([B·S, 3D] -> [B·S,
 D]) and, per rank, each way under every SDPA backend that takes it (auto = what the engine's call
-gets, then flash, efficient, cudnn, math forced); "-" where a backend refuses. Times are device
-microseconds per call (CUDA events around --reps calls, median of 5 groups; on the CPU wall time):
-where the device outruns the host (batch 1), they count the launches of a way's copies too.
+gets, then flash, efficient, cudnn forced, and math for the standard and bias ways); "-" where a
+backend refuses. Times are device microseconds per call (CUDA events around --reps calls, median
+of 5 groups; on the CPU wall time): where the device outruns the host (batch 1), they count the
+launches of a way's copies too.
 "err" is the largest |context - reference| over the first sequence, the reference being the
 collaborative formula evaluated per head in float64 from the same inputs. Headline lines
 ("attention: ...") compare the engine's way with the fastest one. Without scaled_dot_product_attention
 with a scale (torch < 2.1) every way runs as explicit products and a softmax ("math").
+
+--masked: every point once more as a padded batch (the even-numbered sequences' last quarter
+masked, the engine's additive mask): the standard layer then takes a bias too, which the
+collaborative ways fold in with the content term (qk-column: into the keys' column; v-fold: into w).
 
 --check: after the whole grid, exits non-zero unless every way's error was within 1e-4 (float32) or
 5e-2 (half types) of the reference, naming those that were not: what `make test` runs (through
@@ -117,26 +123,37 @@ def attend(q, k, v, mask, scale, record=None):
 
 
 class Shapes:
-    def __init__(self, B, S, H, dk, R=0):
+    def __init__(self, B, S, H, dk, R=0, mask=None):
         self.B, self.S, self.H, self.dk, self.R, self.D = B, S, H, dk, R, H * dk
         self.W = (2 * R + self.D + H + 15) // 16 * 16  # CollaborativeProjectionWidth
+        self.mask = mask  # the padding mask's additive form [B, 1, 1, S], or None
+
+
+def padding_mask(B, S, device, dtype):
+    """The engine's MaskAdd for a ragged batch: the even-numbered sequences (the first included)
+    have their last quarter padded; (1 - mask) * the dtype's lowest value."""
+    keep = torch.ones(B, S)
+    keep[0::2, S - S // 4:] = 0
+    return ((1 - keep) * torch.finfo(dtype).min).view(B, 1, 1, S).to(device, dtype)
 
 
 def standard(p, mixing, z, rec):
     qkv = p.view(z.B, z.S, 3, z.H, z.dk).permute(2, 0, 3, 1, 4)
-    o = attend(qkv[0], qkv[1], qkv[2], None, 1.0 / math.sqrt(z.dk), rec)
+    o = attend(qkv[0], qkv[1], qkv[2], z.mask, 1.0 / math.sqrt(z.dk), rec)
     return o.transpose(1, 2).reshape(z.B * z.S, z.D)
 
 
 def parts(p, mixing, z):
     """Each head's queries q~ m_i [B, H, S, R], the shared keys [B, 1, S, R], values [B, H, S, dk],
-    the content bias [B, H, S]."""
+    the content bias [B, H, S] (plus the padding mask, as the engine adds it)."""
     p3 = p.view(z.B, z.S, -1)
     R, D, H = z.R, z.D, z.H
     q = p3[..., :R].unsqueeze(1) * mixing.view(1, H, 1, R)
     k = p3[..., R:2 * R].unsqueeze(1)
     v = p3[..., 2 * R:2 * R + D].view(z.B, z.S, H, z.dk).transpose(1, 2)
     b = p3[..., 2 * R + D:2 * R + D + H].transpose(1, 2)
+    if z.mask is not None:
+        b = b + z.mask.view(z.B, 1, z.S)
     return q, k, v, b
 
 
@@ -192,6 +209,7 @@ def reference(p, mixing, z):
     x = p.view(z.B, z.S, -1)[0].double().cpu()
     m = mixing.double().cpu() if R else None
     out = torch.empty(z.S, D, dtype=torch.float64)
+    pad = z.mask[0].view(1, z.S).double().cpu() if z.mask is not None else 0
     for i in range(z.H):
         if R:
             s = (x[:, :R] * m[i]) @ x[:, R:2 * R].t() + x[:, 2 * R + D + i].unsqueeze(0)
@@ -199,7 +217,7 @@ def reference(p, mixing, z):
         else:
             s = x[:, i * dk:(i + 1) * dk] @ x[:, D + i * dk:D + (i + 1) * dk].t() / math.sqrt(dk)
             v = x[:, 2 * D + i * dk:2 * D + (i + 1) * dk]
-        out[:, i * dk:(i + 1) * dk] = torch.softmax(s, -1) @ v
+        out[:, i * dk:(i + 1) * dk] = torch.softmax(s + pad, -1) @ v
     return out
 
 
@@ -235,7 +253,8 @@ def measure(name, fn, p, mixing, z, device, reps, ref):
         rows.append((name, f"auto ({rec[0]})", timed(lambda: fn(p, mixing, z, None), device, reps), err))
         if SDPA is None or device.type != "cuda":
             return rows
-        for backend in BACKENDS:
+        # Forced math (explicit products, what the engine runs without SDPA) for its two ways alone.
+        for backend in BACKENDS if name in ("standard", "bias") else BACKENDS[:-1]:
             ctx = backend_context(backend)
             if ctx is None:
                 rows.append((name, backend, None, None))
@@ -268,6 +287,7 @@ def main():
     ap.add_argument("--dk", type=int, default=64)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--bias_std", type=float, default=2.0)
+    ap.add_argument("--masked", action="store_true")
     ap.add_argument("--check", action="store_true")
     a = ap.parse_args()
     device = torch.device(a.device)
@@ -285,41 +305,43 @@ def main():
     worst, failures = 0.0, []
     for B in a.batches:
         for S in a.seqs:
-            z = Shapes(B, S, a.heads, a.dk)
-            # Projections of unit scale (the mixing has 1/sqrt(d_k) folded in, as the engine's).
-            p = torch.randn(B * S, 3 * z.D, generator=gen).to(device, dtype)
-            ref = reference(p, None, z)
-            rows = measure("standard", standard, p, None, z, device, a.reps, ref)
-            std_us = rows[0][2]
-            print(f"\n{B} x {S}: standard {std_us:.1f} us (auto: {rows[0][1][6:-1]}), err {rows[0][3]:.1e}"
-                  + "".join(f"; {b} {us:.1f} us" if us is not None else f"; {b} -" for _, b, us, _ in rows[1:]))
-            check(tol, rows, f"{B} x {S}, standard", failures)
-            worst = max([worst] + [r[3] for r in rows if r[2] is not None])
-            for R in a.ranks:
-                z = Shapes(B, S, a.heads, a.dk, R)
-                p = torch.randn(B * S, z.W, generator=gen)
-                p[:, 2 * R + z.D:2 * R + z.D + a.heads] *= a.bias_std
-                mixing = torch.randn(a.heads, R, generator=gen) / math.sqrt(R)
-                p, mixing = p.to(device, dtype), mixing.to(device, dtype)
-                ref = reference(p, mixing, z)
-                rows = []
-                for name, fn in WAYS:
-                    rows += measure(name, fn, p, mixing, z, device, a.reps, ref)
-                print(f"  D~ = {R}: {'way':17s} {'backend':18s} {'us':>9s} {'std / way':>9s} {'err':>8s}")
-                for name, backend, us, err in rows:
-                    if us is None:
-                        print(f"  {'':8s} {name:17s} {backend:18s} {'-':>9s}")
-                        continue
-                    print(f"  {'':8s} {name:17s} {backend:18s} {us:9.1f} {std_us / us:9.2f} {err:8.1e}")
-                    worst = max(worst, err)
-                timed_rows = [r for r in rows if r[2] is not None]
-                engine = timed_rows[0]
-                best = min(timed_rows, key=lambda r: r[2])
-                print(f"attention: {B} x {S}, D~ = {R}: the engine's way (bias, {engine[1]}) {engine[2]:.1f} us, "
-                      f"the fastest ({best[0]}, {best[1]}) {best[2]:.1f} us ({engine[2] / best[2]:.2f}x), "
-                      f"standard {std_us:.1f} us; errors {engine[3]:.1e} / {best[3]:.1e}")
-                check(tol, rows, f"{B} x {S}, D~ = {R}", failures)
-            sys.stdout.flush()
+            for masked in [False, True] if a.masked else [False]:
+                mask = padding_mask(B, S, device, dtype) if masked else None
+                where = f"{B} x {S}{', padded' if masked else ''}"
+                z = Shapes(B, S, a.heads, a.dk, 0, mask)
+                # Projections of unit scale (the mixing has 1/sqrt(d_k) folded in, as the engine's).
+                p = torch.randn(B * S, 3 * z.D, generator=gen).to(device, dtype)
+                rows = measure("standard", standard, p, None, z, device, a.reps, reference(p, None, z))
+                std_us = rows[0][2]
+                print(f"\n{where}: standard {std_us:.1f} us (auto: {rows[0][1][6:-1]}), err {rows[0][3]:.1e}"
+                      + "".join(f"; {b} {us:.1f} us" if us is not None else f"; {b} -" for _, b, us, _ in rows[1:]))
+                check(tol, rows, f"{where}, standard", failures)
+                worst = max([worst] + [r[3] for r in rows if r[2] is not None])
+                for R in a.ranks:
+                    z = Shapes(B, S, a.heads, a.dk, R, mask)
+                    p = torch.randn(B * S, z.W, generator=gen)
+                    p[:, 2 * R + z.D:2 * R + z.D + a.heads] *= a.bias_std
+                    mixing = torch.randn(a.heads, R, generator=gen) / math.sqrt(R)
+                    p, mixing = p.to(device, dtype), mixing.to(device, dtype)
+                    ref = reference(p, mixing, z)
+                    rows = []
+                    for name, fn in WAYS:
+                        rows += measure(name, fn, p, mixing, z, device, a.reps, ref)
+                    print(f"  D~ = {R}: {'way':17s} {'backend':18s} {'us':>9s} {'std / way':>9s} {'err':>8s}")
+                    for name, backend, us, err in rows:
+                        if us is None:
+                            print(f"  {'':8s} {name:17s} {backend:18s} {'-':>9s}")
+                            continue
+                        print(f"  {'':8s} {name:17s} {backend:18s} {us:9.1f} {std_us / us:9.2f} {err:8.1e}")
+                        worst = max(worst, err)
+                    timed_rows = [r for r in rows if r[2] is not None]
+                    engine = timed_rows[0]
+                    best = min(timed_rows, key=lambda r: r[2])
+                    print(f"attention: {where}, D~ = {R}: the engine's way (bias, {engine[1]}) {engine[2]:.1f} us, "
+                          f"the fastest ({best[0]}, {best[1]}) {best[2]:.1f} us ({engine[2] / best[2]:.2f}x), "
+                          f"standard {std_us:.1f} us; errors {engine[3]:.1e} / {best[3]:.1e}")
+                    check(tol, rows, f"{where}, D~ = {R}", failures)
+                sys.stdout.flush()
     for line in failures:
         print(f"attention_variants: {line}", file=sys.stderr)
     if not failures:
