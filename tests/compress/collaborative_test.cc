@@ -521,14 +521,23 @@ TEST_F(CollaborativeTest, CudaModelPassesAgreeWithTheCpu) {
     // activation errors and −37% to +8% of the KL. Whitening by the original's inputs instead
     // moves layer 1 by 1.9%, layer 3 by 1.4% and the KL by +40%: within reach of rounding but for
     // a thin margin at layer 1, so here the passes are held to the statistics above and to sanity
-    // bounds (whitening_test checks which inputs whiten a layer).
+    // bounds (whitening_test checks which inputs whiten a layer). CUDA's CP-ALS differs from the
+    // CPU's by more than rounding the hidden states does; its stand-in here, CP-ALS in float64
+    // instead of float32 on the CPU, moved the chaotic case's layers 1 and 3 by 0.77% and 1.4% and
+    // its KL by −38.5% (the search's errors by 5e-6 at most, its layer KLs by 1.3e-4 relative, its
+    // KL by 0.01%): the KL is held within a factor of 3, which a wrong pass would still break.
     const bool chaotic = what == "compressed inputs";
     for (size_t i = 0; i < cpu->layers.size(); ++i) {
       EXPECT_NEAR(gpu->layers[i].activation_error, cpu->layers[i].activation_error,
                   chaotic ? 0.05 * std::abs(cpu->layers[i].activation_error) : 1e-4)
           << "layer " << i;
     }
-    EXPECT_NEAR(gpu->fidelity.mean_kl, cpu->fidelity.mean_kl, (chaotic ? 0.5 : 0.05) * cpu->fidelity.mean_kl + 1e-7);
+    if (chaotic) {
+      EXPECT_GT(gpu->fidelity.mean_kl, cpu->fidelity.mean_kl / 3);
+      EXPECT_LT(gpu->fidelity.mean_kl, cpu->fidelity.mean_kl * 3);
+    } else {
+      EXPECT_NEAR(gpu->fidelity.mean_kl, cpu->fidelity.mean_kl, 0.05 * cpu->fidelity.mean_kl + 1e-7);
+    }
     EXPECT_NEAR(gpu->fidelity.top1_agreement, cpu->fidelity.top1_agreement, 1.5 / cpu->fidelity.probes);
   }
 }
