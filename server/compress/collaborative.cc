@@ -570,9 +570,11 @@ LayerInputSums::LayerInputSums(int workers, size_t layers, int64_t hidden, const
   }
 }
 
-void LayerInputSums::Add(int w, size_t layer, const at::Tensor& h, const at::Tensor& mask) {
-  // The non-padding tokens' rows.
-  const at::Tensor keep = mask.view({-1}).nonzero().squeeze(1).to(h.device());
+at::Tensor LayerInputSums::Rows(const at::Tensor& mask, const c10::Device& device) {
+  return mask.view({-1}).nonzero().squeeze(1).to(device);
+}
+
+void LayerInputSums::Add(int w, size_t layer, const at::Tensor& h, const at::Tensor& keep) {
   // The batch's xᵀx in float32 on the CPU, added to the float64 sums: the sgemm runs at twice
   // the dgemm's rate and needs no float64 copy of the rows (BERT-base's calibration pass: 0.95×
   // the time). A batch has ~1,400 rows (16 texts), so its float32 sums are good to ~1e-6 of
@@ -669,7 +671,8 @@ absl::StatusOr<CalibrationStats> CollectCalibrationStats(const model::BertClassi
     absl::Status pass = internal::ForEachBatch(tb.batches.size(), workers, [&](int w, size_t i) {
       const internal::TextBatch& b = tb.batches[i];
       std::vector<at::Tensor> inputs = model.LayerInputs(b.ids, b.types, b.mask);
-      for (size_t l = 0; l < L; ++l) sums.Add(w, l, inputs[l], b.mask);
+      const at::Tensor rows = internal::LayerInputSums::Rows(b.mask, model.device());
+      for (size_t l = 0; l < L; ++l) sums.Add(w, l, inputs[l], rows);
     });
     if (!pass.ok()) return absl::InternalError(absl::StrCat("calibration pass failed: ", pass.message()));
     c10::InferenceMode guard;
@@ -926,6 +929,12 @@ absl::StatusOr<std::unique_ptr<model::BertClassifier>> ConvertOnCompressedInputs
   const model::BertClassifier* partial = &passes;
   const int workers = internal::PassWorkers(passes, n);
   ASSIGN_OR_RETURN(std::vector<at::Tensor> hidden, internal::EmbedBatches(passes, tb, workers));  // entering layer l
+  std::vector<at::Tensor> rows(n);  // each batch's non-padding rows, on the passes' device
+  try {
+    for (size_t b = 0; b < n; ++b) rows[b] = internal::LayerInputSums::Rows(tb.batches[b].mask, passes.device());
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("the calibration batches' rows: ", e.what()));
+  }
   report->calibration_seconds += SecondsSince(t);
   double decompose_seconds = 0;
   for (int l = 0; l < L; ++l) {
@@ -936,7 +945,7 @@ absl::StatusOr<std::unique_ptr<model::BertClassifier>> ConvertOnCompressedInputs
       try {
         internal::LayerInputSums sums(workers, 1, source.config().hidden_size, passes.device());
         RETURN_IF_ERROR(internal::ForEachBatch(n, workers, [&](int w, size_t b) {
-          sums.Add(w, 0, hidden[b], tb.batches[b].mask);
+          sums.Add(w, 0, hidden[b], rows[b]);
         }));
         c10::InferenceMode guard;
         sums.Finish(&st);

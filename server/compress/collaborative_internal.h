@@ -106,8 +106,12 @@ absl::StatusOr<LayerWhitening> WhitenLayer(const at::Tensor& m2, const at::Tenso
 class LayerInputSums {
  public:
   LayerInputSums(int workers, size_t layers, int64_t hidden, const c10::Device& device);
-  // Adds the rows of h ([n, S, D], the hidden states entering `layer`) where mask ([n, S]) is 1.
-  void Add(int w, size_t layer, const at::Tensor& h, const at::Tensor& mask);
+  // The non-padding positions of a batch's mask ([n, S], on the CPU) as row indices of its [n·S, D]
+  // hidden states, on `device`: made once per batch (on a GPU each copy there waits for the queue).
+  static at::Tensor Rows(const at::Tensor& mask, const c10::Device& device);
+  // Adds the rows of h ([n, S, D], the hidden states entering `layer`) that `rows` (Rows of its
+  // batch's mask) names.
+  void Add(int w, size_t layer, const at::Tensor& h, const at::Tensor& rows);
   // E[x xᵀ] and E[x] per layer (on the CPU) and the token count into `st`.
   void Finish(CalibrationStats* st) const;
 

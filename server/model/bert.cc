@@ -376,11 +376,13 @@ std::vector<at::Tensor> BertClassifier::LayerInputs(const at::Tensor& input_ids,
                                                     const at::Tensor& attention_mask) const {
   std::vector<at::Tensor> out;
   out.reserve(layers_.size());
-  at::Tensor h = Embeddings(input_ids, token_type_ids);
+  at::Tensor h = Embeddings(input_ids, token_type_ids).contiguous();
+  // The mask once for every layer (on a GPU its copy there waits for the queue).
+  const at::Tensor mask_add = MaskAdd(attention_mask, h.size(0), h.size(1));
   for (size_t i = 0; i < layers_.size(); ++i) {
     out.push_back(h);
     // The last layer's output enters no layer: not computed (1/L of the pass).
-    if (i + 1 < layers_.size()) h = RunLayers(i, i + 1, h, attention_mask);
+    if (i + 1 < layers_.size()) h = Layer(layers_[i], h, mask_add, /*cls_only=*/false);
   }
   return out;
 }
