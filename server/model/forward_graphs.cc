@@ -16,9 +16,11 @@
 // both ways.
 #if COLLABSERVE_WITH_CUDA
 #include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
 #endif
 
 namespace collabserve::model {
@@ -99,10 +101,42 @@ std::optional<GraphBucket> ForwardGraphs::BucketFor(int64_t batch, int64_t longe
 
 bool ForwardGraphs::Supported() { return true; }
 
+// A stream of the engine's own, not one of c10's pool: the pool hands out 32 streams a device in
+// turn, so a long-lived server's 33rd engine would share one with its first, and a capture on it
+// would take in the other engine's replays. Non-blocking: no implicit wait on the legacy default
+// stream, where passes without a graph run.
 struct ForwardGraphs::Device {
+  explicit Device(c10::DeviceIndex i) : index(i), stream(Create(i)), pool(at::cuda::graph_pool_handle()) {}
+  ~Device() {
+    try {
+      c10::cuda::CUDAGuard on_device(index);
+      cudaStreamDestroy(stream.stream());  // returns at once; the device finishes its work first
+    } catch (const std::exception& e) {  // a destructor does not throw
+      LOG(ERROR) << "destroying the CUDA graphs' stream: " << e.what();
+    }
+  }
+  static c10::cuda::CUDAStream Create(c10::DeviceIndex index) {
+    c10::cuda::CUDAGuard on_device(index);
+    cudaStream_t s = nullptr;
+    C10_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    return c10::cuda::getStreamFromExternal(s, index);
+  }
+  c10::DeviceIndex index;  // the model's device ("cuda" without one: the current device)
   c10::cuda::CUDAStream stream;
   at::cuda::MempoolId_t pool;
 };
+
+namespace {
+
+// One capture at a time in the process: a capture's device synchronisation (below) would
+// invalidate another thread's capture in progress (CUDA refuses it while a stream captures, in
+// every capture mode), and two engines may warm up at once (--num_load_threads).
+std::mutex& CaptureMutex() {
+  static std::mutex* mu = new std::mutex;
+  return *mu;
+}
+
+}  // namespace
 
 // A captured pass: its inputs, which each replay's are copied into, and its output, which each
 // replay overwrites. The graph is destroyed first (members in reverse order), then the tensors it
@@ -116,14 +150,17 @@ struct ForwardGraphs::Graph {
 ForwardGraphs::ForwardGraphs(const BertClassifier& model, int64_t max_tokens)
     : model_(model), max_tokens_(max_tokens) {
   if (!model.device().is_cuda()) throw std::invalid_argument("ForwardGraphs: the model is not on a CUDA device");
-  device_ = std::make_unique<Device>(Device{
-      c10::cuda::getStreamFromPool(/*isHighPriority=*/false, model.device().index()),
-      at::cuda::graph_pool_handle()});
+  device_ = std::make_unique<Device>(model.device().has_index() ? model.device().index()
+                                                                 : c10::cuda::current_device());
 }
 
 ForwardGraphs::~ForwardGraphs() {
   std::lock_guard<std::mutex> lock(mu_);
-  if (!graphs_.empty()) device_->stream.synchronize();
+  try {
+    if (!graphs_.empty()) device_->stream.synchronize();
+  } catch (const std::exception& e) {  // a destructor does not throw
+    LOG(ERROR) << "the CUDA graphs' stream failed before they were destroyed: " << e.what();
+  }
   graphs_.clear();
 }
 
@@ -160,8 +197,26 @@ at::Tensor ForwardGraphs::Logits(const GraphBucket& bucket, const BatchTensors& 
   return model_.Forward(in.ids, in.types, in.mask);
 }
 
+void ForwardGraphs::EndFailedCapture(Graph& g) {
+  // CUDAGraph::capture_end checks the stream's capture first and throws when it was invalidated,
+  // before it tells the caching allocator that the capture is over: the allocator would go on
+  // routing this stream's allocations to the graphs' pool and, while a capture is on record,
+  // would not free its cached blocks when an allocation runs out of memory (for every engine on
+  // the device). So: end the stream's capture (when capture_end has not), then the allocator's.
+  try {
+    g.graph->capture_end();
+  } catch (...) {
+  }
+  try {
+    c10::cuda::CUDACachingAllocator::endAllocateToPool(device_->index, device_->pool);
+  } catch (...) {  // capture_end got that far, or the capture never began
+  }
+  g.graph.reset();
+}
+
 std::unique_ptr<ForwardGraphs::Graph> ForwardGraphs::Capture(const GraphBucket& bucket,
                                                              const BatchTensors& in) {
+  std::lock_guard<std::mutex> one_capture(CaptureMutex());
   const auto start = std::chrono::steady_clock::now();
   auto g = std::make_unique<Graph>();
   try {
@@ -170,25 +225,29 @@ std::unique_ptr<ForwardGraphs::Graph> ForwardGraphs::Capture(const GraphBucket& 
     g->types = g->packed[1];
     if (bucket.masked) g->mask = g->packed[2];
     // The parameters were written on other streams (loading); this stream has not waited for
-    // them. Then one pass on this stream before capturing: cuBLAS makes its handle's workspace
-    // for a stream on its first product there, and nothing may be allocated outside the graphs'
-    // pool during a capture.
+    // them. Then the captured pass once on this stream before capturing: cuBLAS makes its
+    // handle's workspace for a stream on its first product there, nothing may be allocated outside
+    // the graphs' pool during a capture, and every kernel is loaded (CUDA loads them lazily).
     c10::cuda::device_synchronize();
-    model_.DeviceLogits(g->ids, g->types, g->mask);
+    model_.DeviceLogits(g->ids, g->types, g->mask).to(at::kFloat);
     device_->stream.synchronize();
     g->graph = std::make_unique<at::cuda::CUDAGraph>();
     // Thread-local: other threads' passes (buckets without a graph) go on meanwhile.
     g->graph->capture_begin(device_->pool, cudaStreamCaptureModeThreadLocal);
     try {
       g->logits = model_.DeviceLogits(g->ids, g->types, g->mask).to(at::kFloat);
+      if (fault_ == CaptureFault::kThrow) throw std::runtime_error("a fault injected into the capture");
+      if (fault_ == CaptureFault::kInvalidate) C10_CUDA_CHECK(cudaDeviceSynchronize());
     } catch (...) {
-      try {
-        g->graph->capture_end();  // ends the stream's capture; throws, the capture being invalid
-      } catch (...) {
-      }
+      EndFailedCapture(*g);
       throw;
     }
-    g->graph->capture_end();
+    try {
+      g->graph->capture_end();
+    } catch (...) {
+      EndFailedCapture(*g);
+      throw;
+    }
   } catch (const std::exception& e) {
     failed_ = true;
     LOG(ERROR) << "capturing the CUDA graph of " << bucket.rows << " x " << bucket.length

@@ -107,14 +107,24 @@ class ForwardGraphs {
   int64_t captured() const;
   int64_t max_tokens() const { return max_tokens_; }
 
+  // Tests of the failure path: every later capture fails, by an exception thrown inside it
+  // (kThrow) or by a call CUDA forbids during a capture, which invalidates it (kInvalidate: a
+  // device synchronisation).
+  enum class CaptureFault { kNone, kThrow, kInvalidate };
+  void SetCaptureFaultForTesting(CaptureFault fault) { fault_ = fault; }
+
  private:
   struct Graph;
   // The bucket's graph, its first replay's inputs `in` copied in; nullptr (failed_ set, logged)
   // where the capture fails. Under mu_, on the graphs' stream.
   std::unique_ptr<Graph> Capture(const GraphBucket& bucket, const BatchTensors& in);
+  // After a capture failed: its stream's and the caching allocator's capture ended, its graph
+  // destroyed. Under mu_.
+  void EndFailedCapture(Graph& g);
   const BertClassifier& model_;
   const int64_t max_tokens_;
   std::atomic<bool> failed_{false};
+  std::atomic<CaptureFault> fault_{CaptureFault::kNone};
   mutable std::mutex mu_;  // one capture or replay at a time
   std::map<GraphBucket, std::unique_ptr<Graph>> graphs_;  // guarded by mu_
   struct Device;  // the stream and memory pool (CUDA builds)

@@ -306,6 +306,90 @@ TEST(ForwardGraphsTest, ConcurrentPassesGetTheirOwnLogitsOnCuda) {
   EXPECT_EQ(graphs.captured(), 3);
 }
 
+// Two engines capture at the same time (servables warming up together) while a third thread runs
+// eager passes: every capture succeeds and every replay gives its own model's logits.
+TEST(ForwardGraphsTest, TwoEnginesCaptureAtOnceOnCuda) {
+  REQUIRE_CUDA_GRAPHS();
+  std::vector<std::unique_ptr<BertClassifier>> models;
+  models.push_back(SmallModel({}, c10::Device(c10::kCUDA), at::kFloat));
+  models.push_back(SmallModel({20, 12}, c10::Device(c10::kCUDA), at::kFloat));
+  std::vector<std::unique_ptr<ForwardGraphs>> graphs;
+  for (const auto& m : models) graphs.push_back(std::make_unique<ForwardGraphs>(*m, 4096));
+  std::vector<std::string> errors(3);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 3; ++t) {
+    threads.emplace_back([&, t] {
+      c10::InferenceMode guard;
+      const BertClassifier& m = *models[t % 2];
+      for (int round = 0; round < 2; ++round) {
+        for (size_t i = 0; i < kBatches.size(); ++i) {
+          const auto batch = Inputs(kBatches[i], static_cast<int>(100 * t + i + 10 * round));
+          const auto ptrs = Ptrs(batch);
+          const auto [B, S, ragged] = ShapeOf(batch);
+          const auto bucket = graphs[0]->BucketFor(B, S, ragged);
+          if (!bucket) {
+            errors[t] = "batch " + std::to_string(i) + " has no bucket";
+            return;
+          }
+          const BatchTensors in = MakeBatchTensors(ptrs, bucket->rows, bucket->length, bucket->masked, 0);
+          const at::Tensor want = m.Forward(in.ids, in.types, in.mask);
+          // Threads 0 and 1 through their model's graphs; thread 2 eagerly, beside them.
+          const at::Tensor got = t < 2 ? graphs[t]->Logits(*bucket, in) : m.Forward(in.ids, in.types, in.mask);
+          if (!at::allclose(got, want, 0, 1e-5)) {
+            errors[t] = "thread " + std::to_string(t) + ", batch " + std::to_string(i) + ": max |diff| " +
+                        std::to_string((got - want).abs().max().item<float>());
+            return;
+          }
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (const auto& e : errors) EXPECT_EQ(e, "");
+  EXPECT_EQ(graphs[0]->captured(), graphs[1]->captured());
+  EXPECT_GT(graphs[0]->captured(), 0);
+  EXPECT_TRUE(graphs[0]->BucketFor(1, 16, false).has_value()) << "a capture failed: graphs are off";
+  EXPECT_TRUE(graphs[1]->BucketFor(1, 16, false).has_value()) << "a capture failed: graphs are off";
+}
+
+// A capture that fails (an exception inside it; a call CUDA forbids while capturing) gives that
+// pass's logits without a graph and turns graphs off for its engine, and leaves the device as it
+// was: another engine on the same model then captures and replays as usual.
+TEST(ForwardGraphsTest, AFailedCaptureLeavesEagerPassesAndOtherGraphsWorkingOnCuda) {
+  REQUIRE_CUDA_GRAPHS();
+  auto m = SmallModel({24, 0}, c10::Device(c10::kCUDA), at::kFloat);
+  c10::InferenceMode guard;
+  const auto batch = Inputs(kBatches[0], 7);
+  const auto ptrs = Ptrs(batch);
+  const auto [B, S, ragged] = ShapeOf(batch);
+  for (auto fault : {ForwardGraphs::CaptureFault::kThrow, ForwardGraphs::CaptureFault::kInvalidate}) {
+    const std::string what = fault == ForwardGraphs::CaptureFault::kThrow ? "an exception" : "an invalidated capture";
+    {
+      ForwardGraphs failing(*m, 4096);
+      failing.SetCaptureFaultForTesting(fault);
+      const auto bucket = failing.BucketFor(B, S, ragged);
+      ASSERT_TRUE(bucket.has_value()) << what;
+      const BatchTensors in = MakeBatchTensors(ptrs, bucket->rows, bucket->length, bucket->masked, 0);
+      const at::Tensor got = failing.Logits(*bucket, in);
+      const at::Tensor want = m->Forward(in.ids, in.types, in.mask);
+      EXPECT_TRUE(at::allclose(got.to(at::kCPU), want, 0, 1e-5)) << what;
+      EXPECT_EQ(failing.captured(), 0) << what;
+      EXPECT_FALSE(failing.BucketFor(B, S, ragged).has_value()) << what << ": graphs still on";
+    }
+    ForwardGraphs working(*m, 4096);
+    for (int round = 0; round < 2; ++round) {
+      const auto other = Inputs(kBatches[0], 20 + round);
+      const auto other_ptrs = Ptrs(other);
+      const auto bucket = working.BucketFor(B, S, ragged);
+      ASSERT_TRUE(bucket.has_value()) << what;
+      const BatchTensors in = MakeBatchTensors(other_ptrs, bucket->rows, bucket->length, bucket->masked, 0);
+      EXPECT_TRUE(at::allclose(working.Logits(*bucket, in), m->Forward(in.ids, in.types, in.mask), 0, 1e-5))
+          << what << ", round " << round;
+    }
+    EXPECT_EQ(working.captured(), 1) << what;
+  }
+}
+
 // The engine with graphs (the default on CUDA) against one without: the same predictions.
 TEST(ForwardGraphsTest, EngineWithGraphsMatchesEngineWithoutOnCuda) {
   REQUIRE_CUDA_GRAPHS();
