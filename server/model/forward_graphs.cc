@@ -203,6 +203,8 @@ void ForwardGraphs::EndFailedCapture(Graph& g) {
   // routing this stream's allocations to the graphs' pool and, while a capture is on record,
   // would not free its cached blocks when an allocation runs out of memory (for every engine on
   // the device). So: end the stream's capture (when capture_end has not), then the allocator's.
+  // (Newer LibTorch registers the capture with its pinned host allocator as well, and leaves that
+  // too; nothing here allocates pinned memory.)
   try {
     g.graph->capture_end();
   } catch (...) {
