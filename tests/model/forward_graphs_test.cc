@@ -352,44 +352,6 @@ TEST(ForwardGraphsTest, TwoEnginesCaptureAtOnceOnCuda) {
   EXPECT_TRUE(graphs[1]->BucketFor(1, 16, false).has_value()) << "a capture failed: graphs are off";
 }
 
-// A capture that fails (an exception inside it; a call CUDA forbids while capturing) gives that
-// pass's logits without a graph and turns graphs off for its engine, and leaves the device as it
-// was: another engine on the same model then captures and replays as usual.
-TEST(ForwardGraphsTest, AFailedCaptureLeavesEagerPassesAndOtherGraphsWorkingOnCuda) {
-  REQUIRE_CUDA_GRAPHS();
-  auto m = SmallModel({24, 0}, c10::Device(c10::kCUDA), at::kFloat);
-  c10::InferenceMode guard;
-  const auto batch = Inputs(kBatches[0], 7);
-  const auto ptrs = Ptrs(batch);
-  const auto [B, S, ragged] = ShapeOf(batch);
-  for (auto fault : {ForwardGraphs::CaptureFault::kThrow, ForwardGraphs::CaptureFault::kInvalidate}) {
-    const std::string what = fault == ForwardGraphs::CaptureFault::kThrow ? "an exception" : "an invalidated capture";
-    {
-      ForwardGraphs failing(*m, 4096);
-      failing.SetCaptureFaultForTesting(fault);
-      const auto bucket = failing.BucketFor(B, S, ragged);
-      ASSERT_TRUE(bucket.has_value()) << what;
-      const BatchTensors in = MakeBatchTensors(ptrs, bucket->rows, bucket->length, bucket->masked, 0);
-      const at::Tensor got = failing.Logits(*bucket, in);
-      const at::Tensor want = m->Forward(in.ids, in.types, in.mask);
-      EXPECT_TRUE(at::allclose(got.to(at::kCPU), want, 0, 1e-5)) << what;
-      EXPECT_EQ(failing.captured(), 0) << what;
-      EXPECT_FALSE(failing.BucketFor(B, S, ragged).has_value()) << what << ": graphs still on";
-    }
-    ForwardGraphs working(*m, 4096);
-    for (int round = 0; round < 2; ++round) {
-      const auto other = Inputs(kBatches[0], 20 + round);
-      const auto other_ptrs = Ptrs(other);
-      const auto bucket = working.BucketFor(B, S, ragged);
-      ASSERT_TRUE(bucket.has_value()) << what;
-      const BatchTensors in = MakeBatchTensors(other_ptrs, bucket->rows, bucket->length, bucket->masked, 0);
-      EXPECT_TRUE(at::allclose(working.Logits(*bucket, in), m->Forward(in.ids, in.types, in.mask), 0, 1e-5))
-          << what << ", round " << round;
-    }
-    EXPECT_EQ(working.captured(), 1) << what;
-  }
-}
-
 // The engine with graphs (the default on CUDA) against one without: the same predictions.
 TEST(ForwardGraphsTest, EngineWithGraphsMatchesEngineWithoutOnCuda) {
   REQUIRE_CUDA_GRAPHS();
@@ -428,6 +390,45 @@ TEST(ForwardGraphsTest, EngineWithGraphsMatchesEngineWithoutOnCuda) {
     }
   }
   EXPECT_EQ((*a)->cuda_graphs(), warmed);
+}
+
+// Last in this file, so that a failure that left the device in a bad state could not fail the
+// tests above. A capture that fails (an exception inside it; a call CUDA forbids while capturing) gives that
+// pass's logits without a graph and turns graphs off for its engine, and leaves the device as it
+// was: another engine on the same model then captures and replays as usual.
+TEST(ForwardGraphsTest, AFailedCaptureLeavesEagerPassesAndOtherGraphsWorkingOnCuda) {
+  REQUIRE_CUDA_GRAPHS();
+  auto m = SmallModel({24, 0}, c10::Device(c10::kCUDA), at::kFloat);
+  c10::InferenceMode guard;
+  const auto batch = Inputs(kBatches[0], 7);
+  const auto ptrs = Ptrs(batch);
+  const auto [B, S, ragged] = ShapeOf(batch);
+  for (auto fault : {ForwardGraphs::CaptureFault::kThrow, ForwardGraphs::CaptureFault::kInvalidate}) {
+    const std::string what = fault == ForwardGraphs::CaptureFault::kThrow ? "an exception" : "an invalidated capture";
+    {
+      ForwardGraphs failing(*m, 4096);
+      failing.SetCaptureFaultForTesting(fault);
+      const auto bucket = failing.BucketFor(B, S, ragged);
+      ASSERT_TRUE(bucket.has_value()) << what;
+      const BatchTensors in = MakeBatchTensors(ptrs, bucket->rows, bucket->length, bucket->masked, 0);
+      const at::Tensor got = failing.Logits(*bucket, in);
+      const at::Tensor want = m->Forward(in.ids, in.types, in.mask);
+      EXPECT_TRUE(at::allclose(got.to(at::kCPU), want, 0, 1e-5)) << what;
+      EXPECT_EQ(failing.captured(), 0) << what;
+      EXPECT_FALSE(failing.BucketFor(B, S, ragged).has_value()) << what << ": graphs still on";
+    }
+    ForwardGraphs working(*m, 4096);
+    for (int round = 0; round < 2; ++round) {
+      const auto other = Inputs(kBatches[0], 20 + round);
+      const auto other_ptrs = Ptrs(other);
+      const auto bucket = working.BucketFor(B, S, ragged);
+      ASSERT_TRUE(bucket.has_value()) << what;
+      const BatchTensors in = MakeBatchTensors(other_ptrs, bucket->rows, bucket->length, bucket->masked, 0);
+      EXPECT_TRUE(at::allclose(working.Logits(*bucket, in), m->Forward(in.ids, in.types, in.mask), 0, 1e-5))
+          << what << ", round " << round;
+    }
+    EXPECT_EQ(working.captured(), 1) << what;
+  }
 }
 
 }  // namespace
