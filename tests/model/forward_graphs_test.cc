@@ -392,10 +392,10 @@ TEST(ForwardGraphsTest, EngineWithGraphsMatchesEngineWithoutOnCuda) {
   EXPECT_EQ((*a)->cuda_graphs(), warmed);
 }
 
-// Last in this file, so that a failure that left the device in a bad state could not fail the
-// tests above. A capture that fails (an exception inside it; a call CUDA forbids while capturing) gives that
+// A capture that fails (an exception inside it; a call CUDA forbids while capturing) gives that
 // pass's logits without a graph and turns graphs off for its engine, and leaves the device as it
-// was: another engine on the same model then captures and replays as usual.
+// was: another engine on the same model then captures and replays as usual. Last in this file, so
+// that a failure that left the device in a bad state could not fail the tests above.
 TEST(ForwardGraphsTest, AFailedCaptureLeavesEagerPassesAndOtherGraphsWorkingOnCuda) {
   REQUIRE_CUDA_GRAPHS();
   auto m = SmallModel({24, 0}, c10::Device(c10::kCUDA), at::kFloat);
