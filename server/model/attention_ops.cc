@@ -335,13 +335,20 @@ at::Tensor AtenAttention(const EncoderLayer& l, const at::Tensor& proj, const at
     // One kernel (flash attention without a bias, memory-efficient attention with one): the
     // scores are never written to memory. It takes as many key heads as query heads.
     // Keys and values are read in place from the projection, whose rows are whole 64-byte lines
-    // (CollaborativeProjectionWidth); where the rank does not keep their first columns on a 16-byte
-    // boundary, the kernels' alignment checks fail: then they are copied out.
+    // (CollaborativeProjectionWidth). A rank that is not a multiple of 8 (a target search's grid
+    // has 12, 17, 34, 68, ...) fails two checks of the fused kernels: the keys' and values' first
+    // columns are off a 16-byte boundary, and the memory-efficient kernel takes head widths of
+    // multiples of 8 only, else SDPA falls back to its math kernel (scores written out in full).
+    // Then the values are copied out, and the queries and keys zero-padded to the next multiple of
+    // 8: the same scores (the scale is explicit).
+    int64_t width = l.collaborative ? l.rank : dk;
     if (l.collaborative && l.rank % 8 != 0) {
-      k = k.contiguous();
+      width = (l.rank + 7) / 8 * 8;
+      q = at::constant_pad_nd(q, {0, width - l.rank});
+      k = at::constant_pad_nd(k, {0, width - l.rank});
       v = v.contiguous();
     }
-    if (l.collaborative) k = k.expand({B, H, S, l.rank});
+    if (l.collaborative) k = k.expand({B, H, S, width});
     at::Tensor ctx = bias.defined()
                          ? at::scaled_dot_product_attention(q, k, v, bias.contiguous(), 0.0, false, scale)
                          : at::scaled_dot_product_attention(q, k, v, {}, 0.0, false, scale);
