@@ -5,8 +5,10 @@
 #include <glog/logging.h>
 
 #include <chrono>
+#include <map>
 #include <set>
 #include <stdexcept>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "server/model/bert.h"
@@ -101,25 +103,61 @@ std::optional<GraphBucket> ForwardGraphs::BucketFor(int64_t batch, int64_t longe
 
 bool ForwardGraphs::Supported() { return true; }
 
-// A stream of the engine's own, not one of c10's pool: the pool hands out 32 streams a device in
-// turn, so a long-lived server's 33rd engine would share one with its first, and a capture on it
-// would take in the other engine's replays. Non-blocking: no implicit wait on the legacy default
-// stream, where passes without a graph run.
-struct ForwardGraphs::Device {
-  explicit Device(c10::DeviceIndex i) : index(i), stream(Create(i)), pool(at::cuda::graph_pool_handle()) {}
-  ~Device() {
-    try {
-      c10::cuda::CUDAGuard on_device(index);
-      cudaStreamDestroy(stream.stream());  // returns at once; the device finishes its work first
-    } catch (const std::exception& e) {  // a destructor does not throw
-      LOG(ERROR) << "destroying the CUDA graphs' stream: " << e.what();
+namespace {
+
+// The engines' graph streams: one per live engine, never shared. c10's pool hands out 32 streams a
+// device in turn, so a long-lived server's 33rd engine (every version loaded counts) would share
+// one with its first, and a capture on it would take in the other engine's replays. Nor is a
+// stream destroyed with its engine: cuBLAS keeps a workspace per (handle, stream) for the life of
+// the process, so a stream a version load made and dropped would leave its workspaces behind. A
+// stream goes back here, idle, and the next engine on its device takes it. Non-blocking: no
+// implicit wait on the legacy default stream, where passes without a graph run.
+class GraphStreams {
+ public:
+  static c10::cuda::CUDAStream Take(c10::DeviceIndex index) {
+    {
+      std::lock_guard<std::mutex> lock(mu());
+      std::vector<cudaStream_t>& idle = Idle()[index];
+      if (!idle.empty()) {
+        cudaStream_t s = idle.back();
+        idle.pop_back();
+        return c10::cuda::getStreamFromExternal(s, index);
+      }
     }
-  }
-  static c10::cuda::CUDAStream Create(c10::DeviceIndex index) {
     c10::cuda::CUDAGuard on_device(index);
     cudaStream_t s = nullptr;
     C10_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     return c10::cuda::getStreamFromExternal(s, index);
+  }
+  // `stream` (from Take) once nothing is queued on it.
+  static void Give(const c10::cuda::CUDAStream& stream) {
+    std::lock_guard<std::mutex> lock(mu());
+    Idle()[stream.device_index()].push_back(stream.stream());
+  }
+
+ private:
+  static std::mutex& mu() {
+    static std::mutex* m = new std::mutex;
+    return *m;
+  }
+  static std::map<c10::DeviceIndex, std::vector<cudaStream_t>>& Idle() {
+    static auto* idle = new std::map<c10::DeviceIndex, std::vector<cudaStream_t>>;
+    return *idle;
+  }
+};
+
+}  // namespace
+
+struct ForwardGraphs::Device {
+  explicit Device(c10::DeviceIndex i)
+      : index(i), stream(GraphStreams::Take(i)), pool(at::cuda::graph_pool_handle()) {}
+  ~Device() {
+    try {
+      stream.synchronize();
+      GraphStreams::Give(stream);
+    } catch (const std::exception& e) {  // a destructor does not throw; the stream is not lent again
+      LOG(ERROR) << "the CUDA graphs' stream failed: " << e.what();
+    }
   }
   c10::DeviceIndex index;  // the model's device ("cuda" without one: the current device)
   c10::cuda::CUDAStream stream;
@@ -202,16 +240,26 @@ void ForwardGraphs::EndFailedCapture(Graph& g) {
   // before it tells the caching allocator that the capture is over: the allocator would go on
   // routing this stream's allocations to the graphs' pool and, while a capture is on record,
   // would not free its cached blocks when an allocation runs out of memory (for every engine on
-  // the device). So: end the stream's capture (when capture_end has not), then the allocator's.
+  // the device). Nor would the graph give back its hold on the pool (it does for a capture that
+  // ended), whose memory would then stay reserved after the engine is gone. So: the stream's
+  // capture ended (when capture_end has not), then the allocator's, and the hold given back.
   // (Newer LibTorch registers the capture with its pinned host allocator as well, and leaves that
   // too; nothing here allocates pinned memory.)
   try {
     g.graph->capture_end();
   } catch (...) {
   }
+  bool ended_here = false;
   try {
     c10::cuda::CUDACachingAllocator::endAllocateToPool(device_->index, device_->pool);
+    ended_here = true;
   } catch (...) {  // capture_end got that far, or the capture never began
+  }
+  if (ended_here) {
+    try {
+      c10::cuda::CUDACachingAllocator::releasePool(device_->index, device_->pool);
+    } catch (...) {
+    }
   }
   g.graph.reset();
 }
@@ -234,9 +282,9 @@ std::unique_ptr<ForwardGraphs::Graph> ForwardGraphs::Capture(const GraphBucket& 
     model_.DeviceLogits(g->ids, g->types, g->mask).to(at::kFloat);
     device_->stream.synchronize();
     g->graph = std::make_unique<at::cuda::CUDAGraph>();
-    // Thread-local: other threads' passes (buckets without a graph) go on meanwhile.
-    g->graph->capture_begin(device_->pool, cudaStreamCaptureModeThreadLocal);
     try {
+      // Thread-local: other threads' passes (buckets without a graph) go on meanwhile.
+      g->graph->capture_begin(device_->pool, cudaStreamCaptureModeThreadLocal);
       g->logits = model_.DeviceLogits(g->ids, g->types, g->mask).to(at::kFloat);
       if (fault_ == CaptureFault::kThrow) throw std::runtime_error("a fault injected into the capture");
       if (fault_ == CaptureFault::kInvalidate) C10_CUDA_CHECK(cudaDeviceSynchronize());
