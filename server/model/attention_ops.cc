@@ -338,7 +338,8 @@ at::Tensor AtenAttention(const EncoderLayer& l, const at::Tensor& proj, const at
     // (CollaborativeProjectionWidth). A rank that is not a multiple of 8 (a target search's grid
     // has 12, 17, 34, 68, ...) fails two checks of the fused kernels: the keys' and values' first
     // columns are off a 16-byte boundary, and the memory-efficient kernel takes head widths of
-    // multiples of 8 only, else SDPA falls back to its math kernel (scores written out in full).
+    // multiples of 8 in half types (4 in float32) only, else SDPA falls back to its math kernel
+    // (scores written out in full).
     // Then the values are copied out, and the queries and keys zero-padded to the next multiple of
     // 8: the same scores (the scale is explicit).
     int64_t width = l.collaborative ? l.rank : dk;
