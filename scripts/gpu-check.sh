@@ -489,8 +489,8 @@ if [ $have_models = 1 ] && [ "$time_limit" -gt 0 ] && [ "$(left)" -ge 10 ]; then
   n_profiles=1; [ "$device" = cpu ] || n_profiles=2  # op profiles; on a GPU, kernel tables too
   n_extra=0; [ "$device" = cpu ] || n_extra=1  # on a GPU: the standard model without graphs, first dtype
   variants_s=10; [ "$device" = cpu ] || variants_s=60
-  fit=$(awk -v left="$(($(left) - variants_s))" -v d="$n_dtypes" -v p="$n_points" -v m="$n_models" -v b="$budget" -v k="$n_profiles" -v x="$n_extra" '
-    BEGIN { f = 0.5 * (left - 10 - (2 * d + x) * 20 - 2 * 15 * k) / (p * (d * (m + 1) + x)); if (f > b) f = b; if (f < 0.05) f = 0.05;
+  fit=$(awk -v left="$(left)" -v d="$n_dtypes" -v p="$n_points" -v m="$n_models" -v b="$budget" -v k="$n_profiles" -v x="$n_extra" -v v="$variants_s" '
+    BEGIN { f = 0.5 * (left - 10 - (2 * d + x) * 20 - 2 * 15 * k - v) / (p * (d * (m + 1) + x)); if (f > b) f = b; if (f < 0.05) f = 0.05;
             printf "%.2f", f }')
   notes+=("Bench: $fit s per grid point and model (at most $budget; --time-limit $time_limit s, $(left) s left when it began).")
   budget=$fit

@@ -43,6 +43,7 @@ scripts/gpu-check.sh) so that the rewrites stay exact.
 """
 import argparse
 import math
+import statistics
 import sys
 import time
 
@@ -67,12 +68,6 @@ BACKENDS = ["flash", "efficient", "cudnn", "math"]
 
 def ints(s):
     return [int(x) for x in s.split(",")]
-
-
-def median(v):
-    v = sorted(v)
-    n = len(v)
-    return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
 
 
 def backend_context(name):
@@ -240,7 +235,7 @@ def timed(f, device, reps):
             for _ in range(reps):
                 f()
             groups.append(1e6 * (time.perf_counter() - t0) / reps)
-    return median(groups)
+    return statistics.median(groups)
 
 
 def measure(name, fn, p, mixing, z, device, reps, ref):

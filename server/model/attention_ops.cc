@@ -342,14 +342,15 @@ at::Tensor AtenAttention(const EncoderLayer& l, const at::Tensor& proj, const at
     // (scores written out in full).
     // Then the values are copied out, and the queries and keys zero-padded to the next multiple of
     // 8: the same scores (the scale is explicit).
-    int64_t width = l.collaborative ? l.rank : dk;
-    if (l.collaborative && l.rank % 8 != 0) {
-      width = (l.rank + 7) / 8 * 8;
-      q = at::constant_pad_nd(q, {0, width - l.rank});
-      k = at::constant_pad_nd(k, {0, width - l.rank});
-      v = v.contiguous();
+    if (l.collaborative) {
+      const int64_t width = (l.rank + 7) / 8 * 8;
+      if (width != l.rank) {
+        q = at::constant_pad_nd(q, {0, width - l.rank});
+        k = at::constant_pad_nd(k, {0, width - l.rank});
+        v = v.contiguous();
+      }
+      k = k.expand({B, H, S, width});
     }
-    if (l.collaborative) k = k.expand({B, H, S, width});
     at::Tensor ctx = bias.defined()
                          ? at::scaled_dot_product_attention(q, k, v, bias.contiguous(), 0.0, false, scale)
                          : at::scaled_dot_product_attention(q, k, v, {}, 0.0, false, scale);

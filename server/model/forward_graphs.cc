@@ -116,8 +116,8 @@ class GraphStreams {
  public:
   static c10::cuda::CUDAStream Take(c10::DeviceIndex index) {
     {
-      std::lock_guard<std::mutex> lock(mu());
-      std::vector<cudaStream_t>& idle = Idle()[index];
+      std::lock_guard<std::mutex> lock(state().mu);
+      std::vector<cudaStream_t>& idle = state().idle[index];
       if (!idle.empty()) {
         cudaStream_t s = idle.back();
         idle.pop_back();
@@ -131,20 +131,28 @@ class GraphStreams {
   }
   // `stream` (from Take) once nothing is queued on it.
   static void Give(const c10::cuda::CUDAStream& stream) {
-    std::lock_guard<std::mutex> lock(mu());
-    Idle()[stream.device_index()].push_back(stream.stream());
+    std::lock_guard<std::mutex> lock(state().mu);
+    state().idle[stream.device_index()].push_back(stream.stream());
   }
 
  private:
-  static std::mutex& mu() {
-    static std::mutex* m = new std::mutex;
-    return *m;
-  }
-  static std::map<c10::DeviceIndex, std::vector<cudaStream_t>>& Idle() {
-    static auto* idle = new std::map<c10::DeviceIndex, std::vector<cudaStream_t>>;
-    return *idle;
+  struct State {
+    std::mutex mu;
+    std::map<c10::DeviceIndex, std::vector<cudaStream_t>> idle;  // by device, guarded by mu
+  };
+  static State& state() {
+    static State* s = new State;  // never destroyed: engines may outlive static destruction
+    return *s;
   }
 };
+
+// One capture at a time in the process: a capture's device synchronisation (below) would
+// invalidate another thread's capture in progress (CUDA refuses it while a stream captures, in
+// every capture mode), and two engines may warm up at once (--num_load_threads).
+std::mutex& CaptureMutex() {
+  static std::mutex* mu = new std::mutex;
+  return *mu;
+}
 
 }  // namespace
 
@@ -163,18 +171,6 @@ struct ForwardGraphs::Device {
   c10::cuda::CUDAStream stream;
   at::cuda::MempoolId_t pool;
 };
-
-namespace {
-
-// One capture at a time in the process: a capture's device synchronisation (below) would
-// invalidate another thread's capture in progress (CUDA refuses it while a stream captures, in
-// every capture mode), and two engines may warm up at once (--num_load_threads).
-std::mutex& CaptureMutex() {
-  static std::mutex* mu = new std::mutex;
-  return *mu;
-}
-
-}  // namespace
 
 // A captured pass: its inputs, which each replay's are copied into, and its output, which each
 // replay overwrites. The graph is destroyed first (members in reverse order), then the tensors it
