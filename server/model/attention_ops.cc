@@ -302,14 +302,16 @@ bool UseSdpa(const at::Tensor& x) {
 }
 
 at::Tensor AtenAttention(const EncoderLayer& l, const at::Tensor& proj, const at::Tensor& mask_add,
-                         int64_t B, int64_t S, int64_t Sq, int64_t H, int64_t dk) {
+                         int64_t B, int64_t S, int64_t Sq, int64_t H, int64_t dk, CollabAttention way) {
   const int64_t D = H * dk;
   const bool fused = UseSdpa(proj);
   // Every head's queries q [B, H, Sq, w], keys k ([B, H, S, w]; [B, 1, S, w] shared by the heads of
-  // a collaborative layer), values v [B, H, S, dk], a bias added to the scores [B, H, Sq, S] (a
-  // collaborative layer's content term v_i^T y, the padding mask) and the scores' scale.
+  // a collaborative layer), values v [B, H, S, w_v], a bias added to the scores [B, H, Sq, S] (a
+  // collaborative layer's content term v_i^T y, the padding mask) and the scores' scale. The
+  // context is the first d_k columns of the values' product (v-fold: divided by column d_k).
   at::Tensor q, k, v, bias;
   double scale = 1.0;
+  bool fold = false;
   if (l.collaborative) {
     const int64_t R = l.rank;
     auto p3 = proj.view({B, S, -1});
@@ -319,6 +321,51 @@ at::Tensor AtenAttention(const EncoderLayer& l, const at::Tensor& proj, const at
     v = p3.narrow(2, 2 * R, D).view({B, S, H, dk}).transpose(1, 2);
     bias = p3.narrow(2, 2 * R + D, H).transpose(1, 2).unsqueeze(2);  // [B, H, 1, S]
     if (mask_add.defined()) bias = bias + mask_add;
+    // The widths the product and the values need; on SDPA, multiples of 8. A rank that is not
+    // one (a target search's grid has 12, 17, 34, 68, ...) fails two checks of the fused kernels:
+    // the keys' and values' first columns are off a 16-byte boundary in the projection's rows, and
+    // the memory-efficient kernel takes head widths of multiples of 8 in half types (4 in float32)
+    // only, else SDPA falls back to its math kernel (scores written out in full). Zero columns
+    // leave the scores as they are (the scale is explicit).
+    const bool column = way == CollabAttention::kQkColumn || way == CollabAttention::kQkColumnPadded;
+    fold = way == CollabAttention::kVFold || way == CollabAttention::kVFoldPadded;
+    const auto round = [&](int64_t n) { return fused ? (n + 7) / 8 * 8 : n; };
+    int64_t qk_width = round(column ? R + 1 : R), v_width = round(fold ? dk + 1 : dk);
+    if (way == CollabAttention::kQkColumnPadded || way == CollabAttention::kVFoldPadded) {
+      qk_width = v_width = std::max(qk_width, v_width);  // flash attention: one width
+    }
+    at::Tensor b;  // [B, H, S]: the content scores plus the mask, for the ways that fold them in
+    if (way != CollabAttention::kBias) {
+      b = bias.squeeze(2);
+      bias = at::Tensor();
+    }
+    if (qk_width != R) q = at::constant_pad_nd(q, {0, qk_width - R});
+    if (column) {
+      q.select(3, R).fill_(1);
+      // Per head: [k~, b_i, 0...]. In half types a masked key's b is the lowest value plus its
+      // content score, which may round to -inf: clamped, so that no product meets an infinity.
+      at::Tensor k2 = at::zeros({B, H, S, qk_width}, k.options());
+      k2.narrow(3, 0, R).copy_(k.expand({B, H, S, R}));
+      const double lowest = proj.scalar_type() == at::kHalf ? -65504.0 : -3.0e38;
+      k2.select(3, R).copy_(b.clamp_min(lowest));
+      k = k2;
+    } else {
+      if (qk_width != R) k = at::constant_pad_nd(k, {0, qk_width - R});
+      if (fused) k = k.expand({B, H, S, qk_width});  // SDPA takes as many key heads as query heads
+    }
+    if (fold) {
+      // w_j = e^(b_j - max_j b) per head, in float32 (a masked key's is 0); values [w v, w, 0...].
+      const at::Tensor bf = b.to(at::kFloat);
+      const at::Tensor w = (bf - bf.amax(-1, true)).exp_().to(v.scalar_type()).unsqueeze(-1);
+      at::Tensor v2 = at::zeros({B, H, S, v_width}, v.options());
+      v2.narrow(3, 0, dk).copy_(v * w);
+      v2.narrow(3, dk, 1).copy_(w);
+      v = v2;
+    } else if (v_width != dk) {
+      v = at::constant_pad_nd(v, {0, v_width - dk});
+    } else if (fused && R % 8 != 0) {
+      v = v.contiguous();  // its first column off a 16-byte boundary in the projection's rows
+    }
   } else {
     // [3, B, H, S, dk]: read in place by the fused kernel; one copy makes q, k and v contiguous
     // batches of [S, dk] matrices for the products.
@@ -330,39 +377,29 @@ at::Tensor AtenAttention(const EncoderLayer& l, const at::Tensor& proj, const at
     bias = mask_add;  // [B, 1, 1, S], or none (no padding)
     scale = 1.0 / std::sqrt(static_cast<double>(dk));
   }
+  at::Tensor ctx;  // [B, H, Sq, w_v]
 #if COLLABSERVE_HAVE_SDPA
   if (fused) {
     // One kernel (flash attention without a bias, memory-efficient attention with one): the
-    // scores are never written to memory. It takes as many key heads as query heads.
-    // Keys and values are read in place from the projection, whose rows are whole 64-byte lines
-    // (CollaborativeProjectionWidth). A rank that is not a multiple of 8 (a target search's grid
-    // has 12, 17, 34, 68, ...) fails two checks of the fused kernels: the keys' and values' first
-    // columns are off a 16-byte boundary, and the memory-efficient kernel takes head widths of
-    // multiples of 8 in half types (4 in float32) only, else SDPA falls back to its math kernel
-    // (scores written out in full).
-    // Then the values are copied out, and the queries and keys zero-padded to the next multiple of
-    // 8: the same scores (the scale is explicit).
-    if (l.collaborative) {
-      const int64_t width = (l.rank + 7) / 8 * 8;
-      if (width != l.rank) {
-        q = at::constant_pad_nd(q, {0, width - l.rank});
-        k = at::constant_pad_nd(k, {0, width - l.rank});
-        v = v.contiguous();
-      }
-      k = k.expand({B, H, S, width});
-    }
-    at::Tensor ctx = bias.defined()
-                         ? at::scaled_dot_product_attention(q, k, v, bias.contiguous(), 0.0, false, scale)
+    // scores are never written to memory. Keys and values are read in place from the
+    // projection, whose rows are whole 64-byte lines (CollaborativeProjectionWidth).
+    ctx = bias.defined() ? at::scaled_dot_product_attention(q, k, v, bias.contiguous(), 0.0, false, scale)
                          : at::scaled_dot_product_attention(q, k, v, {}, 0.0, false, scale);
-    return ctx.transpose(1, 2).reshape({B * Sq, D});
   }
 #endif
-  at::Tensor scores = at::matmul(q, k.transpose(-1, -2));  // [B, H, Sq, S]
-  if (scale != 1.0) scores.mul_(scale);
-  if (bias.defined()) scores.add_(bias);
-  auto probs = at::_softmax(scores, -1, false);
+  if (!ctx.defined()) {
+    at::Tensor scores = at::matmul(q, k.transpose(-1, -2));  // [B, H, Sq, S]
+    if (scale != 1.0) scores.mul_(scale);
+    if (bias.defined()) scores.add_(bias);
+    ctx = at::matmul(at::_softmax(scores, -1, false), v);
+  }
+  if (fold) {
+    ctx = ctx.narrow(3, 0, dk) / ctx.narrow(3, dk, 1);
+  } else if (ctx.size(3) != dk) {
+    ctx = ctx.narrow(3, 0, dk);
+  }
   // [B, H, Sq, dk] -> [B, Sq, H, dk] = [B·Sq, D].
-  return at::matmul(probs, v).transpose(1, 2).reshape({B * Sq, D});
+  return ctx.transpose(1, 2).reshape({B * Sq, D});
 }
 
 }  // namespace collabserve::model::internal

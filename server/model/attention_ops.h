@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "server/model/bert.h"
+#include "server/model/collab_attention.h"
 #include "server/model/dense_ops.h"
 
 namespace collabserve::model::internal {
@@ -117,8 +118,10 @@ bool UseSdpa(const at::Tensor& x);
 // COLLABSERVE_GEMM=aten): proj [B·S, *] -> ctx [B·Sq, D], for the queries at the first Sq positions of each sequence.
 // Where UseSdpa (CUDA with LibTorch >= 2.1) one at::scaled_dot_product_attention per layer, as
 // PyTorch's own BERT does; else the scores, ATen's softmax and the context as three operations.
+// way: how a collaborative layer's attention is put to it (collab_attention.h); the same context.
 at::Tensor AtenAttention(const EncoderLayer& l, const at::Tensor& proj, const at::Tensor& mask_add,
-                         int64_t B, int64_t S, int64_t Sq, int64_t H, int64_t dk);
+                         int64_t B, int64_t S, int64_t Sq, int64_t H, int64_t dk,
+                         CollabAttention way = CollabAttention::kBias);
 
 }  // namespace collabserve::model::internal
 

@@ -326,7 +326,8 @@ at::Tensor BertClassifier::Layer(const EncoderLayer& l, const at::Tensor& h,
       ctx = FusedAttention(sgemm, Project(sgemm, l, L, h2), L, mask2, B, S, Sq, H);
     }
   } else {
-    ctx = AtenAttention(l, Project(nullptr, l, LayoutOf(l, H, dk), h2), mask_add, B, S, Sq, H, dk);
+    ctx = AtenAttention(l, Project(nullptr, l, LayoutOf(l, H, dk), h2), mask_add, B, S, Sq, H, dk,
+                        collab_attention_);
   }
   auto h1 = LayerNormInPlace(Dense(ctx, l.attn_out, l.attn_out_b, hq), l.attn_ln_w, l.attn_ln_b,
                              config_.layer_norm_eps);

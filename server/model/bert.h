@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "server/model/collab_attention.h"
 #include "server/model/config.h"
 
 namespace collabserve::model {
@@ -133,6 +134,10 @@ class BertClassifier : public ParamNode {
 
   c10::Device device() const { return device_; }
   c10::ScalarType dtype() const { return dtype_; }
+  // How collaborative layers hand their attention to ATen's (collab_attention.h; where attention
+  // runs on ATen ops: CUDA, half types, the CPU without the sgemm). Set before the first pass.
+  void set_collab_attention(CollabAttention way) { collab_attention_ = way; }
+  CollabAttention collab_attention() const { return collab_attention_; }
 
  private:
   at::Tensor Embed(const at::Tensor& input_ids, const at::Tensor& token_type_ids) const;
@@ -161,6 +166,7 @@ class BertClassifier : public ParamNode {
   c10::Device device_ = c10::Device(c10::kCPU);
   c10::ScalarType dtype_ = c10::kFloat;
   bool weights_released_ = false;
+  CollabAttention collab_attention_ = CollabAttention::kBias;
 };
 
 }  // namespace collabserve::model

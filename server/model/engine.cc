@@ -220,6 +220,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Load(const std::string& dir,
   const ParamCounts params = CountParams(*model);  // before Prepare drops the plain weights
   try {
     model->Prepare(device, dtype, options.pack_weights);
+    model->set_collab_attention(options.collab_attention);
   } catch (const std::exception& e) {
     return absl::InternalError(absl::StrCat(dir, ": moving the model to ", options.device, ": ", e.what()));
   }

@@ -12,6 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "server/model/collab_attention.h"
 
 namespace collabserve::text {
 class BertTokenizer;
@@ -35,6 +36,9 @@ struct EngineOptions {
   // replay CUDA graphs (forward_graphs.h), one captured per such shape on its first pass; 0: none.
   // Ignored on the CPU.
   int64_t cuda_graph_max_tokens = 4096;
+  // How collaborative layers hand their attention to ATen's (CUDA, half types; collab_attention.h):
+  // the same results, different SDPA kernels. Ignored where the CPU's own kernels run.
+  CollabAttention collab_attention = CollabAttention::kBias;
 };
 
 // Parameter counts by part of the model (the numbers `inspect` and the metrics report).

@@ -171,6 +171,33 @@ void ExpectCpuMatchesReference(const std::string& dir, const std::string& name,
   at::set_num_threads(saved_threads);
 }
 
+// A collaborative model loaded with each way of putting its attention to ATen's
+// (collab_attention.h): the same logits. They differ where attention runs on ATen ops, which the
+// CPU's own kernels do not: under COLLABSERVE_GEMM=aten (engine_reference_aten_test: explicit
+// products and a softmax) and COLLABSERVE_ATTENTION=sdpa (engine_reference_sdpa_test: SDPA).
+// The inputs' batch is padded (the mask folds into each way) and the last layer is [CLS]-only.
+void ExpectWaysMatchReference(const std::string& dir, const std::string& name,
+                              const std::vector<std::vector<float>>& expected) {
+  for (CollabAttention way : kAllCollabAttentions) {
+    EngineOptions eo;
+    eo.collab_attention = way;
+    auto engine = Engine::Load(dir, eo);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    if ((*engine)->info().collaborative_ranks.empty()) return;
+    auto got = (*engine)->Run(MakeInputs(**engine));
+    ASSERT_TRUE(got.ok()) << got.status();
+    ASSERT_EQ(got->size(), expected.size());
+    float max_diff = 0;
+    for (size_t i = 0; i < expected.size(); ++i) {
+      ASSERT_EQ((*got)[i].logits.size(), expected[i].size());
+      for (size_t c = 0; c < expected[i].size(); ++c) {
+        max_diff = std::max(max_diff, std::abs((*got)[i].logits[c] - expected[i][c]));
+      }
+    }
+    EXPECT_LT(max_diff, 1e-4) << name << ", " << CollabAttentionName(way);
+  }
+}
+
 // On CUDA, where a GPU is present (none on the development machines, where this part does not
 // run; scripts/gpu-check.sh runs it on a GPU machine): float32 within the same 1e-4 of the
 // reference; float16 and bfloat16 within ~100 units of their roundoff (2^-11 and 2^-8) on logits
@@ -184,21 +211,33 @@ void ExpectCudaMatchesReference(const std::string& dir, const std::string& name,
     auto inputs = MakeInputs(**cpu);
     const std::vector<std::pair<std::string, float>> dtypes = {
         {"float32", 1e-4f}, {"float16", 5e-2f}, {"bfloat16", 4e-1f}};
+    // A collaborative model in every way its attention can be put to SDPA (collab_attention.h).
+    std::vector<CollabAttention> ways = {CollabAttention::kBias};
+    if (!(*cpu)->info().collaborative_ranks.empty()) {
+      ways.assign(std::begin(kAllCollabAttentions), std::end(kAllCollabAttentions));
+    }
     for (const auto& [dtype, bound] : dtypes) {
-      auto cuda = Engine::Load(dir, {"cuda", dtype});
-      ASSERT_TRUE(cuda.ok()) << cuda.status();
-      auto got = (*cuda)->Run(inputs);
-      ASSERT_TRUE(got.ok()) << got.status();
-      float max_diff = 0;
-      for (size_t i = 0; i < inputs.size(); ++i) {
-        ASSERT_EQ((*got)[i].logits.size(), expected[i].size());
-        for (size_t c = 0; c < expected[i].size(); ++c) {
-          max_diff = std::max(max_diff, std::abs((*got)[i].logits[c] - expected[i][c]));
+      for (CollabAttention way : ways) {
+        EngineOptions eo;
+        eo.device = "cuda";
+        eo.dtype = dtype;
+        eo.collab_attention = way;
+        auto cuda = Engine::Load(dir, eo);
+        ASSERT_TRUE(cuda.ok()) << cuda.status();
+        auto got = (*cuda)->Run(inputs);
+        ASSERT_TRUE(got.ok()) << got.status();
+        float max_diff = 0;
+        for (size_t i = 0; i < inputs.size(); ++i) {
+          ASSERT_EQ((*got)[i].logits.size(), expected[i].size());
+          for (size_t c = 0; c < expected[i].size(); ++c) {
+            max_diff = std::max(max_diff, std::abs((*got)[i].logits[c] - expected[i][c]));
+          }
         }
+        const std::string what = ways.size() > 1 ? std::string(", ") + CollabAttentionName(way) : "";
+        EXPECT_LT(max_diff, bound) << name << ", cuda " << dtype << what;
+        std::printf("[ cuda     ] %s %s%s: max |logit - reference| %.3g (bound %.3g)\n", name.c_str(),
+                    dtype.c_str(), what.c_str(), max_diff, bound);
       }
-      EXPECT_LT(max_diff, bound) << name << ", cuda " << dtype;
-      std::printf("[ cuda     ] %s %s: max |logit - reference| %.3g (bound %.3g)\n", name.c_str(),
-                  dtype.c_str(), max_diff, bound);
     }
   }
 }
@@ -214,6 +253,7 @@ void ExpectEngineMatchesReference(const std::string& dir, const std::string& nam
   }();
   ASSERT_FALSE(expected.empty()) << name << ": no reference logits";
   ExpectCpuMatchesReference(dir, name, expected);
+  ExpectWaysMatchReference(dir, name, expected);
   ExpectCudaMatchesReference(dir, name, expected);
 
   // The logits vary across inputs (the generated weights are not degenerate).
