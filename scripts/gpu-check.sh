@@ -21,6 +21,9 @@
 #            the GPU ran (--gpu_kernels) at batch {1, 128} x sequence {16, 128}; last, a
 #            collaborative layer's attention written five ways, under each SDPA backend, against the
 #            standard layer's, each checked against the formula (bench/engine/attention_variants.py).
+#            Before the profiles, the engine's collaborative model at D~ = D_k/4 in each of those
+#            ways (EngineOptions::collab_attention) against the standard model, whole passes at
+#            batch {8, 32} x sequence {128, 512}, unpadded and padded batches (--ragged).
 #   --device cpu: the same steps on the CPU, on fewer points (batch {1, 8} x sequence {16, 128}).
 #   --quick: the mini model (4 x 256) on batch {1, 2} x sequence {16}, the reference tests only:
 #            what `make test` runs (ctest gpu_check_cpu) so that this script cannot rot.
@@ -287,6 +290,28 @@ write_summary() {
       "$([ -f "$OUT/pytorch-$dt.tsv" ] && echo "$OUT/pytorch-$dt.tsv" || echo /dev/null)" \
       "$([ -f "$ng" ] && echo "$ng" || echo /dev/null)" "$OUT/engine-$dt.tsv"
   done
+  # engine-ways-DT[-padded].tsv: batch, seq, the standard model's seq/s, runs, CPU ms, then one
+  # column per way (rank_R_WAY_seq_per_s).
+  local first_dt=${dtypes:-}
+  first_dt=${first_dt%% *}
+  for f in "$OUT/engine-ways-$first_dt.tsv" "$OUT/engine-ways-$first_dt-padded.tsv"; do
+    [ -f "$f" ] || continue
+    local n padded=
+    n=$(basename "$f" .tsv)
+    [ "${n%-padded}" = "$n" ] || padded=", padded batches"
+    echo
+    echo "The collaborative model's attention put to ATen's each way (server/model/collab_attention.h;" \
+         "bias: the engine's default), whole passes, seq/s against the standard model's, same run$padded ($n.log):"
+    echo
+    awk -F'\t' '
+      $1 ~ /^#/ { head = "| batch x seq | standard seq/s |"; rule = "|---|---|";
+        for (i = 6; i <= NF; ++i) { r = $i; gsub(/^rank_|_seq_per_s$/, "", r); sub(/_/, ", ", r);
+          head = head " D~ = " r " |"; rule = rule "---|" }
+        print head; print rule; next }
+      { line = sprintf("| %s x %s | %.2f |", $1, $2, $3);
+        for (i = 6; i <= NF; ++i) line = line sprintf(" %.2fx |", ($3 > 0) ? $i / $3 : 0);
+        print line }' "$f"
+  done
   # The profiles' headline lines: step kind, the lines' prefix, the title.
   for profile in "ops|op profile|Host time by operator" "kernels|gpu kernels|Device kernels"; do
     IFS='|' read -r kind prefix title <<<"$profile"
@@ -480,8 +505,15 @@ bench_env=(env OMP_NUM_THREADS=$threads OPENBLAS_NUM_THREADS=$threads OMP_WAIT_P
 # (on a GPU, the standard one once more without CUDA graphs, in the first dtype); 20 s per process
 # for starting (Python and CUDA, loading the models, warm-ups), 15 s per op profile and per kernel
 # table (two of each, for the first dtype; kernel tables on a GPU only), the attention variants'
-# step (60 s on a GPU, 10 on the CPU); and half of the rest, since a point's runs also stop at
-# --max_runs or carry on to --min_runs.
+# step (60 s on a GPU, 10 on the CPU), the attention ways' two runs (ways_s); and half of the
+# rest, since a point's runs also stop at --max_runs or carry on to --min_runs.
+# The attention ways' runs: the standard model and five ways of the D_k/4 one, alternating, at
+# four points (two on the CPU), unpadded and padded; on the CPU under COLLABSERVE_GEMM=aten, the
+# path where the ways differ there (explicit products: a check of the step, not of the kernels).
+ways=bias,qk-column,qk-column-padded,v-fold,v-fold-padded
+way_points=(--batches=8,32 --seqs=128,512) way_budget=0.5 ways_s=90 way_env=()
+[ "$device" = cpu ] && way_points=(--batches=2 --seqs=16,128) way_budget=0.3 ways_s=60 way_env=(COLLABSERVE_GEMM=aten)
+[ $quick = 1 ] && way_points=(--batches=2 --seqs=16) way_budget=0.05 ways_s=20
 if [ $have_models = 1 ] && [ "$time_limit" -gt 0 ] && [ "$(left)" -ge 10 ]; then
   set -- $dtypes; n_dtypes=$#
   set -- $ranks; n_models=$(($# + 1))
@@ -489,7 +521,7 @@ if [ $have_models = 1 ] && [ "$time_limit" -gt 0 ] && [ "$(left)" -ge 10 ]; then
   n_profiles=1; [ "$device" = cpu ] || n_profiles=2  # op profiles; on a GPU, kernel tables too
   n_extra=0; [ "$device" = cpu ] || n_extra=1  # on a GPU: the standard model without graphs, first dtype
   variants_s=10; [ "$device" = cpu ] || variants_s=60
-  fit=$(awk -v left="$(left)" -v d="$n_dtypes" -v p="$n_points" -v m="$n_models" -v b="$budget" -v k="$n_profiles" -v x="$n_extra" -v v="$variants_s" '
+  fit=$(awk -v left="$(left)" -v d="$n_dtypes" -v p="$n_points" -v m="$n_models" -v b="$budget" -v k="$n_profiles" -v x="$n_extra" -v v="$((variants_s + ways_s))" '
     BEGIN { f = 0.5 * (left - 10 - (2 * d + x) * 20 - 2 * 15 * k - v) / (p * (d * (m + 1) + x)); if (f > b) f = b; if (f < 0.05) f = 0.05;
             printf "%.2f", f }')
   notes+=("Bench: $fit s per grid point and model (at most $budget; --time-limit $time_limit s, $(left) s left when it began).")
@@ -515,6 +547,19 @@ if [ $have_models = 1 ]; then
         --batches="$batches" --seqs="$seqs" --threads="$threads" --budget_s="$budget" \
         --tsv_out="$OUT/engine-nographs-$dt.tsv" --sgemm=0 --stream_mb=0 --memory=0 || failed=1
     fi
+  done
+  # The collaborative model at D_k/4 with its attention put to ATen's each way, against the
+  # standard model: which way a GPU runs fastest, in whole passes (attention_variants.py below
+  # times the attention alone), unpadded and in padded batches, as served. First dtype.
+  way_rank=${ranks##* }
+  for ragged in 0 1; do
+    way_step=engine-ways-${dtypes%% *}
+    [ $ragged = 1 ] && way_step+=-padded
+    run_step "$way_step" "${bench_env[@]}" "${way_env[@]}" "$bin/engine_bench" \
+      --model="$models/$preset" --collab_model="$models/$preset-$way_rank" --collab_attention="$ways" \
+      --ragged=$ragged --device="$device" --dtype="${dtypes%% *}" "${way_points[@]}" \
+      --threads="$threads" --budget_s="$way_budget" --tsv_out="$OUT/$way_step.tsv" --sgemm=0 \
+      --stream_mb=0 --memory=0 || failed=1
   done
   # Where each engine's host time goes, operator by operator, at the points that show it best: a
   # launch-bound pass (batch 1) and a large one; both engines, every model (--op_profile); in the

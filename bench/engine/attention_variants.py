@@ -9,13 +9,15 @@ usage: attention_variants.py [--device cuda|cpu] [--dtype float16|bfloat16|float
 The engine's collaborative attention (server/model/attention_ops.cc, AtenAttention) hands
 scaled-dot-product attention each head's queries x W~_Q diag(m_i) and the shared keys y W~_K, D~ wide,
 and the content term v_i^T y as an additive bias [B, H, 1, S]. With a bias, PyTorch runs the
-memory-efficient kernel, not flash attention (which takes none). Two exact rewrites need no bias:
+memory-efficient kernel, not flash attention (which takes none). Two exact rewrites need no bias
+(the engine has all five ways: server/model/collab_attention.h, EngineOptions::collab_attention,
+the bias by default; engine_bench --collab_attention times them in whole passes):
 
   qk-column: the bias as one more column of the product: queries [q m_i, 1, 0...], keys
              [k, b_i, 0...] (D~ + 8 wide; the keys become per head). Values stay d_k wide, so
-             flash attention (equal widths) does not take it; "padded": values zero-padded to D~ + 8.
+             flash attention (equal widths) does not take it; "-padded": values zero-padded to D~ + 8.
   v-fold:    softmax(s + b) v = (e^s (w * v)) / (e^s w) with w_j = e^(b_j - max b): values
-             [w * v, w, 0...] (d_k + 8 wide; "padded": D~, at least d_k + 8), the context divided
+             [w * v, w, 0...] (d_k + 8 wide; "-padded": D~, at least d_k + 8), the context divided
              by the column of w.
              In float16 a key whose b_j - max b < ~-17 loses its weight (the factor underflows);
              the error column shows what that costs at --bias_std.
@@ -193,9 +195,9 @@ def v_fold(p, mixing, z, rec, padded):
 
 WAYS = [("bias", way_bias),
         ("qk-column", lambda p, m, z, r: qk_column(p, m, z, r, False)),
-        ("qk-column padded", lambda p, m, z, r: qk_column(p, m, z, r, True)),
+        ("qk-column-padded", lambda p, m, z, r: qk_column(p, m, z, r, True)),
         ("v-fold", lambda p, m, z, r: v_fold(p, m, z, r, False)),
-        ("v-fold padded", lambda p, m, z, r: v_fold(p, m, z, r, True))]
+        ("v-fold-padded", lambda p, m, z, r: v_fold(p, m, z, r, True))]
 
 
 def reference(p, mixing, z):

@@ -28,6 +28,7 @@
 //                     [--tsv_out=FILE] [--sgemm=2048] [--stream_mb=512] [--memory=1]
 //                     [--device=cpu|cuda[:N]] [--dtype=float32|float16|bfloat16]
 //                     [--op_profile=PASSES] [--gpu_kernels=PASSES] [--cuda_graph_max_tokens=N]
+//                     [--collab_attention=bias[,qk-column,...]] [--ragged=0|1]
 // On a GPU (--device=cuda) the timings include copying the logits back (Run returns them on the
 // CPU, which waits for the GPU), and the memory table is skipped. Passes of up to
 // --cuda_graph_max_tokens tokens replay CUDA graphs (EngineOptions; default 4096, 0: none), the
@@ -38,6 +39,13 @@
 // logits to the CPU (aten::to, its longest call) holds the wait for the device: a pass whose
 // operators take nearly all its time, with a short wait in that copy, is bound by launching them.
 // On the CPU the encoder team's threads run most layers unobserved.
+// --collab_attention=WAY[,WAY...]: each collaborative model is loaded once per way of putting its
+// attention to ATen's (server/model/collab_attention.h; EngineOptions::collab_attention; default
+// bias), and every (model, way) is a column of the tables: the ways in whole passes, alternating.
+// They differ where attention runs on ATen ops (CUDA; COLLABSERVE_GEMM=aten on the CPU).
+// --ragged=1: padded batches, as served: the even-numbered sequences (the first included) are a
+// quarter shorter, so every layer takes the padding mask (a batch of one is just shorter). Timing
+// tables only; seq/s counts sequences as before.
 // --gpu_kernels=PASSES (CUDA, LibTorch 2.x): instead of the tables, for each grid point and model
 // the kernels (and copies) the device ran in PASSES passes, recorded by LibTorch's Kineto profiler:
 // kernels a pass, device time a pass (summed, and the union of their intervals: the time the device
@@ -95,6 +103,8 @@ using bench::Median;
 struct Flags {
   std::string model, pytorch_tsv, ort_tsv, tsv_out, rss_child;
   std::vector<std::string> collab_models;
+  std::vector<CollabAttention> collab_attention = {CollabAttention::kBias};
+  int ragged = 0;
   int memory = 1;
   int pack_weights = 1;  // --rss_child only: EngineOptions::pack_weights
   int op_profile = 0;    // passes observed per grid point and model; 0: the timing tables
@@ -113,10 +123,12 @@ struct Flags {
 };
 
 bool ParseFlags(int argc, char** argv, Flags* f) {
-  std::string collab;
+  std::string collab, ways = "bias";
   if (!bench::FlagSet("engine_bench")
            .String("model", &f->model)
            .String("collab_model", &collab)
+           .String("collab_attention", &ways)
+           .Int("ragged", &f->ragged, 0)
            .String("rss_child", &f->rss_child)
            .Int("memory", &f->memory)
            .Int("pack_weights", &f->pack_weights)
@@ -141,6 +153,21 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
     return false;
   }
   f->collab_models = absl::StrSplit(collab, ',', absl::SkipEmpty());
+  f->collab_attention.clear();
+  const std::vector<std::string> names = absl::StrSplit(ways, ',', absl::SkipEmpty());
+  for (const std::string& name : names) {
+    const auto way = ParseCollabAttention(name);
+    if (!way) {
+      std::fprintf(stderr, "engine_bench: --collab_attention: unknown way '%s' (bias, qk-column, "
+                   "qk-column-padded, v-fold, v-fold-padded)\n", name.c_str());
+      return false;
+    }
+    f->collab_attention.push_back(*way);
+  }
+  if (f->collab_attention.empty()) {
+    std::fprintf(stderr, "engine_bench: --collab_attention names no way\n");
+    return false;
+  }
   if (f->model.empty() && f->rss_child.empty()) {
     std::fprintf(stderr, "engine_bench: --model=DIR is required\n");
     return false;
@@ -153,18 +180,20 @@ double Now() {
 }
 
 // The inputs every implementation in the bench uses (pytorch_bench.py and ort_bench.mjs compute
-// the same ids): [CLS] ... [SEP], segment 0, no padding.
-std::vector<TokenizedInput> MakeInputs(int batch, int seq) {
+// the same ids): [CLS] ... [SEP], segment 0, no padding. ragged (--ragged): the even-numbered
+// sequences end a quarter early (at least [CLS] and [SEP] kept), so the batch is padded.
+std::vector<TokenizedInput> MakeInputs(int batch, int seq, bool ragged = false) {
   std::vector<TokenizedInput> out(batch);
   for (int b = 0; b < batch; ++b) {
     auto& in = out[b];
-    in.input_ids.resize(seq);
-    in.token_type_ids.assign(seq, 0);
-    for (int s = 0; s < seq; ++s) {
+    const int len = ragged && b % 2 == 0 ? std::max(2, seq - seq / 4) : seq;
+    in.input_ids.resize(len);
+    in.token_type_ids.assign(len, 0);
+    for (int s = 0; s < len; ++s) {
       in.input_ids[s] = 1000 + static_cast<int32_t>((static_cast<int64_t>(b) * seq + s) * 7919 % 20000);
     }
     in.input_ids[0] = 101;
-    in.input_ids[seq - 1] = 102;
+    in.input_ids[len - 1] = 102;
   }
   return out;
 }
@@ -232,7 +261,7 @@ struct Point {
 // spent, or max_runs each.
 std::vector<Point> MeasureAlternating(const std::vector<const Engine*>& models, int batch, int seq,
                                       const Flags& f) {
-  const auto inputs = MakeInputs(batch, seq);
+  const auto inputs = MakeInputs(batch, seq, f.ragged != 0);
   // Warm-up (allocator, OpenBLAS buffers, first-touch pages) on at most --warmup_batch sequences:
   // a full 32 × 512 batch would cost as much as a timed run. A GPU warms up on the full shape (its
   // caching allocator and kernel choices are per shape), as pytorch_bench.py does there.
@@ -481,8 +510,10 @@ std::string Fmt(const char* fmt, double v) {
   return buf;
 }
 
-std::unique_ptr<Engine> LoadOrDie(const std::string& dir, const Flags& f) {
+std::unique_ptr<Engine> LoadOrDie(const std::string& dir, const Flags& f,
+                                  CollabAttention way = CollabAttention::kBias) {
   EngineOptions o;
+  o.collab_attention = way;
   o.device = f.device;
   o.dtype = f.dtype;
   o.pack_weights = f.pack_weights != 0;
@@ -648,8 +679,18 @@ int Main(int argc, char** argv) {
   auto openblas_config = reinterpret_cast<GetConfig>(dlsym(RTLD_DEFAULT, "openblas_get_config"));
 
   std::unique_ptr<Engine> engine = LoadOrDie(f.model, f);
+  // One engine per collaborative model and way (--collab_attention), named by the model's
+  // directory, and the way where several are measured.
   std::vector<std::unique_ptr<Engine>> collabs;
-  for (const std::string& dir : f.collab_models) collabs.push_back(LoadOrDie(dir, f));
+  std::vector<std::string> collab_names, collab_ways;
+  for (const std::string& dir : f.collab_models) {
+    for (CollabAttention way : f.collab_attention) {
+      collabs.push_back(LoadOrDie(dir, f, way));
+      const std::string w = f.collab_attention.size() > 1 ? CollabAttentionName(way) : "";
+      collab_names.push_back(w.empty() ? dir : dir + " (" + w + ")");
+      collab_ways.push_back(w);
+    }
+  }
   const Engine* collab = collabs.empty() ? nullptr : collabs[0].get();
 
   double loadavg[1] = {0};
@@ -667,12 +708,13 @@ int Main(int argc, char** argv) {
                  ? ", CUDA graphs up to " + std::to_string(f.cuda_graph_max_tokens) + " tokens a pass"
                  : ", no CUDA graphs";
   }
-  std::printf("device %s, dtype %s%s\n", info.device.c_str(), info.dtype.c_str(), graphs.c_str());
+  std::printf("device %s, dtype %s%s%s\n", info.device.c_str(), info.dtype.c_str(), graphs.c_str(),
+              f.ragged ? ", padded batches (--ragged)" : "");
   std::printf("model: %d layers, hidden %d, %d heads, FFN %d, %zu labels", info.num_layers,
               info.hidden_size, info.num_heads, info.intermediate_size, info.labels.size());
   if (collab && !collab->info().collaborative_ranks.empty()) {
     std::printf("; collaborative column: rank %d (%s)", collab->info().collaborative_ranks[0],
-                f.collab_models[0].c_str());
+                collab_names[0].c_str());
   }
   std::printf("\n");
   if (f.gpu_kernels > 0 && info.device.rfind("cuda", 0) != 0) {
@@ -681,7 +723,7 @@ int Main(int argc, char** argv) {
   }
   if (f.op_profile > 0 || f.gpu_kernels > 0) {
     std::vector<std::pair<std::string, const Engine*>> models = {{f.model, engine.get()}};
-    for (size_t i = 0; i < collabs.size(); ++i) models.push_back({f.collab_models[i], collabs[i].get()});
+    for (size_t i = 0; i < collabs.size(); ++i) models.push_back({collab_names[i], collabs[i].get()});
     for (int b : f.batches) {
       for (int s : f.seqs) {
         if (s > info.max_length) continue;
@@ -712,11 +754,13 @@ int Main(int argc, char** argv) {
     return 1;
   }
   if (tsv) {
-    // Then one column per collaborative model (--collab_model's order), named by its first rank.
+    // Then one column per collaborative model (--collab_model's order), named by its first rank,
+    // and its way where several are measured (rank_192_qk-column_seq_per_s).
     std::fprintf(tsv, "# batch\tseq\tcollabserve_seq_per_s\truns\tcpu_ms_per_seq");
-    for (const auto& c : collabs) {
-      const auto& ranks = c->info().collaborative_ranks;
-      std::fprintf(tsv, "\trank_%d_seq_per_s", ranks.empty() ? 0 : ranks[0]);
+    for (size_t i = 0; i < collabs.size(); ++i) {
+      const auto& ranks = collabs[i]->info().collaborative_ranks;
+      std::fprintf(tsv, "\trank_%d%s%s_seq_per_s", ranks.empty() ? 0 : ranks[0],
+                   collab_ways[i].empty() ? "" : "_", collab_ways[i].c_str());
     }
     std::fprintf(tsv, "\n");
   }
@@ -793,9 +837,11 @@ int Main(int argc, char** argv) {
   if (!collabs.empty()) {
     std::printf("\nCollaborative models against the standard one (seq/s, same run, the models' runs alternating):\n");
     std::printf("%5s %5s | %9s", "batch", "seq", "standard");
-    for (const auto& c : collabs) {
-      const auto& ranks = c->info().collaborative_ranks;
-      std::printf(" | %28s", ("rank " + (ranks.empty() ? std::string("-") : std::to_string(ranks[0]))).c_str());
+    for (size_t i = 0; i < collabs.size(); ++i) {
+      const auto& ranks = collabs[i]->info().collaborative_ranks;
+      std::string head = "rank " + (ranks.empty() ? std::string("-") : std::to_string(ranks[0]));
+      if (!collab_ways[i].empty()) head += " " + collab_ways[i];
+      std::printf(" | %28s", head.c_str());
     }
     std::printf("\n");
     for (const CollabRow& r : collab_rows) {
