@@ -158,8 +158,12 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
   for (const std::string& name : names) {
     const auto way = ParseCollabAttention(name);
     if (!way) {
-      std::fprintf(stderr, "engine_bench: --collab_attention: unknown way '%s' (bias, qk-column, "
-                   "qk-column-padded, v-fold, v-fold-padded)\n", name.c_str());
+      std::string known;
+      for (CollabAttention w : kAllCollabAttentions) {
+        known += std::string(known.empty() ? "" : ", ") + CollabAttentionName(w);
+      }
+      std::fprintf(stderr, "engine_bench: --collab_attention: unknown way '%s' (%s)\n", name.c_str(),
+                   known.c_str());
       return false;
     }
     f->collab_attention.push_back(*way);

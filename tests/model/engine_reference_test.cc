@@ -171,6 +171,22 @@ void ExpectCpuMatchesReference(const std::string& dir, const std::string& name,
   at::set_num_threads(saved_threads);
 }
 
+// The largest |logit - expected| over a batch's predictions; infinite when the shapes differ
+// (which fails every bound, with a message).
+float MaxLogitDiff(const std::vector<Prediction>& got, const std::vector<std::vector<float>>& expected) {
+  EXPECT_EQ(got.size(), expected.size());
+  if (got.size() != expected.size()) return INFINITY;
+  float max_diff = 0;
+  for (size_t i = 0; i < expected.size(); ++i) {
+    EXPECT_EQ(got[i].logits.size(), expected[i].size()) << "input " << i;
+    if (got[i].logits.size() != expected[i].size()) return INFINITY;
+    for (size_t c = 0; c < expected[i].size(); ++c) {
+      max_diff = std::max(max_diff, std::abs(got[i].logits[c] - expected[i][c]));
+    }
+  }
+  return max_diff;
+}
+
 // A collaborative model loaded with each way of putting its attention to ATen's
 // (collab_attention.h): the same logits. They differ where attention runs on ATen ops, which the
 // CPU's own kernels do not: under COLLABSERVE_GEMM=aten (engine_reference_aten_test: explicit
@@ -186,15 +202,7 @@ void ExpectWaysMatchReference(const std::string& dir, const std::string& name,
     if ((*engine)->info().collaborative_ranks.empty()) return;
     auto got = (*engine)->Run(MakeInputs(**engine));
     ASSERT_TRUE(got.ok()) << got.status();
-    ASSERT_EQ(got->size(), expected.size());
-    float max_diff = 0;
-    for (size_t i = 0; i < expected.size(); ++i) {
-      ASSERT_EQ((*got)[i].logits.size(), expected[i].size());
-      for (size_t c = 0; c < expected[i].size(); ++c) {
-        max_diff = std::max(max_diff, std::abs((*got)[i].logits[c] - expected[i][c]));
-      }
-    }
-    EXPECT_LT(max_diff, 1e-4) << name << ", " << CollabAttentionName(way);
+    EXPECT_LT(MaxLogitDiff(*got, expected), 1e-4) << name << ", " << CollabAttentionName(way);
   }
 }
 
@@ -226,13 +234,7 @@ void ExpectCudaMatchesReference(const std::string& dir, const std::string& name,
         ASSERT_TRUE(cuda.ok()) << cuda.status();
         auto got = (*cuda)->Run(inputs);
         ASSERT_TRUE(got.ok()) << got.status();
-        float max_diff = 0;
-        for (size_t i = 0; i < inputs.size(); ++i) {
-          ASSERT_EQ((*got)[i].logits.size(), expected[i].size());
-          for (size_t c = 0; c < expected[i].size(); ++c) {
-            max_diff = std::max(max_diff, std::abs((*got)[i].logits[c] - expected[i][c]));
-          }
-        }
+        const float max_diff = MaxLogitDiff(*got, expected);
         const std::string what = ways.size() > 1 ? std::string(", ") + CollabAttentionName(way) : "";
         EXPECT_LT(max_diff, bound) << name << ", cuda " << dtype << what;
         std::printf("[ cuda     ] %s %s%s: max |logit - reference| %.3g (bound %.3g)\n", name.c_str(),
