@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "server/model/kernels.h"
 
@@ -293,6 +294,12 @@ at::Tensor ProjectAndAttend(SgemmFn sgemm, const at::Tensor& x, const EncoderLay
   return ctx;
 }
 
+double LowestValue(c10::ScalarType dtype) {
+  return dtype == c10::kHalf       ? -65504.0
+         : dtype == c10::kBFloat16 ? -3.3895313892515355e38
+                                   : static_cast<double>(std::numeric_limits<float>::lowest());
+}
+
 bool SdpaAvailable() { return kHaveSdpa; }
 
 bool UseSdpa(const at::Tensor& x) {
@@ -346,8 +353,7 @@ at::Tensor AtenAttention(const EncoderLayer& l, const at::Tensor& proj, const at
       // content score, which may round to -inf: clamped, so that no product meets an infinity.
       at::Tensor k2 = at::zeros({B, H, S, qk_width}, k.options());
       k2.narrow(3, 0, R).copy_(k.expand({B, H, S, R}));
-      const double lowest = proj.scalar_type() == at::kHalf ? -65504.0 : -3.0e38;
-      k2.select(3, R).copy_(b.clamp_min(lowest));
+      k2.select(3, R).copy_(b.clamp_min(LowestValue(proj.scalar_type())));
       k = k2;
     } else {
       if (qk_width != R) k = at::constant_pad_nd(k, {0, qk_width - R});

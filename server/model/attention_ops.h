@@ -108,6 +108,9 @@ at::Tensor ProjectAndAttend(SgemmFn sgemm, const at::Tensor& x, const EncoderLay
                             const AttentionLayout& L, const at::Tensor& mask_add, int64_t B,
                             int64_t S, int64_t Sq, int64_t H);
 
+// The dtype's lowest finite value (Hugging Face's finfo(dtype).min): the additive mask's.
+double LowestValue(c10::ScalarType dtype);
+
 // Whether this LibTorch has at::scaled_dot_product_attention with a scale (2.1 and later), and
 // whether AtenAttention uses it for x's device: on CUDA, and on the CPU under
 // COLLABSERVE_ATTENTION=sdpa (the tests of that path on machines without a GPU).

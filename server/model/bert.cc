@@ -19,7 +19,6 @@
 
 #include <algorithm>
 #include <array>
-#include <limits>
 #include <vector>
 
 #include "server/model/attention_ops.h"
@@ -423,10 +422,7 @@ at::Tensor BertClassifier::MaskAdd(const at::Tensor& attention_mask, int64_t B, 
   }
   // HF: (1 - mask) * finfo(dtype).min, broadcast over heads and query positions.
   auto m = attention_mask.to(device_).to(dtype_).view({B, 1, 1, S});
-  double lowest = dtype_ == c10::kHalf       ? -65504.0
-                  : dtype_ == c10::kBFloat16 ? -3.3895313892515355e38
-                                             : static_cast<double>(std::numeric_limits<float>::lowest());
-  return (1.0 - m) * lowest;
+  return (1.0 - m) * internal::LowestValue(dtype_);
 }
 
 at::Tensor BertClassifier::Forward(const at::Tensor& input_ids, const at::Tensor& token_type_ids,
