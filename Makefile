@@ -78,7 +78,8 @@ bench: build
 
 # Bounded soak (bench/soak, issue 7): SOAK_MINUTES at 80% of the saturation measured in the same
 # run, a version dropped every minute, compression jobs through the Admin API, clients with
-# deadlines; exits 1 on a failure code other than shedding, RSS growth > 5%, fd or thread leaks.
+# deadlines; exits 1 on a failure code other than shedding, RSS growth > 5% (the lowest sampled in
+# the last interval against the second's), fd or thread leaks.
 # `make test` runs a one-minute form (ctest soak_short).
 SOAK_MINUTES ?= 10
 SOAK_PRESET ?= mini

@@ -5,8 +5,8 @@
 // Prints requests served, failures by code, p50/p99 per interval, and the server's resident memory,
 // file descriptors and threads at start and end. Exit status 1 when the soak fails: any code other
 // than OK and RESOURCE_EXHAUSTED (deliberate shedding), a failed compression job or swap, RSS growth
-// from the end of the first interval under load to the end above --max_rss_growth, or more fds /
-// threads at the end than at the start (+ --leak_slack).
+// above --max_rss_growth (the lowest RSS sampled in the last interval against the lowest in the
+// second: see below), or more fds / threads at the end than at the start (+ --leak_slack).
 //
 //   collabserve-soak [--minutes=10] [--preset=mini] [--clients=8] [--deadline_ms=10000]
 //                    [--swap_interval_s=60] [--report_interval_s=60] [--markdown=FILE]
@@ -53,7 +53,9 @@ ABSL_FLAG(double, report_interval_s, 60, "one table row per interval");
 ABSL_FLAG(double, compress_every_s, 15, "a compression job starts this long after the last ended");
 ABSL_FLAG(bool, compression_jobs, true, "run compression jobs during the soak (off: to isolate)");
 ABSL_FLAG(double, max_rss_growth, 0.05,
-          "fail when RSS at the end exceeds RSS after the first report interval by this much");
+          "fail when the lowest RSS sampled in the last interval exceeds the lowest in the second "
+          "by this much (with fewer than 3 intervals: RSS at the end against the start)");
+ABSL_FLAG(double, rss_sample_s, 0.25, "the server's RSS is sampled this often");
 ABSL_FLAG(int, leak_slack, 2, "fds / threads the end may exceed the start by (gRPC's own pools)");
 ABSL_FLAG(std::string, markdown, "", "also write the tables as Markdown to this file");
 ABSL_FLAG(std::string, work_dir, "", "repository and logs here (default: a fresh /tmp dir)");
@@ -89,6 +91,12 @@ int CountEntries(const std::string& dir) {
   return ec ? -1 : n;
 }
 
+// The process's resident memory in MiB; -1 if it cannot be read.
+double RssMiB(pid_t pid) {
+  absl::StatusOr<util::ProcessMemory> m = util::ReadProcessMemory(pid);
+  return m.ok() ? m->rss_bytes / (1024.0 * 1024.0) : -1;
+}
+
 ProcStats Sample(pid_t pid) {
   ProcStats s;
   if (auto m = util::ReadProcessMemory(pid); m.ok()) s.rss_kib = m->rss_bytes / 1024;
@@ -96,6 +104,18 @@ ProcStats Sample(pid_t pid) {
   s.fds = CountEntries(absl::StrCat("/proc/", pid, "/fd"));
   return s;
 }
+
+// The lowest and highest of a series of RSS samples (MiB).
+struct RssRange {
+  double lowest = 0, highest = 0;
+  int n = 0;
+  void Add(double mib) {  // a failed read (< 0) is left out
+    if (mib < 0) return;
+    lowest = n == 0 ? mib : std::min(lowest, mib);
+    highest = n == 0 ? mib : std::max(highest, mib);
+    ++n;
+  }
+};
 
 // Latencies and codes of one reporting interval.
 struct Interval {
@@ -395,14 +415,20 @@ int Run() {
       }
     });
   }
-  // The server's resident memory at the end of each interval (a leak shows as a steady climb).
-  std::vector<double> rss_mib;
+  // The server's resident memory, sampled every --rss_sample_s: its lowest and highest in each
+  // interval. Between its lowest and highest lie whole model copies (a compression job holds its
+  // source and its result, a swap two served versions while the old one drains), so a single sample
+  // moves by several percent with the moment it lands on; the lowest is the memory held for good,
+  // and a leak raises it from interval to interval.
+  const absl::Duration sample_every = absl::Seconds(absl::GetFlag(FLAGS_rss_sample_s));
+  const absl::Duration interval = absl::Seconds(absl::GetFlag(FLAGS_report_interval_s));
+  std::vector<RssRange> rss;  // one per interval
   std::thread sampler([&] {
-    const absl::Duration every = absl::Seconds(absl::GetFlag(FLAGS_report_interval_s));
-    for (absl::Time next = start + every; next <= end + absl::Milliseconds(1); next += every) {
-      while (!stop && absl::Now() < next) absl::SleepFor(absl::Milliseconds(50));
-      if (stop) break;
-      rss_mib.push_back(Sample(server.pid()).rss_kib / 1024.0);
+    for (absl::Time now = absl::Now(); !stop && now < end; now = absl::Now()) {
+      const size_t i = static_cast<size_t>((now - start) / interval);
+      if (rss.size() <= i) rss.resize(i + 1);
+      rss[i].Add(RssMiB(server.pid()));
+      absl::SleepFor(sample_every);
     }
   });
   std::atomic<int> swaps{0}, swap_failures{0};
@@ -445,7 +471,7 @@ int Run() {
   std::map<std::string, int64_t> codes;
   int64_t served = 0;
   std::string table =
-      "| interval | requests | OK | shed (RESOURCE_EXHAUSTED) | other failures | p50 ms | p99 ms | versions served | server RSS MiB |\n"
+      "| interval | requests | OK | shed (RESOURCE_EXHAUSTED) | other failures | p50 ms | p99 ms | versions served | server RSS MiB (lowest-highest) |\n"
       "|---|---|---|---|---|---|---|---|---|\n";
   const double iv = absl::GetFlag(FLAGS_report_interval_s);
   for (size_t i = 0; i < intervals.size(); ++i) {
@@ -462,16 +488,24 @@ int Run() {
                           i * iv, std::min((i + 1) * iv, minutes * 60), total,
                           in.latencies_ms.size(), shed, other, Percentile(in.latencies_ms, 0.5),
                           Percentile(in.latencies_ms, 0.99), absl::StrJoin(in.versions_seen, ","),
-                          i < rss_mib.size() ? absl::StrFormat("%.1f", rss_mib[i]) : "-");
+                          i < rss.size() && rss[i].n > 0
+                              ? absl::StrFormat("%.1f-%.1f", rss[i].lowest, rss[i].highest)
+                              : "-");
   }
-  // Growth is measured from the end of the first interval: the warm-up swap and job ran without
-  // client load, and the first interval under load still grows what load grows for good (gRPC's
-  // per-thread caches, allocator arenas of the threads that first serve concurrent calls). A leak
-  // shows as growth after that (the per-interval column shows its shape).
-  const double baseline_mib =
-      rss_mib.size() >= 2 ? rss_mib[0] : at_start.rss_kib / 1024.0;
-  const double end_mib = at_end.rss_kib / 1024.0;
+  // Growth is measured after the first interval: the warm-up swap and job ran without client
+  // load, and the first interval under load still grows what load grows for good (gRPC's per-thread
+  // caches, allocator arenas of the threads that first serve concurrent calls). Lowest against
+  // lowest: the last interval's against the second's. A leak raises every sample, the lowest
+  // included; a job or swap in flight raises only some, which a comparison of single samples read
+  // as growth (+7.8% in a 1-minute run whose lowest samples did not rise). An interval must be
+  // long enough to hold a moment with no job and no swap in flight (and the allocator's 10 s of
+  // decay after them).
+  const bool floors = rss.size() >= 3 && rss[1].n > 0 && rss.back().n > 0;
+  const double baseline_mib = floors ? rss[1].lowest : at_start.rss_kib / 1024.0;
+  const double end_mib = floors ? rss.back().lowest : at_end.rss_kib / 1024.0;
   const double rss_growth = baseline_mib > 0 ? (end_mib - baseline_mib) / baseline_mib : 1;
+  double highest_mib = 0;
+  for (const RssRange& r : rss) highest_mib = std::max(highest_mib, r.highest);
   const int slack = absl::GetFlag(FLAGS_leak_slack);
   std::vector<std::string> failures;
   for (const auto& [code, n] : codes) {
@@ -502,8 +536,9 @@ int Run() {
       "| compression jobs during the soak (tiny, rank 16) | %d succeeded, %d failed |\n"
       "| resident memory before warm-up | %.1f MiB |\n"
       "| resident memory after warm-up, before load | %.1f MiB |\n"
-      "| resident memory after the first interval under load -> end | %.1f -> %.1f MiB (%+.2f%%; "
-      "limit %+.0f%%) |\n"
+      "| resident memory, lowest in the second interval under load -> in the last | "
+      "%.1f -> %.1f MiB (%+.2f%%; limit %+.0f%%) |\n"
+      "| resident memory, highest under load; at the end | %.1f MiB; %.1f MiB |\n"
       "| file descriptors start -> end | %d -> %d |\n"
       "| threads start -> end | %d -> %d |\n"
       "| verdict | %s |\n",
@@ -513,7 +548,8 @@ int Run() {
                                              : absl::StrJoin(codes, ", ", absl::PairFormatter(": ")),
       swaps.load(), swap_failures.load(), jobs_ok.load(), jobs_failed.load(),
       before_warmup.rss_kib / 1024.0, at_start.rss_kib / 1024.0, baseline_mib, end_mib,
-      100 * rss_growth, 100 * absl::GetFlag(FLAGS_max_rss_growth), at_start.fds,
+      100 * rss_growth, 100 * absl::GetFlag(FLAGS_max_rss_growth), highest_mib,
+      at_end.rss_kib / 1024.0, at_start.fds,
       at_end.fds, at_start.threads, at_end.threads,
       failures.empty() ? "PASS" : absl::StrCat("FAIL: ", absl::StrJoin(failures, "; ")));
   std::printf("\n%s\n%s", summary.c_str(), table.c_str());
