@@ -78,7 +78,7 @@ const char* const kTexts[] = {
 };
 
 struct ProcStats {
-  int64_t rss_kib = -1;
+  double rss_mib = -1;
   int threads = -1;
   int fds = -1;
 };
@@ -99,7 +99,7 @@ double RssMiB(pid_t pid) {
 
 ProcStats Sample(pid_t pid) {
   ProcStats s;
-  if (auto m = util::ReadProcessMemory(pid); m.ok()) s.rss_kib = m->rss_bytes / 1024;
+  s.rss_mib = RssMiB(pid);
   s.threads = CountEntries(absl::StrCat("/proc/", pid, "/task"));
   s.fds = CountEntries(absl::StrCat("/proc/", pid, "/fd"));
   return s;
@@ -501,8 +501,8 @@ int Run() {
   // long enough to hold a moment with no job and no swap in flight (and the allocator's 10 s of
   // decay after them).
   const bool floors = rss.size() >= 3 && rss[1].n > 0 && rss.back().n > 0;
-  const double baseline_mib = floors ? rss[1].lowest : at_start.rss_kib / 1024.0;
-  const double end_mib = floors ? rss.back().lowest : at_end.rss_kib / 1024.0;
+  const double baseline_mib = floors ? rss[1].lowest : at_start.rss_mib;
+  const double end_mib = floors ? rss.back().lowest : at_end.rss_mib;
   const double rss_growth = baseline_mib > 0 ? (end_mib - baseline_mib) / baseline_mib : 1;
   double highest_mib = 0;
   for (const RssRange& r : rss) highest_mib = std::max(highest_mib, r.highest);
@@ -547,9 +547,9 @@ int Run() {
       codes.size() <= 1 && codes.count("OK") ? "none"
                                              : absl::StrJoin(codes, ", ", absl::PairFormatter(": ")),
       swaps.load(), swap_failures.load(), jobs_ok.load(), jobs_failed.load(),
-      before_warmup.rss_kib / 1024.0, at_start.rss_kib / 1024.0, baseline_mib, end_mib,
+      before_warmup.rss_mib, at_start.rss_mib, baseline_mib, end_mib,
       100 * rss_growth, 100 * absl::GetFlag(FLAGS_max_rss_growth), highest_mib,
-      at_end.rss_kib / 1024.0, at_start.fds,
+      at_end.rss_mib, at_start.fds,
       at_end.fds, at_start.threads, at_end.threads,
       failures.empty() ? "PASS" : absl::StrCat("FAIL: ", absl::StrJoin(failures, "; ")));
   std::printf("\n%s\n%s", summary.c_str(), table.c_str());
