@@ -374,7 +374,8 @@ int Run() {
   const absl::Time start = absl::Now();
   const absl::Duration length = absl::Seconds(minutes * 60);
   const absl::Time end = start + length;
-  Recorder recorder(start, absl::Seconds(absl::GetFlag(FLAGS_report_interval_s)));
+  const absl::Duration interval = absl::Seconds(absl::GetFlag(FLAGS_report_interval_s));
+  Recorder recorder(start, interval);  // the table's rows and the RSS samples share its intervals
   std::atomic<bool> stop{false};
   std::vector<std::thread> threads;
   // Open loop: each client sends its calls at fixed times without waiting for earlier ones
@@ -421,7 +422,6 @@ int Run() {
   // moves by several percent with the moment it lands on; the lowest is the memory held for good,
   // and a leak raises it from interval to interval.
   const absl::Duration sample_every = absl::Seconds(absl::GetFlag(FLAGS_rss_sample_s));
-  const absl::Duration interval = absl::Seconds(absl::GetFlag(FLAGS_report_interval_s));
   std::vector<RssRange> rss;  // one per interval
   std::thread sampler([&] {
     for (absl::Time now = absl::Now(); !stop && now < end; now = absl::Now()) {
@@ -473,7 +473,7 @@ int Run() {
   std::string table =
       "| interval | requests | OK | shed (RESOURCE_EXHAUSTED) | other failures | p50 ms | p99 ms | versions served | server RSS MiB (lowest-highest) |\n"
       "|---|---|---|---|---|---|---|---|---|\n";
-  const double iv = absl::GetFlag(FLAGS_report_interval_s);
+  const double iv = absl::ToDoubleSeconds(interval);
   for (size_t i = 0; i < intervals.size(); ++i) {
     const Interval& in = intervals[i];
     int64_t total = 0, shed = 0, other = 0;
