@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1.6
 # collabserve images.
 #   docker build -t collabserve:0.1.0 .                          CPU image (default target: the last stage)
 #   docker build --target cuda -t collabserve:0.1.0-cuda .       NVIDIA GPU image
@@ -6,14 +5,17 @@
 # scripts/install-deps.sh, then `make build`; the runtime stage has only the runtime libraries
 # (scripts/install-deps.sh --runtime) and the three binaries.
 #
-# NOT BUILT HERE: no Docker engine was available when this file was written. tests/deploy checks it
-# statically (syntax, stage graph, COPY sources against .dockerignore, user, ports, health check),
-# and deploy/docker/runtime-packages.sh is tested on the host; neither target has been built or run.
-# The `cuda` target in particular rests on unverified assumptions: the base image tags below exist,
-# and the official LibTorch (built without glog) links next to Ubuntu's glog. Checked by hand in an
-# Ubuntu 24.04 root (2026-12-03): the cuda-build apt list below installs, and every translation unit
-# compiles with its GCC 13, gRPC 1.51, protobuf 3.21 and abseil 20220623 against LibTorch 2.6
-# (Debian 13's, standing in for the official zip, which could not be fetched).
+# No `# syntax=` line: the engine's own frontend (Docker 20.10 and later) has all this file uses, and
+# a builder that cannot reach Docker Hub can still build it.
+#
+# `make check-image` (scripts/check-image.sh) builds the CPU image from HEAD and runs it as the Helm
+# chart runs its pods (read-only root, no capabilities, user 10001, a model volume): the demo's
+# answers, an upload compressed and served, SIGTERM, a restart on the same volume. The `cuda` target
+# has NOT been built: its base images and the LibTorch zip could not be fetched here, and it rests on
+# unverified assumptions (the base image tags below exist; the official LibTorch, built without glog,
+# links next to Ubuntu's glog). Checked by hand in an Ubuntu 24.04 root (2026-12-03): the cuda-build
+# apt list below installs, and every translation unit compiles with its GCC 13, gRPC 1.51, protobuf
+# 3.21 and abseil 20220623 against LibTorch 2.6 (Debian 13's, standing in for the official zip).
 
 ARG DEBIAN_IMAGE=debian:bookworm
 ARG DEBIAN_RUNTIME_IMAGE=debian:bookworm-slim
