@@ -19,7 +19,7 @@ export CCACHE_SLOPPINESS := pch_defines,time_macros,include_file_mtime,include_f
 export CCACHE_NOHASHDIR := 1
 
 .PHONY: all deps configure build test test-all test-asan test-tsan run bench soak clean fuzz demo-model \
-        check-libtorch2 gpu-check-bare check-fresh-debian
+        check-libtorch2 gpu-check-bare check-fresh-debian check-image
 
 all: build
 
@@ -69,6 +69,12 @@ gpu-check-bare: deps
 SUITE ?= trixie
 check-fresh-debian:
 	JOBS=$(JOBS) scripts/check-fresh-debian.sh $(SUITE)
+
+# The CPU image built from the committed HEAD and run as the Helm chart runs it (read-only root, no
+# capabilities, user 10001, a model volume): the demo's answers, an upload compressed and served,
+# SIGTERM, a restart. Needs a Docker engine; ~25 min. Not in CI (Docker, network, time).
+check-image:
+	scripts/check-image.sh
 
 run: build
 	scripts/run-demo.sh $(BUILD_DIR) $(PORT) $(METRICS_PORT) $(ARGS)

@@ -1,8 +1,9 @@
 // deploy_docker: the Dockerfile parses without lint errors and has the documented shape (CPU runtime
 // as default target from Debian via install-deps --runtime, non-root, health check through
-// collabctl, ports, entrypoint; a `cuda` target); every COPY source exists and survives
+// collabctl, ports, entrypoint; a `cuda` target; no frontend image to pull); every COPY source exists and survives
 // .dockerignore; docker-compose.yml validates against the Compose schema and its mounts exist; and
-// deploy/docker/runtime-packages.sh maps a binary's libraries to packages.
+// deploy/docker/runtime-packages.sh maps a binary's libraries to packages; scripts/check-image.sh
+// runs the image with the chart's security context.
 import fs from 'node:fs';
 import path from 'node:path';
 import { createRequire } from 'node:module';
@@ -18,6 +19,10 @@ for (const d of validate(text)) {
   // severity 1 = error, 2 = warning
   check(d.severity > 2 || false, `Dockerfile:${d.range.start.line + 1}: ${d.message}`);
 }
+// No `# syntax=` directive: it makes every build pull a frontend image from Docker Hub first, so a
+// builder without it (air-gapped, or behind a registry mirror) could not build. The engine's own
+// frontend (Docker 20.10 and later) has everything used here (RUN --mount=type=cache included).
+check(!/^#\s*syntax\s*=/im.test(text.split('\n').filter((l) => l.startsWith('#')).join('\n')), 'the Dockerfile names no frontend image (# syntax=)');
 const df = DockerfileParser.parse(text);
 const froms = df.getFROMs();
 const stages = froms.map((f) => f.getBuildStage());
@@ -96,6 +101,16 @@ const cs = compose.services.collabserve;
 check(path.resolve(ROOT, 'deploy', cs.build.context) === ROOT && cs.build.dockerfile === 'Dockerfile', 'compose builds the repository Dockerfile');
 check(cs.command.includes('--metrics_port=9090') && cs.command.some((a) => a.startsWith('--admin_token_file=/run/secrets/')), 'compose passes the metrics port and the admin token file');
 check(cs.read_only === true && (cs.tmpfs || []).includes('/tmp'), 'compose runs collabserve with a read-only root and a /tmp tmpfs');
+
+// scripts/check-image.sh runs the image as the chart's pods run (values.yaml's security contexts).
+const values = YAML.parse(fs.readFileSync(path.join(ROOT, 'helm/collabserve/values.yaml'), 'utf8'));
+const checkImage = fs.readFileSync(path.join(ROOT, 'scripts/check-image.sh'), 'utf8');
+const podFlags = (checkImage.match(/^pod_flags=\(([^)]*)\)/m) || [])[1] || '';
+check(values.securityContext.readOnlyRootFilesystem === true && podFlags.includes('--read-only'), 'check-image.sh: read-only root, as the chart');
+check(values.securityContext.capabilities.drop.includes('ALL') && podFlags.includes('--cap-drop ALL'), 'check-image.sh: every capability dropped, as the chart');
+check(values.securityContext.allowPrivilegeEscalation === false && podFlags.includes('no-new-privileges'), 'check-image.sh: no privilege escalation, as the chart');
+check(podFlags.includes(`--user ${values.podSecurityContext.runAsUser}:${values.podSecurityContext.runAsGroup}`), 'check-image.sh: the chart\'s user and group');
+check(/--tmpfs \/tmp/.test(podFlags) && checkImage.includes(`--model_repository=${values.server.modelRepository}`), 'check-image.sh: /tmp a tmpfs and the chart\'s model repository');
 
 // runtime-packages.sh on a binary of this machine: curl's libraries map to libcurl4 and libc6.
 const script = path.join(ROOT, 'deploy/docker/runtime-packages.sh');
