@@ -34,7 +34,9 @@ WORKDIR /src
 COPY scripts/install-deps.sh scripts/install-deps.sh
 RUN scripts/install-deps.sh && rm -rf /var/lib/apt/lists/*
 COPY . .
-# Only the binaries: tests and benchmarks are not built into the image.
+# Only the binaries: tests and benchmarks are not built into the image. ccache keeps its files in the
+# cache mount, kept by the builder between builds (the Makefile's own default is under $HOME).
+ENV CCACHE_DIR=/src/.ccache
 RUN --mount=type=cache,target=/src/.ccache \
     make build BUILD_DIR=build CMAKE_FLAGS="-DCOLLABSERVE_BUILD_TESTS=OFF -DCOLLABSERVE_BUILD_BENCH=OFF" \
  && install -D -m 0755 -t /out/usr/local/bin build/bin/collabserve build/bin/collabctl build/bin/collabserve-model
@@ -62,9 +64,9 @@ COPY . .
 # Not `make build`: it runs scripts/install-deps.sh, whose Debian package names (libtorch-dev) would
 # pull Ubuntu's CPU LibTorch next to the official CUDA one. No GPU is needed to build; the arch list
 # only matters to CUDA sources, which collabserve has none of.
-ENV TORCH_CUDA_ARCH_LIST="8.0;8.6;8.9;9.0"
+ENV TORCH_CUDA_ARCH_LIST="8.0;8.6;8.9;9.0" CCACHE_DIR=/src/.ccache
 RUN --mount=type=cache,target=/src/.ccache \
-    CCACHE_DIR=/src/.ccache cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release \
       -DCMAKE_PREFIX_PATH=/opt/libtorch -DCOLLABSERVE_BUILD_TESTS=OFF -DCOLLABSERVE_BUILD_BENCH=OFF \
  && cmake --build build -j "$(nproc)" --target collabserve collabctl collabserve-model \
  && install -D -m 0755 -t /out/usr/local/bin build/bin/collabserve build/bin/collabctl build/bin/collabserve-model \

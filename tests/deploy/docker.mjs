@@ -57,6 +57,16 @@ for (const s of ['runtime', 'cuda']) {
 check(kw(stageBody('build'), 'RUN').some((r) => r.includes('scripts/install-deps.sh')) && kw(stageBody('build'), 'RUN').some((r) => /make build/.test(r)),
   'build: scripts/install-deps.sh then make build');
 check(kw(stageBody('runtime'), 'RUN').some((r) => r.includes('install-deps.sh --runtime')), 'runtime: scripts/install-deps.sh --runtime');
+// A compiler cache mount is used only where ccache is told to keep its files there (the Makefile's
+// default is under $HOME; an ENV=... on the cmake configure alone would not reach the build).
+for (const s of ['build', 'cuda-build']) {
+  const body = stageBody(s);
+  const ccacheDir = kw(body, 'ENV').map((e) => (e.match(/(?:^|\s)CCACHE_DIR=(\S+)/) || [])[1]).filter(Boolean).pop();
+  for (const r of body.filter((i) => i.getKeyword() === 'RUN').map((i) => i.getTextContent())) {
+    const target = (r.match(/--mount=type=cache,target=(\S+)/) || [])[1];
+    check(target === undefined || ccacheDir === target, `${s}: the cache mount ${target} is ccache's CCACHE_DIR (ENV CCACHE_DIR=${ccacheDir})`);
+  }
+}
 check(stageBody('runtime').some((i) => i.getKeyword() === 'COPY' && i.getFromFlag() && i.getFromFlag().getValue() === 'build'), 'runtime: binaries come from the build stage');
 
 // COPY sources from the build context exist and are not excluded by .dockerignore.
