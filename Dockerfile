@@ -5,13 +5,11 @@
 # scripts/install-deps.sh, then `make build`; the runtime stage has only the runtime libraries
 # (scripts/install-deps.sh --runtime) and the three binaries.
 #
-# No `# syntax=` line: the engine's own frontend (Docker 20.10 and later) has all this file uses, and
-# a builder that cannot reach Docker Hub can still build it.
+# No `# syntax=` line: it would make every build pull a frontend image from Docker Hub first; the
+# engine's own frontend (Docker 20.10 and later) has all this file uses, RUN --mount included.
 #
-# `make check-image` (scripts/check-image.sh) builds the CPU image from HEAD and runs it as the Helm
-# chart runs its pods (read-only root, no capabilities, user 10001, a model volume): the demo's
-# answers, an upload compressed and served, SIGTERM, a restart on the same volume. The `cuda` target
-# has NOT been built: its base images and the LibTorch zip could not be fetched here, and it rests on
+# `make check-image` (scripts/check-image.sh says what it checks) builds the CPU image and runs it as
+# the Helm chart runs its pods. The `cuda` target has NOT been built: its base images and the LibTorch zip could not be fetched here, and it rests on
 # unverified assumptions (the base image tags below exist; the official LibTorch, built without glog,
 # links next to Ubuntu's glog). Checked by hand in an Ubuntu 24.04 root (2026-12-03): the cuda-build
 # apt list below installs, and every translation unit compiles with its GCC 13, gRPC 1.51, protobuf
