@@ -167,6 +167,9 @@ TEST(CollabserveBinaryTest, ReportsABadRepository) {
                             &out);
   EXPECT_EQ(rc, 1);
   EXPECT_THAT(out, HasSubstr("/nonexistent/repo"));
+  // The allocator it was built with is the one it runs on (a linker that drops unreferenced
+  // libraries once left it on glibc's malloc with jemalloc on its link line).
+  EXPECT_THAT(out, HasSubstr("allocator: " COLLABSERVE_SERVER_ALLOCATOR));
 }
 
 }  // namespace
