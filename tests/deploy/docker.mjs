@@ -1,10 +1,12 @@
 // deploy_docker: the Dockerfile parses without lint errors and has the documented shape (CPU runtime
-// as default target from Debian via install-deps --runtime, non-root, health check through
-// collabctl, ports, entrypoint; a `cuda` target; no frontend image to pull); every COPY source exists and survives
-// .dockerignore; docker-compose.yml validates against the Compose schema and its mounts exist; and
-// deploy/docker/runtime-packages.sh maps a binary's libraries to packages; scripts/check-image.sh
-// runs the image with the chart's security context.
+// as default target, both runtime stages carrying the binaries' libraries from their build stage
+// with deploy/docker/runtime-libs.sh, non-root, health check through collabctl, ports, entrypoint;
+// a `cuda` target; no frontend image to pull); every COPY source exists and survives .dockerignore;
+// docker-compose.yml validates against the Compose schema and its mounts exist; runtime-libs.sh
+// carries a binary's libraries, their packages and copyright files; scripts/check-image.sh runs the
+// image with the chart's security context.
 import fs from 'node:fs';
+import os from 'node:os';
 import path from 'node:path';
 import { createRequire } from 'node:module';
 import { ROOT, YAML, check, fatal, finish, run } from './lib.mjs';
@@ -54,7 +56,14 @@ for (const s of ['runtime', 'cuda']) {
 }
 check(kw(stageBody('build'), 'RUN').some((r) => r.includes('scripts/install-deps.sh')) && kw(stageBody('build'), 'RUN').some((r) => /make build/.test(r)),
   'build: scripts/install-deps.sh then make build');
-check(kw(stageBody('runtime'), 'RUN').some((r) => r.includes('install-deps.sh --runtime')), 'runtime: scripts/install-deps.sh --runtime');
+// The runtime stages install no packages: the libraries come as files from their build stage.
+for (const [build, runtime] of [['build', 'runtime'], ['cuda-build', 'cuda']]) {
+  check(kw(stageBody(build), 'RUN').some((r) => /runtime-libs\.sh collect /.test(r)), `${build}: runtime-libs.sh collect`);
+  const runs = stageBody(runtime).filter((i) => i.getKeyword() === 'RUN').map((i) => i.getTextContent());
+  check(runs.some((r) => r.includes(`from=${build},source=/out/libs`) && /runtime-libs\.sh install /.test(r) && r.includes('ldconfig')),
+    `${runtime}: runtime-libs.sh install of ${build}'s /out/libs, then ldconfig`);
+  check(!runs.some((r) => /apt-get|install-deps/.test(r)), `${runtime}: no package is installed`);
+}
 // A compiler cache mount is used only where ccache is told to keep its files there (the Makefile's
 // default is under $HOME; an ENV=... on the cmake configure alone would not reach the build).
 for (const s of ['build', 'cuda-build']) {
@@ -78,7 +87,7 @@ for (const c of df.getCOPYs()) {
     check(!ig.ignores(src), `COPY ${src}: excluded by .dockerignore`);
   }
 }
-for (const p of ['CMakeLists.txt', 'Makefile', 'server/util/CMakeLists.txt', 'proto/CMakeLists.txt', 'scripts/install-deps.sh', 'deploy/docker/runtime-packages.sh']) {
+for (const p of ['CMakeLists.txt', 'Makefile', 'server/util/CMakeLists.txt', 'proto/CMakeLists.txt', 'scripts/install-deps.sh', 'deploy/docker/runtime-libs.sh']) {
   check(!ig.ignores(p), `.dockerignore keeps ${p}, which the build needs`);
 }
 for (const p of ['.git/HEAD', 'build/bin/collabserve', 'build-deploy/x', 'tests/deploy/node_modules/x/index.js', 'helm/collabserve/Chart.yaml']) {
@@ -120,17 +129,51 @@ check(values.securityContext.allowPrivilegeEscalation === false && podFlags.incl
 check(podFlags.includes(`--user ${values.podSecurityContext.runAsUser}:${values.podSecurityContext.runAsGroup}`), 'check-image.sh: the chart\'s user and group');
 check(/--tmpfs \/tmp/.test(podFlags) && checkImage.includes(`--model_repository=${values.server.modelRepository}`), 'check-image.sh: /tmp a tmpfs and the chart\'s model repository');
 
-// runtime-packages.sh on a binary of this machine: curl's libraries map to libcurl4 and libc6.
-const script = path.join(ROOT, 'deploy/docker/runtime-packages.sh');
+// runtime-libs.sh on a binary of this machine (curl): collect, then install into a root whose
+// package database is empty (everything is copied) and into this one (nothing is: every package is
+// installed here).
+const script = path.join(ROOT, 'deploy/docker/runtime-libs.sh');
 const curl = run('sh', ['-c', 'command -v curl']).stdout.trim();
 if (!curl) fatal('curl not found (scripts/install-deps.sh installs it)');
-const r = run('bash', [script, fs.realpathSync(curl)]);
-check(r.status === 0, `runtime-packages.sh ${curl}: ${r.stderr}`);
-const pkgs = r.stdout.trim().split('\n');
-check(pkgs.includes('libc6') && pkgs.some((p) => p.startsWith('libcurl')), `runtime-packages.sh finds libc6 and libcurl for curl; got ${pkgs.join(' ')}`);
-const libcurlDir = path.dirname(run('sh', ['-c', `ldd ${curl} | awk '/libcurl/ {print $3}'`]).stdout.trim());
-const ex = run('bash', [script, '--exclude', libcurlDir, curl]);
-check(ex.status === 0 && !ex.stdout.includes('libcurl'), `--exclude ${libcurlDir} leaves libcurl out`);
-const missing = run('bash', [script, '/no/such/binary']);
-check(missing.status !== 0 && missing.stderr.includes('/no/such/binary'), 'runtime-packages.sh names a missing binary');
+const tmp = fs.mkdtempSync(path.join(os.tmpdir(), 'deploy-docker-'));
+try {
+  const out = path.join(tmp, 'libs');
+  const r = run('bash', [script, 'collect', out, curl]);
+  check(r.status === 0, `runtime-libs.sh collect ${curl}: ${r.stderr}`);
+  const rows = fs.readFileSync(path.join(out, 'libs.tsv'), 'utf8').trim().split('\n').map((l) => l.split('\t'));
+  const byName = Object.fromEntries(rows.map(([name, pkg, version]) => [name, { pkg, version }]));
+  const libcurl = rows.find(([name]) => name.startsWith('libcurl.so.'));
+  check(libcurl && /^libcurl/.test(libcurl[1]) && /\d/.test(libcurl[2] || ''), `libs.tsv: libcurl with its package and version; got ${JSON.stringify(libcurl)}`);
+  check(byName['libc.so.6'] && byName['libc.so.6'].pkg === 'libc6', 'libs.tsv: libc.so.6 is libc6\'s');
+  const lddNames = run('sh', ['-c', `ldd ${curl} | awk '$2 == "=>" && $3 ~ /^\\// {print $1}'`]).stdout.trim().split('\n').sort();
+  check(JSON.stringify(rows.map(([n]) => n).sort()) === JSON.stringify(lddNames), `libs.tsv lists ldd's libraries: ${lddNames.join(' ')}`);
+  if (libcurl) {
+    const copied = path.join(out, 'lib', libcurl[0]);
+    const real = fs.realpathSync(run('sh', ['-c', `ldd ${curl} | awk '$1 == "${libcurl[0]}" {print $3}'`]).stdout.trim());
+    check(!fs.lstatSync(copied).isSymbolicLink() && fs.readFileSync(copied).equals(fs.readFileSync(real)), `lib/${libcurl[0]}: the library itself, not a link`);
+    check(fs.existsSync(path.join(out, 'doc', libcurl[1], 'copyright')), `doc/${libcurl[1]}/copyright`);
+  }
+  // Nothing is installed in an empty package database: every library and copyright file is copied.
+  const admin = path.join(tmp, 'dpkg');
+  fs.mkdirSync(admin);
+  fs.writeFileSync(path.join(admin, 'status'), '');
+  const dest = path.join(tmp, 'root/lib');
+  const all = run('bash', [script, 'install', '--admindir', admin, out, dest]);
+  check(all.status === 0 && all.stdout.trim().split('\n').length === rows.length, `install into an empty root copies all ${rows.length}: ${all.stderr}`);
+  check(rows.every(([name, pkg]) => fs.existsSync(path.join(dest, name)) && fs.existsSync(path.join(tmp, 'root/share/doc', pkg, 'copyright'))),
+    'install copies every library and its copyright file');
+  // Here every one of curl's packages is installed: nothing is copied (the base's libc stays its own).
+  const none = run('bash', [script, 'install', out, path.join(tmp, 'here')]);
+  check(none.status === 0 && none.stdout.trim() === '' && fs.readdirSync(path.join(tmp, 'here')).length === 0,
+    `install where the packages are installed copies nothing; got ${none.stdout} ${none.stderr}`);
+  const libcurlDir = path.dirname(run('sh', ['-c', `ldd ${curl} | awk '/libcurl/ {print $3}'`]).stdout.trim());
+  const ex = run('bash', [script, 'collect', '--exclude', libcurlDir, path.join(tmp, 'ex'), curl]);
+  check(ex.status === 0 && !fs.readFileSync(path.join(tmp, 'ex/libs.tsv'), 'utf8').includes('libcurl'), `--exclude ${libcurlDir} leaves libcurl out`);
+  const missing = run('bash', [script, 'collect', path.join(tmp, 'm'), '/no/such/binary']);
+  check(missing.status !== 0 && missing.stderr.includes('/no/such/binary'), 'runtime-libs.sh names a missing binary');
+  const noTsv = run('bash', [script, 'install', path.join(tmp, 'nothing'), path.join(tmp, 'd')]);
+  check(noTsv.status !== 0 && noTsv.stderr.includes('libs.tsv'), 'install names a missing libs.tsv');
+} finally {
+  fs.rmSync(tmp, { recursive: true, force: true });
+}
 finish('deploy_docker');

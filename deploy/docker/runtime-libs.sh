@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# Carries the shared libraries a set of executables loads from an image's build stage into its
+# runtime stage as files, without their packages' dependencies. Debian's libtorch1.13 depends on
+# OpenCV, FFmpeg and Mesa (LLVM, GDAL) as packages, which the server never loads; installing the
+# libraries' packages doubled the CPU image.
+#
+#   deploy/docker/runtime-libs.sh collect [--exclude DIR]... OUT BINARY...
+#     Build stage. For every library in the binaries' ldd closure: the library, dereferenced and
+#     named as the loader asks for it, into OUT/lib/; its package's copyright file into
+#     OUT/doc/PACKAGE/copyright; one line "NAME<TAB>PACKAGE<TAB>VERSION" into OUT/libs.tsv. Libraries under an
+#     --exclude DIR (e.g. /opt/libtorch/lib, copied into the image as is) are skipped. Fails, naming
+#     it, when a library is not found, belongs to no package, or its package has no copyright file.
+#
+#   deploy/docker/runtime-libs.sh install [--admindir DIR] OUT DEST
+#     Runtime stage. Copies into DEST the libraries of OUT whose package is not installed here (the
+#     base image's own libc, libstdc++, zlib ... are not shadowed), and their copyright files into
+#     /usr/share/doc/PACKAGE/ (under DEST/../share/doc with --admindir, which names the dpkg
+#     database to ask instead of the system's). Prints libs.tsv's line of each library it copied
+#     (what the image carries outside its package database). The caller registers DEST with the
+#     loader (ld.so.conf.d, ldconfig).
+set -euo pipefail
+usage() {
+  echo "usage: $0 collect [--exclude DIR]... OUT BINARY...  |  $0 install [--admindir DIR] OUT DEST" >&2
+  exit 2
+}
+die() { echo "runtime-libs: $*" >&2; exit 1; }
+
+collect() {
+  local excludes=()
+  while [ $# -gt 0 ] && [ "$1" = "--exclude" ]; do excludes+=("${2%/}/"); shift 2; done
+  [ $# -ge 2 ] || usage
+  local out=$1; shift
+  # Loader name -> resolved path, over all binaries.
+  local -A path_of=()
+  local status=0 bin line name arrow lib e skip
+  for bin in "$@"; do
+    [ -f "$bin" ] || die "$bin: no such file"
+    while read -r line; do
+      case $line in
+        *"not found"*) echo "runtime-libs: $bin needs ${line%% *}, which is not found" >&2; status=1; continue ;;
+      esac
+      read -r name arrow lib _ <<<"$line"
+      [ "$arrow" = "=>" ] && [ "${lib#/}" != "$lib" ] || continue
+      skip=0
+      for e in "${excludes[@]}"; do case $lib in "$e"*) skip=1 ;; esac; done
+      [ $skip = 1 ] || path_of[$name]=$lib
+    done < <(ldd "$bin")
+  done
+  [ $status = 0 ] || exit $status
+  # One dpkg -S call for all of them (it reads its whole database per call), trying each path's
+  # /usr-merged alias and its symlink target as well (libblas.so.3 is an alternatives link).
+  local -A candidates=() owner_of=() version_of=()
+  local alt pkg file
+  for lib in "${path_of[@]}"; do
+    for alt in "$lib" "$(readlink -f "$lib")" "${lib#/usr}" "/usr$lib"; do candidates[$alt]=1; done
+  done
+  if [ ${#candidates[@]} -gt 0 ]; then
+    while IFS= read -r line; do
+      pkg=${line%%: *}; file=${line#*: }
+      pkg=${pkg%%,*}; owner_of[$file]=${pkg%%:*}
+    done < <(dpkg -S "${!candidates[@]}" 2>/dev/null | grep -v '^diversion ' || true)
+  fi
+  mkdir -p "$out/lib" "$out/doc"
+  : >"$out/libs.tsv"
+  local found
+  for name in $(printf '%s\n' "${!path_of[@]}" | sort); do
+    lib=${path_of[$name]}
+    found=""
+    for alt in "$lib" "$(readlink -f "$lib")" "${lib#/usr}" "/usr$lib"; do
+      [ -n "${owner_of[$alt]:-}" ] && { found=${owner_of[$alt]}; break; }
+    done
+    if [ -z "$found" ]; then echo "runtime-libs: $lib belongs to no package" >&2; status=1; continue; fi
+    if [ -z "${version_of[$found]:-}" ]; then
+      version_of[$found]=$(dpkg-query -W -f='${Version}' "$found")
+      [ -f "/usr/share/doc/$found/copyright" ] || { echo "runtime-libs: $found (of $lib) has no /usr/share/doc/$found/copyright" >&2; status=1; continue; }
+      mkdir -p "$out/doc/$found"
+      cp -L "/usr/share/doc/$found/copyright" "$out/doc/$found/copyright"
+    fi
+    cp -L "$lib" "$out/lib/$name"
+    printf '%s\t%s\t%s\n' "$name" "$found" "${version_of[$found]}" >>"$out/libs.tsv"
+  done
+  exit $status
+}
+
+install_libs() {
+  local admin=()
+  local docdir=/usr/share/doc
+  if [ $# -gt 0 ] && [ "$1" = "--admindir" ]; then admin=(--admindir="$2"); shift 2; fi
+  [ $# -eq 2 ] || usage
+  local out=$1 dest=$2
+  [ -f "$out/libs.tsv" ] || die "$out/libs.tsv: no such file (run '$0 collect' first)"
+  [ ${#admin[@]} -eq 0 ] || docdir="$dest/../share/doc"
+  mkdir -p "$dest"
+  local name pkg version
+  while IFS=$'\t' read -r name pkg version; do
+    [ -n "$name" ] || continue
+    if dpkg-query "${admin[@]}" -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed"; then continue; fi
+    [ -f "$out/lib/$name" ] || die "$out/lib/$name: listed in libs.tsv but missing"
+    cp "$out/lib/$name" "$dest/$name"
+    if [ ! -e "$docdir/$pkg/copyright" ]; then
+      mkdir -p "$docdir/$pkg"
+      cp "$out/doc/$pkg/copyright" "$docdir/$pkg/copyright"
+    fi
+    printf '%s\t%s\t%s\n' "$name" "$pkg" "$version"
+  done <"$out/libs.tsv"
+}
+
+[ $# -gt 0 ] || usage
+mode=$1; shift
+case $mode in
+  collect) collect "$@" ;;
+  install) install_libs "$@" ;;
+  *) usage ;;
+esac
