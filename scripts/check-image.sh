@@ -5,7 +5,8 @@
 #   1. `docker build` of the Dockerfile's default target (the build stage's `make build` included);
 #   2. the image: user 10001, ports 8500 8501 9090, its HEALTHCHECK, its size;
 #   3. the default command (the built-in demo model): Docker's health check turns "healthy",
-#      classify gives the demo's answers, /metrics is served on the published port;
+#      classify gives the demo's answers, /metrics is served on the published port, the start-up
+#      log names jemalloc as the allocator;
 #   4. the chart's flags, an empty repository: upload the demo checkpoint through the Admin service
 #      with compression, classify with the compressed model; SIGTERM drains and exits 0;
 #   5. a second container on the same volume serves the compressed model from the repository.
@@ -170,7 +171,9 @@ out=$(ctl "$name-demo" "$gport" classify "${texts[@]}") || fail "classify on the
 check_answers "demo model" "$out"
 m=$(metrics) || fail "GET /metrics on the published port $mport"
 expect "/metrics" '^collabserve_model_parameters\{.*model="demo"' "$m"
-say "default command: demo answers right, /metrics served"
+# The allocator the server is built with is the one it runs on (the library came with the image).
+expect "start-up log" 'allocator: jemalloc ' "$("$docker" logs "$name-demo" 2>&1)"
+say "default command: demo answers right, /metrics served, allocator jemalloc"
 "$docker" rm -f "$name-demo" >/dev/null
 
 # --- 4. the chart's flags: repository volume, admin token, upload with compression ----------------
