@@ -7,9 +7,10 @@
 #   deploy/docker/runtime-libs.sh collect [--exclude DIR]... OUT BINARY...
 #     Build stage. For every library in the binaries' ldd closure: the library, dereferenced and
 #     named as the loader asks for it, into OUT/lib/; its package's copyright file into
-#     OUT/doc/PACKAGE/copyright; one line "NAME<TAB>PACKAGE<TAB>VERSION" into OUT/libs.tsv. Libraries under an
-#     --exclude DIR (e.g. /opt/libtorch/lib, copied into the image as is) are skipped. Fails, naming
-#     it, when a library is not found, belongs to no package, or its package has no copyright file.
+#     OUT/doc/PACKAGE/copyright; one line "NAME<TAB>PACKAGE<TAB>VERSION" into OUT/libs.tsv.
+#     Libraries under an --exclude DIR (e.g. /opt/libtorch/lib, copied into the image as is) are
+#     skipped. Fails, naming it, when a library is not found, belongs to no package, or its package
+#     has no copyright file.
 #
 #   deploy/docker/runtime-libs.sh install [--admindir DIR] OUT DEST
 #     Runtime stage. Copies into DEST the libraries of OUT whose package is not installed here (the
@@ -49,10 +50,11 @@ collect() {
   [ $status = 0 ] || exit $status
   # One dpkg -S call for all of them (it reads its whole database per call), trying each path's
   # /usr-merged alias and its symlink target as well (libblas.so.3 is an alternatives link).
-  local -A candidates=() owner_of=() version_of=()
+  local -A aliases_of=() candidates=() owner_of=() version_of=()
   local alt pkg file
   for lib in "${path_of[@]}"; do
-    for alt in "$lib" "$(readlink -f "$lib")" "${lib#/usr}" "/usr$lib"; do candidates[$alt]=1; done
+    aliases_of[$lib]="$lib $(readlink -f "$lib") ${lib#/usr} /usr$lib"
+    for alt in ${aliases_of[$lib]}; do candidates[$alt]=1; done
   done
   if [ ${#candidates[@]} -gt 0 ]; then
     while IFS= read -r line; do
@@ -66,7 +68,7 @@ collect() {
   for name in $(printf '%s\n' "${!path_of[@]}" | sort); do
     lib=${path_of[$name]}
     found=""
-    for alt in "$lib" "$(readlink -f "$lib")" "${lib#/usr}" "/usr$lib"; do
+    for alt in ${aliases_of[$lib]}; do
       [ -n "${owner_of[$alt]:-}" ] && { found=${owner_of[$alt]}; break; }
     done
     if [ -z "$found" ]; then echo "runtime-libs: $lib belongs to no package" >&2; status=1; continue; fi
