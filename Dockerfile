@@ -78,12 +78,14 @@ RUN LD_LIBRARY_PATH=/opt/libtorch/lib deploy/docker/runtime-libs.sh collect --ex
 
 ######################################################################################## CUDA runtime
 FROM ${CUDA_RUNTIME_IMAGE} AS cuda
+# The libraries the base lacks, as files (deploy/docker/runtime-libs.sh), before the binaries, so
+# that a new build that leaves them unchanged reuses this layer.
 RUN --mount=type=bind,from=cuda-build,source=/out/libs,target=/tmp/libs \
     --mount=type=bind,from=cuda-build,source=/src/deploy/docker/runtime-libs.sh,target=/tmp/runtime-libs.sh \
-    mkdir -p /usr/share/collabserve \
- && /tmp/runtime-libs.sh install /tmp/libs /usr/local/lib/collabserve > /usr/share/collabserve/runtime-libs.tsv \
- && echo /usr/local/lib/collabserve > /etc/ld.so.conf.d/collabserve.conf \
- && ldconfig
+    /tmp/runtime-libs.sh install /tmp/libs /usr/local/lib/collabserve \
+ && groupadd --system --gid 10001 collabserve \
+ && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin collabserve \
+ && install -d -o 10001 -g 10001 /models
 # LibTorch's libraries, including the CUDA runtime, cuBLAS and cuDNN it was built with.
 COPY --from=cuda-build /opt/libtorch/lib/ /opt/libtorch/lib/
 COPY --from=cuda-build /out/usr/local/bin/ /usr/local/bin/
@@ -91,13 +93,11 @@ ENV LD_LIBRARY_PATH=/opt/libtorch/lib \
     NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility \
     COLLABSERVE_HEALTH_ADDRESS=127.0.0.1:8500
-# libcuda.so.1 comes from the host driver at run time (NVIDIA container toolkit).
-RUN missing=$(ldd /usr/local/bin/collabserve /usr/local/bin/collabctl /usr/local/bin/collabserve-model \
-      | grep 'not found' | grep -v 'libcuda\.so' | sort -u || true); \
-    if [ -n "$missing" ]; then echo "cuda image lacks shared libraries:"; echo "$missing"; exit 1; fi \
- && groupadd --system --gid 10001 collabserve \
- && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin collabserve \
- && install -d -o 10001 -g 10001 /models
+# Fail the build, naming it, when a library is missing. libcuda.so.1 comes from the host driver at
+# run time (NVIDIA container toolkit).
+RUN --mount=type=bind,from=cuda-build,source=/src/deploy/docker/runtime-libs.sh,target=/tmp/runtime-libs.sh \
+    /tmp/runtime-libs.sh check --allow-missing libcuda.so.1 \
+      /usr/local/bin/collabserve /usr/local/bin/collabctl /usr/local/bin/collabserve-model
 USER 10001:10001
 EXPOSE 8500 8501 9090
 HEALTHCHECK --interval=10s --timeout=5s --start-period=180s --retries=3 \
@@ -108,20 +108,18 @@ CMD ["--port=8500", "--admin_port=8501", "--metrics_port=9090", "--device=cuda"]
 
 ######################################################################## CPU runtime (default target)
 FROM ${DEBIAN_RUNTIME_IMAGE} AS runtime
+# The libraries the base lacks, as files (deploy/docker/runtime-libs.sh), before the binaries, so
+# that a new build that leaves them unchanged reuses this layer.
 RUN --mount=type=bind,from=build,source=/out/libs,target=/tmp/libs \
     --mount=type=bind,from=build,source=/src/deploy/docker/runtime-libs.sh,target=/tmp/runtime-libs.sh \
-    mkdir -p /usr/share/collabserve \
- && /tmp/runtime-libs.sh install /tmp/libs /usr/local/lib/collabserve > /usr/share/collabserve/runtime-libs.tsv \
- && echo /usr/local/lib/collabserve > /etc/ld.so.conf.d/collabserve.conf \
- && ldconfig
-COPY --from=build /out/usr/local/bin/ /usr/local/bin/
-# Fail the build, naming the library, when one is missing.
-RUN missing=$(ldd /usr/local/bin/collabserve /usr/local/bin/collabctl /usr/local/bin/collabserve-model \
-      | grep 'not found' | sort -u || true); \
-    if [ -n "$missing" ]; then echo "runtime image lacks shared libraries:"; echo "$missing"; exit 1; fi \
+    /tmp/runtime-libs.sh install /tmp/libs /usr/local/lib/collabserve \
  && groupadd --system --gid 10001 collabserve \
  && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin collabserve \
  && install -d -o 10001 -g 10001 /models
+COPY --from=build /out/usr/local/bin/ /usr/local/bin/
+# Fail the build, naming it, when a library is missing.
+RUN --mount=type=bind,from=build,source=/src/deploy/docker/runtime-libs.sh,target=/tmp/runtime-libs.sh \
+    /tmp/runtime-libs.sh check /usr/local/bin/collabserve /usr/local/bin/collabctl /usr/local/bin/collabserve-model
 ENV COLLABSERVE_HEALTH_ADDRESS=127.0.0.1:8500
 # Non-root; the root filesystem can be mounted read-only (only /tmp and the model repository are written).
 USER 10001:10001

@@ -12,16 +12,21 @@
 #     skipped. Fails, naming it, when a library is not found, belongs to no package, or its package
 #     has no copyright file.
 #
-#   deploy/docker/runtime-libs.sh install [--admindir DIR] OUT DEST
-#     Runtime stage. Copies into DEST the libraries of OUT whose package is not installed here (the
-#     base image's own libc, libstdc++, zlib ... are not shadowed), and their copyright files into
-#     /usr/share/doc/PACKAGE/ (under DEST/../share/doc with --admindir, which names the dpkg
-#     database to ask instead of the system's). Prints libs.tsv's line of each library it copied
-#     (what the image carries outside its package database). The caller registers DEST with the
-#     loader (ld.so.conf.d, ldconfig).
+#   deploy/docker/runtime-libs.sh install [--root DIR] OUT DEST
+#     Runtime stage. Copies into DEST the libraries of OUT whose package is not installed (the base
+#     image's own libc, libstdc++, zlib ... are not shadowed) and their copyright files into
+#     /usr/share/doc/PACKAGE/; lists what it copied (libs.tsv's lines: what the image carries outside
+#     its package database) in /usr/share/collabserve/runtime-libs.tsv; registers DEST with the
+#     loader (/etc/ld.so.conf.d/collabserve.conf, then ldconfig). With --root, all of these paths
+#     (DEST and the package database too) are under DIR, and ldconfig is left out.
+#
+#   deploy/docker/runtime-libs.sh check [--root DIR] [--allow-missing NAME]... BINARY...
+#     Fails, naming them, when a BINARY lacks a library, other than the NAMEs allowed (the CUDA
+#     image's libcuda.so.1 comes from the host's driver). With --root, the loader also looks in the
+#     directories DIR/etc/ld.so.conf.d/collabserve.conf names (under DIR).
 set -euo pipefail
 usage() {
-  echo "usage: $0 collect [--exclude DIR]... OUT BINARY...  |  $0 install [--admindir DIR] OUT DEST" >&2
+  echo "usage: $0 collect [--exclude DIR]... OUT BINARY...  |  $0 install [--root DIR] OUT DEST  |  $0 check [--root DIR] [--allow-missing NAME]... BINARY..." >&2
   exit 2
 }
 die() { echo "runtime-libs: $*" >&2; exit 1; }
@@ -85,26 +90,63 @@ collect() {
 }
 
 install_libs() {
-  local admin=()
-  local docdir=/usr/share/doc
-  if [ $# -gt 0 ] && [ "$1" = "--admindir" ]; then admin=(--admindir="$2"); shift 2; fi
+  local root=""
+  if [ $# -gt 0 ] && [ "$1" = "--root" ]; then root=${2%/}; shift 2; fi
   [ $# -eq 2 ] || usage
-  local out=$1 dest=$2
+  local out=$1 dest=${2%/}
   [ -f "$out/libs.tsv" ] || die "$out/libs.tsv: no such file (run '$0 collect' first)"
-  [ ${#admin[@]} -eq 0 ] || docdir="$dest/../share/doc"
-  mkdir -p "$dest"
-  local name pkg version
+  case $dest in /?*) ;; *) die "$dest: DEST must be an absolute path" ;; esac
+  local admin=()
+  [ -z "$root" ] || admin=(--admindir="$root/var/lib/dpkg")
+  local docdir=$root/usr/share/doc manifest=$root/usr/share/collabserve/runtime-libs.tsv
+  mkdir -p "$root$dest" "${manifest%/*}" "$root/etc/ld.so.conf.d"
+  local name pkg version copied=0 listed=0
+  : >"$manifest.tmp"
   while IFS=$'\t' read -r name pkg version; do
     [ -n "$name" ] || continue
+    listed=$((listed + 1))
     if dpkg-query "${admin[@]}" -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed"; then continue; fi
     [ -f "$out/lib/$name" ] || die "$out/lib/$name: listed in libs.tsv but missing"
-    cp "$out/lib/$name" "$dest/$name"
+    cp "$out/lib/$name" "$root$dest/$name"
     if [ ! -e "$docdir/$pkg/copyright" ]; then
       mkdir -p "$docdir/$pkg"
       cp "$out/doc/$pkg/copyright" "$docdir/$pkg/copyright"
     fi
-    printf '%s\t%s\t%s\n' "$name" "$pkg" "$version"
+    printf '%s\t%s\t%s\n' "$name" "$pkg" "$version" >>"$manifest.tmp"
+    copied=$((copied + 1))
   done <"$out/libs.tsv"
+  mv "$manifest.tmp" "$manifest"
+  echo "$dest" >"$root/etc/ld.so.conf.d/collabserve.conf"
+  [ -n "$root" ] || ldconfig
+  echo "runtime-libs: $copied of $listed libraries copied into $dest; the others' packages are installed"
+}
+
+check_libs() {
+  local root="" allowed=" "
+  while [ $# -gt 0 ]; do
+    case $1 in
+      --root) root=${2%/}; shift 2 ;;
+      --allow-missing) allowed+="$2 "; shift 2 ;;
+      *) break ;;
+    esac
+  done
+  [ $# -ge 1 ] || usage
+  local path="${LD_LIBRARY_PATH:-}" dir
+  if [ -n "$root" ] && [ -f "$root/etc/ld.so.conf.d/collabserve.conf" ]; then
+    while read -r dir; do [ -z "$dir" ] || path="$root$dir${path:+:$path}"; done <"$root/etc/ld.so.conf.d/collabserve.conf"
+  fi
+  local status=0 bin line lib
+  for bin in "$@"; do
+    [ -f "$bin" ] || die "$bin: no such file"
+    while read -r line; do
+      case $line in *"not found"*) ;; *) continue ;; esac
+      lib=${line%% *}
+      case $allowed in *" $lib "*) continue ;; esac
+      echo "runtime-libs: $bin needs $lib, which is not found" >&2
+      status=1
+    done < <(LD_LIBRARY_PATH=$path ldd "$bin")
+  done
+  return $status
 }
 
 [ $# -gt 0 ] || usage
@@ -112,5 +154,6 @@ mode=$1; shift
 case $mode in
   collect) collect "$@" ;;
   install) install_libs "$@" ;;
+  check) check_libs "$@" ;;
   *) usage ;;
 esac

@@ -3,8 +3,8 @@
 // with deploy/docker/runtime-libs.sh, non-root, health check through collabctl, ports, entrypoint;
 // a `cuda` target; no frontend image to pull); every COPY source exists and survives .dockerignore;
 // docker-compose.yml validates against the Compose schema and its mounts exist; runtime-libs.sh
-// carries a binary's libraries, their packages and copyright files; scripts/check-image.sh runs the
-// image with the chart's security context.
+// carries a binary's libraries, their packages and copyright files, and names a library a binary
+// lacks; scripts/check-image.sh runs the image with the chart's security context.
 import fs from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
@@ -52,16 +52,25 @@ for (const s of ['runtime', 'cuda']) {
   const exposed = kw(body, 'EXPOSE').join(' ').split(/\s+/);
   check(['8500', '8501', '9090'].every((p) => exposed.includes(p)), `${s}: EXPOSE 8500 8501 9090`);
   check(kw(body, 'ENTRYPOINT').some((e) => e.replace(/\s/g, '') === '["collabserve"]'), `${s}: ENTRYPOINT ["collabserve"]`);
-  check(kw(body, 'RUN').some((r) => r.includes("grep 'not found'")), `${s}: the build fails when a shared library is missing`);
+  // The build fails when a binary lacks a library: runtime-libs.sh check, after the binaries are in.
+  const binCopy = body.find((i) => i.getKeyword() === 'COPY' && /\/out\/usr\/local\/bin\//.test(i.getArgumentsContent()));
+  const checks = body.filter((i) => i.getKeyword() === 'RUN' && /runtime-libs\.sh check /.test(i.getTextContent()));
+  check(binCopy && checks.some((r) => r.getRange().start.line > binCopy.getRange().start.line && /collabserve-model/.test(r.getTextContent())),
+    `${s}: runtime-libs.sh check of the three binaries, after they are copied in`);
+  const allowed = checks.flatMap((r) => [...r.getTextContent().matchAll(/--allow-missing (\S+)/g)].map((m) => m[1]));
+  check(JSON.stringify(allowed) === JSON.stringify(s === 'cuda' ? ['libcuda.so.1'] : []), `${s}: check allows only ${s === 'cuda' ? 'libcuda.so.1 (the host driver\'s)' : 'nothing'} to be missing; got ${allowed}`);
 }
 check(kw(stageBody('build'), 'RUN').some((r) => r.includes('scripts/install-deps.sh')) && kw(stageBody('build'), 'RUN').some((r) => /make build/.test(r)),
   'build: scripts/install-deps.sh then make build');
 // The runtime stages install no packages: the libraries come as files from their build stage.
 for (const [build, runtime] of [['build', 'runtime'], ['cuda-build', 'cuda']]) {
   check(kw(stageBody(build), 'RUN').some((r) => /runtime-libs\.sh collect /.test(r)), `${build}: runtime-libs.sh collect`);
-  const runs = stageBody(runtime).filter((i) => i.getKeyword() === 'RUN').map((i) => i.getTextContent());
-  check(runs.some((r) => r.includes(`from=${build},source=/out/libs`) && /runtime-libs\.sh install /.test(r) && r.includes('ldconfig')),
-    `${runtime}: runtime-libs.sh install of ${build}'s /out/libs, then ldconfig`);
+  const body = stageBody(runtime);
+  const runs = body.filter((i) => i.getKeyword() === 'RUN').map((i) => i.getTextContent());
+  // Before the binaries: a build that leaves the libraries as they were reuses their layer.
+  const install = body.findIndex((i) => i.getKeyword() === 'RUN' && i.getTextContent().includes(`from=${build},source=/out/libs`) && /runtime-libs\.sh install /.test(i.getTextContent()));
+  const binCopy = body.findIndex((i) => i.getKeyword() === 'COPY' && /\/out\/usr\/local\/bin\//.test(i.getArgumentsContent()));
+  check(install >= 0 && install < binCopy, `${runtime}: runtime-libs.sh install of ${build}'s /out/libs, before the binaries' COPY`);
   check(!runs.some((r) => /apt-get|install-deps/.test(r)), `${runtime}: no package is installed`);
 }
 // A compiler cache mount is used only where ccache is told to keep its files there (the Makefile's
@@ -153,25 +162,57 @@ try {
     check(!fs.lstatSync(copied).isSymbolicLink() && fs.readFileSync(copied).equals(fs.readFileSync(real)), `lib/${libcurl[0]}: the library itself, not a link`);
     check(fs.existsSync(path.join(out, 'doc', libcurl[1], 'copyright')), `doc/${libcurl[1]}/copyright`);
   }
-  // Nothing is installed in an empty package database: every library and copyright file is copied.
-  const admin = path.join(tmp, 'dpkg');
-  fs.mkdirSync(admin);
-  fs.writeFileSync(path.join(admin, 'status'), '');
-  const dest = path.join(tmp, 'root/lib');
-  const all = run('bash', [script, 'install', '--admindir', admin, out, dest]);
-  check(all.status === 0 && all.stdout.trim().split('\n').length === rows.length, `install into an empty root copies all ${rows.length}: ${all.stderr}`);
-  check(rows.every(([name, pkg]) => fs.existsSync(path.join(dest, name)) && fs.existsSync(path.join(tmp, 'root/share/doc', pkg, 'copyright'))),
-    'install copies every library and its copyright file');
-  // Here every one of curl's packages is installed: nothing is copied (the base's libc stays its own).
-  const none = run('bash', [script, 'install', out, path.join(tmp, 'here')]);
-  check(none.status === 0 && none.stdout.trim() === '' && fs.readdirSync(path.join(tmp, 'here')).length === 0,
+  // A root whose package database is empty: every library and copyright file is copied, listed in
+  // the manifest and registered with the loader.
+  const dest = '/usr/local/lib/collabserve';
+  const makeRoot = (name, status) => {
+    const root = path.join(tmp, name);
+    fs.mkdirSync(path.join(root, 'var/lib/dpkg'), { recursive: true });
+    fs.writeFileSync(path.join(root, 'var/lib/dpkg/status'), status);
+    return root;
+  };
+  const manifest = (root) => fs.readFileSync(path.join(root, 'usr/share/collabserve/runtime-libs.tsv'), 'utf8');
+  const empty = makeRoot('empty', '');
+  const all = run('bash', [script, 'install', '--root', empty, out, dest]);
+  check(all.status === 0 && all.stdout.includes(`${rows.length} of ${rows.length} libraries`), `install into an empty root copies all ${rows.length}: ${all.stdout} ${all.stderr}`);
+  check(rows.every(([name, pkg]) => fs.readFileSync(path.join(empty, dest, name)).equals(fs.readFileSync(path.join(out, 'lib', name)))
+    && fs.existsSync(path.join(empty, 'usr/share/doc', pkg, 'copyright'))), 'install copies every library and its copyright file');
+  check(manifest(empty) === fs.readFileSync(path.join(out, 'libs.tsv'), 'utf8'), 'the manifest lists every library copied, as libs.tsv does');
+  check(fs.readFileSync(path.join(empty, 'etc/ld.so.conf.d/collabserve.conf'), 'utf8').trim() === dest, `the loader is told about ${dest}`);
+  // A root with this machine's packages: nothing is copied (the base's libc stays its own).
+  const here = makeRoot('here', fs.readFileSync('/var/lib/dpkg/status'));
+  const none = run('bash', [script, 'install', '--root', here, out, dest]);
+  check(none.status === 0 && none.stdout.includes(`0 of ${rows.length} libraries`) && fs.readdirSync(path.join(here, dest)).length === 0 && manifest(here) === '',
     `install where the packages are installed copies nothing; got ${none.stdout} ${none.stderr}`);
+  // check: a binary whose library is gone fails, naming both, unless allowed or found where the
+  // root's loader configuration points.
+  const cc = run('sh', ['-c', 'command -v cc']).stdout.trim();
+  if (!cc) fatal('cc not found (scripts/install-deps.sh installs build-essential)');
+  const gone = path.join(tmp, 'gone');
+  fs.mkdirSync(gone);
+  fs.writeFileSync(path.join(gone, 'gone.c'), 'int gone(void) { return 0; }\n');
+  fs.writeFileSync(path.join(gone, 'main.c'), 'int gone(void);\nint main(void) { return gone(); }\n');
+  const built = run('sh', ['-c', `cd ${gone} && ${cc} -shared -fPIC -Wl,-soname,libgone.so.1 -o libgone.so.1 gone.c && ${cc} -o prog main.c libgone.so.1`]);
+  check(built.status === 0, `cc builds a program and its library: ${built.stderr}`);
+  const prog = path.join(gone, 'prog');
+  const kept = makeRoot('kept', '');
+  fs.mkdirSync(path.join(kept, 'etc/ld.so.conf.d'), { recursive: true });
+  fs.mkdirSync(path.join(kept, 'opt/gone'), { recursive: true });
+  fs.writeFileSync(path.join(kept, 'etc/ld.so.conf.d/collabserve.conf'), '/opt/gone\n');
+  fs.renameSync(path.join(gone, 'libgone.so.1'), path.join(kept, 'opt/gone/libgone.so.1'));
+  const lacks = run('bash', [script, 'check', curl, prog]);
+  check(lacks.status !== 0 && lacks.stderr.includes(`${prog} needs libgone.so.1`) && !lacks.stderr.includes(curl), `check names the binary and the library it lacks; got ${lacks.stderr}`);
+  const allowed = run('bash', [script, 'check', '--allow-missing', 'libgone.so.1', curl, prog]);
+  check(allowed.status === 0, `check --allow-missing libgone.so.1 passes: ${allowed.stderr}`);
+  const inRoot = run('bash', [script, 'check', '--root', kept, prog]);
+  check(inRoot.status === 0, `check --root finds the library where the root's collabserve.conf points: ${inRoot.stderr}`);
+  check(run('bash', [script, 'check', '--root', empty, prog]).status !== 0, 'check --root of another root still lacks it');
   const libcurlDir = path.dirname(run('sh', ['-c', `ldd ${curl} | awk '/libcurl/ {print $3}'`]).stdout.trim());
   const ex = run('bash', [script, 'collect', '--exclude', libcurlDir, path.join(tmp, 'ex'), curl]);
   check(ex.status === 0 && !fs.readFileSync(path.join(tmp, 'ex/libs.tsv'), 'utf8').includes('libcurl'), `--exclude ${libcurlDir} leaves libcurl out`);
   const missing = run('bash', [script, 'collect', path.join(tmp, 'm'), '/no/such/binary']);
   check(missing.status !== 0 && missing.stderr.includes('/no/such/binary'), 'runtime-libs.sh names a missing binary');
-  const noTsv = run('bash', [script, 'install', path.join(tmp, 'nothing'), path.join(tmp, 'd')]);
+  const noTsv = run('bash', [script, 'install', '--root', makeRoot('none', ''), path.join(tmp, 'nothing'), dest]);
   check(noTsv.status !== 0 && noTsv.stderr.includes('libs.tsv'), 'install names a missing libs.tsv');
 } finally {
   fs.rmSync(tmp, { recursive: true, force: true });
