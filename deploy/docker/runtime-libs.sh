@@ -36,15 +36,12 @@ collect() {
   while [ $# -gt 0 ] && [ "$1" = "--exclude" ]; do excludes+=("${2%/}/"); shift 2; done
   [ $# -ge 2 ] || usage
   local out=$1; shift
+  check_libs "$@" || exit 1
   # Loader name -> resolved path, over all binaries.
   local -A path_of=()
   local status=0 bin line name arrow lib e skip
   for bin in "$@"; do
-    [ -f "$bin" ] || die "$bin: no such file"
     while read -r line; do
-      case $line in
-        *"not found"*) echo "runtime-libs: $bin needs ${line%% *}, which is not found" >&2; status=1; continue ;;
-      esac
       read -r name arrow lib _ <<<"$line"
       [ "$arrow" = "=>" ] && [ "${lib#/}" != "$lib" ] || continue
       skip=0
@@ -52,7 +49,6 @@ collect() {
       [ $skip = 1 ] || path_of[$name]=$lib
     done < <(ldd "$bin")
   done
-  [ $status = 0 ] || exit $status
   # One dpkg -S call for all of them (it reads its whole database per call), trying each path's
   # /usr-merged alias and its symlink target as well (libblas.so.3 is an alternatives link).
   local -A aliases_of=() candidates=() owner_of=() version_of=()

@@ -202,6 +202,8 @@ try {
   fs.renameSync(path.join(gone, 'libgone.so.1'), path.join(kept, 'opt/gone/libgone.so.1'));
   const lacks = run('bash', [script, 'check', curl, prog]);
   check(lacks.status !== 0 && lacks.stderr.includes(`${prog} needs libgone.so.1`) && !lacks.stderr.includes(curl), `check names the binary and the library it lacks; got ${lacks.stderr}`);
+  const collectLacks = run('bash', [script, 'collect', path.join(tmp, 'lacks'), prog]);
+  check(collectLacks.status !== 0 && collectLacks.stderr.includes(`${prog} needs libgone.so.1`), `collect names the library a binary lacks; got ${collectLacks.stderr}`);
   const allowed = run('bash', [script, 'check', '--allow-missing', 'libgone.so.1', curl, prog]);
   check(allowed.status === 0, `check --allow-missing libgone.so.1 passes: ${allowed.stderr}`);
   const inRoot = run('bash', [script, 'check', '--root', kept, prog]);
