@@ -14,9 +14,10 @@
 # `make check-image` (scripts/check-image.sh says what it checks) builds the CPU image and runs it as
 # the Helm chart runs its pods. The `cuda` target has NOT been built: its base images and the
 # LibTorch zip could not be fetched here, and it rests on unverified assumptions (the base image tags
-# below exist; the official LibTorch, built without glog, links next to Ubuntu's glog). Checked by hand in an Ubuntu 24.04 root (2026-12-03): the cuda-build
-# apt list below installs, and every translation unit compiles with its GCC 13, gRPC 1.51, protobuf
-# 3.21 and abseil 20220623 against LibTorch 2.6 (Debian 13's, standing in for the official zip).
+# below exist; the official LibTorch, built without glog, links next to Ubuntu's glog). Checked by
+# hand in an Ubuntu 24.04 root (2026-12-03): the cuda-build apt list below installs, and every
+# translation unit compiles with its GCC 13, gRPC 1.51, protobuf 3.21 and abseil 20220623 against
+# LibTorch 2.6 (Debian 13's, standing in for the official zip).
 
 ARG DEBIAN_IMAGE=debian:bookworm
 ARG DEBIAN_RUNTIME_IMAGE=debian:bookworm-slim

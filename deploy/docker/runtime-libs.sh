@@ -30,6 +30,8 @@ usage() {
   exit 2
 }
 die() { echo "runtime-libs: $*" >&2; exit 1; }
+# Under / (or --root): what install writes and check reads.
+readonly MANIFEST=usr/share/collabserve/runtime-libs.tsv LOADER_CONF=etc/ld.so.conf.d/collabserve.conf
 
 collect() {
   local excludes=()
@@ -94,8 +96,8 @@ install_libs() {
   case $dest in /?*) ;; *) die "$dest: DEST must be an absolute path" ;; esac
   local admin=()
   [ -z "$root" ] || admin=(--admindir="$root/var/lib/dpkg")
-  local docdir=$root/usr/share/doc manifest=$root/usr/share/collabserve/runtime-libs.tsv
-  mkdir -p "$root$dest" "${manifest%/*}" "$root/etc/ld.so.conf.d"
+  local docdir=$root/usr/share/doc manifest=$root/$MANIFEST conf=$root/$LOADER_CONF
+  mkdir -p "$root$dest" "${manifest%/*}" "${conf%/*}"
   local name pkg version copied=0 listed=0
   : >"$manifest.tmp"
   while IFS=$'\t' read -r name pkg version; do
@@ -112,7 +114,7 @@ install_libs() {
     copied=$((copied + 1))
   done <"$out/libs.tsv"
   mv "$manifest.tmp" "$manifest"
-  echo "$dest" >"$root/etc/ld.so.conf.d/collabserve.conf"
+  echo "$dest" >"$conf"
   [ -n "$root" ] || ldconfig
   echo "runtime-libs: $copied of $listed libraries copied into $dest; the others' packages are installed"
 }
@@ -128,8 +130,8 @@ check_libs() {
   done
   [ $# -ge 1 ] || usage
   local path="${LD_LIBRARY_PATH:-}" dir
-  if [ -n "$root" ] && [ -f "$root/etc/ld.so.conf.d/collabserve.conf" ]; then
-    while read -r dir; do [ -z "$dir" ] || path="$root$dir${path:+:$path}"; done <"$root/etc/ld.so.conf.d/collabserve.conf"
+  if [ -n "$root" ] && [ -f "$root/$LOADER_CONF" ]; then
+    while read -r dir; do [ -z "$dir" ] || path="$root$dir${path:+:$path}"; done <"$root/$LOADER_CONF"
   fi
   local status=0 bin line lib
   for bin in "$@"; do
