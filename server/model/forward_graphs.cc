@@ -190,6 +190,12 @@ ForwardGraphs::ForwardGraphs(const BertClassifier& model, int64_t max_tokens)
 
 ForwardGraphs::~ForwardGraphs() {
   std::lock_guard<std::mutex> lock(mu_);
+  // Not while another engine captures: LibTorch 2.4 to 2.8 register every graph with the device's
+  // default random generator as its capture begins and unregister it as it is destroyed, in a set
+  // no lock guards (the last one out also frees the generator's graph-side state), so an engine
+  // unloaded while another warms up on the same device raced with that capture. Same lock order as
+  // Logits (mu_, then CaptureMutex).
+  std::lock_guard<std::mutex> no_capture(CaptureMutex());
   try {
     if (!graphs_.empty()) device_->stream.synchronize();
   } catch (const std::exception& e) {  // a destructor does not throw
@@ -239,8 +245,10 @@ void ForwardGraphs::EndFailedCapture(Graph& g) {
   // the device). Nor would the graph give back its hold on the pool (it does for a capture that
   // ended), whose memory would then stay reserved after the engine is gone. So: the stream's
   // capture ended (when capture_end has not), then the allocator's, and the hold given back.
-  // (Newer LibTorch registers the capture with its pinned host allocator as well, and leaves that
-  // too; nothing here allocates pinned memory.)
+  // Left as capture_end leaves them: newer LibTorch's pinned host allocator, which also keeps a
+  // capture on record (nothing here allocates pinned memory), and in LibTorch 2.4 to 2.8 the
+  // default random generator's capture state, under which a random op on the device throws until a
+  // capture ends (nothing here draws random numbers on a GPU).
   try {
     g.graph->capture_end();
   } catch (...) {

@@ -3,7 +3,8 @@
 // CPU here, as on any device: this is what makes a graph's padded pass correct); and, where there
 // is a GPU (scripts/gpu-check.sh runs this test there), graph replays against eager passes:
 // standard and collaborative, float32 and float16, a bucket replayed with new inputs, several
-// buckets, passes from several threads, and an engine with graphs against one without.
+// buckets, passes from several threads, engines destroyed while others capture, and an engine
+// with graphs against one without.
 #include "server/model/forward_graphs.h"
 
 #include <ATen/ATen.h>
@@ -350,6 +351,58 @@ TEST(ForwardGraphsTest, TwoEnginesCaptureAtOnceOnCuda) {
   EXPECT_GT(graphs[0]->captured(), 0);
   EXPECT_TRUE(graphs[0]->BucketFor(1, 16, false).has_value()) << "a capture failed: graphs are off";
   EXPECT_TRUE(graphs[1]->BucketFor(1, 16, false).has_value()) << "a capture failed: graphs are off";
+}
+
+// Engines come and go while others capture (a version unloaded while the next one warms up):
+// each thread makes graphs of its own model, captures every bucket, checks the replays and destroys
+// them, six times over, beside the other. Every capture succeeds and every replay gives its model's
+// logits. (LibTorch 2.4 to 2.8 register a graph with the device's random generator as its capture
+// begins and unregister it as it is destroyed, unguarded: ~ForwardGraphs holds the capture lock.)
+TEST(ForwardGraphsTest, EnginesDestroyedWhileOthersCaptureOnCuda) {
+  REQUIRE_CUDA_GRAPHS();
+  std::vector<std::unique_ptr<BertClassifier>> models;
+  models.push_back(SmallModel({}, c10::Device(c10::kCUDA), at::kFloat));
+  models.push_back(SmallModel({20, 12}, c10::Device(c10::kCUDA), at::kFloat));
+  constexpr int kRounds = 6;
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 2; ++t) {
+    threads.emplace_back([&, t] {
+      c10::InferenceMode guard;
+      const BertClassifier& m = *models[t];
+      for (int round = 0; round < kRounds; ++round) {
+        ForwardGraphs graphs(m, 4096);
+        std::set<GraphBucket> buckets;
+        for (size_t i = 0; i < kBatches.size(); ++i) {
+          const auto batch = Inputs(kBatches[i], static_cast<int>(100 * t + 10 * round + i));
+          const auto ptrs = Ptrs(batch);
+          const auto [B, S, ragged] = ShapeOf(batch);
+          const auto bucket = graphs.BucketFor(B, S, ragged);
+          const std::string what = "thread " + std::to_string(t) + ", round " + std::to_string(round) +
+                                   ", batch " + std::to_string(i);
+          if (!bucket) {
+            errors[t] = what + ": no bucket (a capture failed: graphs are off)";
+            return;
+          }
+          buckets.insert(*bucket);
+          const BatchTensors in = MakeBatchTensors(ptrs, bucket->rows, bucket->length, bucket->masked, 0);
+          const at::Tensor got = graphs.Logits(*bucket, in);
+          const at::Tensor want = m.Forward(in.ids, in.types, in.mask);
+          if (!at::allclose(got, want, 0, 1e-5)) {
+            errors[t] = what + ": max |diff| " + std::to_string((got - want).abs().max().item<float>());
+            return;
+          }
+        }
+        if (graphs.captured() != static_cast<int64_t>(buckets.size())) {
+          errors[t] = "thread " + std::to_string(t) + ", round " + std::to_string(round) + ": " +
+                      std::to_string(graphs.captured()) + " graphs captured of " + std::to_string(buckets.size());
+          return;
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (const auto& e : errors) EXPECT_EQ(e, "");
 }
 
 // The engine with graphs (the default on CUDA) against one without: the same predictions.
