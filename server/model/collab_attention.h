@@ -13,7 +13,11 @@
 //   kVFold:  softmax(s + b) v = e^s (w v) / e^s w with w_j = e^(b_j - max b): values [w v, w, 0...]
 //            (d_k + 1 rounded up to 8 wide), no bias; the context is divided by w's column.
 //            Exact in range only: in float16 a key with b_j - max b below about -17 loses its
-//            weight (w underflows), whatever its score.
+//            weight (w underflows), whatever its score; and the divisor, sum_j softmax(s)_j w_j,
+//            is a float16 output: where the keys the scores favour are not those the content
+//            favours, or masked keys (w_j = 0, but in softmax(s)) take most of the weight, it
+//            nears float16's smallest normal (6e-5) and the division loses digits (0/0 below
+//            6e-8). bfloat16 and float32 keep float32's range.
 //   kVFoldPadded: the same, queries, keys and values one width (flash attention).
 // bench/engine/attention_variants.py times each under every SDPA backend; engine_bench
 // --collab_attention times them in whole passes.
