@@ -74,7 +74,9 @@ RUN --mount=type=cache,target=/src/.ccache \
       -DCMAKE_PREFIX_PATH=/opt/libtorch -DCOLLABSERVE_BUILD_TESTS=OFF -DCOLLABSERVE_BUILD_BENCH=OFF \
  && cmake --build build -j "$(nproc)" --target collabserve collabctl collabserve-model \
  && install -D -m 0755 -t /out/usr/local/bin build/bin/collabserve build/bin/collabctl build/bin/collabserve-model
-RUN LD_LIBRARY_PATH=/opt/libtorch/lib deploy/docker/runtime-libs.sh collect --exclude /opt/libtorch/lib /out/libs \
+# Not LibTorch's libraries (copied below as they are) nor the CUDA toolkit's (the runtime (cudart)
+# that CMake links: the CUDA base image has it, and the check below finds it there).
+RUN LD_LIBRARY_PATH=/opt/libtorch/lib deploy/docker/runtime-libs.sh collect --exclude /opt/libtorch/lib --exclude /usr/local/cuda /out/libs \
       /out/usr/local/bin/collabserve /out/usr/local/bin/collabctl /out/usr/local/bin/collabserve-model
 
 ######################################################################################## CUDA runtime

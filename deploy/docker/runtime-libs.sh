@@ -8,9 +8,10 @@
 #     Build stage. For every library in the binaries' ldd closure: the library, dereferenced and
 #     named as the loader asks for it, into OUT/lib/; its package's copyright file into
 #     OUT/doc/PACKAGE/copyright; one line "NAME<TAB>PACKAGE<TAB>VERSION" into OUT/libs.tsv.
-#     Libraries under an --exclude DIR (e.g. /opt/libtorch/lib, copied into the image as is) are
-#     skipped. Fails, naming it, when a library is not found, belongs to no package, or its package
-#     has no copyright file.
+#     Libraries under an --exclude DIR (the loader's path or the one it resolves to, under DIR or
+#     the directory DIR resolves to) are skipped: /opt/libtorch/lib, copied into the image as is;
+#     /usr/local/cuda, the CUDA toolkit's, which the CUDA runtime base image has. Fails, naming it,
+#     when a library is not found, belongs to no package, or its package has no copyright file.
 #
 #   deploy/docker/runtime-libs.sh install [--root DIR] OUT DEST
 #     Runtime stage. Copies into DEST the libraries of OUT whose package is not installed (the base
@@ -35,19 +36,24 @@ readonly MANIFEST=usr/share/collabserve/runtime-libs.tsv LOADER_CONF=etc/ld.so.c
 
 collect() {
   local excludes=()
-  while [ $# -gt 0 ] && [ "$1" = "--exclude" ]; do excludes+=("${2%/}/"); shift 2; done
+  while [ $# -gt 0 ] && [ "$1" = "--exclude" ]; do
+    excludes+=("${2%/}/")
+    [ ! -e "$2" ] || excludes+=("$(readlink -f "$2")/")
+    shift 2
+  done
   [ $# -ge 2 ] || usage
   local out=$1; shift
   check_libs "$@" || exit 1
   # Loader name -> resolved path, over all binaries.
   local -A path_of=()
-  local status=0 bin line name arrow lib e skip
+  local status=0 bin line name arrow lib real e skip
   for bin in "$@"; do
     while read -r line; do
       read -r name arrow lib _ <<<"$line"
       [ "$arrow" = "=>" ] && [ "${lib#/}" != "$lib" ] || continue
       skip=0
-      for e in "${excludes[@]}"; do case $lib in "$e"*) skip=1 ;; esac; done
+      [ ${#excludes[@]} -eq 0 ] || real=$(readlink -f "$lib")
+      for e in "${excludes[@]}"; do case $lib in "$e"*) skip=1 ;; esac; case $real in "$e"*) skip=1 ;; esac; done
       [ $skip = 1 ] || path_of[$name]=$lib
     done < <(ldd "$bin")
   done

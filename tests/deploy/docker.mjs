@@ -73,6 +73,11 @@ for (const [build, runtime] of [['build', 'runtime'], ['cuda-build', 'cuda']]) {
   check(install >= 0 && install < binCopy, `${runtime}: runtime-libs.sh install of ${build}'s /out/libs, before the binaries' COPY`);
   check(!runs.some((r) => /apt-get|install-deps/.test(r)), `${runtime}: no package is installed`);
 }
+// The CUDA build carries neither LibTorch's libraries (copied as they are) nor the CUDA toolkit's
+// (the runtime base image has cudart; NVIDIA's packages need not have a copyright file).
+const cudaCollect = kw(stageBody('cuda-build'), 'RUN').find((r) => /runtime-libs\.sh collect /.test(r)) || '';
+const excluded = [...cudaCollect.matchAll(/--exclude (\S+)/g)].map((m) => m[1]);
+check(excluded.includes('/opt/libtorch/lib') && excluded.includes('/usr/local/cuda'), `cuda-build: collect excludes /opt/libtorch/lib and /usr/local/cuda; got ${excluded}`);
 // A compiler cache mount is used only where ccache is told to keep its files there (the Makefile's
 // default is under $HOME; an ENV=... on the cmake configure alone would not reach the build).
 for (const s of ['build', 'cuda-build']) {
@@ -209,6 +214,21 @@ try {
   const inRoot = run('bash', [script, 'check', '--root', kept, prog]);
   check(inRoot.status === 0, `check --root finds the library where the root's collabserve.conf points: ${inRoot.stderr}`);
   check(run('bash', [script, 'check', '--root', empty, prog]).status !== 0, 'check --root of another root still lacks it');
+  // --exclude DIR leaves out a library (here of no package) whether the loader finds it through a
+  // link to its directory or not, and whether DIR is that link or the directory (/usr/local/cuda
+  // links to /usr/local/cuda-12.6; the loader may find the CUDA runtime through either).
+  const real = path.join(kept, 'opt/gone');
+  const linked = path.join(tmp, 'gone-link');
+  fs.symlinkSync(real, linked);
+  const foundIn = (dir) => ({ env: { ...process.env, LD_LIBRARY_PATH: dir } });
+  const noPkg = run('bash', [script, 'collect', path.join(tmp, 'nopkg'), prog], foundIn(linked));
+  check(noPkg.status !== 0 && noPkg.stderr.includes(`${linked}/libgone.so.1 belongs to no package`), `collect names a library of no package; got ${noPkg.stderr}`);
+  for (const [found, dir] of [[linked, real], [linked, linked], [real, linked]]) {
+    const exOut = fs.mkdtempSync(path.join(tmp, 'ex-'));
+    const exGone = run('bash', [script, 'collect', '--exclude', dir, exOut, prog], foundIn(found));
+    check(exGone.status === 0 && !fs.readFileSync(path.join(exOut, 'libs.tsv'), 'utf8').includes('libgone'),
+      `--exclude ${dir} leaves out libgone.so.1 found in ${found}: ${exGone.stderr}`);
+  }
   const libcurlDir = path.dirname(run('sh', ['-c', `ldd ${curl} | awk '/libcurl/ {print $3}'`]).stdout.trim());
   const ex = run('bash', [script, 'collect', '--exclude', libcurlDir, path.join(tmp, 'ex'), curl]);
   check(ex.status === 0 && !fs.readFileSync(path.join(tmp, 'ex/libs.tsv'), 'utf8').includes('libcurl'), `--exclude ${libcurlDir} leaves libcurl out`);
