@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/InferenceMode.h>
 #include <torch/version.h>
 
@@ -388,7 +389,10 @@ at::Tensor AtenAttention(const EncoderLayer& l, const at::Tensor& proj, const at
   if (fused) {
     // One kernel (flash attention without a bias, memory-efficient attention with one): the
     // scores are never written to memory. Keys and values are read in place from the
-    // projection, whose rows are whole 64-byte lines (CollaborativeProjectionWidth).
+    // projection, whose rows are whole 64-byte lines (CollaborativeProjectionWidth). SDPA picks
+    // its kernel by the current device's properties: on cuda:N, the model's GPU made current
+    // whichever the thread's is (ATen's kernels themselves launch on their tensors' device).
+    const c10::DeviceGuard on_device(q.device());
     ctx = bias.defined() ? at::scaled_dot_product_attention(q, k, v, bias.contiguous(), 0.0, false, scale)
                          : at::scaled_dot_product_attention(q, k, v, {}, 0.0, false, scale);
   }

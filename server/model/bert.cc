@@ -14,7 +14,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/core/DeviceGuard.h>
 #include <c10/core/InferenceMode.h>
 #include <sanitizer/asan_interface.h>
 
@@ -306,11 +305,6 @@ at::Tensor BertClassifier::Embed(const at::Tensor& ids, const at::Tensor& types)
 // and everything after the attention for position 0 alone; returns [B, 1, D].
 at::Tensor BertClassifier::Layer(const EncoderLayer& l, const at::Tensor& h,
                                  const at::Tensor& mask_add, bool cls_only) const {
-  // On cuda:N the model's GPU is the current one while its layer runs, whichever the thread's is:
-  // ATen's kernels launch on their tensors' device, but a composite op that asks for the current
-  // device (SDPA picks its kernel by that device's properties) would ask another GPU.
-  c10::OptionalDeviceGuard on_device;
-  if (h.is_cuda()) on_device.reset_device(h.device());
   const int64_t B = h.size(0), S = h.size(1), D = config_.hidden_size, T = B * S;
   const int64_t H = config_.num_attention_heads, dk = config_.head_size();
   const int64_t Sq = cls_only ? 1 : S, Tq = B * Sq;
