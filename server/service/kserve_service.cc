@@ -7,6 +7,7 @@
 #include <cstring>
 #include <memory>
 #include <optional>
+#include <regex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -15,12 +16,9 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/strings/ascii.h"
-#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "absl/strings/string_view.h"
 #include "server/service/model_servable.h"
 #include "server/service/status_mapping.h"
 #include "server/util/status_macros.h"
@@ -251,46 +249,14 @@ std::vector<float> Probabilities(const std::string& problem_type,
   return p;
 }
 
-// StartClassify names the inputs of a ClassifyRequest ("inputs[3].text"); say it in tensor terms:
-// "inputs[N].text" and "inputs[N].text_pair" become "input 'text' element N" and "input 'text_pair'
-// element N", any other "inputs[N]" "element N of 'text'".
+// StartClassify names the inputs of a ClassifyRequest ("inputs[3].text"); say it in tensor terms.
 grpc::Status InTensorTerms(const grpc::Status& status) {
   if (status.error_code() != grpc::StatusCode::INVALID_ARGUMENT) return status;
-  constexpr absl::string_view kInputs = "inputs[";
-  const std::string& message = status.error_message();
-  const absl::string_view in = message;
-  std::string out;
-  size_t i = 0;
-  while (i < in.size()) {
-    const size_t at = in.find(kInputs, i);
-    if (at == absl::string_view::npos) {
-      absl::StrAppend(&out, in.substr(i));
-      break;
-    }
-    absl::StrAppend(&out, in.substr(i, at - i));
-    const size_t digits = at + kInputs.size();
-    size_t end = digits;
-    while (end < in.size() && absl::ascii_isdigit(static_cast<unsigned char>(in[end]))) ++end;
-    if (end == digits || end == in.size() || in[end] != ']') {  // not an index: as it is
-      absl::StrAppend(&out, kInputs);
-      i = digits;
-      continue;
-    }
-    const absl::string_view n = in.substr(digits, end - digits);
-    const absl::string_view rest = in.substr(end + 1);
-    i = end + 1;
-    bool named = false;
-    for (absl::string_view field : {"text_pair", "text"}) {
-      if (absl::StartsWith(rest, absl::StrCat(".", field))) {
-        absl::StrAppend(&out, "input '", field, "' element ", n);
-        i += 1 + field.size();
-        named = true;
-        break;
-      }
-    }
-    if (!named) absl::StrAppend(&out, "element ", n, " of 'text'");
-  }
-  return grpc::Status(status.error_code(), out);
+  static const std::regex* const kField = new std::regex(R"(inputs\[(\d+)\]\.(text_pair|text))");
+  static const std::regex* const kInput = new std::regex(R"(inputs\[(\d+)\])");
+  std::string message = std::regex_replace(status.error_message(), *kField, "input '$2' element $1");
+  message = std::regex_replace(message, *kInput, "element $1 of 'text'");
+  return grpc::Status(status.error_code(), message);
 }
 
 // Fills `response` from Classify's results for the requested outputs.
