@@ -46,23 +46,27 @@ collect() {
   check_libs "$@" || exit 1
   # Loader name -> resolved path, over all binaries.
   local -A path_of=()
-  local status=0 bin line name arrow lib real e skip
+  local status=0 bin line name arrow lib
   for bin in "$@"; do
     while read -r line; do
       read -r name arrow lib _ <<<"$line"
       [ "$arrow" = "=>" ] && [ "${lib#/}" != "$lib" ] || continue
-      skip=0
-      [ ${#excludes[@]} -eq 0 ] || real=$(readlink -f "$lib")
-      for e in "${excludes[@]}"; do case $lib in "$e"*) skip=1 ;; esac; case $real in "$e"*) skip=1 ;; esac; done
-      [ $skip = 1 ] || path_of[$name]=$lib
+      path_of[$name]=$lib
     done < <(ldd "$bin")
   done
-  # One dpkg -S call for all of them (it reads its whole database per call), trying each path's
-  # /usr-merged alias and its symlink target as well (libblas.so.3 is an alternatives link).
+  # Each library resolved once: left out when its path or its target is under an --exclude DIR;
+  # else one dpkg -S call for all of them (it reads its whole database per call), trying each
+  # path's /usr-merged alias and its symlink target as well (libblas.so.3 is an alternatives link).
   local -A aliases_of=() candidates=() owner_of=() version_of=()
-  local alt pkg file
-  for lib in "${path_of[@]}"; do
-    aliases_of[$lib]="$lib $(readlink -f "$lib") ${lib#/usr} /usr$lib"
+  local real e alt pkg file
+  for name in "${!path_of[@]}"; do
+    lib=${path_of[$name]}
+    real=$(readlink -f "$lib")
+    for e in "${excludes[@]}"; do
+      case $lib in "$e"*) unset "path_of[$name]"; continue 2 ;; esac
+      case $real in "$e"*) unset "path_of[$name]"; continue 2 ;; esac
+    done
+    aliases_of[$lib]="$lib $real ${lib#/usr} /usr$lib"
     for alt in ${aliases_of[$lib]}; do candidates[$alt]=1; done
   done
   if [ ${#candidates[@]} -gt 0 ]; then
