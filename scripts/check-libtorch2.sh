@@ -5,9 +5,9 @@
 # 1.13 ones. The CUDA image and scripts/gpu-check.sh build against the official LibTorch 2.x; this
 # catches an API that 2.x removed or changed before a GPU machine's minutes are spent on it. The
 # CUDA code goes through torch::cuda's run-time dispatch, so CPU headers cover it, except the
-# translation units that test COLLABSERVE_WITH_CUDA (CUDA graphs: ATen/cuda headers, set where
-# LibTorch has CUDA): those are compiled a second time with it set, against the CUDA toolkit's
-# headers.
+# translation units that test COLLABSERVE_WITH_CUDA (CUDA graphs and the GPU memory reading:
+# ATen/cuda and c10/cuda headers, set where LibTorch has CUDA): those are compiled a second time
+# with it set, against the CUDA toolkit's headers.
 #
 #   scripts/check-libtorch2.sh [BUILD_DIR=build] [PATH...]
 #     PATH: only sources under these paths of the repository (e.g. `server`); default all.

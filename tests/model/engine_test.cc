@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -23,6 +24,7 @@
 #include "server/model/bert.h"
 #include "server/model/checkpoint_maker.h"
 #include "server/model/dense_ops.h"
+#include "server/model/device.h"
 #include "server/model/kernels.h"
 #include "server/model/io/checkpoint.h"
 #include "server/model/io/safetensors.h"
@@ -568,6 +570,56 @@ TEST(EngineMemoryTest, SmallTensorsShareOneBlockOfTheirOwn) {
       EXPECT_FALSE(p.value().storage().is_alias_of(block));
     }
   }
+}
+
+// ReadDeviceMemory (what /metrics exports as collabserve_gpu_memory_*): nothing on the CPU or
+// without CUDA; on a GPU, a tensor's bytes and a loaded model's weights in `allocated`, freed
+// blocks kept in `reserved`, both within the GPU's total.
+TEST(EngineMemoryTest, GpuMemoryReadingsFollowTensorsAndModels) {
+  EXPECT_FALSE(ReadDeviceMemory(c10::Device(c10::kCPU)).has_value());
+  EXPECT_TRUE(InitDevice(c10::Device(c10::kCPU)).ok());
+  const c10::Device gpu(c10::kCUDA, 0);
+  if (!at::hasCUDA()) {
+    EXPECT_FALSE(ReadDeviceMemory(gpu).has_value());
+    absl::Status s = InitDevice(gpu);
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(Msg(s), HasSubstr("cannot start CUDA on cuda:0: "));
+    GTEST_SKIP() << "no CUDA device (scripts/gpu-check.sh runs this)";
+  }
+  ASSERT_TRUE(InitDevice(gpu).ok());
+  EXPECT_TRUE(ReadDeviceMemory(gpu).has_value()) << "InitDevice starts what the reading reads";
+  at::Tensor warm = at::zeros({1}, at::TensorOptions().device(gpu));
+  std::optional<DeviceMemory> before = ReadDeviceMemory(gpu);
+  ASSERT_TRUE(before.has_value()) << "no reading once a tensor is on the GPU";
+  EXPECT_GT(before->allocated_bytes, 0);
+  EXPECT_GE(before->reserved_bytes, before->allocated_bytes);
+  EXPECT_GE(before->total_bytes, before->reserved_bytes);
+  EXPECT_GT(before->total_bytes, int64_t{1} << 30);
+
+  constexpr int64_t kBytes = int64_t{64} << 20;
+  at::Tensor big = at::empty({kBytes / 4}, at::TensorOptions().dtype(at::kFloat).device(gpu));
+  const std::optional<DeviceMemory> with = ReadDeviceMemory(gpu);
+  ASSERT_TRUE(with.has_value());
+  EXPECT_GE(with->allocated_bytes - before->allocated_bytes, kBytes);
+  EXPECT_LE(with->allocated_bytes - before->allocated_bytes, kBytes + (int64_t{2} << 20));  // rounding
+  EXPECT_GE(with->reserved_bytes, with->allocated_bytes);
+  EXPECT_EQ(with->total_bytes, before->total_bytes);
+  big.reset();
+  const std::optional<DeviceMemory> freed = ReadDeviceMemory(gpu);
+  ASSERT_TRUE(freed.has_value());
+  EXPECT_EQ(freed->allocated_bytes, before->allocated_bytes);
+  EXPECT_EQ(freed->reserved_bytes, with->reserved_bytes) << "the allocator keeps freed blocks";
+
+  // A model on the GPU: at least its float32 weights.
+  TempDir dir;
+  MakeOptions o;
+  o.preset = "mini";
+  ASSERT_TRUE(MakeCheckpoint(dir.path(), o).ok());
+  auto engine = Engine::Load(dir.path(), {"cuda", "float32"});
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  const std::optional<DeviceMemory> loaded = ReadDeviceMemory(gpu);
+  ASSERT_TRUE(loaded.has_value());
+  EXPECT_GE(loaded->allocated_bytes - freed->allocated_bytes, (*engine)->info().params.total * 4);
 }
 
 // The path CUDA's float16 / bfloat16 take (ATen ops on another dtype), run on the CPU in bfloat16:

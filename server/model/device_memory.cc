@@ -1,0 +1,90 @@
+// ReadDeviceMemory and InitDevice (device.h). COLLABSERVE_WITH_CUDA: set by
+// server/model/CMakeLists.txt where LibTorch has CUDA (2.2 or later); scripts/check-libtorch2.sh
+// compiles this file both ways.
+#include <ATen/ATen.h>
+
+#include <exception>
+#include <optional>
+
+#include "absl/strings/str_cat.h"
+#include "server/model/device.h"
+
+#if COLLABSERVE_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/util/Exception.h>
+#include <cuda_runtime_api.h>
+
+#include <map>
+#include <mutex>
+#endif
+
+namespace collabserve::model {
+
+#if COLLABSERVE_WITH_CUDA
+namespace {
+
+// The GPU's memory, queried once per device (cudaGetDeviceProperties reads every property, slowly);
+// 0 if the query fails.
+int64_t TotalBytes(c10::DeviceIndex index) {
+  static std::mutex mu;
+  static auto* totals = new std::map<c10::DeviceIndex, int64_t>();  // never destroyed: used at exit
+  std::lock_guard<std::mutex> l(mu);
+  auto it = totals->find(index);
+  if (it == totals->end()) {
+    cudaDeviceProp prop;
+    int64_t total = 0;
+    if (cudaGetDeviceProperties(&prop, index) == cudaSuccess) {
+      total = static_cast<int64_t>(prop.totalGlobalMem);
+    } else {
+      (void)cudaGetLastError();  // clears the error for the thread's next CUDA call
+    }
+    it = totals->emplace(index, total).first;
+  }
+  return it->second;
+}
+
+}  // namespace
+#endif
+
+std::optional<DeviceMemory> ReadDeviceMemory(const c10::Device& device) {
+#if COLLABSERVE_WITH_CUDA
+  if (!device.is_cuda()) return std::nullopt;
+  namespace alloc = c10::cuda::CUDACachingAllocator;
+  alloc::CUDAAllocator* allocator = alloc::get();
+  // Uninitialised until the process's first CUDA tensor (or its first CUDA call of any kind that
+  // initialises LibTorch's CUDA state): nothing of ours is on any GPU yet.
+  if (allocator == nullptr || !allocator->initialized()) return std::nullopt;
+  const c10::DeviceIndex index = device.has_index() ? device.index() : 0;
+  try {
+    const auto stats = allocator->getDeviceStats(index);
+    // Index 0 of each statistic is StatType::AGGREGATE (both pools), whose namespace moved between
+    // LibTorch versions.
+    DeviceMemory m;
+    m.allocated_bytes = stats.allocated_bytes[0].current;
+    m.reserved_bytes = stats.reserved_bytes[0].current;
+    m.total_bytes = TotalBytes(index);
+    return m;
+  } catch (const c10::Error&) {
+    return std::nullopt;  // an index the allocator does not know
+  }
+#else
+  (void)device;
+  return std::nullopt;
+#endif
+}
+
+absl::Status InitDevice(const c10::Device& device) {
+  if (!device.is_cuda()) return absl::OkStatus();
+  try {
+    (void)at::empty({0}, at::TensorOptions().device(device));
+  } catch (const c10::Error& e) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot start CUDA on ", device.str(), ": ", e.what_without_backtrace()));
+  } catch (const std::exception& e) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot start CUDA on ", device.str(), ": ", e.what()));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace collabserve::model
