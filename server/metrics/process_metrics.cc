@@ -4,7 +4,6 @@
 #include <utility>
 #include <vector>
 
-#include "absl/base/attributes.h"
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -43,14 +42,39 @@ prometheus::ClientMetric Labelled(const char* label, const char* value, double g
   return m;
 }
 
-ABSL_CONST_INIT absl::Mutex arena_source_mu(absl::kConstInit);
-std::function<int64_t()>* arena_source ABSL_GUARDED_BY(arena_source_mu) = nullptr;
+// A reading that another module sets at run time (this library does not link the model), taken at
+// each scrape. Set and Read are thread-safe; a source runs under the lock, so that Set(nullptr)
+// returning means the old one is no longer running.
+template <typename R>
+class ScrapeSource {
+ public:
+  void Set(std::function<R()> source) {
+    absl::MutexLock l(&mu_);
+    source_ = std::move(source);
+  }
+  // nullopt when none is set.
+  std::optional<R> Read() const {
+    absl::MutexLock l(&mu_);
+    if (!source_) return std::nullopt;
+    return source_();
+  }
 
-// The registry's families, and what is read from /proc and the allocator at each scrape.
+ private:
+  mutable absl::Mutex mu_;
+  std::function<R()> source_ ABSL_GUARDED_BY(mu_);
+};
+
+struct Sources {
+  ScrapeSource<int64_t> pass_arena_bytes;
+  ScrapeSource<std::optional<GpuMemoryReading>> gpu_memory;
+};
+
+// The registry's families, and what is read from /proc, the allocator and the sources at each
+// scrape.
 class ProcessCollectableImpl : public prometheus::Collectable {
  public:
-  explicit ProcessCollectableImpl(std::shared_ptr<prometheus::Registry> registry)
-      : registry_(std::move(registry)) {}
+  ProcessCollectableImpl(std::shared_ptr<prometheus::Registry> registry, const Sources* sources)
+      : registry_(std::move(registry)), sources_(sources) {}
 
   std::vector<prometheus::MetricFamily> Collect() const override {
     using prometheus::MetricType;
@@ -90,21 +114,43 @@ class ProcessCollectableImpl : public prometheus::Collectable {
         "one: part=arena the pass arena's buffers (in use during a team pass), part=allocator "
         "the freed pages of the allocator's retaining arena.";
     kept.type = MetricType::Gauge;
-    {
-      absl::MutexLock l(&arena_source_mu);
-      if (arena_source != nullptr) {
-        kept.metric.push_back(Labelled("part", "arena", static_cast<double>((*arena_source)())));
-      }
+    if (std::optional<int64_t> bytes = sources_->pass_arena_bytes.Read()) {
+      kept.metric.push_back(Labelled("part", "arena", static_cast<double>(*bytes)));
     }
     if (std::optional<size_t> bytes = util::RetainingArenaFreeBytes()) {
       kept.metric.push_back(Labelled("part", "allocator", static_cast<double>(*bytes)));
     }
     if (!kept.metric.empty()) families.push_back(std::move(kept));
+    if (std::optional<std::optional<GpuMemoryReading>> gpu = sources_->gpu_memory.Read();
+        gpu && *gpu) {
+      const GpuMemoryReading& r = **gpu;
+      auto add = [&](const char* name, const char* help, int64_t bytes) {
+        prometheus::MetricFamily f;
+        f.name = name;
+        f.help = help;
+        f.type = MetricType::Gauge;
+        f.metric.push_back(Labelled("device", r.device.c_str(), static_cast<double>(bytes)));
+        families.push_back(std::move(f));
+      };
+      add("collabserve_gpu_memory_allocated_bytes",
+          "GPU memory this process's live tensors hold (models' weights, passes in flight), from "
+          "LibTorch's CUDA caching allocator.",
+          r.allocated_bytes);
+      add("collabserve_gpu_memory_reserved_bytes",
+          "GPU memory LibTorch's CUDA caching allocator holds from the driver: the allocated "
+          "blocks and the cached free ones (CUDA graphs' pools among them).",
+          r.reserved_bytes);
+      // Unknown (0) is left out rather than divided by.
+      if (r.total_bytes > 0) {
+        add("collabserve_gpu_memory_total_bytes", "The GPU's memory.", r.total_bytes);
+      }
+    }
     return families;
   }
 
  private:
   const std::shared_ptr<prometheus::Registry> registry_;
+  const Sources* const sources_;
 };
 
 struct ProcessFamilies {
@@ -115,8 +161,9 @@ struct ProcessFamilies {
           .Help("Version directories the model repository could not load, by model and reason "
                 "(the load error's status code).")
           .Register(*registry);
+  Sources sources;
   std::shared_ptr<prometheus::Collectable> collectable =
-      std::make_shared<ProcessCollectableImpl>(registry);
+      std::make_shared<ProcessCollectableImpl>(registry, &sources);
 };
 
 ProcessFamilies& Families() {
@@ -134,10 +181,11 @@ void CountRepositoryLoadFailure(const std::string& model, const std::string& rea
 std::shared_ptr<prometheus::Collectable> ProcessCollectable() { return Families().collectable; }
 
 void SetPassArenaBytesSource(std::function<int64_t()> source) {
-  auto* next = source ? new std::function<int64_t()>(std::move(source)) : nullptr;
-  absl::MutexLock l(&arena_source_mu);
-  delete arena_source;
-  arena_source = next;
+  Families().sources.pass_arena_bytes.Set(std::move(source));
+}
+
+void SetGpuMemorySource(std::function<std::optional<GpuMemoryReading>()> source) {
+  Families().sources.gpu_memory.Set(std::move(source));
 }
 
 }  // namespace collabserve::metrics

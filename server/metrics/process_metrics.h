@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 namespace prometheus {
@@ -34,6 +35,21 @@ std::shared_ptr<prometheus::Collectable> ProcessCollectable();
 // Sets what part="arena" reads at each scrape (the service sets model::PassArenaResidentBytes; this
 // library does not link the model). Thread-safe; a later call replaces the source.
 void SetPassArenaBytesSource(std::function<int64_t()> source);
+
+// The server's GPU: what LibTorch's CUDA caching allocator holds there (model::DeviceMemory).
+struct GpuMemoryReading {
+  std::string device;  // "cuda:0"
+  int64_t allocated_bytes = 0;
+  int64_t reserved_bytes = 0;
+  int64_t total_bytes = 0;  // 0: unknown (no _total_bytes series)
+};
+
+// Sets what is read at each scrape for three gauges with a `device` label:
+// collabserve_gpu_memory_allocated_bytes (what live tensors hold), _reserved_bytes (what the
+// allocator holds from the driver, cached free blocks included) and _total_bytes (the GPU's). No
+// source, or a source that reads nothing (a CPU server, CUDA not used yet): no series. The service
+// sets model::ReadDeviceMemory of its --device. Thread-safe; a later call replaces the source.
+void SetGpuMemorySource(std::function<std::optional<GpuMemoryReading>()> source);
 
 }  // namespace collabserve::metrics
 

@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
+#include <optional>
+#include <string>
 #include <thread>
 #include <utility>
 
@@ -16,6 +19,7 @@
 #include "grpcpp/server_builder.h"
 #include "grpcpp/support/server_interceptor.h"
 #include "server/metrics/process_metrics.h"
+#include "server/model/device.h"
 #include "server/model/engine.h"
 #include "server/service/servable_reaper.h"
 #include "server/util/files.h"
@@ -284,6 +288,25 @@ std::map<std::string, StreamIdleWatchdog::Limit> IdleLimits(const ServerOptions&
   return limits;
 }
 
+// What /metrics reads of the server's GPU at each scrape: nothing for a CPU server, or for a
+// --device that does not parse or where CUDA cannot start (no model loads then). CUDA starts here,
+// before the first scrape (ReadDeviceMemory must not race with its start), rather than with the
+// first model.
+std::function<std::optional<metrics::GpuMemoryReading>()> GpuMemorySource(const std::string& name) {
+  absl::StatusOr<c10::Device> device = model::ParseDevice(name);
+  if (!device.ok()) return nullptr;
+  if (absl::Status s = model::InitDevice(*device); !s.ok()) {
+    LOG(WARNING) << "no GPU memory metrics: " << s;
+    return nullptr;
+  }
+  return [device = *device]() -> std::optional<metrics::GpuMemoryReading> {
+    std::optional<model::DeviceMemory> m = model::ReadDeviceMemory(device);
+    if (!m) return std::nullopt;
+    return metrics::GpuMemoryReading{device.str(), m->allocated_bytes, m->reserved_bytes,
+                                     m->total_bytes};
+  };
+}
+
 }  // namespace
 
 Server::Server(ServerOptions options)
@@ -293,6 +316,7 @@ Server::Server(ServerOptions options)
       reaper_(std::make_shared<ServableReaper>()),
       idle_watchdog_(std::make_unique<StreamIdleWatchdog>(IdleLimits(options_))) {
   metrics::SetPassArenaBytesSource(&model::PassArenaResidentBytes);
+  metrics::SetGpuMemorySource(GpuMemorySource(options_.servable.engine.device));
 }
 
 Server::~Server() { Shutdown(); }

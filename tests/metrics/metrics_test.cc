@@ -1,6 +1,7 @@
 #include "server/metrics/metrics.h"
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "gmock/gmock.h"
@@ -73,6 +74,32 @@ TEST(MetricsTest, ExportsWhatThePassArenaKeepsOnceASourceIsSet) {
   EXPECT_THAT(m.TextFormat(), HasSubstr("\ncollabserve_pass_memory_kept_bytes{part=\"arena\"} 0\n"));
   SetPassArenaBytesSource(nullptr);
   EXPECT_THAT(m.TextFormat(), Not(HasSubstr("collabserve_pass_memory_kept_bytes")));
+}
+
+// The GPU's three gauges read their source at each scrape (the server sets its device's); a source
+// that reads nothing, and no source, export no series.
+TEST(MetricsTest, ExportsTheGpuMemoryThatItsSourceReads) {
+  Metrics m("0.1.0", "1.13.1");
+  EXPECT_THAT(m.TextFormat(), Not(HasSubstr("collabserve_gpu_memory")));
+  std::optional<GpuMemoryReading> reading;
+  SetGpuMemorySource([&reading] { return reading; });
+  EXPECT_THAT(m.TextFormat(), Not(HasSubstr("collabserve_gpu_memory")));
+  reading = GpuMemoryReading{"cuda:1", 3 << 20, 5 << 20, int64_t{80} << 30};
+  std::string text = m.TextFormat();
+  EXPECT_THAT(text, HasSubstr("# TYPE collabserve_gpu_memory_allocated_bytes gauge\n"
+                              "collabserve_gpu_memory_allocated_bytes{device=\"cuda:1\"} 3145728\n"));
+  EXPECT_THAT(text, HasSubstr("# TYPE collabserve_gpu_memory_reserved_bytes gauge\n"
+                              "collabserve_gpu_memory_reserved_bytes{device=\"cuda:1\"} 5242880\n"));
+  EXPECT_THAT(text, HasSubstr("# TYPE collabserve_gpu_memory_total_bytes gauge\n"
+                              "collabserve_gpu_memory_total_bytes{device=\"cuda:1\"} 85899345920\n"));
+  reading->allocated_bytes = 0;
+  reading->total_bytes = 0;  // unknown: left out, not a 0 to divide by
+  text = m.TextFormat();
+  EXPECT_THAT(text, HasSubstr("\ncollabserve_gpu_memory_allocated_bytes{device=\"cuda:1\"} 0\n"));
+  EXPECT_THAT(text, HasSubstr("\ncollabserve_gpu_memory_reserved_bytes{device=\"cuda:1\"} 5242880\n"));
+  EXPECT_THAT(text, Not(HasSubstr("collabserve_gpu_memory_total_bytes")));
+  SetGpuMemorySource(nullptr);
+  EXPECT_THAT(m.TextFormat(), Not(HasSubstr("collabserve_gpu_memory")));
 }
 
 TEST(MetricsTest, RemoveVersionDropsOnlyThatVersionsSeries) {

@@ -40,6 +40,7 @@ using ::collabserve::testing::ParseMetrics;
 using ::collabserve::testing::ScrapeMetrics;
 using ::collabserve::testing::TempDir;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using HealthResponse = grpc::health::v1::HealthCheckResponse;
 
 v1::ClassifyRequest Request(const std::string& model, std::vector<std::string> texts) {
@@ -553,6 +554,8 @@ TEST_F(ServerTest, MetricsPageParsesAndPassesPromtool) {
   EXPECT_EQ(m["collabserve_build_info{torch_version=\"test\",version=\"0.1.0\"}"], 1);
   EXPECT_EQ(m.count("collabserve_pass_memory_kept_bytes{part=\"arena\"}"), 1u);  // the server's source
   EXPECT_GE(m["collabserve_pass_memory_kept_bytes{part=\"arena\"}"], 0);
+  // A CPU server reads no GPU (the source is set; ReadDeviceMemory reads nothing on the CPU).
+  EXPECT_THAT(*text, Not(HasSubstr("collabserve_gpu_memory")));
 
   // promtool's linter is the reference for the exposition format. The deploy scripts install it.
   TempDir dir;
