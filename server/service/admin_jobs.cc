@@ -854,12 +854,18 @@ void JobManager::Finish(const std::shared_ptr<Job>& job, const absl::Status& sta
   int64_t created = 0;
   {
     absl::MutexLock l(&job->mu_);
+    created = job->job_.created_unix_micros();
+  }
+  // Counted before the end is published, for the same reason: a client that saw the job succeed
+  // and then scraped /metrics found it not yet counted.
+  if (metrics_ != nullptr) metrics_->JobEnded(Outcome(status), (now - created) / 1e6);
+  {
+    absl::MutexLock l(&job->mu_);
     v1::Job::State state = status.ok() ? v1::Job::SUCCEEDED
                            : status.code() == absl::StatusCode::kCancelled ? v1::Job::CANCELLED
                                                                             : v1::Job::FAILED;
     job->job_.set_state(state);
     job->job_.set_finished_unix_micros(now);
-    created = job->job_.created_unix_micros();
     v1::JobEvent e;
     if (status.ok()) {
       e = Event(v1::JobEvent::SUCCEEDED, "succeeded");
@@ -876,7 +882,6 @@ void JobManager::Finish(const std::shared_ptr<Job>& job, const absl::Status& sta
     job->event_states_.push_back(state);
     for (auto& [handle, listener] : job->listeners_) listener(e, state);
   }
-  if (metrics_ != nullptr) metrics_->JobEnded(Outcome(status), (now - created) / 1e6);
   absl::MutexLock l(&mu_);
   ReleaseLocked(*job);
   finished_order_.push_back(job->id());
