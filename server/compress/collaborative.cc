@@ -29,6 +29,7 @@
 #include "server/model/probe_sentences.h"
 #include "server/model/state_dict.h"
 #include "server/model/threads.h"
+#include "server/model/torch_status.h"
 #include "server/text/bert_tokenizer.h"
 #include "server/text/utf8.h"
 #include "server/util/files.h"
@@ -272,7 +273,7 @@ absl::Status ForEachLayer(const std::vector<int>& order, int workers, bool on_cp
         if (absl::Status s = fn(order[k]); !s.ok()) return failed(std::move(s));
       }
     } catch (const std::exception& e) {
-      failed(absl::InternalError(absl::StrCat("compression failed: ", e.what())));
+      failed(model::TorchErrorStatus("compression failed", e));
     }
   };
   ScopedSingleThreadedBlas blas(workers > 1 && on_cpu);
@@ -324,7 +325,7 @@ absl::StatusOr<PassModel> PassModel::On(const model::BertClassifier& m, const c1
     copy->Prepare(device, c10::kFloat, /*pack_weights=*/false);
     p.copy_ = std::move(copy);
   } catch (const std::exception& e) {
-    return absl::InternalError(absl::StrCat("copying the model to ", device.str(), " for its passes failed: ", e.what()));
+    return model::TorchErrorStatus(absl::StrCat("copying the model to ", device.str(), " for its passes failed"), e);
   }
   return p;
 }
@@ -375,7 +376,7 @@ absl::StatusOr<std::unique_ptr<model::BertClassifier>> AssembleCollaborative(
       dst.content_bias.copy_((at::bmm(Q, bq).squeeze(2) * scale).to(at::kFloat));
     }
   } catch (const std::exception& e) {
-    return absl::InternalError(absl::StrCat("building the collaborative model failed: ", e.what()));
+    return model::TorchErrorStatus("building the collaborative model failed", e);
   }
 
   model::ParamCounts before = model::CountParams(source), after = model::CountParams(*out);
@@ -526,7 +527,7 @@ absl::StatusOr<TextBatches> TokenizeInBatches(const model::BertClassifier& model
       out.batches.push_back(std::move(b));
     }
   } catch (const std::exception& e) {
-    return absl::InternalError(absl::StrCat("batching the ", what, "s failed: ", e.what()));
+    return model::TorchErrorStatus(absl::StrCat("batching the ", what, "s failed"), e);
   }
   return out;
 }
@@ -547,7 +548,7 @@ absl::Status ForEachBatch(size_t n, int workers, const std::function<void(int, s
     } catch (const std::exception& e) {
       failed = true;  // the other workers stop at their next batch
       std::lock_guard<std::mutex> lock(mu);
-      if (status.ok()) status = absl::InternalError(absl::StrCat("running the texts failed: ", e.what()));
+      if (status.ok()) status = model::TorchErrorStatus("running the texts failed", e);
     }
   };
   std::vector<std::thread> threads;
@@ -644,7 +645,7 @@ absl::StatusOr<FidelityReport> CompareLogits(const std::vector<at::Tensor>& a, c
       kl_sum += (lp.exp() * (lp - lq)).sum().item<double>();
     }
   } catch (const std::exception& e) {
-    return absl::InternalError(absl::StrCat("fidelity measurement failed: ", e.what()));
+    return model::TorchErrorStatus("fidelity measurement failed", e);
   }
   f.probes = static_cast<int>(texts);
   f.top1_agreement = texts == 0 ? 1.0 : static_cast<double>(agree) / texts;
@@ -678,7 +679,7 @@ absl::StatusOr<CalibrationStats> CollectCalibrationStats(const model::BertClassi
     c10::InferenceMode guard;
     sums.Finish(&st);
   } catch (const std::exception& e) {
-    return absl::InternalError(absl::StrCat("calibration pass failed: ", e.what()));
+    return model::TorchErrorStatus("calibration pass failed", e);
   }
   st.texts = static_cast<int64_t>(texts.size());
   st.seconds = SecondsSince(start);
@@ -705,7 +706,7 @@ absl::StatusOr<LayerWhitening> WhitenLayer(const at::Tensor& m2, const at::Tenso
     ASSIGN_OR_RETURN(w.key_factor, factor(m2 - at::outer(mu, mu), "covariance"));
     return w;
   } catch (const std::exception& e) {
-    return absl::InternalError(absl::StrCat("whitening failed: ", e.what()));
+    return model::TorchErrorStatus("whitening failed", e);
   }
 }
 }  // namespace internal
@@ -837,7 +838,7 @@ absl::StatusOr<CompressReport> CompressModelDirectory(const std::string& in_dir,
   try {
     source->Prepare(c10::Device(c10::kCPU), c10::kFloat, /*pack_weights=*/false);
   } catch (const std::exception& e) {
-    return absl::InternalError(absl::StrCat(in_dir, ": preparing the model failed: ", e.what()));
+    return model::TorchErrorStatus(absl::StrCat(in_dir, ": preparing the model failed"), e);
   }
   const double load_seconds = SecondsSince(t0);
   ASSIGN_OR_RETURN(CompressReport report, CompressLoadedModel(*source, in_dir, out_dir, options));
@@ -914,7 +915,7 @@ absl::StatusOr<std::unique_ptr<model::BertClassifier>> ConvertOnCompressedInputs
     try {
       m->Prepare(device, c10::kFloat, /*pack_weights=*/false);
     } catch (const std::exception& e) {
-      return absl::InternalError(absl::StrCat("preparing the partly converted model failed: ", e.what()));
+      return model::TorchErrorStatus("preparing the partly converted model failed", e);
     }
     return m;
   };
@@ -933,7 +934,7 @@ absl::StatusOr<std::unique_ptr<model::BertClassifier>> ConvertOnCompressedInputs
   try {
     for (size_t b = 0; b < n; ++b) rows[b] = internal::LayerInputSums::Rows(tb.batches[b].mask, passes.device());
   } catch (const std::exception& e) {
-    return absl::InternalError(absl::StrCat("the calibration batches' rows: ", e.what()));
+    return model::TorchErrorStatus("the calibration batches' rows", e);
   }
   report->calibration_seconds += SecondsSince(t);
   double decompose_seconds = 0;
@@ -950,7 +951,7 @@ absl::StatusOr<std::unique_ptr<model::BertClassifier>> ConvertOnCompressedInputs
         c10::InferenceMode guard;
         sums.Finish(&st);
       } catch (const std::exception& e) {
-        return absl::InternalError(absl::StrCat("layer ", l, ": its calibration statistics failed: ", e.what()));
+        return model::TorchErrorStatus(absl::StrCat("layer ", l, ": its calibration statistics failed"), e);
       }
       ASSIGN_OR_RETURN(o.whitening[l], internal::WhitenLayer(st.second_moment[0], st.mean[0], o.whiten_damping, l));
       report->calibration_seconds += SecondsSince(t);
@@ -1050,7 +1051,7 @@ absl::StatusOr<CompressReport> CompressLoadedModel(const model::BertClassifier& 
   try {
     compressed->Prepare(c10::Device(c10::kCPU), c10::kFloat, /*pack_weights=*/false);
   } catch (const std::exception& e) {
-    return absl::InternalError(absl::StrCat("preparing the compressed model failed: ", e.what()));
+    return model::TorchErrorStatus("preparing the compressed model failed", e);
   }
   report.convert_seconds = SecondsSince(step_start);
   step("fidelity");
@@ -1088,7 +1089,7 @@ absl::StatusOr<CompressReport> CompressLoadedModel(const model::BertClassifier& 
                                   model::WeightDType::kF32,
                                   {{"format", "pt"}, {"collabserve", "collaborative-v1"}});
       } catch (const std::exception& e) {
-        return absl::InternalError(absl::StrCat(tmp, ": writing the compressed model failed: ", e.what()));
+        return model::TorchErrorStatus(absl::StrCat(tmp, ": writing the compressed model failed"), e);
       }
     }();
     weights_seconds = SecondsSince(write_start);

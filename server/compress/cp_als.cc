@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "server/compress/gram_solve.h"
+#include "server/model/torch_status.h"
 #include "server/util/process_env.h"
 #include "server/util/status_macros.h"
 
@@ -118,15 +119,14 @@ absl::Status CheckOptions(const char* fn, const CpAlsOptions& options) {
   return absl::OkStatus();
 }
 
-// Runs `body` and turns any exception LibTorch (or the standard library) throws into INTERNAL.
+// Runs `body` and turns any exception LibTorch (or the standard library) throws into a status
+// (model::TorchErrorStatus: RESOURCE_EXHAUSTED for an allocation that failed, else INTERNAL).
 template <typename T, typename Body>
 absl::StatusOr<T> CatchAll(const char* fn, Body&& body) {
   try {
     return body();
-  } catch (const c10::Error& e) {
-    return absl::InternalError(absl::StrCat(fn, ": LibTorch error: ", e.what_without_backtrace()));
   } catch (const std::exception& e) {
-    return absl::InternalError(absl::StrCat(fn, ": ", e.what()));
+    return model::TorchErrorStatus(fn, e);
   }
 }
 

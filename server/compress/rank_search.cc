@@ -39,6 +39,7 @@
 #include "server/model/device.h"
 #include "server/model/param_counts.h"
 #include "server/model/probe_sentences.h"
+#include "server/model/torch_status.h"
 #include "server/util/status_macros.h"
 
 namespace collabserve::compress::internal {
@@ -176,7 +177,7 @@ absl::StatusOr<std::vector<LayerDecomposition>> SearchRanks(const model::BertCla
     try {
       m->Prepare(passes.device(), c10::kFloat, /*pack_weights=*/false);
     } catch (const std::exception& e) {
-      return absl::InternalError(absl::StrCat("preparing a candidate model failed: ", e.what()));
+      return model::TorchErrorStatus("preparing a candidate model failed", e);
     }
     return m;
   };

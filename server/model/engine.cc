@@ -19,6 +19,7 @@
 #include "server/model/param_counts.h"
 #include "server/model/pass_arena.h"
 #include "server/model/state_dict.h"
+#include "server/model/torch_status.h"
 #include "server/text/bert_tokenizer.h"
 #include "server/util/files.h"
 #include "server/util/status_macros.h"
@@ -121,7 +122,7 @@ class TorchEngine final : public Engine {
         logits = model_->Forward(in.ids, in.types, in.mask).contiguous();
       }
     } catch (const std::exception& e) {
-      return absl::InternalError(absl::StrCat("forward pass failed: ", e.what()));
+      return TorchErrorStatus("forward pass failed", e);
     }
     at::Tensor probs;
     switch (c.output_function()) {
@@ -191,7 +192,7 @@ absl::StatusOr<std::unique_ptr<BertClassifier>> LoadClassifier(const std::string
     RETURN_IF_ERROR(LoadStateDict(*model, ckpt, weights, borrow_packed));
     return model;
   } catch (const std::exception& e) {
-    return absl::InternalError(absl::StrCat(weights, ": ", e.what()));
+    return TorchErrorStatus(weights, e);
   }
 }
 
@@ -222,7 +223,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Load(const std::string& dir,
     model->Prepare(device, dtype, options.pack_weights);
     model->set_collab_attention(options.collab_attention);
   } catch (const std::exception& e) {
-    return absl::InternalError(absl::StrCat(dir, ": moving the model to ", options.device, ": ", e.what()));
+    return TorchErrorStatus(absl::StrCat(dir, ": moving the model to ", options.device), e);
   }
   ModelInfo info;
   info.labels = config.id2label;
@@ -244,7 +245,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Load(const std::string& dir,
     return std::unique_ptr<Engine>(std::make_unique<TorchEngine>(
         std::move(model), std::move(tokenizer), std::move(info), options.cuda_graph_max_tokens));
   } catch (const std::exception& e) {
-    return absl::InternalError(absl::StrCat(dir, ": setting up CUDA graphs: ", e.what()));
+    return TorchErrorStatus(absl::StrCat(dir, ": setting up CUDA graphs"), e);
   }
 }
 

@@ -15,6 +15,7 @@
 #include <fstream>
 #include <memory>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -31,6 +32,7 @@
 #include "server/model/param_counts.h"
 #include "server/model/pass_arena.h"
 #include "server/model/state_dict.h"
+#include "server/model/torch_status.h"
 #include "server/text/bert_tokenizer.h"
 #include "tests/testing/test_util.h"
 
@@ -38,6 +40,7 @@ namespace collabserve::model {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 using testing::TempDir;
 
 std::string Msg(const absl::Status& s) { return std::string(s.message()); }
@@ -620,6 +623,80 @@ TEST(EngineMemoryTest, GpuMemoryReadingsFollowTensorsAndModels) {
   const std::optional<DeviceMemory> loaded = ReadDeviceMemory(gpu);
   ASSERT_TRUE(loaded.has_value());
   EXPECT_GE(loaded->allocated_bytes - freed->allocated_bytes, (*engine)->info().params.total * 4);
+}
+
+// LibTorch's exceptions as statuses: an allocation that failed is RESOURCE_EXHAUSTED (a caller may
+// retry), anything else INTERNAL; the message is the context and LibTorch's own, without its
+// C++ backtrace.
+TEST(EngineErrorsTest, TorchErrorsBecomeStatusesWithoutBacktraces) {
+  auto status_of = [](auto&& throws) {
+    try {
+      throws();
+    } catch (const std::exception& e) {
+      return TorchErrorStatus("loading x", e);
+    }
+    return absl::OkStatus();
+  };
+  absl::Status oom = status_of(
+      [] { TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory. Tried to allocate 2.00 GiB"); });
+  EXPECT_EQ(oom.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(Msg(oom), "loading x: CUDA out of memory. Tried to allocate 2.00 GiB");
+  absl::Status torch = status_of([] { TORCH_CHECK(false, "shapes do not match"); });
+  EXPECT_EQ(torch.code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(Msg(torch), "loading x: shapes do not match");
+  absl::Status other = status_of([] { throw std::runtime_error("no space left"); });
+  EXPECT_EQ(other.code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(Msg(other), "loading x: no space left");
+}
+
+// Out of GPU memory: a model that does not fit is refused with RESOURCE_EXHAUSTED, so is a pass
+// that does not; once memory is free again the same engine serves (the allocator recovers).
+TEST(EngineErrorsTest, OutOfGpuMemoryIsResourceExhaustedAndPassesWhenMemoryIsBack) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device (scripts/gpu-check.sh runs this)";
+  const c10::Device gpu(c10::kCUDA, 0);
+  TempDir dir;
+  MakeOptions o;
+  o.preset = "mini";
+  ASSERT_TRUE(MakeCheckpoint(dir.path(), o).ok());
+  EngineOptions eo;
+  eo.device = "cuda";
+  eo.cuda_graph_max_tokens = 0;  // every pass eager: the test is about the allocator
+  auto engine = Engine::Load(dir.path(), eo);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  std::vector<TokenizedInput> batch;
+  for (int b = 0; b < 16; ++b) batch.push_back(SyntheticInput(500, b * 131, 0));
+  auto want = (*engine)->Run(batch);
+  ASSERT_TRUE(want.ok()) << want.status();
+
+  // Fill the GPU: chunks of 1 GiB, then 64 MiB, then 2 MiB, until none fits.
+  std::vector<at::Tensor> filler;
+  for (int64_t chunk : {int64_t{1} << 30, int64_t{64} << 20, int64_t{2} << 20}) {
+    for (;;) {
+      try {
+        filler.push_back(at::empty({chunk}, at::TensorOptions().dtype(at::kByte).device(gpu)));
+      } catch (const c10::Error&) {
+        break;
+      }
+    }
+  }
+  ASSERT_FALSE(filler.empty());
+  absl::Status load = Engine::Load(dir.path(), eo).status();
+  EXPECT_EQ(load.code(), absl::StatusCode::kResourceExhausted) << load;
+  EXPECT_THAT(Msg(load), HasSubstr("out of memory"));
+  EXPECT_THAT(Msg(load), Not(HasSubstr("Exception raised from")));
+  absl::Status run = (*engine)->Run(batch).status();
+  EXPECT_EQ(run.code(), absl::StatusCode::kResourceExhausted) << run;
+  EXPECT_THAT(Msg(run), HasSubstr("forward pass failed: "));
+
+  filler.clear();
+  auto again = (*engine)->Run(batch);
+  ASSERT_TRUE(again.ok()) << again.status();
+  ASSERT_EQ(again->size(), want->size());
+  for (size_t i = 0; i < want->size(); ++i) {
+    for (size_t k = 0; k < (*want)[i].logits.size(); ++k) {
+      EXPECT_NEAR((*again)[i].logits[k], (*want)[i].logits[k], 1e-5);
+    }
+  }
 }
 
 // The path CUDA's float16 / bfloat16 take (ATen ops on another dtype), run on the CPU in bfloat16:
