@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "server/model/device.h"
+#include "server/model/torch_status.h"
 
 #if COLLABSERVE_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -77,12 +78,9 @@ absl::Status InitDevice(const c10::Device& device) {
   if (!device.is_cuda()) return absl::OkStatus();
   try {
     (void)at::empty({0}, at::TensorOptions().device(device));
-  } catch (const c10::Error& e) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("cannot start CUDA on ", device.str(), ": ", e.what_without_backtrace()));
   } catch (const std::exception& e) {
     return absl::FailedPreconditionError(
-        absl::StrCat("cannot start CUDA on ", device.str(), ": ", e.what()));
+        TorchErrorStatus(absl::StrCat("cannot start CUDA on ", device.str()), e).message());
   }
   return absl::OkStatus();
 }
