@@ -273,13 +273,14 @@ class IntraOpThreads {
   int saved_;
 };
 
-// A mini-preset checkpoint (64-wide heads, the shape the team path serves) made in `dir`, loaded.
-std::unique_ptr<Engine> LoadMini(const TempDir& dir, uint64_t seed) {
+// A mini-preset checkpoint (64-wide heads, the shape the team path serves) made in `dir`, loaded
+// with `options`.
+std::unique_ptr<Engine> LoadMini(const TempDir& dir, uint64_t seed, const EngineOptions& options = {}) {
   MakeOptions o;
   o.preset = "mini";
   o.seed = seed;
   EXPECT_TRUE(MakeCheckpoint(dir.path(), o).ok());
-  auto engine = Engine::Load(dir.path());
+  auto engine = Engine::Load(dir.path(), options);
   EXPECT_TRUE(engine.ok()) << engine.status();
   return engine.ok() ? std::move(*engine) : nullptr;
 }
@@ -615,14 +616,11 @@ TEST(EngineMemoryTest, GpuMemoryReadingsFollowTensorsAndModels) {
 
   // A model on the GPU: at least its float32 weights.
   TempDir dir;
-  MakeOptions o;
-  o.preset = "mini";
-  ASSERT_TRUE(MakeCheckpoint(dir.path(), o).ok());
-  auto engine = Engine::Load(dir.path(), {"cuda", "float32"});
-  ASSERT_TRUE(engine.ok()) << engine.status();
+  std::unique_ptr<Engine> engine = LoadMini(dir, 0, {"cuda", "float32"});
+  ASSERT_NE(engine, nullptr);
   const std::optional<DeviceMemory> loaded = ReadDeviceMemory(gpu);
   ASSERT_TRUE(loaded.has_value());
-  EXPECT_GE(loaded->allocated_bytes - freed->allocated_bytes, (*engine)->info().params.total * 4);
+  EXPECT_GE(loaded->allocated_bytes - freed->allocated_bytes, engine->info().params.total * 4);
 }
 
 // LibTorch's exceptions as statuses: an allocation that failed is RESOURCE_EXHAUSTED (a caller may
@@ -655,17 +653,14 @@ TEST(EngineErrorsTest, OutOfGpuMemoryIsResourceExhaustedAndPassesWhenMemoryIsBac
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device (scripts/gpu-check.sh runs this)";
   const c10::Device gpu(c10::kCUDA, 0);
   TempDir dir;
-  MakeOptions o;
-  o.preset = "mini";
-  ASSERT_TRUE(MakeCheckpoint(dir.path(), o).ok());
   EngineOptions eo;
   eo.device = "cuda";
   eo.cuda_graph_max_tokens = 0;  // every pass eager: the test is about the allocator
-  auto engine = Engine::Load(dir.path(), eo);
-  ASSERT_TRUE(engine.ok()) << engine.status();
+  std::unique_ptr<Engine> engine = LoadMini(dir, 0, eo);
+  ASSERT_NE(engine, nullptr);
   std::vector<TokenizedInput> batch;
   for (int b = 0; b < 16; ++b) batch.push_back(SyntheticInput(500, b * 131, 0));
-  auto want = (*engine)->Run(batch);
+  auto want = engine->Run(batch);
   ASSERT_TRUE(want.ok()) << want.status();
 
   // Fill the GPU: chunks of 1 GiB, then 64 MiB, then 2 MiB, until none fits.
@@ -684,12 +679,12 @@ TEST(EngineErrorsTest, OutOfGpuMemoryIsResourceExhaustedAndPassesWhenMemoryIsBac
   EXPECT_EQ(load.code(), absl::StatusCode::kResourceExhausted) << load;
   EXPECT_THAT(Msg(load), HasSubstr("out of memory"));
   EXPECT_THAT(Msg(load), Not(HasSubstr("Exception raised from")));
-  absl::Status run = (*engine)->Run(batch).status();
+  absl::Status run = engine->Run(batch).status();
   EXPECT_EQ(run.code(), absl::StatusCode::kResourceExhausted) << run;
   EXPECT_THAT(Msg(run), HasSubstr("forward pass failed: "));
 
   filler.clear();
-  auto again = (*engine)->Run(batch);
+  auto again = engine->Run(batch);
   ASSERT_TRUE(again.ok()) << again.status();
   ASSERT_EQ(again->size(), want->size());
   for (size_t i = 0; i < want->size(); ++i) {
