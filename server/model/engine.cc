@@ -3,12 +3,9 @@
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
 #include <glog/logging.h>
-#include <torch/cuda.h>
 
 #include <algorithm>
 
-#include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "server/model/bert.h"
 #include "server/model/config.h"
@@ -25,26 +22,6 @@
 #include "server/util/status_macros.h"
 
 namespace collabserve::model {
-
-absl::StatusOr<c10::Device> ParseDevice(const std::string& s) {
-  if (s == "cpu") return c10::Device(c10::kCPU);
-  if (s == "cuda" || absl::StartsWith(s, "cuda:")) {
-    int index = 0;
-    if (s.size() > 5 && !absl::SimpleAtoi(s.substr(5), &index)) {
-      return absl::InvalidArgumentError(absl::StrCat("device '", s, "': bad CUDA index"));
-    }
-    if (!torch::cuda::is_available()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("device '", s, "' requested but CUDA is not available in this build or machine"));
-    }
-    if (index < 0 || index >= static_cast<int>(torch::cuda::device_count())) {
-      return absl::InvalidArgumentError(absl::StrCat("device '", s, "': only ",
-                                                     torch::cuda::device_count(), " CUDA devices"));
-    }
-    return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index));
-  }
-  return absl::InvalidArgumentError(absl::StrCat("device '", s, "' is not cpu, cuda or cuda:N"));
-}
 
 namespace {
 

@@ -1,11 +1,13 @@
-// ReadDeviceMemory and InitDevice (device.h). COLLABSERVE_WITH_CUDA: set by
-// server/model/CMakeLists.txt where LibTorch has CUDA (2.2 or later); scripts/check-libtorch2.sh
-// compiles this file both ways.
+// device.h. COLLABSERVE_WITH_CUDA (the allocator's readings): set by server/model/CMakeLists.txt
+// where LibTorch has CUDA (2.2 or later); scripts/check-libtorch2.sh compiles this file both ways.
 #include <ATen/ATen.h>
+#include <torch/cuda.h>
 
 #include <exception>
 #include <optional>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "server/model/device.h"
 #include "server/model/torch_status.h"
@@ -20,6 +22,26 @@
 #endif
 
 namespace collabserve::model {
+
+absl::StatusOr<c10::Device> ParseDevice(const std::string& s) {
+  if (s == "cpu") return c10::Device(c10::kCPU);
+  if (s == "cuda" || absl::StartsWith(s, "cuda:")) {
+    int index = 0;
+    if (s.size() > 5 && !absl::SimpleAtoi(s.substr(5), &index)) {
+      return absl::InvalidArgumentError(absl::StrCat("device '", s, "': bad CUDA index"));
+    }
+    if (!torch::cuda::is_available()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("device '", s, "' requested but CUDA is not available in this build or machine"));
+    }
+    if (index < 0 || index >= static_cast<int>(torch::cuda::device_count())) {
+      return absl::InvalidArgumentError(absl::StrCat("device '", s, "': only ",
+                                                     torch::cuda::device_count(), " CUDA devices"));
+    }
+    return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index));
+  }
+  return absl::InvalidArgumentError(absl::StrCat("device '", s, "' is not cpu, cuda or cuda:N"));
+}
 
 #if COLLABSERVE_WITH_CUDA
 namespace {
