@@ -1,11 +1,15 @@
 // device.h. COLLABSERVE_WITH_CUDA (the allocator's readings): set by server/model/CMakeLists.txt
 // where LibTorch has CUDA (2.2 or later); scripts/check-libtorch2.sh compiles this file both ways.
 #include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/cuda.h>
 
 #include <exception>
 #include <optional>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -94,6 +98,50 @@ std::optional<DeviceMemory> ReadDeviceMemory(const c10::Device& device) {
   (void)device;
   return std::nullopt;
 #endif
+}
+
+namespace {
+constexpr absl::string_view kDeviceFailureUrl = "type.collabserve.dev/device-failure";
+}  // namespace
+
+absl::Status CheckDevice(const c10::Device& device) {
+  if (!device.is_cuda()) return absl::OkStatus();
+  try {
+    // Its own stream, so that the wait is for these two kernels only (a pass on another thread
+    // need not end first) and never a device-wide synchronisation.
+    const c10::Stream stream = c10::impl::getDeviceGuardImpl(device.type())->getStreamFromGlobalPool(device);
+    const c10::StreamGuard on(stream);
+    c10::InferenceMode guard;
+    const at::Tensor two = at::full({1}, 2.0f, at::TensorOptions().device(device));
+    const float four = at::mul(two, two).to(at::kCPU).item<float>();
+    if (four != 4.0f) {
+      return absl::UnavailableError(absl::StrCat(device.str(), " computed ", four, " for 2 * 2"));
+    }
+    return absl::OkStatus();
+  } catch (const std::exception& e) {
+    const absl::Status s = TorchErrorStatus(absl::StrCat(device.str(), " can run no more work"), e);
+    if (s.code() == absl::StatusCode::kResourceExhausted) return absl::OkStatus();  // full, not broken
+    return absl::UnavailableError(s.message());
+  }
+}
+
+absl::Status DeviceErrorStatus(absl::string_view context, const std::exception& e,
+                               const c10::Device& device) {
+  absl::Status s = TorchErrorStatus(context, e);
+  if (s.code() != absl::StatusCode::kInternal || !device.is_cuda()) return s;
+  const absl::Status check = CheckDevice(device);
+  if (check.ok()) return s;
+  return MarkedDeviceFailure(absl::UnavailableError(
+      absl::StrCat(s.message(), "; ", check.message(), " (a CUDA error that only a restart clears)")));
+}
+
+bool IsDeviceFailure(const absl::Status& status) {
+  return !status.ok() && status.GetPayload(kDeviceFailureUrl).has_value();
+}
+
+absl::Status MarkedDeviceFailure(absl::Status status) {
+  if (!status.ok()) status.SetPayload(kDeviceFailureUrl, absl::Cord("1"));
+  return status;
 }
 
 absl::Status InitDevice(const c10::Device& device) {

@@ -1,16 +1,18 @@
 // Parsing device names ("cpu", "cuda", "cuda:N") into LibTorch devices, with clear errors; what a
-// GPU's memory holds.
+// GPU's memory holds; whether a GPU can still run work.
 #ifndef COLLABSERVE_SERVER_MODEL_DEVICE_H_
 #define COLLABSERVE_SERVER_MODEL_DEVICE_H_
 
 #include <c10/core/Device.h>
 
 #include <cstdint>
+#include <exception>
 #include <optional>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace collabserve::model {
 
@@ -43,6 +45,27 @@ std::optional<DeviceMemory> ReadDeviceMemory(const c10::Device& device);
 // OK at once for a CPU device; FAILED_PRECONDITION, naming the device and LibTorch's message, when
 // CUDA cannot start.
 absl::Status InitDevice(const c10::Device& device);
+
+// Whether `device` can still run work. OK at once for the CPU. On a GPU, runs a tiny kernel there
+// and waits for it (its own stream: no device-wide synchronisation, which would break a CUDA graph
+// capture in another thread): UNAVAILABLE, naming the device and the CUDA error, when that fails.
+// Some CUDA errors stick to the process's context (an illegal memory access, a device-side assert,
+// an uncorrectable ECC error, a GPU fallen off the bus): every later call on the device fails with
+// them, and only a new process recovers. OK when the GPU merely has no memory left for the check.
+absl::Status CheckDevice(const c10::Device& device);
+
+// The status of a LibTorch exception `e` thrown by work on `device`: TorchErrorStatus(context, e),
+// except where that is INTERNAL, `device` is a GPU and CheckDevice finds it unusable after the
+// error. Then UNAVAILABLE with both messages, marked as a device failure (IsDeviceFailure), so that
+// a caller can retry elsewhere and the server stop taking work.
+absl::Status DeviceErrorStatus(absl::string_view context, const std::exception& e,
+                               const c10::Device& device);
+
+// Whether `status` (or a copy: the mark is a payload, see MarkedDeviceFailure) comes from a device
+// that can run nothing more.
+bool IsDeviceFailure(const absl::Status& status);
+// `status` marked as a device failure.
+absl::Status MarkedDeviceFailure(absl::Status status);
 
 }  // namespace collabserve::model
 

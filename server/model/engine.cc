@@ -99,7 +99,7 @@ class TorchEngine final : public Engine {
         logits = model_->Forward(in.ids, in.types, in.mask).contiguous();
       }
     } catch (const std::exception& e) {
-      return TorchErrorStatus("forward pass failed", e);
+      return DeviceErrorStatus("forward pass failed", e, model_->device());
     }
     at::Tensor probs;
     switch (c.output_function()) {
@@ -200,7 +200,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Load(const std::string& dir,
     model->Prepare(device, dtype, options.pack_weights);
     model->set_collab_attention(options.collab_attention);
   } catch (const std::exception& e) {
-    return TorchErrorStatus(absl::StrCat(dir, ": moving the model to ", options.device), e);
+    return DeviceErrorStatus(absl::StrCat(dir, ": moving the model to ", options.device), e, device);
   }
   ModelInfo info;
   info.labels = config.id2label;
@@ -222,7 +222,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Load(const std::string& dir,
     return std::unique_ptr<Engine>(std::make_unique<TorchEngine>(
         std::move(model), std::move(tokenizer), std::move(info), options.cuda_graph_max_tokens));
   } catch (const std::exception& e) {
-    return TorchErrorStatus(absl::StrCat(dir, ": setting up CUDA graphs"), e);
+    return DeviceErrorStatus(absl::StrCat(dir, ": setting up CUDA graphs"), e, device);
   }
 }
 

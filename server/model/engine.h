@@ -106,7 +106,9 @@ class Engine {
 
   // Runs one batch: pads to the longest input, masks the padding, returns one Prediction per
   // input in order. A sequence's result does not depend on what it is batched with. INVALID_ARGUMENT
-  // for an empty input, an input longer than max_length, or an id outside the vocabulary.
+  // for an empty input, an input longer than max_length, or an id outside the vocabulary;
+  // RESOURCE_EXHAUSTED when the device's memory ran out; UNAVAILABLE, marked as a device failure
+  // (device.h's IsDeviceFailure), when the GPU can run no more work; INTERNAL otherwise.
   virtual absl::StatusOr<std::vector<Prediction>> Run(
       absl::Span<const TokenizedInput* const> batch) const = 0;
 

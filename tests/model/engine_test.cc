@@ -11,6 +11,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -22,6 +24,9 @@
 #include <utility>
 #include <vector>
 
+#include "absl/status/statusor.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "server/model/bert.h"
 #include "server/model/checkpoint_maker.h"
 #include "server/model/dense_ops.h"
@@ -692,6 +697,107 @@ TEST(EngineErrorsTest, OutOfGpuMemoryIsResourceExhaustedAndPassesWhenMemoryIsBac
       EXPECT_NEAR((*again)[i].logits[k], (*want)[i].logits[k], 1e-5);
     }
   }
+}
+
+// DeviceErrorStatus on the CPU is TorchErrorStatus: the CPU never fails for good. The mark of a
+// device failure survives copies of the status, not a status rebuilt from its code and message.
+TEST(EngineErrorsTest, OnTheCpuNoErrorIsADeviceFailure) {
+  const c10::Device cpu(c10::kCPU);
+  EXPECT_TRUE(CheckDevice(cpu).ok());
+  auto status_of = [&](auto&& throws) {
+    try {
+      throws();
+    } catch (const std::exception& e) {
+      return DeviceErrorStatus("forward pass failed", e, cpu);
+    }
+    return absl::OkStatus();
+  };
+  absl::Status internal = status_of([] { TORCH_CHECK(false, "shapes do not match"); });
+  EXPECT_EQ(internal.code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(Msg(internal), "forward pass failed: shapes do not match");
+  EXPECT_FALSE(IsDeviceFailure(internal));
+  absl::Status oom = status_of([] { TORCH_CHECK_WITH(OutOfMemoryError, false, "out of memory"); });
+  EXPECT_EQ(oom.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_FALSE(IsDeviceFailure(oom));
+
+  const absl::Status marked = MarkedDeviceFailure(absl::UnavailableError("cuda:0 can run no more work"));
+  EXPECT_TRUE(IsDeviceFailure(marked));
+  const absl::Status copy = marked;
+  EXPECT_TRUE(IsDeviceFailure(copy));
+  EXPECT_FALSE(IsDeviceFailure(absl::Status(marked.code(), marked.message())));
+  EXPECT_TRUE(MarkedDeviceFailure(absl::OkStatus()).ok());
+  EXPECT_FALSE(IsDeviceFailure(MarkedDeviceFailure(absl::OkStatus())));
+}
+
+// In a process of its own (the death test below): loads the mini model on the GPU, checks that it
+// serves, then breaks the process's CUDA context for good with a device-side assert (as an illegal
+// address or an ECC error would) and checks what the engine and CheckDevice say. Prints "found: "
+// and the pass's status when all is as it should be, else "wrong: " and what is not. Leaves every
+// CUDA object alive: the process ends with _Exit and no destructor runs on the broken context.
+std::string BreakTheGpuAndReport(const TempDir& dir) {
+  const c10::Device gpu(c10::kCUDA, 0);
+  MakeOptions mo;
+  mo.preset = "mini";
+  if (absl::Status s = MakeCheckpoint(dir.path(), mo); !s.ok()) return absl::StrCat("wrong: ", s.ToString());
+  EngineOptions eo;
+  eo.device = "cuda";  // CUDA graphs on: the second pass replays the first one's graph
+  absl::StatusOr<std::unique_ptr<Engine>> engine = Engine::Load(dir.path(), eo);
+  if (!engine.ok()) return absl::StrCat("wrong: the model did not load: ", engine.status().ToString());
+  Engine* e = engine->release();  // never destroyed (see above)
+  const std::vector<TokenizedInput> batch = {SyntheticInput(32, 7, 0), SyntheticInput(20, 3, 0)};
+  if (absl::Status s = e->Run(batch).status(); !s.ok()) {
+    return absl::StrCat("wrong: a pass before the fault failed: ", s.ToString());
+  }
+  if (absl::Status s = CheckDevice(gpu); !s.ok()) {
+    return absl::StrCat("wrong: CheckDevice failed before the fault: ", s.ToString());
+  }
+  {
+    c10::InferenceMode guard;
+    auto* zero = new at::Tensor(at::zeros({1}, at::TensorOptions().device(gpu)));
+    at::_assert_async(*zero);  // fails on the GPU, later: a sticky cudaErrorAssert
+  }
+  const absl::Status run = e->Run(batch).status();
+  if (run.code() != absl::StatusCode::kUnavailable || !IsDeviceFailure(run) ||
+      !absl::StartsWith(run.message(), "forward pass failed: ") ||
+      !absl::StrContains(run.message(), "cuda:0 can run no more work") ||
+      absl::StrContains(run.message(), "Exception raised from")) {
+    return absl::StrCat("wrong: the pass after the fault: ", run.ToString());
+  }
+  const absl::Status check = CheckDevice(gpu);
+  if (check.code() != absl::StatusCode::kUnavailable ||
+      !absl::StartsWith(check.message(), "cuda:0 can run no more work: ")) {
+    return absl::StrCat("wrong: CheckDevice after the fault: ", check.ToString());
+  }
+  absl::StatusOr<std::unique_ptr<Engine>> again = Engine::Load(dir.path(), eo);
+  if (again.ok()) {
+    (void)again->release();
+    return "wrong: a model loaded on the failed GPU";
+  }
+  if (!IsDeviceFailure(again.status())) {
+    return absl::StrCat("wrong: loading on the failed GPU: ", again.status().ToString());
+  }
+  return absl::StrCat("found: ", run.ToString());
+}
+
+[[noreturn]] void BreakTheGpuAndExit() {
+  std::string report;
+  {
+    TempDir dir;
+    report = BreakTheGpuAndReport(dir);
+  }
+  std::fprintf(stderr, "%s\n", report.c_str());
+  std::fflush(stderr);
+  std::_Exit(absl::StartsWith(report, "found: ") ? 0 : 1);
+}
+
+// A GPU that fails for good (a CUDA error that sticks to the context) turns the engine's errors
+// into UNAVAILABLE device failures, which the server answers by going NOT_SERVING
+// (server_test's DeviceFailure tests). Run in a process of its own: the fault breaks CUDA for the
+// rest of the process.
+TEST(EngineErrorsTest, AGpuThatFailsForGoodMakesDeviceFailures) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device (scripts/gpu-check.sh runs this)";
+  GTEST_FLAG_SET(death_test_style, "threadsafe");  // a fresh process, with a CUDA context of its own
+  EXPECT_EXIT(BreakTheGpuAndExit(), ::testing::ExitedWithCode(0), "found: UNAVAILABLE: forward pass failed: ");
 }
 
 // The path CUDA's float16 / bfloat16 take (ATen ops on another dtype), run on the CPU in bfloat16:
