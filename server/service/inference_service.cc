@@ -352,12 +352,30 @@ class RefusedStream final
 InferenceService::InferenceService(InferenceServiceOptions options, metrics::Metrics* metrics)
     : options_(std::move(options)), metrics_(metrics) {}
 
-grpc::Status InferenceService::CheckServing() const {
+void InferenceService::StopForDeviceFailure(const absl::Status& failure) {
+  absl::MutexLock lock(&failure_mu_);
+  if (device_failed_.load(std::memory_order_relaxed)) return;
+  device_failure_ = std::string(failure.message());
+  device_failed_.store(true, std::memory_order_release);
+}
+
+grpc::Status InferenceService::Refusal() const {
   if (draining()) {
     return grpc::Status(grpc::StatusCode::UNAVAILABLE,
                         "collabserve is shutting down and takes no new requests; retry on another "
                         "replica");
   }
+  if (device_failed()) {
+    absl::MutexLock lock(&failure_mu_);
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                        absl::StrCat("collabserve's GPU failed and it takes no new requests until it "
+                                     "restarts; retry on another replica (", device_failure_, ")"));
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status InferenceService::CheckServing() const {
+  if (grpc::Status refusal = Refusal(); !refusal.ok()) return refusal;
   if (repository_.load(std::memory_order_acquire) == nullptr) {
     return grpc::Status(grpc::StatusCode::UNAVAILABLE,
                         "collabserve is still loading its models; retry once grpc.health.v1 "

@@ -10,6 +10,9 @@
 #include <memory>
 #include <string>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "collabserve/v1/inference.grpc.pb.h"
 #include "grpcpp/support/status.h"
@@ -44,6 +47,13 @@ class InferenceService final : public v1::Inference::CallbackService {
   // New calls (and new requests on open streams) get UNAVAILABLE from now on.
   void StartDraining() { draining_.store(true, std::memory_order_release); }
   bool draining() const { return draining_.load(std::memory_order_acquire); }
+  // The model device failed for good (Server::OnDeviceFailure): new calls and requests get
+  // UNAVAILABLE naming `failure` from now on. The first call's failure is the one kept.
+  void StopForDeviceFailure(const absl::Status& failure);
+  bool device_failed() const { return device_failed_.load(std::memory_order_acquire); }
+  // UNAVAILABLE, saying why, while draining or after a device failure; OK otherwise (loading is
+  // the caller's to check).
+  grpc::Status Refusal() const;
   // Unary calls and stream requests being processed.
   int64_t inflight() const { return inflight_.load(std::memory_order_acquire); }
   // Calls (unary or streams) whose client cancelled or whose deadline passed, as seen by OnCancel.
@@ -98,6 +108,9 @@ class InferenceService final : public v1::Inference::CallbackService {
   metrics::Metrics* const metrics_;
   std::atomic<repository::ModelRepository*> repository_{nullptr};
   std::atomic<bool> draining_{false};
+  mutable absl::Mutex failure_mu_;
+  std::string device_failure_ ABSL_GUARDED_BY(failure_mu_);  // its message, once failed
+  std::atomic<bool> device_failed_{false};
   std::atomic<int64_t> inflight_{0};
   std::atomic<int64_t> cancellations_{0};
   std::atomic<int64_t> open_streams_{0};

@@ -341,10 +341,8 @@ KServeService::Attached KServeService::attached() const {
 }
 
 grpc::Status KServeService::CheckServing(const Attached& a) {
-  if (a.inference != nullptr && a.inference->draining()) {
-    return grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                        "collabserve is shutting down and takes no new requests; retry on another "
-                        "replica");
+  if (a.inference != nullptr) {
+    if (grpc::Status refusal = a.inference->Refusal(); !refusal.ok()) return refusal;
   }
   if (a.inference == nullptr || a.repository == nullptr) {
     return grpc::Status(grpc::StatusCode::UNAVAILABLE,
@@ -357,7 +355,9 @@ grpc::ServerUnaryReactor* KServeService::ServerLive(grpc::CallbackServerContext*
                                                     const inference::ServerLiveRequest* request,
                                                     inference::ServerLiveResponse* response) {
   return FinishUnary(context, [&] {
-    response->set_live(true);
+    // Not live once the GPU failed for good: only a restart brings it back.
+    const Attached a = attached();
+    response->set_live(a.inference == nullptr || !a.inference->device_failed());
     return grpc::Status::OK;
   });
 }

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
+#include "server/model/device.h"
 #include "server/util/status_macros.h"
 
 namespace collabserve::service {
@@ -39,6 +40,7 @@ absl::StatusOr<std::unique_ptr<ModelServable>> ModelServable::Load(
   std::unique_ptr<ModelServable> s(new ModelServable(id, options, metrics));
   auto engine = model::Engine::Load(path, options.engine);
   if (!engine.ok()) {
+    s->ReportDeviceFailure(engine.status());
     return absl::Status(engine.status().code(),
                         absl::StrCat("model ", id.DebugString(), ": ", engine.status().message()));
   }
@@ -125,6 +127,7 @@ absl::Status ModelServable::WarmUp() {
   std::vector<model::TokenizedInput> inputs = {WarmUpInput(std::min(8, max_len))};
   auto r = engine_->Run(inputs);
   if (!r.ok()) {
+    ReportDeviceFailure(r.status());
     return absl::Status(r.status().code(), absl::StrCat("warm-up of ", id_.DebugString(),
                                                         " failed: ", r.status().message()));
   }
@@ -132,6 +135,7 @@ absl::Status ModelServable::WarmUp() {
   inputs.assign(n, WarmUpInput(std::min(64, max_len)));
   r = engine_->Run(inputs);
   if (!r.ok()) {
+    ReportDeviceFailure(r.status());
     return absl::Status(r.status().code(), absl::StrCat("warm-up of ", id_.DebugString(),
                                                         " failed: ", r.status().message()));
   }
@@ -140,6 +144,7 @@ absl::Status ModelServable::WarmUp() {
   const absl::Time graphs_start = absl::Now();
   const absl::Status graphs = engine_->WarmUpGraphs(options_.batching.max_batch_size);
   if (!graphs.ok()) {
+    ReportDeviceFailure(graphs);
     return absl::Status(graphs.code(), absl::StrCat("warm-up of ", id_.DebugString(),
                                                     "'s CUDA graphs failed: ", graphs.message()));
   }
@@ -148,6 +153,10 @@ absl::Status ModelServable::WarmUp() {
               << absl::ToDoubleSeconds(absl::Now() - graphs_start) << " s";
   }
   return absl::OkStatus();
+}
+
+void ModelServable::ReportDeviceFailure(const absl::Status& status) const {
+  if (model::IsDeviceFailure(status) && options_.on_device_failure) options_.on_device_failure(status);
 }
 
 absl::Status ModelServable::Schedule(std::vector<std::unique_ptr<InferenceTask>>* tasks) {
@@ -193,7 +202,10 @@ void ModelServable::ProcessBatch(std::unique_ptr<batching::Batch<InferenceTask>>
   inputs.reserve(live.size());
   for (const auto& t : live) inputs.push_back(&t->input());
   const absl::Time t0 = absl::Now();
-  auto predictions = engine_->Run(absl::MakeConstSpan(inputs));
+  const absl::Status fault = options_.batch_fault_hook ? options_.batch_fault_hook() : absl::OkStatus();
+  absl::StatusOr<std::vector<model::Prediction>> predictions =
+      fault.ok() ? engine_->Run(absl::MakeConstSpan(inputs))
+                 : absl::StatusOr<std::vector<model::Prediction>>(fault);
   const absl::Duration inference = absl::Now() - t0;
 
   const auto& m = model_metrics_;
@@ -214,6 +226,8 @@ void ModelServable::ProcessBatch(std::unique_ptr<batching::Batch<InferenceTask>>
                            absl::StrCat("model ", id_.DebugString(), ": ",
                                         predictions.status().message()));
     LOG(ERROR) << error;
+    // Before the calls end: a client that sees this error finds the server NOT_SERVING already.
+    ReportDeviceFailure(predictions.status());
     for (auto& t : live) t->Fail(error);
     return;
   }

@@ -29,8 +29,15 @@ struct ServableOptions {
   // load a batch is always in flight, so batches still fill).
   bool release_batch_when_idle = true;
   batching::Clock* clock = nullptr;  // nullptr: the real clock
+  // Called with the error, on the thread that met it, when the engine finds its GPU unable to run
+  // any more work (model::IsDeviceFailure) while loading, warming up or running a batch: the
+  // Server then stops serving (Server::OnDeviceFailure).
+  std::function<void(const absl::Status&)> on_device_failure;
   // Testing only: runs on the batch thread before each forward pass (e.g. to hold the model busy).
   std::function<void()> before_batch_hook;
+  // Testing only: runs after before_batch_hook; an error it returns fails the batch as if the
+  // engine's pass had returned it (the pass does not run). A CPU cannot fail as a GPU does.
+  std::function<absl::Status()> batch_fault_hook;
 };
 
 // Thread-safe. Destruction drains the scheduler (queued tasks still run), so it must not happen on
@@ -68,6 +75,8 @@ class ModelServable final : public repository::Servable {
                 metrics::Metrics* metrics);
   void ProcessBatch(std::unique_ptr<batching::Batch<InferenceTask>> batch);
   absl::Status WarmUp();
+  // Calls options_.on_device_failure when `status` is a device failure.
+  void ReportDeviceFailure(const absl::Status& status) const;
 
   const repository::ServableId id_;
   const ServableOptions options_;

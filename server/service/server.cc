@@ -418,7 +418,9 @@ absl::Status Server::LoadModels() {
   };
   std::shared_ptr<ServableReaper> reaper = reaper_;
   metrics::Metrics* metrics = metrics_.get();
-  const ServableOptions servable_options = options_.servable;
+  ServableOptions servable_options = options_.servable;
+  // The Server outlives its servables (Shutdown stops the reaper).
+  servable_options.on_device_failure = [this](const absl::Status& failure) { OnDeviceFailure(failure); };
   auto loader = [reaper, metrics, servable_options](const repository::ServableId& id,
                                                     const std::string& path)
       -> absl::StatusOr<std::shared_ptr<repository::Servable>> {
@@ -464,10 +466,29 @@ void Server::OnVersionEvent(const repository::ServableId& id, repository::Versio
   SetHealth(id.model, serving);
 }
 
+void Server::OnDeviceFailure(const absl::Status& failure) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (device_failed_) return;
+    device_failed_ = true;
+    if (server_ != nullptr && !shutting_down_) {
+      grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
+      if (health != nullptr) health->SetServingStatus(false);  // every service, "" included
+    }
+  }
+  inference_->StopForDeviceFailure(failure);
+  LOG(ERROR) << "the model device failed and no new work can run on it; health is NOT_SERVING and "
+                "new calls are UNAVAILABLE until the process restarts: "
+             << failure;
+}
+
 void Server::SetHealth(const std::string& service, bool serving) {
   if (server_ == nullptr) return;
   grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
-  if (health != nullptr) health->SetServingStatus(service, serving);
+  if (health == nullptr) return;
+  // Under mu_, so that a model that becomes available cannot turn SERVING after a device failure.
+  absl::MutexLock lock(&mu_);
+  health->SetServingStatus(service, serving && !device_failed_);
 }
 
 void Server::Shutdown() {

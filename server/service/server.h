@@ -149,6 +149,11 @@ class Server {
 
  private:
   void OnVersionEvent(const repository::ServableId& id, repository::VersionEvent event);
+  // The model device failed for good (ServableOptions::on_device_failure): every health service
+  // NOT_SERVING from now on (so that Kubernetes' readiness probe drops the pod and its liveness
+  // probe restarts it), new calls UNAVAILABLE. What is in flight fails on its own.
+  void OnDeviceFailure(const absl::Status& failure);
+  // SERVING only while neither shutting down nor failed.
   void SetHealth(const std::string& service, bool serving);
 
   const ServerOptions options_;
@@ -164,6 +169,7 @@ class Server {
   absl::Mutex mu_;
   bool serving_ ABSL_GUARDED_BY(mu_) = false;  // models loaded: "" is SERVING
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
+  bool device_failed_ ABSL_GUARDED_BY(mu_) = false;
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
   std::map<std::string, std::set<int64_t>> available_ ABSL_GUARDED_BY(mu_);  // served versions
 };

@@ -3,6 +3,7 @@
 // from proto/kserve/grpc_predict_v2.proto. ModelInfer must agree with Classify and with the engine.
 #include "server/service/kserve_service.h"
 
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -20,6 +21,7 @@
 #include "gtest/gtest.h"
 #include "kserve/grpc_predict_v2.grpc.pb.h"
 #include "server/model/checkpoint_maker.h"
+#include "server/model/device.h"
 #include "server/model/engine.h"
 #include "server/service/model_servable.h"
 #include "server/service/server.h"
@@ -160,6 +162,12 @@ class KServeTest : public ::testing::Test {
     o.drain_timeout = absl::Seconds(20);
     o.servable.batching.max_queue_delay_micros = 500;
     o.servable.before_batch_hook = [this] { gate_.Pass(); };
+    o.servable.batch_fault_hook = [this]() -> absl::Status {
+      if (!device_fails_.load()) return absl::OkStatus();
+      return model::MarkedDeviceFailure(absl::UnavailableError(
+          "forward pass failed: CUDA error: uncorrectable ECC error encountered; cuda:0 can run no "
+          "more work"));
+    };
     o.torch_version = "test";
     o.extra_services.push_back(&kserve_);
     return o;
@@ -266,8 +274,31 @@ class KServeTest : public ::testing::Test {
     }
   }
 
+  bool Live() {
+    inference::ServerLiveResponse r;
+    grpc::Status s = stub_->ServerLive(Context().get(), {}, &r);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return r.live();
+  }
+  bool Ready() {
+    inference::ServerReadyResponse r;
+    grpc::Status s = stub_->ServerReady(Context().get(), {}, &r);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return r.ready();
+  }
+  bool ModelReady(const std::string& name, const std::string& version) {
+    inference::ModelReadyRequest req;
+    req.set_name(name);
+    req.set_version(version);
+    inference::ModelReadyResponse r;
+    grpc::Status s = stub_->ModelReady(Context().get(), req, &r);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return r.ready();
+  }
+
   TempDir repo_;
   Gate gate_;
+  std::atomic<bool> device_fails_{false};  // batches fail as on a GPU that failed for good
   KServeService kserve_;
   std::unique_ptr<Server> server_;
   std::shared_ptr<grpc::Channel> channel_;
@@ -666,26 +697,10 @@ TEST_F(KServeTest, Metadata) {
 }
 
 TEST_F(KServeTest, ReadinessFollowsLoadingAndDraining) {
-  auto live = [this] {
-    inference::ServerLiveResponse r;
-    grpc::Status s = stub_->ServerLive(Context().get(), {}, &r);
-    EXPECT_TRUE(s.ok()) << s.error_message();
-    return r.live();
-  };
-  auto ready = [this] {
-    inference::ServerReadyResponse r;
-    grpc::Status s = stub_->ServerReady(Context().get(), {}, &r);
-    EXPECT_TRUE(s.ok()) << s.error_message();
-    return r.ready();
-  };
+  auto live = [this] { return Live(); };
+  auto ready = [this] { return Ready(); };
   auto model_ready = [this](const std::string& name, const std::string& version) {
-    inference::ModelReadyRequest req;
-    req.set_name(name);
-    req.set_version(version);
-    inference::ModelReadyResponse r;
-    grpc::Status s = stub_->ModelReady(Context().get(), req, &r);
-    EXPECT_TRUE(s.ok()) << s.error_message();
-    return r.ready();
+    return ModelReady(name, version);
   };
   InferRequest req;
   req.set_model_name("tiny");
@@ -735,6 +750,32 @@ TEST_F(KServeTest, ReadinessFollowsLoadingAndDraining) {
   EXPECT_TRUE(held_status.ok()) << held_status.error_message();  // drained, not dropped
   EXPECT_EQ(Output(held_resp, "label").strings.size(), 1u);
   shutdown.join();
+}
+
+// A GPU that fails for good (injected: server_test's ADeviceFailureStopsServingUntilARestart says
+// why): the failing ModelInfer gets UNAVAILABLE; from then on the server is neither live nor ready,
+// no model is ready, and ModelInfer is UNAVAILABLE naming the failure.
+TEST_F(KServeTest, ADeviceFailureEndsLivenessAndReadiness) {
+  Start();
+  InferRequest req;
+  req.set_model_name("tiny");
+  AddInput(&req, "text", {"hello"});
+  InferResponse resp;
+  ASSERT_TRUE(Infer(req, &resp).ok());
+  EXPECT_TRUE(Live());
+  EXPECT_TRUE(Ready());
+
+  device_fails_ = true;
+  grpc::Status s = Infer(req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(s.error_message(), HasSubstr("uncorrectable ECC error"));
+  EXPECT_FALSE(Live());
+  EXPECT_FALSE(Ready());
+  EXPECT_FALSE(ModelReady("tiny", ""));
+  device_fails_ = false;
+  s = Infer(req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(s.error_message(), HasSubstr("GPU failed"));
 }
 
 }  // namespace

@@ -24,6 +24,7 @@
 #include "grpcpp/support/channel_arguments.h"
 #include "server/util/files.h"
 #include "gtest/gtest.h"
+#include "server/model/device.h"
 #include "server/model/engine.h"
 #include "server/service/model_servable.h"
 #include "server/text/bert_tokenizer.h"
@@ -525,6 +526,47 @@ TEST_F(ServerTest, HealthFollowsWarmUpAndDrain) {
   inflight->finished.WaitForNotification();
   EXPECT_TRUE(inflight->status.ok()) << inflight->status.error_message();  // drained, not dropped
   shutdown.join();
+}
+
+// A GPU that fails for good (model::IsDeviceFailure). Injected here through the servable's
+// batch_fault_hook, since a CPU cannot fail so; engine_test's AGpuThatFailsForGoodMakesDeviceFailures
+// has a GPU make the same status. The failing call gets UNAVAILABLE with the engine's message; by
+// then health is NOT_SERVING for "" and the model (Kubernetes' probes: readiness drops the pod,
+// liveness restarts it), and stays so when a new version loads; new calls get UNAVAILABLE naming
+// the failure even where the engine would answer.
+TEST_F(ServerTest, ADeviceFailureStopsServingUntilARestart) {
+  std::atomic<bool> fail{false};
+  ServerOptions o = Options();
+  o.servable.batch_fault_hook = [&fail]() -> absl::Status {
+    if (!fail.load()) return absl::OkStatus();
+    return model::MarkedDeviceFailure(absl::UnavailableError(
+        "forward pass failed: CUDA error: an illegal memory access was encountered; cuda:0 can run "
+        "no more work: CUDA error: an illegal memory access was encountered"));
+  };
+  Start(std::move(o));
+  v1::ClassifyResponse resp;
+  ASSERT_TRUE(Classify(Request("tiny", {"before the failure"}), &resp).ok());
+  EXPECT_EQ(Health(""), HealthResponse::SERVING);
+
+  fail = true;
+  grpc::Status s = Classify(Request("tiny", {"the failing pass"}), &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(s.error_message(), HasSubstr("model tiny:1: forward pass failed: CUDA error"));
+  EXPECT_EQ(Health(""), HealthResponse::NOT_SERVING);
+  EXPECT_EQ(Health("tiny"), HealthResponse::NOT_SERVING);
+
+  fail = false;  // the engine would answer now: the server still refuses
+  s = Classify(Request("tiny", {"after the failure"}), &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(s.error_message(), HasSubstr("GPU failed"));
+  EXPECT_THAT(s.error_message(), HasSubstr("cuda:0 can run no more work"));
+  EXPECT_THAT(s.error_message(), HasSubstr("retry on another replica"));
+
+  MakeTinyModel(repo_.path() + "/tiny/2", 2);
+  ASSERT_TRUE(server_->repository()->Poll().ok());
+  ASSERT_TRUE(Eventually([&] { return server_->repository()->Get("tiny", 2).ok(); }));
+  EXPECT_EQ(Health("tiny"), HealthResponse::NOT_SERVING) << "a version loaded after the failure";
+  EXPECT_EQ(Health(""), HealthResponse::NOT_SERVING);
 }
 
 TEST_F(ServerTest, MetricsPageParsesAndPassesPromtool) {
