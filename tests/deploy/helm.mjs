@@ -73,13 +73,13 @@ check(svc.spec.ports.map((p) => p.name).join(',') === 'grpc,metrics' && !svc.spe
 const cpuChecksum = dep(def).spec.template.metadata.annotations['checksum/config'];
 
 // Everything on: several pods, GPU, HPA on queue time, ServiceMonitor, admin Service.
-const all = template(['replicaCount=3', 'gpu.enabled=true', 'gpu.count=2', 'image.tag=0.1.0-cuda',
+const all = template(['replicaCount=3', 'gpu.enabled=true', 'gpu.count=1', 'image.tag=0.1.0-cuda',
   'S:nodeSelector.nvidia\\.com/gpu\\.present=true', 'tolerations[0].key=nvidia.com/gpu', 'tolerations[0].operator=Exists',
   'autoscaling.enabled=true', 'autoscaling.metric=queueTime', 'autoscaling.maxReplicas=6', 'serviceMonitor.enabled=true',
   'admin.service.enabled=true', 'server.drainTimeoutS=60', 'server.flags.max_batch_size=16', 'podDisruptionBudget.minAvailable=2']);
 await validateK8s(all, 'all options');
 const ca = ctr(all);
-check(ca.resources.limits['nvidia.com/gpu'] === 2, 'gpu.count=2 requests nvidia.com/gpu: 2');
+check(ca.resources.limits['nvidia.com/gpu'] === 1, 'gpu.count=1 requests nvidia.com/gpu: 1');
 check(ca.resources.limits.memory === '8Gi', 'GPU limit is added to, not replacing, the other limits');
 check(dep(all).spec.template.spec.nodeSelector['nvidia.com/gpu.present'] === 'true' && dep(all).spec.template.spec.tolerations.length === 1, 'nodeSelector and tolerations reach the pod');
 check(find(all, 'ConfigMap')[0].data.COLLABSERVE_DEVICE === 'cuda', 'gpu.enabled defaults the device to cuda');
@@ -118,7 +118,9 @@ for (const [sets, want] of [[['server.adminPort=8500'], 'server.adminPort'], [['
   [['autoscaling.enabled=true', 'autoscaling.metric=memory'], 'autoscaling.metric'],
   // values.schema.json: a misspelt flag, a wrong type, a bad device are refused at install.
   [['server.flags.max_batch_sise=8'], 'max_batch_sise'], [['replicaCount=three'], 'replicaCount'],
-  [['server.device=gpu'], 'server.device'], [['gpu.enabeld=true'], 'gpu.enabeld'.split('.')[1]]]) {
+  [['server.device=gpu'], 'server.device'], [['gpu.enabeld=true'], 'gpu.enabeld'.split('.')[1]],
+  // One GPU per pod: the server drives one (--device).
+  [['gpu.enabled=true', 'gpu.count=2'], 'gpu.count']]) {
   const r = template(sets, { expectFail: true });
   check(r.status !== 0 && r.stderr.includes(want), `helm template --set ${sets.join(',')} fails naming ${want}; got: ${r.stderr.trim().slice(0, 200)}`);
 }
