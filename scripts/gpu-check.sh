@@ -401,7 +401,9 @@ elif ! run_step configure cmake "${cmake_args[@]}"; then
 fi
 # The parity tests a full check runs (--quick: engine_reference_test alone). On a GPU
 # engine_reference_test adds its CUDA blocks (float32 / float16 / bfloat16 against the reference,
-# standard and collaborative); cp_als_test compares CP-ALS on the device with the CPU at the same
+# standard and collaborative); engine_test its GPU memory readings, an out-of-memory GPU
+# (RESOURCE_EXHAUSTED, then serving again) and a GPU broken by a device-side assert in a process of
+# its own (UNAVAILABLE device failures); cp_als_test compares CP-ALS on the device with the CPU at the same
 # seed, and collaborative_test the whole conversion (plain and whitened, SVD and random starts, an
 # exact full-rank layer and a standard one); cxx_runtime_binding_test: the executables bind
 # libstdc++'s functions, not the copies a PyTorch wheel's libtorch.so exports (its
