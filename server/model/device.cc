@@ -1,5 +1,6 @@
-// device.h. COLLABSERVE_WITH_CUDA (the allocator's readings): set by server/model/CMakeLists.txt
-// where LibTorch has CUDA (2.2 or later); scripts/check-libtorch2.sh compiles this file both ways.
+// device.h. COLLABSERVE_WITH_CUDA (the caching allocator's readings and release): set by
+// server/model/CMakeLists.txt where LibTorch has CUDA (2.2 or later); scripts/check-libtorch2.sh
+// compiles this file both ways.
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/core/StreamGuard.h>
@@ -97,6 +98,17 @@ std::optional<DeviceMemory> ReadDeviceMemory(const c10::Device& device) {
 #else
   (void)device;
   return std::nullopt;
+#endif
+}
+
+void ReleaseCachedMemory(const c10::Device& device) {
+#if COLLABSERVE_WITH_CUDA
+  if (!device.is_cuda()) return;
+  c10::cuda::CUDACachingAllocator::CUDAAllocator* allocator = c10::cuda::CUDACachingAllocator::get();
+  if (allocator == nullptr || !allocator->initialized()) return;
+  c10::cuda::CUDACachingAllocator::emptyCache();  // every device's: the allocator has no other
+#else
+  (void)device;
 #endif
 }
 

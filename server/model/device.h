@@ -46,6 +46,12 @@ std::optional<DeviceMemory> ReadDeviceMemory(const c10::Device& device);
 // CUDA cannot start.
 absl::Status InitDevice(const c10::Device& device);
 
+// Gives the free blocks LibTorch's CUDA caching allocator keeps back to the driver, for other
+// processes (what live tensors and CUDA graphs hold stays). Nothing for a CPU device, before CUDA
+// started, or in a build without COLLABSERVE_WITH_CUDA (ReadDeviceMemory's). Not while a CUDA
+// graph is being captured on the device.
+void ReleaseCachedMemory(const c10::Device& device);
+
 // Whether `device` can still run work. OK at once for the CPU. On a GPU, runs a tiny kernel there
 // and waits for it (its own stream: no device-wide synchronisation, which would break a CUDA graph
 // capture in another thread): UNAVAILABLE, naming the device and the CUDA error, when that fails.

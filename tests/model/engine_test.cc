@@ -618,6 +618,11 @@ TEST(EngineMemoryTest, GpuMemoryReadingsFollowTensorsAndModels) {
   ASSERT_TRUE(freed.has_value());
   EXPECT_EQ(freed->allocated_bytes, before->allocated_bytes);
   EXPECT_EQ(freed->reserved_bytes, with->reserved_bytes) << "the allocator keeps freed blocks";
+  ReleaseCachedMemory(gpu);
+  const std::optional<DeviceMemory> released = ReadDeviceMemory(gpu);
+  ASSERT_TRUE(released.has_value());
+  EXPECT_EQ(released->allocated_bytes, freed->allocated_bytes);
+  EXPECT_LE(released->reserved_bytes, freed->reserved_bytes - kBytes) << "the freed 64 MiB went back";
 
   // A model on the GPU: at least its float32 weights.
   TempDir dir;
@@ -688,7 +693,7 @@ TEST(EngineErrorsTest, OutOfGpuMemoryIsResourceExhaustedAndPassesWhenMemoryIsBac
   EXPECT_EQ(run.code(), absl::StatusCode::kResourceExhausted) << run;
   EXPECT_THAT(Msg(run), HasSubstr("forward pass failed: "));
 
-  filler.clear();
+  filler.clear();  // back to the allocator's cache: this engine can use it, another process not
   auto again = engine->Run(batch);
   ASSERT_TRUE(again.ok()) << again.status();
   ASSERT_EQ(again->size(), want->size());
@@ -697,6 +702,7 @@ TEST(EngineErrorsTest, OutOfGpuMemoryIsResourceExhaustedAndPassesWhenMemoryIsBac
       EXPECT_NEAR((*again)[i].logits[k], (*want)[i].logits[k], 1e-5);
     }
   }
+  ReleaseCachedMemory(gpu);  // the GPU for the tests after this one (a death test's own process)
 }
 
 // DeviceErrorStatus on the CPU is TorchErrorStatus: the CPU never fails for good. The mark of a
@@ -797,6 +803,7 @@ std::string BreakTheGpuAndReport(const TempDir& dir) {
 TEST(EngineErrorsTest, AGpuThatFailsForGoodMakesDeviceFailures) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device (scripts/gpu-check.sh runs this)";
   GTEST_FLAG_SET(death_test_style, "threadsafe");  // a fresh process, with a CUDA context of its own
+  ReleaseCachedMemory(c10::Device(c10::kCUDA, 0));  // what this process's allocator keeps, for it
   EXPECT_EXIT(BreakTheGpuAndExit(), ::testing::ExitedWithCode(0), "found: UNAVAILABLE: forward pass failed: ");
 }
 
