@@ -39,11 +39,7 @@ absl::StatusOr<std::unique_ptr<ModelServable>> ModelServable::Load(
   const absl::Time start = absl::Now();
   std::unique_ptr<ModelServable> s(new ModelServable(id, options, metrics));
   auto engine = model::Engine::Load(path, options.engine);
-  if (!engine.ok()) {
-    s->ReportDeviceFailure(engine.status());
-    return absl::Status(engine.status().code(),
-                        absl::StrCat("model ", id.DebugString(), ": ", engine.status().message()));
-  }
+  if (!engine.ok()) return s->Failed(engine.status(), absl::StrCat("model ", id.DebugString(), ": "));
   s->engine_ = std::move(engine).value();
   const absl::Time engine_loaded = absl::Now();
   const model::ModelInfo& info = s->engine_->info();
@@ -126,27 +122,17 @@ absl::Status ModelServable::WarmUp() {
   const int max_len = engine_->info().max_length;
   std::vector<model::TokenizedInput> inputs = {WarmUpInput(std::min(8, max_len))};
   auto r = engine_->Run(inputs);
-  if (!r.ok()) {
-    ReportDeviceFailure(r.status());
-    return absl::Status(r.status().code(), absl::StrCat("warm-up of ", id_.DebugString(),
-                                                        " failed: ", r.status().message()));
-  }
+  if (!r.ok()) return Failed(r.status(), absl::StrCat("warm-up of ", id_.DebugString(), " failed: "));
   const int n = static_cast<int>(std::min<int64_t>(options_.batching.max_batch_size, 8));
   inputs.assign(n, WarmUpInput(std::min(64, max_len)));
   r = engine_->Run(inputs);
-  if (!r.ok()) {
-    ReportDeviceFailure(r.status());
-    return absl::Status(r.status().code(), absl::StrCat("warm-up of ", id_.DebugString(),
-                                                        " failed: ", r.status().message()));
-  }
+  if (!r.ok()) return Failed(r.status(), absl::StrCat("warm-up of ", id_.DebugString(), " failed: "));
   // On CUDA: a pass in every graph bucket a batch can fall in, so that no client request waits for
   // a capture.
   const absl::Time graphs_start = absl::Now();
   const absl::Status graphs = engine_->WarmUpGraphs(options_.batching.max_batch_size);
   if (!graphs.ok()) {
-    ReportDeviceFailure(graphs);
-    return absl::Status(graphs.code(), absl::StrCat("warm-up of ", id_.DebugString(),
-                                                    "'s CUDA graphs failed: ", graphs.message()));
+    return Failed(graphs, absl::StrCat("warm-up of ", id_.DebugString(), "'s CUDA graphs failed: "));
   }
   if (engine_->cuda_graphs() > 0) {
     LOG(INFO) << id_.DebugString() << ": " << engine_->cuda_graphs() << " CUDA graphs captured in "
@@ -155,8 +141,9 @@ absl::Status ModelServable::WarmUp() {
   return absl::OkStatus();
 }
 
-void ModelServable::ReportDeviceFailure(const absl::Status& status) const {
+absl::Status ModelServable::Failed(const absl::Status& status, absl::string_view prefix) const {
   if (model::IsDeviceFailure(status) && options_.on_device_failure) options_.on_device_failure(status);
+  return absl::Status(status.code(), absl::StrCat(prefix, status.message()));
 }
 
 absl::Status ModelServable::Schedule(std::vector<std::unique_ptr<InferenceTask>>* tasks) {
@@ -217,17 +204,15 @@ void ModelServable::ProcessBatch(std::unique_ptr<batching::Batch<InferenceTask>>
   for (const absl::Duration& w : live_waits) m.queue_duration->Observe(absl::ToDoubleSeconds(w));
 
   if (!predictions.ok() || predictions->size() != live.size()) {
+    // Failed tells the Server of a device failure before the calls end: a client that sees this
+    // error finds the server NOT_SERVING already.
     const absl::Status error =
         predictions.ok()
             ? absl::InternalError(absl::StrCat("model ", id_.DebugString(), " returned ",
                                                predictions->size(), " predictions for ",
                                                live.size(), " inputs"))
-            : absl::Status(predictions.status().code(),
-                           absl::StrCat("model ", id_.DebugString(), ": ",
-                                        predictions.status().message()));
+            : Failed(predictions.status(), absl::StrCat("model ", id_.DebugString(), ": "));
     LOG(ERROR) << error;
-    // Before the calls end: a client that sees this error finds the server NOT_SERVING already.
-    ReportDeviceFailure(predictions.status());
     for (auto& t : live) t->Fail(error);
     return;
   }

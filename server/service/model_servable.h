@@ -10,6 +10,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "server/batching/batch_scheduler.h"
 #include "server/metrics/metrics.h"
@@ -75,8 +76,9 @@ class ModelServable final : public repository::Servable {
                 metrics::Metrics* metrics);
   void ProcessBatch(std::unique_ptr<batching::Batch<InferenceTask>> batch);
   absl::Status WarmUp();
-  // Calls options_.on_device_failure when `status` is a device failure.
-  void ReportDeviceFailure(const absl::Status& status) const;
+  // `status` with `prefix` before its message, its code kept; first tells
+  // options_.on_device_failure when it is a device failure (the prefixed copy no longer says so).
+  absl::Status Failed(const absl::Status& status, absl::string_view prefix) const;
 
   const repository::ServableId id_;
   const ServableOptions options_;

@@ -697,30 +697,25 @@ TEST_F(KServeTest, Metadata) {
 }
 
 TEST_F(KServeTest, ReadinessFollowsLoadingAndDraining) {
-  auto live = [this] { return Live(); };
-  auto ready = [this] { return Ready(); };
-  auto model_ready = [this](const std::string& name, const std::string& version) {
-    return ModelReady(name, version);
-  };
   InferRequest req;
   req.set_model_name("tiny");
   AddInput(&req, "text", {"hello"});
   InferResponse resp;
 
   StartServing();
-  EXPECT_TRUE(live());
-  EXPECT_FALSE(ready());
-  EXPECT_FALSE(model_ready("tiny", ""));
+  EXPECT_TRUE(Live());
+  EXPECT_FALSE(Ready());
+  EXPECT_FALSE(ModelReady("tiny", ""));
   grpc::Status s = Infer(req, &resp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_THAT(s.error_message(), HasSubstr("loading"));
 
   LoadModels();
-  EXPECT_TRUE(ready());
-  EXPECT_TRUE(model_ready("tiny", ""));
-  EXPECT_TRUE(model_ready("tiny", "1"));
-  EXPECT_FALSE(model_ready("tiny", "3"));
-  EXPECT_FALSE(model_ready("nope", ""));
+  EXPECT_TRUE(Ready());
+  EXPECT_TRUE(ModelReady("tiny", ""));
+  EXPECT_TRUE(ModelReady("tiny", "1"));
+  EXPECT_FALSE(ModelReady("tiny", "3"));
+  EXPECT_FALSE(ModelReady("nope", ""));
   inference::ModelReadyRequest bad;
   inference::ModelReadyResponse bad_resp;
   EXPECT_EQ(stub_->ModelReady(Context().get(), bad, &bad_resp).error_code(),
@@ -739,9 +734,9 @@ TEST_F(KServeTest, ReadinessFollowsLoadingAndDraining) {
   });
   ASSERT_TRUE(gate_.WaitForArrivals(1));
   std::thread shutdown([this] { server_->Shutdown(); });
-  EXPECT_TRUE(Eventually([&] { return !ready(); }));
-  EXPECT_FALSE(model_ready("tiny", ""));
-  EXPECT_TRUE(live());
+  EXPECT_TRUE(Eventually([&] { return !Ready(); }));
+  EXPECT_FALSE(ModelReady("tiny", ""));
+  EXPECT_TRUE(Live());
   s = Infer(req, &resp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_THAT(s.error_message(), HasSubstr("shutting down"));
