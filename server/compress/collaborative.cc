@@ -449,7 +449,7 @@ absl::StatusOr<std::unique_ptr<model::BertClassifier>> ConvertToCollaborative(
   auto t0 = Clock::now();
   RETURN_IF_ERROR(internal::ForEachLayer(order, n_workers, device.is_cpu(), o, [&](int i) -> absl::Status {
     absl::StatusOr<internal::LayerDecomposition> d = internal::DecomposeLayer(source, i, ranks[i], o);
-    if (!d.ok()) return absl::Status(d.status().code(), absl::StrCat("layer ", i, ": ", d.status().message()));
+    if (!d.ok()) return util::Prefixed(d.status(), absl::StrCat("layer ", i, ": "));
     layers[i] = *std::move(d);
     if (o.on_layer) o.on_layer(layers[i].report);
     return absl::OkStatus();
@@ -961,7 +961,7 @@ absl::StatusOr<std::unique_ptr<model::BertClassifier>> ConvertOnCompressedInputs
       c10::InferenceMode guard;
       return internal::DecomposeLayer(source, l, ranks[l], o);
     }();
-    if (!d.ok()) return absl::Status(d.status().code(), absl::StrCat("layer ", l, ": ", d.status().message()));
+    if (!d.ok()) return util::Prefixed(d.status(), absl::StrCat("layer ", l, ": "));
     layers[l] = *std::move(d);
     decompose_seconds += SecondsSince(t);
     chosen[l] = &layers[l];

@@ -531,8 +531,7 @@ absl::StatusOr<std::shared_ptr<Servable>> ModelRepository::LoadOne(const LoadJob
     LOG(ERROR) << "model repository: loading " << job.id.DebugString() << " from " << job.path
                << " failed: " << s;
     metrics::CountRepositoryLoadFailure(job.id.model, LoadFailureReason(s));
-    return absl::Status(s.code(), absl::StrCat("loading ", job.id.DebugString(), " from ",
-                                               job.path, ": ", s.message()));
+    return util::Prefixed(s, absl::StrCat("loading ", job.id.DebugString(), " from ", job.path, ": "));
   }
   LOG(INFO) << "model repository: loaded " << job.id.DebugString() << " from " << job.path
             << " in " << absl::FormatDuration(absl::Now() - start);

@@ -19,6 +19,7 @@
 #include "server/service/model_servable.h"
 #include "server/service/status_mapping.h"
 #include "server/text/bert_tokenizer.h"
+#include "server/util/status_macros.h"
 
 namespace collabserve::service {
 namespace {
@@ -80,8 +81,7 @@ absl::StatusOr<Encoded> EncodeInput(const ModelServable& servable, const v1::Inp
   if (in.has_text_pair()) pair = in.text_pair();
   auto enc = servable.engine().tokenizer().Encode(in.text(), pair, max_length, truncate);
   if (!enc.ok()) {
-    return absl::Status(enc.status().code(),
-                        absl::StrCat("inputs[", index, "]: ", enc.status().message()));
+    return util::Prefixed(enc.status(), absl::StrCat("inputs[", index, "]: "));
   }
   Encoded out;
   out.input.input_ids.assign(enc->input_ids.begin(), enc->input_ids.end());

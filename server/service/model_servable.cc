@@ -62,8 +62,7 @@ absl::StatusOr<std::unique_ptr<ModelServable>> ModelServable::Load(
       },
       &s->scheduler_);
   if (!created.ok()) {
-    return absl::Status(created.code(),
-                        absl::StrCat("model ", id.DebugString(), ": ", created.message()));
+    return util::Prefixed(created, absl::StrCat("model ", id.DebugString(), ": "));
   }
   const absl::Time warm_up_start = absl::Now();
   RETURN_IF_ERROR(s->WarmUp());
@@ -143,7 +142,7 @@ absl::Status ModelServable::WarmUp() {
 
 absl::Status ModelServable::Failed(const absl::Status& status, absl::string_view prefix) const {
   if (model::IsDeviceFailure(status) && options_.on_device_failure) options_.on_device_failure(status);
-  return absl::Status(status.code(), absl::StrCat(prefix, status.message()));
+  return util::Prefixed(status, prefix);
 }
 
 absl::Status ModelServable::Schedule(std::vector<std::unique_ptr<InferenceTask>>* tasks) {

@@ -231,8 +231,7 @@ absl::StatusOr<std::unique_ptr<BertTokenizer>> FromVocabFile(const std::string& 
   ASSIGN_OR_RETURN(std::vector<std::string> vocab, ParseVocab(vocab_path, contents));
   auto tokenizer = BertTokenizer::Create(std::move(vocab), std::move(options));
   if (!tokenizer.ok()) {
-    return absl::Status(tokenizer.status().code(),
-                        absl::StrCat(vocab_path, ": ", tokenizer.status().message()));
+    return util::Prefixed(tokenizer.status(), absl::StrCat(vocab_path, ": "));
   }
   return tokenizer;
 }

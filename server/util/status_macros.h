@@ -1,9 +1,13 @@
-// RETURN_IF_ERROR / ASSIGN_OR_RETURN for absl::Status code (abseil 20220623 has none public).
+// RETURN_IF_ERROR / ASSIGN_OR_RETURN for absl::Status code (abseil 20220623 has none public), and
+// util::Prefixed, for the context a caller adds to a status.
 #ifndef COLLABSERVE_SERVER_UTIL_STATUS_MACROS_H_
 #define COLLABSERVE_SERVER_UTIL_STATUS_MACROS_H_
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/cord.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 
 #define COLLABSERVE_CONCAT_INNER_(a, b) a##b
 #define COLLABSERVE_CONCAT_(a, b) COLLABSERVE_CONCAT_INNER_(a, b)
@@ -23,5 +27,19 @@
   auto tmp = (expr);                                       \
   if (!tmp.ok()) return std::move(tmp).status();           \
   lhs = std::move(tmp).value()
+
+namespace collabserve::util {
+
+// `status` with `prefix` before its message, its code and payloads kept: a mark that a payload
+// carries (model::IsDeviceFailure's) survives the context each caller adds. OK stays OK.
+inline absl::Status Prefixed(const absl::Status& status, absl::string_view prefix) {
+  if (status.ok()) return status;
+  absl::Status out(status.code(), absl::StrCat(prefix, status.message()));
+  status.ForEachPayload(
+      [&out](absl::string_view url, const absl::Cord& payload) { out.SetPayload(url, payload); });
+  return out;
+}
+
+}  // namespace collabserve::util
 
 #endif  // COLLABSERVE_SERVER_UTIL_STATUS_MACROS_H_
