@@ -137,14 +137,17 @@ absl::Status CheckDevice(const c10::Device& device) {
   }
 }
 
+absl::Status WithDeviceCheck(absl::Status status, const c10::Device& device) {
+  if (status.code() != absl::StatusCode::kInternal || !device.is_cuda()) return status;
+  const absl::Status check = CheckDevice(device);
+  if (check.ok()) return status;
+  return MarkedDeviceFailure(absl::UnavailableError(absl::StrCat(
+      status.message(), "; ", check.message(), " (a CUDA error that only a restart clears)")));
+}
+
 absl::Status DeviceErrorStatus(absl::string_view context, const std::exception& e,
                                const c10::Device& device) {
-  absl::Status s = TorchErrorStatus(context, e);
-  if (s.code() != absl::StatusCode::kInternal || !device.is_cuda()) return s;
-  const absl::Status check = CheckDevice(device);
-  if (check.ok()) return s;
-  return MarkedDeviceFailure(absl::UnavailableError(
-      absl::StrCat(s.message(), "; ", check.message(), " (a CUDA error that only a restart clears)")));
+  return WithDeviceCheck(TorchErrorStatus(context, e), device);
 }
 
 bool IsDeviceFailure(const absl::Status& status) {

@@ -60,10 +60,13 @@ void ReleaseCachedMemory(const c10::Device& device);
 // them, and only a new process recovers. OK when the GPU merely has no memory left for the check.
 absl::Status CheckDevice(const c10::Device& device);
 
-// The status of a LibTorch exception `e` thrown by work on `device`: TorchErrorStatus(context, e),
-// except where that is INTERNAL, `device` is a GPU and CheckDevice finds it unusable after the
-// error. Then UNAVAILABLE with both messages, marked as a device failure (IsDeviceFailure), so that
-// a caller can retry elsewhere and the server stop taking work.
+// The status of work on `device` that failed with `status`: `status` itself, except where it is
+// INTERNAL, `device` is a GPU and CheckDevice finds it unusable after the error. Then UNAVAILABLE
+// with both messages, marked as a device failure (IsDeviceFailure), so that a caller can retry
+// elsewhere and the server stop taking work.
+absl::Status WithDeviceCheck(absl::Status status, const c10::Device& device);
+// WithDeviceCheck(TorchErrorStatus(context, e), device), for a LibTorch exception `e` thrown by
+// work on `device`.
 absl::Status DeviceErrorStatus(absl::string_view context, const std::exception& e,
                                const c10::Device& device);
 

@@ -20,6 +20,7 @@
 #include "absl/time/time.h"
 #include "server/compress/collaborative.h"
 #include "server/model/config.h"
+#include "server/model/device.h"
 #include "server/model/engine.h"
 #include "server/model/threads.h"
 #include "server/service/admin_upload.h"
@@ -558,8 +559,16 @@ void JobManager::Run(Work work) {
   absl::Status status = repo == nullptr
                             ? absl::UnavailableError("the model repository is not loaded yet")
                             : Process(work, repo);
-  if (!status.ok() && job->cancel_requested() && status.code() != absl::StatusCode::kCancelled &&
-      !job->Snapshot(false).published()) {
+  // An INTERNAL error of work on a GPU may be the GPU's (compression reports LibTorch's errors as
+  // they come). A device failure stops the server, and is the job's outcome even if it was
+  // cancelled meanwhile.
+  if (absl::StatusOr<c10::Device> device = model::ParseDevice(options_.device); device.ok()) {
+    status = model::WithDeviceCheck(std::move(status), *device);
+  }
+  if (model::IsDeviceFailure(status)) {
+    if (options_.on_device_failure) options_.on_device_failure(status);
+  } else if (!status.ok() && job->cancel_requested() && status.code() != absl::StatusCode::kCancelled &&
+             !job->Snapshot(false).published()) {
     status = absl::CancelledError(absl::StrCat("job ", job->id(), " was cancelled"));
   }
   if (!status.ok()) LOG(WARNING) << "admin job " << job->id() << ": " << status;
@@ -614,7 +623,9 @@ absl::StatusOr<std::unique_ptr<model::Engine>> ValidateUpload(
     eo.pack_weights = false;  // validated, converted and measured here, never served
     eo.cuda_graph_max_tokens = 0;  // a few passes: capturing graphs would cost more than it saves
     absl::StatusOr<std::unique_ptr<model::Engine>> loaded = model::Engine::Load(input_dir, eo);
-    if (!loaded.ok()) {
+    if (model::IsDeviceFailure(loaded.status())) {  // the GPU's fault, not the checkpoint's
+      valid = util::Prefixed(loaded.status(), "loading the checkpoint to validate it: ");
+    } else if (!loaded.ok()) {
       valid = absl::InvalidArgumentError(absl::StrCat("the engine rejects the checkpoint: ", loaded.status().message()));
     } else if (compress && !(*loaded)->info().collaborative_ranks.empty()) {
       valid = absl::InvalidArgumentError(
@@ -782,6 +793,7 @@ absl::Status JobManager::Process(Work& work, repository::ModelRepository* repo) 
     if (auto it = calibration_.find(job.id()); it != calibration_.end()) calibration = it->second;
     if (auto it = probes_.find(job.id()); it != probes_.end()) probes = it->second;
   }
+  if (options_.work_fault_hook) RETURN_IF_ERROR(options_.work_fault_hook());
   std::unique_ptr<model::Engine> engine;
   if (spec.kind() == v1::Job::UPLOAD) {
     ASSIGN_OR_RETURN(engine, ValidateUpload(job, spec, work.input_dir, config, compress, options_.device,
@@ -828,9 +840,8 @@ absl::Status JobManager::PublishAndLoad(Job& job, const v1::Job& spec, const std
   pe.set_version(id.version);
   job.Record(pe, [](v1::Job* j) { j->set_published(true); });
   if (!published.ok()) {
-    return absl::Status(published.code(), absl::StrCat("published as ", id.DebugString(),
-                                                       " but loading it failed: ",
-                                                       published.message()));
+    return util::Prefixed(published,
+                          absl::StrCat("published as ", id.DebugString(), " but loading it failed: "));
   }
   if (spec.activate()) {
     if (repo->Get(id.model, id.version).ok()) {

@@ -91,6 +91,15 @@ struct JobManagerOptions {
   int nice = 10;
   // Where a compression job's CP-ALS and model passes run (the server's --device).
   std::string device = "cpu";
+  // Called, before the job ends, with the failure of a job whose work found `device` failed for
+  // good (model::IsDeviceFailure; a job's INTERNAL error on a GPU is checked with
+  // model::WithDeviceCheck): the server then stops serving (AdminServer sets it to
+  // Server::OnDeviceFailure). The job fails UNAVAILABLE with that status either way.
+  std::function<void(const absl::Status&)> on_device_failure;
+  // For tests, since a CPU cannot fail as a GPU does: called where a job's model work begins
+  // (after an upload is verified and the config read); a status it returns ends the job as that
+  // work failing would. Null in production.
+  std::function<absl::Status()> work_fault_hook;
   // Ended jobs kept for GetJob/ListJobs (the oldest are forgotten first).
   int max_finished_jobs = 100;
 };

@@ -35,6 +35,10 @@ absl::StatusOr<std::unique_ptr<AdminServer>> AdminServer::Create(AdminServerOpti
       options.registry != nullptr ? options.registry : std::make_shared<prometheus::Registry>();
   admin->metrics_ = std::make_unique<AdminMetrics>(registry);
   AdminServer* self = admin.get();
+  // A job that finds the GPU failed stops the server, as a failing batch does.
+  options.service.jobs.on_device_failure = [self](const absl::Status& failure) {
+    if (Server* s = self->server_.load(); s != nullptr) s->OnDeviceFailure(failure);
+  };
   admin->service_ = std::make_unique<AdminService>(
       options.service, std::move(*auth),
       [self]() -> repository::ModelRepository* {

@@ -147,12 +147,14 @@ class Server {
   InferenceService& inference_service() { return *inference_; }
   StreamIdleWatchdog& idle_watchdog() { return *idle_watchdog_; }
 
+  // The model device failed for good (model::IsDeviceFailure; a servable's pass, load or warm-up
+  // found it, or an admin job): every health service NOT_SERVING from now on (so that Kubernetes'
+  // readiness probe drops the pod and its liveness probe restarts it), new calls UNAVAILABLE. What
+  // is in flight fails on its own. Idempotent; thread-safe.
+  void OnDeviceFailure(const absl::Status& failure);
+
  private:
   void OnVersionEvent(const repository::ServableId& id, repository::VersionEvent event);
-  // The model device failed for good (ServableOptions::on_device_failure): every health service
-  // NOT_SERVING from now on (so that Kubernetes' readiness probe drops the pod and its liveness
-  // probe restarts it), new calls UNAVAILABLE. What is in flight fails on its own.
-  void OnDeviceFailure(const absl::Status& failure);
   // SERVING only while neither shutting down nor failed.
   void SetHealth(const std::string& service, bool serving);
 

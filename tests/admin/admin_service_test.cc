@@ -20,11 +20,13 @@
 #include "absl/strings/str_cat.h"
 #include "collabserve/v1/inference.grpc.pb.h"
 #include "gmock/gmock.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
 #include "server/compress/collaborative.h"
 #include "server/model/checkpoint_maker.h"
+#include "server/model/device.h"
 #include "server/model/engine.h"
 #include "server/service/admin_server.h"
 #include "server/service/server.h"
@@ -512,6 +514,58 @@ TEST_F(AdminServiceTest, FidelityGateFailsAndPublishesNothing) {
   EXPECT_FALSE(job.published());
   EXPECT_TRUE(VersionDirs("gated").empty());
   EXPECT_TRUE(StagingEmpty());
+}
+
+// A job whose work finds the GPU failed for good (model::IsDeviceFailure) fails UNAVAILABLE and
+// stops the server as a failing batch does (server_test's ADeviceFailureStopsServingUntilARestart):
+// health NOT_SERVING for "" and every model, new Classify calls UNAVAILABLE, nothing published.
+// Injected through JobManagerOptions::work_fault_hook, since a CPU cannot fail so; on a GPU,
+// engine_test's AGpuThatFailsForGoodMakesDeviceFailures checks that model::WithDeviceCheck marks a
+// job's INTERNAL error so.
+TEST_F(AdminServiceTest, AJobThatFindsTheGpuFailedStopsServing) {
+  AdminServerOptions ao;
+  ao.service.jobs.work_fault_hook = [] {
+    return model::MarkedDeviceFailure(absl::UnavailableError(
+        "compression failed: CUDA error: an illegal memory access was encountered; cuda:0 can run no "
+        "more work: CUDA error: an illegal memory access was encountered"));
+  };
+  Start(ao);
+  auto health = grpc::health::v1::Health::NewStub(
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", server_->port()), grpc::InsecureChannelCredentials()));
+  auto status_of = [&](const std::string& service) {
+    grpc::ClientContext ctx;
+    grpc::health::v1::HealthCheckRequest req;
+    req.set_service(service);
+    grpc::health::v1::HealthCheckResponse resp;
+    grpc::Status s = health->Check(&ctx, req, &resp);
+    return s.ok() ? resp.status() : grpc::health::v1::HealthCheckResponse::UNKNOWN;
+  };
+  v1::ClassifyResponse cr;
+  ASSERT_TRUE(Classify("tiny", std::nullopt, &cr).ok());
+  EXPECT_EQ(status_of(""), grpc::health::v1::HealthCheckResponse::SERVING);
+
+  v1::UploadHeader h = Header("up");
+  h.mutable_compression()->set_rank(16);
+  v1::UploadModelResponse r;
+  grpc::Status s = Upload(h, &r);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("cuda:0 can run no more work"));
+  const std::vector<v1::Job> jobs = ListJobs();  // the failed call returned no job id
+  ASSERT_EQ(jobs.size(), 1u);
+  const v1::Job& job = jobs[0];
+  EXPECT_EQ(job.state(), v1::Job::FAILED);
+  EXPECT_EQ(job.error_code(), static_cast<int>(grpc::StatusCode::UNAVAILABLE));
+  EXPECT_THAT(job.error(), HasSubstr("compression failed: CUDA error"));
+  EXPECT_FALSE(job.published());
+  EXPECT_TRUE(VersionDirs("up").empty());
+  EXPECT_TRUE(StagingEmpty());
+
+  EXPECT_EQ(status_of(""), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  EXPECT_EQ(status_of("tiny"), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  s = Classify("tiny", std::nullopt, &cr);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(s.error_message(), HasSubstr("GPU failed"));
+  EXPECT_THAT(s.error_message(), HasSubstr("compression failed: CUDA error"));
 }
 
 TEST_F(AdminServiceTest, MissingOrWrongTokenIsUnauthenticated) {

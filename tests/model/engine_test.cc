@@ -39,6 +39,7 @@
 #include "server/model/state_dict.h"
 #include "server/model/torch_status.h"
 #include "server/text/bert_tokenizer.h"
+#include "server/util/status_macros.h"
 #include "tests/testing/test_util.h"
 
 namespace collabserve::model {
@@ -733,6 +734,16 @@ TEST(EngineErrorsTest, OnTheCpuNoErrorIsADeviceFailure) {
   EXPECT_FALSE(IsDeviceFailure(absl::Status(marked.code(), marked.message())));
   EXPECT_TRUE(MarkedDeviceFailure(absl::OkStatus()).ok());
   EXPECT_FALSE(IsDeviceFailure(MarkedDeviceFailure(absl::OkStatus())));
+  // The context callers add keeps the mark (util::Prefixed), and the code.
+  const absl::Status prefixed = util::Prefixed(marked, "model m:1: ");
+  EXPECT_TRUE(IsDeviceFailure(prefixed));
+  EXPECT_EQ(prefixed.code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(Msg(prefixed), "model m:1: cuda:0 can run no more work");
+  EXPECT_TRUE(util::Prefixed(absl::OkStatus(), "model m:1: ").ok());
+  // An INTERNAL status of work on the CPU stays what it was (a job's outcome, say).
+  const absl::Status checked = WithDeviceCheck(internal, cpu);
+  EXPECT_EQ(checked, internal);
+  EXPECT_FALSE(IsDeviceFailure(checked));
 }
 
 // In a process of its own (the death test below): loads the mini model on the GPU, checks that it
@@ -773,6 +784,12 @@ std::string BreakTheGpuAndReport(const TempDir& dir) {
   if (check.code() != absl::StatusCode::kUnavailable ||
       !absl::StartsWith(check.message(), "cuda:0 can run no more work: ")) {
     return absl::StrCat("wrong: CheckDevice after the fault: ", check.ToString());
+  }
+  // What an admin job does with its outcome (compression reports LibTorch's errors unchecked).
+  const absl::Status job = WithDeviceCheck(absl::InternalError("compression failed: CUDA error"), gpu);
+  if (job.code() != absl::StatusCode::kUnavailable || !IsDeviceFailure(job) ||
+      !absl::StartsWith(job.message(), "compression failed: CUDA error; cuda:0 can run no more work")) {
+    return absl::StrCat("wrong: a job's INTERNAL error after the fault: ", job.ToString());
   }
   absl::StatusOr<std::unique_ptr<Engine>> again = Engine::Load(dir.path(), eo);
   if (again.ok()) {
