@@ -98,8 +98,13 @@ class AdminServiceTest : public testing::AdminServerTest {
     return resp.job();
   }
 
+  // The job once its watch has ended (a watch that fails is a failure of the test: the job may
+  // still be running).
   v1::Job WaitJob(const std::string& id) {
-    Watch(admin_stub_.get(), kToken, id);
+    grpc::Status watched;
+    Watch(admin_stub_.get(), kToken, id, &watched);
+    EXPECT_TRUE(watched.ok()) << "watching job " << id << ": " << watched.error_code() << ": "
+                              << watched.error_message();
     return GetJob(id);
   }
 
@@ -401,7 +406,9 @@ TEST_F(AdminServiceTest, UploadWithCalibrationAndATargetSearchesWhitenedRanks) {
   v1::UploadModelResponse r;
   grpc::Status s = Upload(h, files, &r);
   ASSERT_TRUE(s.ok()) << s.error_message();
-  std::vector<v1::WatchJobResponse> events = Watch(admin_stub_.get(), kToken, r.job_id());
+  grpc::Status watched;
+  std::vector<v1::WatchJobResponse> events = Watch(admin_stub_.get(), kToken, r.job_id(), &watched);
+  ASSERT_TRUE(watched.ok()) << watched.error_code() << ": " << watched.error_message();
   v1::Job job = GetJob(r.job_id());
   ASSERT_EQ(job.state(), v1::Job::SUCCEEDED) << job.error();
   std::vector<std::string> calibrated, trials;
