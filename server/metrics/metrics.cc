@@ -77,6 +77,12 @@ Metrics::Metrics(const std::string& build_version, const std::string& torch_vers
                    .Help("Inference calls being processed.")
                    .Register(r)
                    .Add({});
+  device_failed_ = &prometheus::BuildGauge()
+                        .Name("collabserve_device_failed")
+                        .Help("1 once the server's model device has failed for good (a CUDA error "
+                              "that only a restart clears: health is NOT_SERVING, calls are "
+                              "UNAVAILABLE), else 0.")
+                        .Register(r);
   model_parameters_ = &prometheus::BuildGauge()
                            .Name("collabserve_model_parameters")
                            .Help("Parameter count of a model version by part.")
@@ -178,6 +184,10 @@ prometheus::Gauge* Metrics::QueueDepth(const std::string& model, int64_t version
   }
   v.emplace_back(queue_depth_, g);
   return g;
+}
+
+prometheus::Gauge* Metrics::DeviceFailed(const std::string& device) {
+  return &device_failed_->Add({{"device", device}});
 }
 
 void Metrics::SetVersionFacts(const std::string& model, int64_t version,

@@ -86,6 +86,10 @@ class Metrics {
   prometheus::Gauge* QueueDepth(const std::string& model, int64_t version);
   prometheus::Gauge* inflight_requests() { return inflight_; }
 
+  // Gauge collabserve_device_failed{device}: 1 once the server's model device (`device`: "cpu",
+  // "cuda:0") has failed for good (Server::OnDeviceFailure), else 0. Created on first use.
+  prometheus::Gauge* DeviceFailed(const std::string& device);
+
   // Sets the per-version static gauges (parameters, ranks, compression ratio, load time, and for a
   // collaborative version its layers' reconstruction errors and its fidelity agreement) and takes
   // one reference on the version's series.
@@ -110,6 +114,7 @@ class Metrics {
   prometheus::Family<prometheus::Histogram>* batch_tokens_;
   prometheus::Family<prometheus::Histogram>* batch_padding_ratio_;
   prometheus::Family<prometheus::Gauge>* queue_depth_;
+  prometheus::Family<prometheus::Gauge>* device_failed_;
   prometheus::Family<prometheus::Gauge>* model_parameters_;
   prometheus::Family<prometheus::Gauge>* model_layer_rank_;
   prometheus::Family<prometheus::Gauge>* compression_ratio_;

@@ -18,6 +18,7 @@
 #include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
 #include "grpcpp/support/server_interceptor.h"
+#include "prometheus/gauge.h"
 #include "server/metrics/process_metrics.h"
 #include "server/model/device.h"
 #include "server/model/engine.h"
@@ -317,6 +318,9 @@ Server::Server(ServerOptions options)
       idle_watchdog_(std::make_unique<StreamIdleWatchdog>(IdleLimits(options_))) {
   metrics::SetPassArenaBytesSource(&model::PassArenaResidentBytes);
   metrics::SetGpuMemorySource(GpuMemorySource(options_.servable.engine.device));
+  const std::string& device = options_.servable.engine.device;
+  absl::StatusOr<c10::Device> parsed = model::ParseDevice(device);
+  device_failed_gauge_ = metrics_->DeviceFailed(parsed.ok() ? parsed->str() : device);
 }
 
 Server::~Server() { Shutdown(); }
@@ -471,6 +475,7 @@ void Server::OnDeviceFailure(const absl::Status& failure) {
     absl::MutexLock lock(&mu_);
     if (device_failed_) return;
     device_failed_ = true;
+    device_failed_gauge_->Set(1);
     if (server_ != nullptr && !shutting_down_) {
       grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
       if (health != nullptr) health->SetServingStatus(false);  // every service, "" included

@@ -172,6 +172,7 @@ class Server {
   bool serving_ ABSL_GUARDED_BY(mu_) = false;  // models loaded: "" is SERVING
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
   bool device_failed_ ABSL_GUARDED_BY(mu_) = false;
+  prometheus::Gauge* device_failed_gauge_ = nullptr;  // collabserve_device_failed{device}
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
   std::map<std::string, std::set<int64_t>> available_ ABSL_GUARDED_BY(mu_);  // served versions
 };

@@ -547,6 +547,7 @@ TEST_F(ServerTest, ADeviceFailureStopsServingUntilARestart) {
   v1::ClassifyResponse resp;
   ASSERT_TRUE(Classify(Request("tiny", {"before the failure"}), &resp).ok());
   EXPECT_EQ(Health(""), HealthResponse::SERVING);
+  EXPECT_EQ(Metrics()["collabserve_device_failed{device=\"cpu\"}"], 0);
 
   fail = true;
   grpc::Status s = Classify(Request("tiny", {"the failing pass"}), &resp);
@@ -554,6 +555,7 @@ TEST_F(ServerTest, ADeviceFailureStopsServingUntilARestart) {
   EXPECT_THAT(s.error_message(), HasSubstr("model tiny:1: forward pass failed: CUDA error"));
   EXPECT_EQ(Health(""), HealthResponse::NOT_SERVING);
   EXPECT_EQ(Health("tiny"), HealthResponse::NOT_SERVING);
+  EXPECT_EQ(Metrics()["collabserve_device_failed{device=\"cpu\"}"], 1);  // for the alert
 
   fail = false;  // the engine would answer now: the server still refuses
   s = Classify(Request("tiny", {"after the failure"}), &resp);
@@ -589,6 +591,8 @@ TEST_F(ServerTest, MetricsPageParsesAndPassesPromtool) {
   EXPECT_EQ(m.count("collabserve_batch_padding_ratio_count{model=\"tiny\"}"), 1u);
   EXPECT_EQ(m["collabserve_queue_depth{model=\"tiny\",version=\"1\"}"], 0);
   EXPECT_EQ(m["collabserve_inflight_requests"], 0);
+  EXPECT_EQ(m.count("collabserve_device_failed{device=\"cpu\"}"), 1u);
+  EXPECT_EQ(m["collabserve_device_failed{device=\"cpu\"}"], 0);
   EXPECT_GT(m["collabserve_model_parameters{model=\"tiny\",part=\"total\",version=\"1\"}"], 0);
   EXPECT_EQ(m["collabserve_model_layer_rank{layer=\"1\",model=\"tiny\",version=\"1\"}"], 64);
   EXPECT_EQ(m["collabserve_model_compression_ratio{model=\"tiny\",version=\"1\"}"], 1);
