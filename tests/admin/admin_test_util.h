@@ -89,6 +89,9 @@ inline std::vector<v1::WatchJobResponse> Watch(v1::Admin::Stub* stub, const std:
                                                grpc::Status* status = nullptr) {
   grpc::ClientContext ctx;
   Authorize(&ctx, token);
+  // A watch lasts as long as its job: Authorize's 60 s guard against a hang would end it first
+  // when a job runs long (a sanitizer tree on busy cores ran one for 72 s at idle priority).
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Minutes(15)));
   v1::WatchJobRequest req;
   req.set_job_id(job_id);
   auto reader = stub->WatchJob(&ctx, req);
