@@ -320,6 +320,7 @@ absl::StatusOr<std::shared_ptr<Job>> JobManager::Create(const JobSpec& spec) {
     }
   }
   if (spec.version < 0) return absl::InvalidArgumentError("version must be positive");
+  if (options_.refusal) RETURN_IF_ERROR(options_.refusal());
   repository::ModelRepository* repo = repository_();
   if (repo == nullptr) return absl::UnavailableError("the model repository is not loaded yet");
   const std::string model_dir = util::JoinPath(repo->root(), spec.model_name);

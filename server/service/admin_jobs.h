@@ -96,6 +96,10 @@ struct JobManagerOptions {
   // model::WithDeviceCheck): the server then stops serving (AdminServer sets it to
   // Server::OnDeviceFailure). The job fails UNAVAILABLE with that status either way.
   std::function<void(const absl::Status&)> on_device_failure;
+  // Asked as a job is created, once its spec is valid: a status it returns refuses the job
+  // (AdminServer: InferenceService::Refusal, UNAVAILABLE once the server's GPU failed or while it
+  // drains, so that an upload is not sent to a pod that can no longer run it). Null: never.
+  std::function<absl::Status()> refusal;
   // For tests, since a CPU cannot fail as a GPU does: called where a job's model work begins
   // (after an upload is verified and the config read); a status it returns ends the job as that
   // work failing would. Null in production.

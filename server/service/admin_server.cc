@@ -8,6 +8,7 @@
 #include "grpcpp/server_builder.h"
 #include "grpcpp/support/server_interceptor.h"
 #include "prometheus/registry.h"
+#include "server/service/status_mapping.h"
 #include "server/util/files.h"
 
 namespace collabserve::service {
@@ -38,6 +39,11 @@ absl::StatusOr<std::unique_ptr<AdminServer>> AdminServer::Create(AdminServerOpti
   // A job that finds the GPU failed stops the server, as a failing batch does.
   options.service.jobs.on_device_failure = [self](const absl::Status& failure) {
     if (Server* s = self->server_.load(); s != nullptr) s->OnDeviceFailure(failure);
+  };
+  // New jobs are refused when new inference calls are.
+  options.service.jobs.refusal = [self]() -> absl::Status {
+    Server* s = self->server_.load();
+    return s == nullptr ? absl::OkStatus() : FromGrpcStatus(s->inference_service().Refusal());
   };
   admin->service_ = std::make_unique<AdminService>(
       options.service, std::move(*auth),

@@ -573,6 +573,23 @@ TEST_F(AdminServiceTest, AJobThatFindsTheGpuFailedStopsServing) {
   EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_THAT(s.error_message(), HasSubstr("GPU failed"));
   EXPECT_THAT(s.error_message(), HasSubstr("compression failed: CUDA error"));
+
+  // New jobs are refused as new calls are, before an upload's bytes are kept.
+  grpc::ClientContext ctx;
+  Authorize(&ctx, kToken);
+  v1::CompressModelRequest req;
+  req.set_model_name("tiny");
+  req.mutable_compression()->set_rank(16);
+  v1::CompressModelResponse resp;
+  s = admin_stub_->CompressModel(&ctx, req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(s.error_message(), HasSubstr("GPU failed"));
+  s = Upload(Header("again"), &r);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(s.error_message(), HasSubstr("GPU failed"));
+  EXPECT_EQ(ListJobs().size(), 1u);
+  EXPECT_TRUE(VersionDirs("again").empty());
+  EXPECT_TRUE(StagingEmpty());
 }
 
 TEST_F(AdminServiceTest, MissingOrWrongTokenIsUnauthenticated) {
