@@ -26,7 +26,8 @@ const all = exprs.map((e) => e.expr).join('\n');
 for (const [what, metric] of [['latency', 'collabserve_request_duration_seconds_bucket'], ['throughput', 'collabserve_requests_total'],
   ['batch size', 'collabserve_batch_size_'], ['padding ratio', 'collabserve_batch_padding_ratio_'], ['queue depth', 'collabserve_queue_depth'],
   ['parameters', 'collabserve_model_parameters'], ['compression ratio', 'collabserve_model_compression_ratio'],
-  ['rank per layer', 'collabserve_model_layer_rank'], ['jobs', 'collabserve_jobs_total']]) {
+  ['rank per layer', 'collabserve_model_layer_rank'], ['jobs', 'collabserve_jobs_total'],
+  ['GPU failures', 'collabserve_device_failed']]) {
   check(all.includes(metric), `the dashboard shows ${what} (${metric})`);
 }
 check(/histogram_quantile\(0\.5,/.test(all) && /histogram_quantile\(0\.99,/.test(all), 'latency p50 and p99');
