@@ -293,8 +293,8 @@ std::map<std::string, StreamIdleWatchdog::Limit> IdleLimits(const ServerOptions&
 // --device that does not parse or where CUDA cannot start (no model loads then). CUDA starts here,
 // before the first scrape (ReadDeviceMemory must not race with its start), rather than with the
 // first model.
-std::function<std::optional<metrics::GpuMemoryReading>()> GpuMemorySource(const std::string& name) {
-  absl::StatusOr<c10::Device> device = model::ParseDevice(name);
+std::function<std::optional<metrics::GpuMemoryReading>()> GpuMemorySource(
+    const absl::StatusOr<c10::Device>& device) {
   if (!device.ok()) return nullptr;
   if (absl::Status s = model::InitDevice(*device); !s.ok()) {
     LOG(WARNING) << "no GPU memory metrics: " << s;
@@ -317,10 +317,10 @@ Server::Server(ServerOptions options)
       reaper_(std::make_shared<ServableReaper>()),
       idle_watchdog_(std::make_unique<StreamIdleWatchdog>(IdleLimits(options_))) {
   metrics::SetPassArenaBytesSource(&model::PassArenaResidentBytes);
-  metrics::SetGpuMemorySource(GpuMemorySource(options_.servable.engine.device));
-  const std::string& device = options_.servable.engine.device;
-  absl::StatusOr<c10::Device> parsed = model::ParseDevice(device);
-  device_failed_gauge_ = metrics_->DeviceFailed(parsed.ok() ? parsed->str() : device);
+  const std::string& name = options_.servable.engine.device;
+  const absl::StatusOr<c10::Device> device = model::ParseDevice(name);
+  metrics::SetGpuMemorySource(GpuMemorySource(device));
+  device_failed_gauge_ = metrics_->DeviceFailed(device.ok() ? device->str() : name);
 }
 
 Server::~Server() { Shutdown(); }
