@@ -76,8 +76,8 @@ class ModelServable final : public repository::Servable {
                 metrics::Metrics* metrics);
   void ProcessBatch(std::unique_ptr<batching::Batch<InferenceTask>> batch);
   absl::Status WarmUp();
-  // `status` with `prefix` before its message, its code kept; first tells
-  // options_.on_device_failure when it is a device failure (the prefixed copy no longer says so).
+  // util::Prefixed(status, prefix); first tells options_.on_device_failure when `status` is a
+  // device failure.
   absl::Status Failed(const absl::Status& status, absl::string_view prefix) const;
 
   const repository::ServableId id_;

@@ -541,6 +541,7 @@ TEST_F(AdminServiceTest, AJobThatFindsTheGpuFailedStopsServing) {
       grpc::CreateChannel(absl::StrCat("127.0.0.1:", server_->port()), grpc::InsecureChannelCredentials()));
   auto status_of = [&](const std::string& service) {
     grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
     grpc::health::v1::HealthCheckRequest req;
     req.set_service(service);
     grpc::health::v1::HealthCheckResponse resp;
