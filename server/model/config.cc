@@ -131,6 +131,12 @@ absl::StatusOr<BertConfig> BertConfig::Parse(absl::string_view text, absl::strin
                    GetInt(j, "max_position_embeddings", 512, 1, kMaxPositions, name));
   ASSIGN_OR_RETURN(c.type_vocab_size, GetInt(j, "type_vocab_size", 2, 1, 1 << 10, name));
   ASSIGN_OR_RETURN(c.pad_token_id, GetInt(j, "pad_token_id", 0, 0, kMaxVocab, name));
+  // Padded rows and positions hold this id, so a batch of several lengths looks it up (nn.Embedding
+  // refuses such a padding_idx too).
+  if (c.pad_token_id >= c.vocab_size) {
+    return Invalid(name, absl::StrCat("'pad_token_id' = ", c.pad_token_id,
+                                      " is not a token id (vocab_size is ", c.vocab_size, ")"));
+  }
   if (c.hidden_size % c.num_attention_heads != 0) {
     return Invalid(name, absl::StrCat("hidden_size ", c.hidden_size,
                                       " is not a multiple of num_attention_heads ",

@@ -96,6 +96,8 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{R"({"hidden_size": 1e12})", "'hidden_size' must be an integer"},
         BadCase{R"({"hidden_size": 4000000000})", "outside"},
         BadCase{R"({"vocab_size": -3})", "outside"},
+        BadCase{R"({"vocab_size": 100, "pad_token_id": 100})",
+                "'pad_token_id' = 100 is not a token id (vocab_size is 100)"},
         BadCase{R"({"id2label": {"0": "a", "5": "b"}})", "'id2label' key '5'"},
         BadCase{R"({"problem_type": "ranking"})", "unknown problem_type"},
         BadCase{R"({"num_hidden_layers": 2, "collaborative": {"ranks": [4]}})", "has 1 entries"},
