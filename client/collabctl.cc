@@ -175,7 +175,7 @@ int Bench(const Client& client) {
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "collabctl [--address=HOST:PORT] (classify TEXT... | tokenize TEXT... | models | model [NAME] "
-      "| health | bench | upload --dir=D --name=N [--rank=R|--ratio=X|--max_error=E|--target_agreement=A|--max_kl=K] "
+      "| health | bench | upload --dir=D --name=N [--rank=R|--ranks=R1,R2,..|--ratio=X|--max_error=E|--target_agreement=A|--max_kl=K] "
       "[--calibration=FILE] [--wait] "
       "| jobs [ID] | watch ID | cancel ID | compress NAME [VERSION] | load|unload|delete NAME VERSION)");
   std::vector<char*> rest = absl::ParseCommandLine(argc, argv);

@@ -9,6 +9,8 @@
 #include <iostream>
 #include <map>
 #include <memory>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -25,16 +27,23 @@
 
 ABSL_FLAG(std::string, dir, "", "upload: the Hugging Face BERT directory to upload");
 ABSL_FLAG(std::string, name, "", "upload: the model name to publish under");
-ABSL_FLAG(int, rank, 0, "upload/compress: shared key/query rank for every layer");
-ABSL_FLAG(double, ratio, 0, "upload/compress: compress the key/query dimension by this factor");
-ABSL_FLAG(double, max_error, 0, "upload/compress: per-layer rank with relative error <= this");
-ABSL_FLAG(double, target_agreement, 0,
+// The compression flags are optional: one given is sent as given, whatever its value, and the
+// server refuses a bad one naming it (a 0 or a negative number is not taken for "not given").
+ABSL_FLAG(std::optional<int>, rank, std::nullopt, "upload/compress: shared key/query rank for every layer");
+ABSL_FLAG(std::vector<std::string>, ranks, {},
+          "upload/compress: a rank per layer, comma-separated (0 keeps that layer standard)");
+ABSL_FLAG(std::optional<double>, ratio, std::nullopt,
+          "upload/compress: compress the key/query dimension by this factor");
+ABSL_FLAG(std::optional<double>, max_error, std::nullopt,
+          "upload/compress: per-layer rank with relative error <= this");
+ABSL_FLAG(std::optional<double>, target_agreement, std::nullopt,
           "upload/compress: the cheapest per-layer ranks found that keep this top-1 agreement on held-out text");
-ABSL_FLAG(double, max_kl, 0, "upload/compress: the cheapest per-layer ranks found that keep mean KL <= this");
+ABSL_FLAG(std::optional<double>, max_kl, std::nullopt,
+          "upload/compress: the cheapest per-layer ranks found that keep mean KL <= this");
 ABSL_FLAG(std::string, calibration, "",
           "upload/compress: calibration text, one text per line (activation-aware CP; sent as calibration.txt)");
-ABSL_FLAG(double, min_agreement, -1,
-          "upload/compress: fail (publish nothing) below this top-1 agreement (-1 = no gate)");
+ABSL_FLAG(std::optional<double>, min_agreement, std::nullopt,
+          "upload/compress: fail (publish nothing) below this top-1 agreement (default: no gate)");
 ABSL_FLAG(bool, wait, false, "upload/compress: follow the job to its end and print the report");
 ABSL_FLAG(bool, activate, true, "upload/compress: load the new version once published");
 ABSL_FLAG(std::string, token_file, "",
@@ -112,31 +121,43 @@ class Admin {
   std::string token_;
 };
 
-// Reads the compression flags; false (after printing why) if more than one is given.
+// Reads the compression flags into `spec` (`any`: one was given); false (after printing why) if
+// more than one is given or --ranks holds something other than integers.
 bool CompressionFromFlags(v1::CompressionSpec* spec, bool* any) {
   int n = 0;
-  if (absl::GetFlag(FLAGS_rank) > 0) {
-    spec->set_rank(absl::GetFlag(FLAGS_rank));
+  if (const std::optional<int> rank = absl::GetFlag(FLAGS_rank)) {
+    spec->set_rank(*rank);
     ++n;
   }
-  if (absl::GetFlag(FLAGS_ratio) > 0) {
-    spec->set_ratio(absl::GetFlag(FLAGS_ratio));
+  if (const std::vector<std::string> ranks = absl::GetFlag(FLAGS_ranks); !ranks.empty()) {
+    for (const std::string& r : ranks) {
+      int32_t v = 0;
+      if (!absl::SimpleAtoi(r, &v)) {
+        Error(absl::StrCat("--ranks: '", r, "' is not an integer (one rank per layer, comma-separated)"));
+        return false;
+      }
+      spec->mutable_ranks()->add_ranks(v);
+    }
     ++n;
   }
-  if (absl::GetFlag(FLAGS_max_error) > 0) {
-    spec->set_max_error(absl::GetFlag(FLAGS_max_error));
+  if (const std::optional<double> ratio = absl::GetFlag(FLAGS_ratio)) {
+    spec->set_ratio(*ratio);
     ++n;
   }
-  if (absl::GetFlag(FLAGS_target_agreement) > 0) {
-    spec->set_target_agreement(absl::GetFlag(FLAGS_target_agreement));
+  if (const std::optional<double> max_error = absl::GetFlag(FLAGS_max_error)) {
+    spec->set_max_error(*max_error);
     ++n;
   }
-  if (absl::GetFlag(FLAGS_max_kl) > 0) {
-    spec->set_max_kl(absl::GetFlag(FLAGS_max_kl));
+  if (const std::optional<double> target = absl::GetFlag(FLAGS_target_agreement)) {
+    spec->set_target_agreement(*target);
+    ++n;
+  }
+  if (const std::optional<double> max_kl = absl::GetFlag(FLAGS_max_kl)) {
+    spec->set_max_kl(*max_kl);
     ++n;
   }
   if (n > 1) {
-    Error("give at most one of --rank, --ratio, --max_error, --target_agreement, --max_kl");
+    Error("give at most one of --rank, --ranks, --ratio, --max_error, --target_agreement, --max_kl");
     return false;
   }
   *any = n == 1;
@@ -198,7 +219,7 @@ int Upload(Admin& admin) {
   header.set_model_name(name);
   bool compress = false;
   if (!CompressionFromFlags(header.mutable_compression(), &compress)) return 2;
-  if (absl::GetFlag(FLAGS_min_agreement) >= 0) header.set_min_agreement(absl::GetFlag(FLAGS_min_agreement));
+  if (const auto gate = absl::GetFlag(FLAGS_min_agreement)) header.set_min_agreement(*gate);
   header.set_activate(absl::GetFlag(FLAGS_activate));
   // Hash every known file first (the header promises sizes and digests).
   std::vector<std::pair<std::string, std::string>> files;  // name in the upload, local path
@@ -276,7 +297,7 @@ int Upload(Admin& admin) {
 
 int Compress(Admin& admin, const std::vector<std::string>& args) {
   if (args.empty() || args.size() > 2) {
-    std::cerr << "collabctl: compress NAME [SOURCE_VERSION] --rank=R|--ratio=X|--max_error=E|"
+    std::cerr << "collabctl: compress NAME [SOURCE_VERSION] --rank=R|--ranks=R1,R2,..|--ratio=X|--max_error=E|"
                  "--target_agreement=A|--max_kl=K [--calibration=FILE]\n";
     return 2;
   }
@@ -289,7 +310,7 @@ int Compress(Admin& admin, const std::vector<std::string>& args) {
   }
   bool compress = false;
   if (!CompressionFromFlags(req.mutable_compression(), &compress)) return 2;
-  if (absl::GetFlag(FLAGS_min_agreement) >= 0) req.set_min_agreement(absl::GetFlag(FLAGS_min_agreement));
+  if (const auto gate = absl::GetFlag(FLAGS_min_agreement)) req.set_min_agreement(*gate);
   req.set_activate(absl::GetFlag(FLAGS_activate));
   if (const std::string file = absl::GetFlag(FLAGS_calibration); !file.empty()) {
     std::ifstream in(file);

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -25,11 +26,13 @@
 
 ABSL_DECLARE_FLAG(std::string, dir);
 ABSL_DECLARE_FLAG(std::string, name);
-ABSL_DECLARE_FLAG(int, rank);
-ABSL_DECLARE_FLAG(double, ratio);
+ABSL_DECLARE_FLAG(std::optional<int>, rank);
+ABSL_DECLARE_FLAG(std::vector<std::string>, ranks);
+ABSL_DECLARE_FLAG(std::optional<double>, ratio);
+ABSL_DECLARE_FLAG(std::optional<double>, max_error);
 ABSL_DECLARE_FLAG(bool, wait);
 ABSL_DECLARE_FLAG(std::string, token_file);
-ABSL_DECLARE_FLAG(double, target_agreement);
+ABSL_DECLARE_FLAG(std::optional<double>, target_agreement);
 ABSL_DECLARE_FLAG(std::string, calibration);
 
 namespace collabserve::client {
@@ -89,7 +92,7 @@ TEST(CollabctlAdminTest, UploadWaitJobsLoadUnload) {
   absl::SetFlag(&FLAGS_rank, 8);
   absl::SetFlag(&FLAGS_ratio, 2.0);
   EXPECT_EQ(RunAdminCommand("upload", 0, none, address), 2);  // two compression flags
-  absl::SetFlag(&FLAGS_ratio, 0.0);
+  absl::SetFlag(&FLAGS_ratio, std::nullopt);
   absl::SetFlag(&FLAGS_wait, true);
   EXPECT_EQ(RunAdminCommand("upload", 0, none, address), 0);
   EXPECT_TRUE(std::filesystem::exists(repo.path() + "/cli/1/config.json"));
@@ -108,7 +111,50 @@ TEST(CollabctlAdminTest, UploadWaitJobsLoadUnload) {
   EXPECT_TRUE(std::filesystem::exists(repo.path() + "/tiny/2/config.json"));
   EXPECT_EQ(RunAdminCommand("delete", 2, v1, address), 0);
   EXPECT_FALSE(std::filesystem::exists(repo.path() + "/cli/1"));
+  absl::SetFlag(&FLAGS_rank, std::nullopt);
+}
 
+// A compression flag given is sent as given: a zero or negative value is not taken for "no
+// compression" (which would publish the checkpoint as uploaded), the server refuses it. --ranks
+// gives each layer its rank.
+TEST(CollabctlAdminTest, CompressionFlagsGoAsGivenAndRanksSetsEachLayer) {
+  TempDir repo, src;
+  MakeTinyModel(src.path() + "/m", 5);  // 2 layers
+  ServerWithAdmin running;
+  ASSERT_TRUE(running.Start(ServerOptionsFor(repo.path()), "flag-token").ok());
+  const std::string address = absl::StrCat("127.0.0.1:", running.server->port());
+  ASSERT_TRUE(util::WriteFileAtomic(src.path() + "/token", "flag-token\n").ok());
+  absl::SetFlag(&FLAGS_token_file, src.path() + "/token");
+  absl::SetFlag(&FLAGS_dir, src.path() + "/m");
+  absl::SetFlag(&FLAGS_name, "flags");
+  absl::SetFlag(&FLAGS_wait, true);
+  char* none[] = {nullptr};
+
+  absl::SetFlag(&FLAGS_rank, 0);
+  EXPECT_EQ(RunAdminCommand("upload", 0, none, address), 1);  // INVALID_ARGUMENT from the server
+  absl::SetFlag(&FLAGS_rank, std::nullopt);
+  absl::SetFlag(&FLAGS_max_error, -1.0);
+  EXPECT_EQ(RunAdminCommand("upload", 0, none, address), 1);
+  absl::SetFlag(&FLAGS_max_error, std::nullopt);
+  EXPECT_FALSE(std::filesystem::exists(repo.path() + "/flags")) << "a refused upload published";
+
+  absl::SetFlag(&FLAGS_ranks, std::vector<std::string>{"8", "x"});
+  EXPECT_EQ(RunAdminCommand("upload", 0, none, address), 2);  // not an integer: nothing sent
+  absl::SetFlag(&FLAGS_ranks, std::vector<std::string>{"8", "0"});
+  absl::SetFlag(&FLAGS_rank, 8);
+  EXPECT_EQ(RunAdminCommand("upload", 0, none, address), 2);  // two compression flags
+  absl::SetFlag(&FLAGS_rank, std::nullopt);
+  ASSERT_EQ(RunAdminCommand("upload", 0, none, address), 0);
+  absl::SetFlag(&FLAGS_ranks, std::vector<std::string>{});
+
+  std::vector<std::string> versions;
+  for (const auto& e : std::filesystem::directory_iterator(repo.path() + "/flags")) {
+    versions.push_back(e.path().string());
+  }
+  ASSERT_EQ(versions.size(), 1u);
+  std::ifstream config(versions[0] + "/config.json");
+  const nlohmann::json c = nlohmann::json::parse(config);
+  EXPECT_EQ(c["collaborative"]["ranks"], nlohmann::json::array({8, 0}));
 }
 
 // What an admin does with a fine-tuned model: `collabctl upload` of the trained demo checkpoint at
@@ -126,16 +172,16 @@ TEST(CollabctlAdminTest, UploadedDemoAtAQuarterRankKeepsItsAccuracyOverGrpc) {
   absl::SetFlag(&FLAGS_dir, SourceDir() + "/server/model/demo");
   absl::SetFlag(&FLAGS_name, "demo-c64");
   absl::SetFlag(&FLAGS_rank, 64);
-  absl::SetFlag(&FLAGS_ratio, 0.0);
+  absl::SetFlag(&FLAGS_ratio, std::nullopt);
   absl::SetFlag(&FLAGS_wait, true);
   char* none[] = {nullptr};
   ASSERT_EQ(RunAdminCommand("upload", 0, none, address), 0);
-  absl::SetFlag(&FLAGS_rank, 0);
+  absl::SetFlag(&FLAGS_rank, std::nullopt);
   absl::SetFlag(&FLAGS_name, "demo-t99");
   absl::SetFlag(&FLAGS_target_agreement, 0.99);
   absl::SetFlag(&FLAGS_calibration, SourceDir() + "/tests/data/demo/calibration.txt");
   ASSERT_EQ(RunAdminCommand("upload", 0, none, address), 0);
-  absl::SetFlag(&FLAGS_target_agreement, 0.0);
+  absl::SetFlag(&FLAGS_target_agreement, std::nullopt);
   absl::SetFlag(&FLAGS_calibration, "");
 
   ClientOptions co;
