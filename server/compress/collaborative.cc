@@ -405,6 +405,10 @@ absl::Status CheckConvertible(const model::BertClassifier& source, const Compres
   RETURN_IF_ERROR(model::ParseDevice(o.device).status());
   if (o.max_iters < 1) return absl::InvalidArgumentError("max_iters must be at least 1");
   if (!(o.tol >= 0) || !std::isfinite(o.tol)) return absl::InvalidArgumentError("tol must be a finite number >= 0");
+  if (!(o.search_seconds >= 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("search_seconds must be >= 0 (0: no limit), got ", o.search_seconds));
+  }
   const int L = sc.num_hidden_layers;
   if (!o.whitening.empty()) {
     if (static_cast<int>(o.whitening.size()) != L) {

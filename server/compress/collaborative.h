@@ -179,7 +179,8 @@ struct CompressOptions {
   // their own statistics.
   std::vector<LayerWhitening> whitening;
   // A fidelity-target search stops after this many seconds: with the cheapest allocation verified
-  // so far (RankSearchReport::time_limited), or DEADLINE_EXCEEDED when none is. <= 0: no limit.
+  // so far (RankSearchReport::time_limited), or DEADLINE_EXCEEDED when none is. 0: no limit
+  // (a negative or NaN one is refused).
   double search_seconds = 600;
   // Progress of a target search (e.g. for an admin job's events): called, from the calling thread,
   // after each trial.

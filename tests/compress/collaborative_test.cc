@@ -8,6 +8,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -604,6 +605,11 @@ TEST_F(CollaborativeTest, BadRequestsAreRefusedAndWriteNothing) {
   CompressOptions negative = Rank(8);
   negative.parallel_layers = -2;
   EXPECT_THAT(msg(negative), HasSubstr("parallel_layers must be 0 (automatic) or positive"));
+  CompressOptions no_time = Rank(8);
+  no_time.search_seconds = -5;
+  EXPECT_THAT(msg(no_time), HasSubstr("search_seconds must be >= 0 (0: no limit), got -5"));
+  no_time.search_seconds = std::nan("");
+  EXPECT_THAT(msg(no_time), HasSubstr("search_seconds must be >= 0"));
   EXPECT_FALSE(std::filesystem::exists(work_ / "out"));
 
   std::atomic<bool> cancelled{true};
