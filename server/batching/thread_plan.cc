@@ -1,10 +1,22 @@
 #include "server/batching/thread_plan.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 
 namespace collabserve::batching {
+
+absl::Status ValidateThreadFlags(int batch_threads_flag, int intra_op_threads_flag) {
+  for (const auto& [flag, value] : {std::pair{"num_batch_threads", batch_threads_flag},
+                                    std::pair{"inference_threads", intra_op_threads_flag}}) {
+    if (value < 0 || value > kMaxThreadsFlag) {
+      return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", value, " must be 0 (automatic) or 1 to ",
+                                                     kMaxThreadsFlag));
+    }
+  }
+  return absl::OkStatus();
+}
 
 ThreadPlan PlanInferenceThreads(bool accelerator, int cpus, int batch_threads_flag,
                                 int intra_op_threads_flag) {

@@ -5,6 +5,8 @@
 
 #include <string>
 
+#include "absl/status/status.h"
+
 namespace collabserve::batching {
 
 struct ThreadPlan {
@@ -15,6 +17,13 @@ struct ThreadPlan {
 
 // Most batch threads the automatic CPU plan uses; bigger machines give each pass more threads.
 inline constexpr int kMaxAutoCpuBatchThreads = 4;
+
+// Most threads either flag may ask for: thousands would only be a typo (and OpenMP would start them).
+inline constexpr int kMaxThreadsFlag = 1024;
+
+// --num_batch_threads and --inference_threads: 0 (choose) or 1 to kMaxThreadsFlag; else
+// INVALID_ARGUMENT naming the flag and its value.
+absl::Status ValidateThreadFlags(int batch_threads_flag, int intra_op_threads_flag);
 
 // batch_threads_flag / intra_op_threads_flag: the user's values, 0 = choose. cpus: usable CPUs
 // (>= 1). On CPU the automatic plan favours throughput: small transformer passes scale poorly over

@@ -173,17 +173,24 @@ absl::StatusOr<std::unique_ptr<BertClassifier>> LoadClassifier(const std::string
   }
 }
 
+absl::Status ValidateEngineOptions(const EngineOptions& options) {
+  ASSIGN_OR_RETURN(c10::Device device, ParseDevice(options.device));
+  RETURN_IF_ERROR(ParseDType(options.dtype, device).status());
+  if (options.cuda_graph_max_tokens < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("cuda_graph_max_tokens is ", options.cuda_graph_max_tokens,
+                                                   "; it must be 0 (no CUDA graphs) or more"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Load(const std::string& dir,
                                                      const EngineOptions& options) {
   if (!util::IsDirectory(dir)) {
     return absl::NotFoundError(absl::StrCat(dir, ": model directory does not exist"));
   }
+  RETURN_IF_ERROR(ValidateEngineOptions(options));
   ASSIGN_OR_RETURN(c10::Device device, ParseDevice(options.device));
   ASSIGN_OR_RETURN(c10::ScalarType dtype, ParseDType(options.dtype, device));
-  if (options.cuda_graph_max_tokens < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("cuda_graph_max_tokens is ", options.cuda_graph_max_tokens,
-                                                   "; it must be 0 (no CUDA graphs) or more"));
-  }
   ASSIGN_OR_RETURN(BertConfig config, BertConfig::FromFile(util::JoinPath(dir, "config.json")));
   ASSIGN_OR_RETURN(auto tokenizer, text::BertTokenizer::FromDirectory(dir));
   if (tokenizer->vocab_size() > config.vocab_size) {

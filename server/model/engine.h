@@ -41,6 +41,11 @@ struct EngineOptions {
   CollabAttention collab_attention = CollabAttention::kBias;
 };
 
+// The device (and that this build and machine have it), the dtype on it and cuda_graph_max_tokens:
+// what Engine::Load checks before it reads a checkpoint. A server checks it once at start-up, so
+// that a bad flag stops it rather than failing every model's load.
+absl::Status ValidateEngineOptions(const EngineOptions& options);
+
 // Parameter counts by part of the model (the numbers `inspect` and the metrics report).
 struct ParamCounts {
   int64_t total = 0;

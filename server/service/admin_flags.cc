@@ -35,7 +35,10 @@ absl::StatusOr<std::unique_ptr<AdminServer>> CreateAdminFromFlags(ServerOptions*
   o.service.jobs.idle_priority = absl::GetFlag(FLAGS_admin_job_idle_priority);
   o.service.jobs.device = server_options->servable.engine.device;
   const int port = absl::GetFlag(FLAGS_admin_port);
-  if (port < 0) return absl::InvalidArgumentError(absl::StrCat("--admin_port=", port, " is negative"));
+  if (port < 0 || port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--admin_port=", port, " is not a port number (0-65535; 0 serves the Admin service on --port)"));
+  }
   o.own_port = port != 0 && port != server_options->port;
   o.host = server_options->host;
   o.port = port;

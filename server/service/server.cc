@@ -19,6 +19,7 @@
 #include "grpcpp/server_builder.h"
 #include "grpcpp/support/server_interceptor.h"
 #include "prometheus/gauge.h"
+#include "server/batching/batch_scheduler.h"
 #include "server/metrics/process_metrics.h"
 #include "server/model/device.h"
 #include "server/model/engine.h"
@@ -330,32 +331,57 @@ absl::Status Server::Start() {
   return LoadModels();
 }
 
-absl::Status Server::StartServing() {
-  if (server_ != nullptr) return absl::FailedPreconditionError("server already started");
-  if (options_.model_repository.empty()) {
+absl::Status ValidateServerOptions(const ServerOptions& o) {
+  if (o.model_repository.empty()) {
     return absl::InvalidArgumentError("no model repository given (--model_repository)");
   }
-  if (options_.tls_cert_file.empty() != options_.tls_key_file.empty()) {
+  if (o.port < 0 || o.port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--port=", o.port, " is not a port number (0-65535; 0 picks a free one)"));
+  }
+  if (o.metrics_port != -1 && (o.metrics_port < 0 || o.metrics_port > 65535)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--metrics_port=", o.metrics_port,
+        " is not a port number (0-65535; 0 picks a free one, -1 turns /metrics off)"));
+  }
+  if (o.tls_cert_file.empty() != o.tls_key_file.empty()) {
     return absl::InvalidArgumentError("--tls_cert and --tls_key must be given together");
   }
-  if (options_.max_message_bytes < 1024) {
-    return absl::InvalidArgumentError(absl::StrCat("--max_message_bytes=", options_.max_message_bytes,
+  if (o.max_message_bytes < 1024) {
+    return absl::InvalidArgumentError(absl::StrCat("--max_message_bytes=", o.max_message_bytes,
                                                    " is below 1024; requests would not fit"));
   }
-  if (options_.inference.max_concurrent_streams < 1) {
+  if (o.inference.max_concurrent_streams < 1) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "--max_concurrent_streams=", options_.inference.max_concurrent_streams, " must be >= 1"));
+        "--max_concurrent_streams=", o.inference.max_concurrent_streams, " must be >= 1"));
   }
-  if (options_.inference.stream_max_pending_responses < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--stream_max_pending_responses=",
-                     options_.inference.stream_max_pending_responses, " must be >= 1"));
+  if (o.inference.stream_max_pending_responses < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--stream_max_pending_responses=", o.inference.stream_max_pending_responses, " must be >= 1"));
   }
-  if (options_.stream_idle_timeout < absl::ZeroDuration() ||
-      options_.upload_idle_timeout < absl::ZeroDuration()) {
+  if (o.stream_idle_timeout < absl::ZeroDuration() || o.upload_idle_timeout < absl::ZeroDuration()) {
     return absl::InvalidArgumentError(
         "--stream_idle_timeout_s and --upload_idle_timeout_s must be >= 0 (0 = no limit)");
   }
+  if (o.poll_interval < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--poll_interval_s must not be negative");
+  }
+  if (o.version_settle < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--version_settle_s must not be negative");
+  }
+  if (o.drain_timeout < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--drain_timeout_s must not be negative");
+  }
+  // What every version's load would refuse: refused here, the server stops at start-up instead of
+  // serving with no model loaded.
+  RETURN_IF_ERROR(util::Prefixed(batching::ValidateSchedulerOptions(o.servable.batching),
+                                 "batching flags: "));
+  return util::Prefixed(model::ValidateEngineOptions(o.servable.engine), "engine flags: ");
+}
+
+absl::Status Server::StartServing() {
+  if (server_ != nullptr) return absl::FailedPreconditionError("server already started");
+  RETURN_IF_ERROR(ValidateServerOptions(options_));
   if (options_.metrics_port >= 0) {
     RETURN_IF_ERROR(
         metrics_->StartExposer(options_.metrics_host, options_.metrics_port, &metrics_port_));
@@ -404,12 +430,6 @@ absl::Status Server::LoadModels() {
   repository::RepositoryOptions ro;
   ro.root = options_.model_repository;
   ro.versions_to_keep = options_.versions_to_keep;
-  if (options_.poll_interval < absl::ZeroDuration()) {
-    return absl::InvalidArgumentError("--poll_interval_s must not be negative");
-  }
-  if (options_.version_settle < absl::ZeroDuration()) {
-    return absl::InvalidArgumentError("--version_settle_s must not be negative");
-  }
   ro.poll_interval = options_.poll_interval;
   ro.settle_time = options_.version_settle;
   ro.num_load_threads = options_.num_load_threads;

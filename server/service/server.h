@@ -112,6 +112,10 @@ struct ServerOptions {
   std::vector<grpc::Service*> extra_services;
 };
 
+// The options' values that StartServing refuses (INVALID_ARGUMENT naming the flag): ports,
+// limits, durations, and the batching and engine options that every version's load would refuse.
+absl::Status ValidateServerOptions(const ServerOptions& options);
+
 // Start() then Shutdown() (or destroy). Thread-safe after Start: Shutdown may be called from a
 // signal-watching thread while other threads use the accessors.
 class Server {

@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -244,6 +245,12 @@ int Run(int argc, char** argv, int cpus) {
   // OpenBLAS's pool is process-wide and serialises concurrent multi-threaded calls, so it gets the
   // per-pass count too.
   const std::string device_flag = absl::GetFlag(FLAGS_device);
+  if (absl::Status s = batching::ValidateThreadFlags(absl::GetFlag(FLAGS_num_batch_threads),
+                                                     absl::GetFlag(FLAGS_inference_threads));
+      !s.ok()) {
+    std::cerr << "collabserve: " << s << "\n";
+    return 1;
+  }
   const batching::ThreadPlan threads = batching::PlanInferenceThreads(
       /*accelerator=*/!absl::StartsWith(device_flag, "cpu"), cpus,
       absl::GetFlag(FLAGS_num_batch_threads), absl::GetFlag(FLAGS_inference_threads));
@@ -254,6 +261,14 @@ int Run(int argc, char** argv, int cpus) {
             << threads.intra_op_threads << " intra-op thread(s) (" << threads.reason << ")"
             << (blas_pinned ? "; OpenBLAS pinned to the same" : "");
 
+  // The flags of seconds as durations; a value that is not a finite number is refused here, a
+  // negative one by the server's options (ValidateServerOptions).
+  std::string bad_seconds;
+  auto seconds = [&bad_seconds](const char* flag, double value) {
+    if (std::isfinite(value)) return absl::Seconds(value);
+    if (bad_seconds.empty()) bad_seconds = absl::StrCat("--", flag, "=", value, " is not a number of seconds");
+    return absl::ZeroDuration();
+  };
   ServerOptions o;
   o.host = absl::GetFlag(FLAGS_host);
   o.port = absl::GetFlag(FLAGS_port);
@@ -274,10 +289,10 @@ int Run(int argc, char** argv, int cpus) {
     LOG(INFO) << "no --model_repository: serving the built-in demo model from " << *demo
               << " (removed at exit, with any version uploaded to it)";
   }
-  o.poll_interval = absl::Seconds(absl::GetFlag(FLAGS_poll_interval_s));
+  o.poll_interval = seconds("poll_interval_s", absl::GetFlag(FLAGS_poll_interval_s));
   // The demo's repository is written whole before the server starts: nothing to wait for.
   o.version_settle =
-      demo_repository ? absl::ZeroDuration() : absl::Seconds(absl::GetFlag(FLAGS_version_settle_s));
+      demo_repository ? absl::ZeroDuration() : seconds("version_settle_s", absl::GetFlag(FLAGS_version_settle_s));
   o.versions_to_keep = absl::GetFlag(FLAGS_versions_to_keep);
   o.num_load_threads = absl::GetFlag(FLAGS_num_load_threads);
   o.servable.engine.device = absl::GetFlag(FLAGS_device);
@@ -297,11 +312,15 @@ int Run(int argc, char** argv, int cpus) {
   o.inference.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
   o.inference.stream_max_pending_responses = absl::GetFlag(FLAGS_stream_max_pending_responses);
   o.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
-  o.stream_idle_timeout = absl::Seconds(absl::GetFlag(FLAGS_stream_idle_timeout_s));
-  o.upload_idle_timeout = absl::Seconds(absl::GetFlag(FLAGS_upload_idle_timeout_s));
+  o.stream_idle_timeout = seconds("stream_idle_timeout_s", absl::GetFlag(FLAGS_stream_idle_timeout_s));
+  o.upload_idle_timeout = seconds("upload_idle_timeout_s", absl::GetFlag(FLAGS_upload_idle_timeout_s));
   o.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
   o.tls_key_file = absl::GetFlag(FLAGS_tls_key);
-  o.drain_timeout = absl::Seconds(absl::GetFlag(FLAGS_drain_timeout_s));
+  o.drain_timeout = seconds("drain_timeout_s", absl::GetFlag(FLAGS_drain_timeout_s));
+  if (!bad_seconds.empty()) {
+    std::cerr << "collabserve: INVALID_ARGUMENT: " << bad_seconds << "\n";
+    return 1;
+  }
   o.build_version = "0.1.0";
   o.torch_version = TORCH_VERSION;
 

@@ -45,5 +45,15 @@ TEST(ThreadPlanTest, ExplicitFlagsAreKeptAndTheOtherIsDerived) {
   ExpectPlan(PlanInferenceThreads(false, 0, 0, 0), 1, 1);  // cpus < 1 reads as 1
 }
 
+TEST(ThreadPlanTest, FlagsOutOfRangeAreRefusedByName) {
+  EXPECT_TRUE(ValidateThreadFlags(0, 0).ok());
+  EXPECT_TRUE(ValidateThreadFlags(kMaxThreadsFlag, 1).ok());
+  const absl::Status negative = ValidateThreadFlags(-1, 0);
+  EXPECT_EQ(negative.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(negative.message(), "--num_batch_threads=-1 must be 0 (automatic) or 1 to 1024");
+  EXPECT_EQ(ValidateThreadFlags(2, kMaxThreadsFlag + 1).message(),
+            "--inference_threads=1025 must be 0 (automatic) or 1 to 1024");
+}
+
 }  // namespace
 }  // namespace collabserve::batching

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "tests/testing/server_process.h"
@@ -170,6 +171,38 @@ TEST(CollabserveBinaryTest, ReportsABadRepository) {
   // The allocator it was built with is the one it runs on (a linker that drops unreferenced
   // libraries once left it on glibc's malloc with jemalloc on its link line).
   EXPECT_THAT(out, HasSubstr("allocator: " COLLABSERVE_SERVER_ALLOCATOR));
+}
+
+// A flag that every model's load, or the serving itself, would refuse stops the server at start-up,
+// naming the flag, before it listens: not a server that reports SERVING with no model loaded, or
+// listens on another port than asked.
+TEST(CollabserveBinaryTest, RefusesABadFlagBeforeListening) {
+  TempDir repo;
+  MakeTinyModel(repo.path() + "/tiny/1", 1);
+  const std::pair<std::string, std::string> cases[] = {
+      {"--port=70000", "--port=70000 is not a port number"},
+      {"--metrics_port=-2", "--metrics_port=-2 is not a port number"},
+      {"--max_batch_size=0", "max_batch_size = 0"},
+      {"--max_queue_delay_micros=-1", "max_queue_delay_micros = -1"},
+      {"--device=tpu", "device 'tpu' is not cpu, cuda or cuda:N"},
+      {"--dtype=int8", "dtype 'int8' is not float32"},
+      {"--cuda_graph_max_tokens=-1", "cuda_graph_max_tokens is -1"},
+      {"--num_batch_threads=-1", "--num_batch_threads=-1 must be 0 (automatic) or 1 to 1024"},
+      {"--inference_threads=100000", "--inference_threads=100000 must be"},
+      {"--drain_timeout_s=nan", "--drain_timeout_s=nan is not a number of seconds"},
+      {"--drain_timeout_s=-1", "--drain_timeout_s must not be negative"},
+      {"--admin_port=70000 --admin_token_file=" + repo.path() + "/tiny/1/vocab.txt",
+       "--admin_port=70000 is not a port number"},
+  };
+  for (const auto& [flag, message] : cases) {
+    std::string out;
+    const int rc = RunCommand("timeout 60 " + Bin("collabserve") + " --port=0 --metrics_port=-1 " +
+                                  "--model_repository=" + repo.path() + " " + flag + " 2>&1",
+                              &out);
+    EXPECT_EQ(rc, 1) << flag << ":\n" << out;
+    EXPECT_THAT(out, HasSubstr(message)) << flag;
+    EXPECT_THAT(out, ::testing::Not(HasSubstr("listening on"))) << flag;
+  }
 }
 
 }  // namespace
