@@ -97,6 +97,17 @@ compress::RankSpec ToRankSpec(const v1::CompressionSpec& spec) {
   return r;
 }
 
+// What a source's config.json alone decides about a compression request: not already
+// collaborative (`already`: what to say if it is), and ranks that fit its layers. An upload's
+// validation and a CompressModel call both ask it.
+absl::Status CheckCompressionFits(const model::BertConfig& config, const v1::CompressionSpec& spec,
+                                  absl::string_view already) {
+  if (config.collaborative.present()) return absl::InvalidArgumentError(already);
+  absl::StatusOr<std::vector<int>> ranks = compress::ResolveRanks(ToRankSpec(spec), config);
+  if (!ranks.ok()) return absl::InvalidArgumentError(ranks.status().message());
+  return absl::OkStatus();
+}
+
 v1::JobEvent Event(v1::JobEvent::Kind kind, std::string message) {
   v1::JobEvent e;
   e.set_kind(kind);
@@ -344,6 +355,15 @@ absl::StatusOr<std::shared_ptr<Job>> JobManager::Create(const JobSpec& spec) {
     } else if (!IsDir(util::JoinPath(model_dir, absl::StrCat(source_version)))) {
       return absl::NotFoundError(absl::StrCat("model '", spec.model_name, "' has no version ",
                                               source_version, " on disk"));
+    }
+    // Refused now rather than by the job; a config.json that does not parse is the job's to report.
+    const std::string config_path =
+        util::JoinPath(util::JoinPath(model_dir, absl::StrCat(source_version)), "config.json");
+    if (absl::StatusOr<model::BertConfig> config = model::BertConfig::FromFile(config_path); config.ok()) {
+      RETURN_IF_ERROR(CheckCompressionFits(
+          *config, spec.compression,
+          absl::StrCat("version ", source_version, " of '", spec.model_name,
+                       "' is already collaborative; compress the original version instead")));
     }
   }
 
@@ -628,12 +648,10 @@ absl::StatusOr<std::unique_ptr<model::Engine>> ValidateUpload(
       valid = util::Prefixed(loaded.status(), "loading the checkpoint to validate it: ");
     } else if (!loaded.ok()) {
       valid = absl::InvalidArgumentError(absl::StrCat("the engine rejects the checkpoint: ", loaded.status().message()));
-    } else if (compress && !(*loaded)->info().collaborative_ranks.empty()) {
-      valid = absl::InvalidArgumentError(
-          "the checkpoint is already collaborative; upload it without a compression request");
     } else if (compress) {
-      absl::StatusOr<std::vector<int>> ranks = compress::ResolveRanks(ToRankSpec(spec.compression()), config);
-      if (!ranks.ok()) valid = absl::InvalidArgumentError(ranks.status().message());
+      valid = CheckCompressionFits(
+          config, spec.compression(),
+          "the checkpoint is already collaborative; upload it without a compression request");
     }
     if (valid.ok() && compress) engine = std::move(*loaded);
   }  // an engine that only validated is freed here

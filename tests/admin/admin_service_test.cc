@@ -800,6 +800,29 @@ TEST_F(AdminServiceTest, CompressLoadUnloadDeleteOnOwnPort) {
   v1::ClassifyResponse cr;
   ASSERT_TRUE(Classify("tiny", std::nullopt, &cr).ok());
   EXPECT_EQ(cr.model_version(), 2);
+  {  // What the source's config.json decides is refused by the call, and no job is made.
+    auto refused = [&](int64_t source, const v1::CompressionSpec& spec) {
+      grpc::ClientContext c;
+      Authorize(&c, kToken);
+      v1::CompressModelRequest r;
+      r.set_model_name("tiny");
+      r.set_source_version(source);
+      *r.mutable_compression() = spec;
+      v1::CompressModelResponse out;
+      const grpc::Status st = admin_stub_->CompressModel(&c, r, &out);
+      EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+      return st.error_message();
+    };
+    const size_t jobs = ListJobs().size();
+    v1::CompressionSpec three;  // tiny has 2 layers
+    for (int r : {8, 8, 8}) three.mutable_ranks()->add_ranks(r);
+    EXPECT_EQ(refused(1, three), "ranks has 3 entries but the model has 2 layers");
+    v1::CompressionSpec rank4;
+    rank4.set_rank(4);
+    EXPECT_EQ(refused(2, rank4),
+              "version 2 of 'tiny' is already collaborative; compress the original version instead");
+    EXPECT_EQ(ListJobs().size(), jobs);
+  }
 
   {  // Unload 2: 1 serves again (loaded first, so the model is never without a version).
     grpc::ClientContext c;
