@@ -11,7 +11,7 @@ exits non-zero with the gRPC status code and message on stderr when a call fails
   collabserve_client.py infer --model tiny [--version 2] [--raw] [--pair TEXT ...] TEXT ...
   collabserve_client.py kserve-status [--model tiny]
   collabserve_client.py upload --token-file F --model NAME --dir CHECKPOINT_DIR
-                               [--rank R | --ratio X] [--activate] [--watch]
+                               [--rank R | --ranks R1,R2,... | --ratio X] [--activate] [--watch]
   collabserve_client.py watch --token-file F JOB_ID
 
 `classify` calls collabserve.v1.Inference/Classify; `infer` calls the Open Inference Protocol's
@@ -190,8 +190,10 @@ class Client:
         if self.metadata is None:
             raise RuntimeError("the Admin service needs a token (--token-file)")
 
-    def upload(self, model, checkpoint_dir, rank=None, ratio=None, activate=False):
-        """Streams every known file of `checkpoint_dir`; returns the UploadModelResponse."""
+    def upload(self, model, checkpoint_dir, rank=None, ratio=None, activate=False, ranks=None):
+        """Streams every known file of `checkpoint_dir`; returns the UploadModelResponse. At most
+        one of rank, ranks (one per layer; 0 keeps a layer standard) and ratio; none uploads the
+        checkpoint as it is."""
         self._need_admin()
         pb = self.stubs.admin_pb2
         known = ["config.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json",
@@ -200,6 +202,8 @@ class Client:
         header = pb.UploadHeader(model_name=model, activate=activate)
         if rank is not None:
             header.compression.rank = rank
+        elif ranks is not None:
+            header.compression.ranks.ranks.extend(ranks)
         elif ratio is not None:
             header.compression.ratio = ratio
         for name in names:
@@ -254,6 +258,11 @@ def main(argv=None):
     parser.add_argument("--timeout", type=float, default=30.0, help="deadline per call (s)")
     parser.add_argument("--token-file", help="file with the Admin bearer token")
     sub = parser.add_subparsers(dest="command", required=True)
+    # The Admin commands take --token-file after their name too (SUPPRESS: not given there, the
+    # one before the command stands).
+    admin = argparse.ArgumentParser(add_help=False)
+    admin.add_argument("--token-file", default=argparse.SUPPRESS,
+                       help="file with the Admin bearer token")
     p = sub.add_parser("health")
     p.add_argument("--service", default="", help="model name, or empty for the whole server")
     for name in ("classify", "infer"):
@@ -266,21 +275,28 @@ def main(argv=None):
             p.add_argument("--raw", action="store_true", help="send raw_input_contents")
     p = sub.add_parser("kserve-status")
     p.add_argument("--model")
-    p = sub.add_parser("upload")
+    p = sub.add_parser("upload", parents=[admin])
     p.add_argument("--model", required=True)
     p.add_argument("--dir", required=True, help="Hugging Face BERT checkpoint directory")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--rank", type=int)
+    group.add_argument("--ranks", help="one rank per layer, comma-separated (0 keeps a layer standard)")
     group.add_argument("--ratio", type=float)
     p.add_argument("--activate", action="store_true")
     p.add_argument("--watch", action="store_true", help="follow the job until it ends")
-    p = sub.add_parser("watch")
+    p = sub.add_parser("watch", parents=[admin])
     p.add_argument("job_id")
     args = parser.parse_args(argv)
 
     if args.command in ("classify", "infer") and args.pair and len(args.pair) != len(args.texts):
         parser.error("give --pair once per text (%d texts, %d pairs)"
                      % (len(args.texts), len(args.pair)))
+    ranks = None
+    if getattr(args, "ranks", None) is not None:
+        try:
+            ranks = [int(r) for r in args.ranks.split(",")]
+        except ValueError:
+            parser.error("--ranks %r: one integer rank per layer, comma-separated" % args.ranks)
     token = None
     if args.token_file:
         with open(args.token_file) as f:
@@ -302,7 +318,7 @@ def main(argv=None):
         elif args.command == "kserve-status":
             print_json(client.kserve_status(args.model))
         elif args.command == "upload":
-            resp = client.upload(args.model, args.dir, args.rank, args.ratio, args.activate)
+            resp = client.upload(args.model, args.dir, args.rank, args.ratio, args.activate, ranks)
             print_json({"job_id": resp.job_id, "model_name": resp.model_name,
                         "version": resp.version})
             if args.watch:

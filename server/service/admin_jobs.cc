@@ -731,8 +731,11 @@ absl::Status CompressInto(Job& job, const v1::Job& spec, compress::CompressOptio
   job.Update([&](v1::Job* j) { j->set_num_layers(num_layers); });
   o.on_layer = [&job, num_layers](const compress::LayerReport& lr) {
     v1::JobEvent e = Event(v1::JobEvent::LAYER_COMPRESSED,
-                           absl::StrFormat("layer %d of %d compressed: rank %d, error %.4g", lr.layer + 1,
-                                           num_layers, lr.rank, lr.relative_error));
+                           lr.rank == 0 ? absl::StrFormat("layer %d of %d kept standard (rank 0)",
+                                                          lr.layer + 1, num_layers)
+                                        : absl::StrFormat("layer %d of %d compressed: rank %d, error %.4g",
+                                                          lr.layer + 1, num_layers, lr.rank,
+                                                          lr.relative_error));
     e.set_layer(lr.layer);
     e.set_num_layers(num_layers);
     e.set_rank(lr.rank);

@@ -69,10 +69,10 @@ class PythonClientTest(unittest.TestCase):
             cls.server.wait()
         shutil.rmtree(cls.tmp, ignore_errors=True)
 
-    def client(self, *args, check=True):
+    def client(self, *args, check=True, token=True):
         cmd = ["/usr/bin/python3", ARGS.client, "--address", self.address,
                "--proto-dir", ARGS.proto_dir, "--timeout", "60"]
-        if self.token_file:
+        if self.token_file and token:
             cmd += ["--token-file", self.token_file]
         return run(cmd + list(args), check=check, timeout=900)
 
@@ -145,14 +145,25 @@ class PythonClientTest(unittest.TestCase):
             self.fail("run with --admin to test upload and watch (the Admin service)")
         checkpoint = os.path.join(self.tmp, "upload")
         run([ARGS.model_tool, "make", "--out", checkpoint, "--seed", "4"])
-        proc = self.client("upload", "--model", "uploaded", "--dir", checkpoint, "--rank", "8",
-                           "--activate", "--watch", check=False)
+        # The usage's form: --token-file after the command; a rank per layer (tiny: 2 layers).
+        proc = self.client("upload", "--token-file", self.token_file, "--model", "uploaded",
+                           "--dir", checkpoint, "--ranks", "8,0", "--activate", "--watch",
+                           check=False, token=False)
         lines = [json.loads(l) for l in proc.stdout.splitlines()]
         self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
         self.assertTrue(lines[0]["job_id"])
         events = [l["event"] for l in lines[1:]]
         self.assertIn("PUBLISHED", events)
         self.assertEqual(lines[-1]["state"], "SUCCEEDED")
+        layers = [l for l in lines[1:] if l.get("event") == "LAYER_COMPRESSED"]
+        messages = sorted(l["message"] for l in layers)
+        self.assertEqual(len(messages), 2, lines)
+        self.assertTrue(messages[0].startswith("layer 1 of 2 compressed: rank 8, error "), messages)
+        self.assertEqual(messages[1], "layer 2 of 2 kept standard (rank 0)")
+        bad = self.client("upload", "--model", "x", "--dir", checkpoint, "--ranks", "8,y",
+                          check=False)
+        self.assertEqual(bad.returncode, 2)
+        self.assertIn("--ranks '8,y'", bad.stderr)
         # Watching an ended job replays its events and ends.
         again = self.client("watch", lines[0]["job_id"])
         self.assertIn("SUCCEEDED", again.stdout)
