@@ -12,6 +12,7 @@
 #include "absl/flags/usage.h"
 #include "client/collabctl_admin.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "client/bench.h"
@@ -67,7 +68,8 @@ int Classify(const Client& client, const std::vector<std::string>& texts) {
   if (texts.empty()) return Fail(absl::InvalidArgumentError("classify: give at least one TEXT"));
   v1::ClassifyRequest req;
   req.set_model_name(absl::GetFlag(FLAGS_model));
-  if (absl::GetFlag(FLAGS_version) > 0) req.set_model_version(absl::GetFlag(FLAGS_version));
+  // 0 = newest; any other value is sent, and the server refuses one that is not a version.
+  if (absl::GetFlag(FLAGS_version) != 0) req.set_model_version(absl::GetFlag(FLAGS_version));
   for (const auto& t : texts) req.add_inputs()->set_text(t);
   req.mutable_options()->set_top_k(absl::GetFlag(FLAGS_top_k));
   req.mutable_options()->set_raw_scores(absl::GetFlag(FLAGS_raw_scores));
@@ -207,6 +209,10 @@ int main(int argc, char** argv) {
                                                 target);
   }
   std::vector<std::string> args(rest.begin() + 2, rest.end());
+  if (absl::GetFlag(FLAGS_deadline_ms) <= 0) {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("--deadline_ms=", absl::GetFlag(FLAGS_deadline_ms), " must be > 0")));
+  }
   collabserve::client::ClientOptions options;
   options.address = absl::GetFlag(FLAGS_address);
   options.default_deadline = std::chrono::milliseconds(absl::GetFlag(FLAGS_deadline_ms));

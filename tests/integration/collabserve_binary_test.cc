@@ -68,6 +68,11 @@ TEST(CollabserveBinaryTest, ServesCollabctlAndMatchesTheOfflineTool) {
   EXPECT_EQ(std::count(out.begin(), out.end(), '\n'), 3) << out;  // two results + summary
   EXPECT_NE(RunCommand(ctl + " classify --model=missing 'x' 2>&1", &out), 0);
   EXPECT_THAT(out, HasSubstr("NOT_FOUND"));
+  // A flag's value is what is asked: a negative version is not "the newest".
+  EXPECT_EQ(RunCommand(ctl + " classify --model=tiny --version=-3 'x' 2>&1", &out), 1);
+  EXPECT_THAT(out, HasSubstr("model_version -3 is not a version"));
+  EXPECT_EQ(RunCommand(ctl + " classify --model=tiny --deadline_ms=0 'x' 2>&1", &out), 1);
+  EXPECT_THAT(out, HasSubstr("--deadline_ms=0 must be > 0"));
   EXPECT_EQ(RunCommand(ctl + " bench --model=tiny --concurrency=2 --duration_s=1 --input_tokens=16", &out), 0)
       << out;
   EXPECT_THAT(out, HasSubstr("p99_ms="));
