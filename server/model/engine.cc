@@ -5,6 +5,7 @@
 #include <glog/logging.h>
 
 #include <algorithm>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "server/model/bert.h"
@@ -173,14 +174,23 @@ absl::StatusOr<std::unique_ptr<BertClassifier>> LoadClassifier(const std::string
   }
 }
 
-absl::Status ValidateEngineOptions(const EngineOptions& options) {
+namespace {
+
+// The options' device and dtype, once they are checked (ValidateEngineOptions).
+absl::StatusOr<std::pair<c10::Device, c10::ScalarType>> CheckedDeviceAndDType(const EngineOptions& options) {
   ASSIGN_OR_RETURN(c10::Device device, ParseDevice(options.device));
-  RETURN_IF_ERROR(ParseDType(options.dtype, device).status());
+  ASSIGN_OR_RETURN(c10::ScalarType dtype, ParseDType(options.dtype, device));
   if (options.cuda_graph_max_tokens < 0) {
     return absl::InvalidArgumentError(absl::StrCat("cuda_graph_max_tokens is ", options.cuda_graph_max_tokens,
                                                    "; it must be 0 (no CUDA graphs) or more"));
   }
-  return absl::OkStatus();
+  return std::make_pair(device, dtype);
+}
+
+}  // namespace
+
+absl::Status ValidateEngineOptions(const EngineOptions& options) {
+  return CheckedDeviceAndDType(options).status();
 }
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Load(const std::string& dir,
@@ -188,9 +198,9 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Load(const std::string& dir,
   if (!util::IsDirectory(dir)) {
     return absl::NotFoundError(absl::StrCat(dir, ": model directory does not exist"));
   }
-  RETURN_IF_ERROR(ValidateEngineOptions(options));
-  ASSIGN_OR_RETURN(c10::Device device, ParseDevice(options.device));
-  ASSIGN_OR_RETURN(c10::ScalarType dtype, ParseDType(options.dtype, device));
+  ASSIGN_OR_RETURN(auto device_and_dtype, CheckedDeviceAndDType(options));
+  const c10::Device device = device_and_dtype.first;
+  const c10::ScalarType dtype = device_and_dtype.second;
   ASSIGN_OR_RETURN(BertConfig config, BertConfig::FromFile(util::JoinPath(dir, "config.json")));
   ASSIGN_OR_RETURN(auto tokenizer, text::BertTokenizer::FromDirectory(dir));
   if (tokenizer->vocab_size() > config.vocab_size) {
