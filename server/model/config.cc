@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "server/util/files.h"
+#include "server/util/json_error.h"
 #include "server/util/status_macros.h"
 
 namespace collabserve::model {
@@ -90,7 +91,7 @@ OutputFunction BertConfig::output_function() const {
 
 absl::StatusOr<BertConfig> BertConfig::Parse(absl::string_view text, absl::string_view name) {
   json j = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded()) return Invalid(name, "not valid JSON");
+  if (j.is_discarded()) return util::JsonSyntaxError(text, name);
   if (!j.is_object()) return Invalid(name, "must be a JSON object");
   BertConfig c;
 

@@ -11,6 +11,7 @@
 #include "server/text/unicode.h"
 #include "server/text/utf8.h"
 #include "server/util/files.h"
+#include "server/util/json_error.h"
 #include "server/util/status_macros.h"
 
 namespace collabserve::text {
@@ -79,15 +80,7 @@ absl::Status WrongType(const std::string& path, const std::string& key, std::str
 absl::Status ApplyConfig(const std::string& path, TokenizerOptions* o) {
   ASSIGN_OR_RETURN(std::string contents, util::ReadFile(path, kMaxConfigFileBytes));
   nlohmann::json j = nlohmann::json::parse(contents, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded()) {
-    // Parse again with exceptions for the message (where and what).
-    try {
-      nlohmann::json ignored = nlohmann::json::parse(contents);
-    } catch (const nlohmann::json::exception& e) {
-      return absl::InvalidArgumentError(absl::StrCat(path, ": malformed JSON: ", e.what()));
-    }
-    return absl::InvalidArgumentError(absl::StrCat(path, ": malformed JSON"));
-  }
+  if (j.is_discarded()) return util::JsonSyntaxError(contents, path);
   if (!j.is_object()) return absl::InvalidArgumentError(absl::StrCat(path, ": not a JSON object"));
   auto get_bool = [&](const char* key, bool* out) -> absl::Status {
     auto it = j.find(key);

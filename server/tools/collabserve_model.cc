@@ -36,6 +36,7 @@
 #include "server/tools/commands.h"
 #include "server/tools/flags.h"
 #include "server/util/files.h"
+#include "server/util/json_error.h"
 #include "server/util/process_env.h"
 #include "server/util/status_macros.h"
 
@@ -102,7 +103,9 @@ absl::Status ForEachLine(Fn fn, const std::function<absl::Status()>& before_erro
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
     json j = json::parse(line, nullptr, /*allow_exceptions=*/false);
     absl::Status s;
-    if (j.is_discarded() || !j.is_object()) {
+    if (j.is_discarded()) {
+      s = util::JsonSyntaxError(line, "");
+    } else if (!j.is_object()) {
       s = absl::InvalidArgumentError("not a JSON object");
     } else {
       s = fn(j);
@@ -227,7 +230,8 @@ absl::StatusOr<std::vector<Example>> ReadExamples(const std::string& path, const
   for (int64_t n = 1; std::getline(in, line); ++n) {
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
     json j = json::parse(line, nullptr, /*allow_exceptions=*/false);
-    if (j.is_discarded() || !j.is_object()) {
+    if (j.is_discarded()) return util::JsonSyntaxError(line, absl::StrCat(path, ":", n));
+    if (!j.is_object()) {
       return absl::InvalidArgumentError(absl::StrCat(path, ":", n, ": not a JSON object"));
     }
     Example e;

@@ -86,7 +86,9 @@ TEST_P(BertConfigErrorTest, RejectsWithAClearMessage) {
 INSTANTIATE_TEST_SUITE_P(
     Cases, BertConfigErrorTest,
     ::testing::Values(
-        BadCase{"{not json", "not valid JSON"}, BadCase{"[1,2]", "JSON object"},
+        BadCase{"{not json", "not valid JSON: parse error at column 3"},
+        BadCase{"{\n  \"hidden_size\": 3", "not valid JSON: parse error at line 2, column 19"},
+        BadCase{"[1,2]", "JSON object"},
         BadCase{R"({"model_type": "roberta"})", "model_type \"roberta\" is not supported"},
         BadCase{R"({"architectures": ["BertForMaskedLM"]})", "BertForMaskedLM\" is not supported"},
         BadCase{R"({"hidden_size": 100, "num_attention_heads": 12})", "not a multiple"},

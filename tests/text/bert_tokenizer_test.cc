@@ -257,7 +257,7 @@ TEST(BertTokenizerFilesTest, ErrorsNameTheFileAndTheProblem) {
   const std::string malformed = WriteTemp("bad.json", "{\"do_lower_case\": tru}");
   t = BertTokenizer::FromFiles(VocabPath(), malformed);
   EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(t.status().message(), HasSubstr("bad.json: malformed JSON"));
+  EXPECT_THAT(t.status().message(), HasSubstr("bad.json: not valid JSON: parse error at column 22"));
 
   const std::string wrong_type = WriteTemp("type.json", "{\"do_lower_case\": \"yes\"}");
   t = BertTokenizer::FromFiles(VocabPath(), wrong_type);
