@@ -528,13 +528,14 @@ absl::StatusOr<std::shared_ptr<Servable>> ModelRepository::LoadOne(const LoadJob
   }
   if (!result.ok()) {
     const absl::Status& s = result.status();
-    LOG(ERROR) << "model repository: loading " << job.id.DebugString() << " from " << job.path
-               << " failed: " << s;
+    LOG(ERROR) << "model repository: cannot load " << job.id.DebugString() << " from " << job.path
+               << ": " << s;
     metrics::CountRepositoryLoadFailure(job.id.model, LoadFailureReason(s));
     return util::Prefixed(s, absl::StrCat("loading ", job.id.DebugString(), " from ", job.path, ": "));
   }
-  LOG(INFO) << "model repository: loaded " << job.id.DebugString() << " from " << job.path
-            << " in " << absl::FormatDuration(absl::Now() - start);
+  // The loader logs a load with its details (the server's: parts, times, parameters).
+  VLOG(1) << "model repository: loaded " << job.id.DebugString() << " from " << job.path
+          << " in " << absl::FormatDuration(absl::Now() - start);
   return result;
 }
 
@@ -772,9 +773,11 @@ absl::StatusOr<std::shared_ptr<Servable>> ModelRepository::Get(
                              : absl::StrCat("model \"", model, "\" has no available version");
   if (version && !entries.count(*version)) head += " (no such version)";
   if (!why.empty()) absl::StrAppend(&head, " (", absl::StrJoin(why, "; "), ")");
-  absl::StrAppend(&head, "; ", available.empty() ? "no version is available"
-                                                 : absl::StrCat("available versions: ",
-                                                                absl::StrJoin(available, ", ")));
+  if (!available.empty()) {
+    absl::StrAppend(&head, "; available versions: ", absl::StrJoin(available, ", "));
+  } else if (version) {
+    absl::StrAppend(&head, "; no version is available");
+  }
   return absl::NotFoundError(head);
 }
 

@@ -39,13 +39,13 @@ absl::StatusOr<std::unique_ptr<ModelServable>> ModelServable::Load(
   const absl::Time start = absl::Now();
   std::unique_ptr<ModelServable> s(new ModelServable(id, options, metrics));
   auto engine = model::Engine::Load(path, options.engine);
-  if (!engine.ok()) return s->Failed(engine.status(), absl::StrCat("model ", id.DebugString(), ": "));
+  // The repository's error names the version and its path: the statuses here say only what failed.
+  if (!engine.ok()) return s->Failed(engine.status(), "");
   s->engine_ = std::move(engine).value();
   const absl::Time engine_loaded = absl::Now();
   const model::ModelInfo& info = s->engine_->info();
   if (info.labels.empty()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("model ", id.DebugString(), " at ", path, " has no labels (id2label)"));
+    return absl::FailedPreconditionError("the model has no labels (id2label in config.json)");
   }
 
   batching::SchedulerOptions so = options.batching;
@@ -62,7 +62,7 @@ absl::StatusOr<std::unique_ptr<ModelServable>> ModelServable::Load(
       },
       &s->scheduler_);
   if (!created.ok()) {
-    return util::Prefixed(created, absl::StrCat("model ", id.DebugString(), ": "));
+    return created;
   }
   const absl::Time warm_up_start = absl::Now();
   RETURN_IF_ERROR(s->WarmUp());
@@ -121,17 +121,17 @@ absl::Status ModelServable::WarmUp() {
   const int max_len = engine_->info().max_length;
   std::vector<model::TokenizedInput> inputs = {WarmUpInput(std::min(8, max_len))};
   auto r = engine_->Run(inputs);
-  if (!r.ok()) return Failed(r.status(), absl::StrCat("warm-up of ", id_.DebugString(), " failed: "));
+  if (!r.ok()) return Failed(r.status(), "warm-up failed: ");
   const int n = static_cast<int>(std::min<int64_t>(options_.batching.max_batch_size, 8));
   inputs.assign(n, WarmUpInput(std::min(64, max_len)));
   r = engine_->Run(inputs);
-  if (!r.ok()) return Failed(r.status(), absl::StrCat("warm-up of ", id_.DebugString(), " failed: "));
+  if (!r.ok()) return Failed(r.status(), "warm-up failed: ");
   // On CUDA: a pass in every graph bucket a batch can fall in, so that no client request waits for
   // a capture.
   const absl::Time graphs_start = absl::Now();
   const absl::Status graphs = engine_->WarmUpGraphs(options_.batching.max_batch_size);
   if (!graphs.ok()) {
-    return Failed(graphs, absl::StrCat("warm-up of ", id_.DebugString(), "'s CUDA graphs failed: "));
+    return Failed(graphs, "warm-up of the CUDA graphs failed: ");
   }
   if (engine_->cuda_graphs() > 0) {
     LOG(INFO) << id_.DebugString() << ": " << engine_->cuda_graphs() << " CUDA graphs captured in "

@@ -7,11 +7,13 @@
 #include <string>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include <glog/logging.h>
 #include <grpc/grpc.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
@@ -433,13 +435,9 @@ absl::Status Server::LoadModels() {
   ro.poll_interval = options_.poll_interval;
   ro.settle_time = options_.version_settle;
   ro.num_load_threads = options_.num_load_threads;
+  // The repository logs a failed load, with its path and status.
   ro.on_event = [this](const repository::ServableId& id, repository::VersionEvent event,
-                       const absl::Status& status) {
-    if (event == repository::VersionEvent::kLoadFailed) {
-      LOG(ERROR) << "cannot load " << id.DebugString() << ": " << status;
-    }
-    OnVersionEvent(id, event);
-  };
+                       const absl::Status&) { OnVersionEvent(id, event); };
   std::shared_ptr<ServableReaper> reaper = reaper_;
   metrics::Metrics* metrics = metrics_.get();
   ServableOptions servable_options = options_.servable;
@@ -460,17 +458,28 @@ absl::Status Server::LoadModels() {
     serving_ = true;
   }
   SetHealth("", true);
-  size_t num_models = 0;
+  // One line: what is served, and which versions failed (each logged with its error above).
+  size_t num_models = 0, num_serving = 0;
+  std::vector<std::string> failed;
   for (const auto& [model, versions] : repository_->List()) {
     ++num_models;
+    bool available = false;
     for (const auto& v : versions) {
-      if (v.state == repository::ModelRepository::VersionStatus::State::kFailed) {
-        LOG(WARNING) << "model " << model << " version " << v.version << " failed to load: "
-                     << v.error;
-      }
+      using State = repository::ModelRepository::VersionStatus::State;
+      available |= v.state == State::kAvailable;
+      if (v.state == State::kFailed) failed.push_back(absl::StrCat(model, ":", v.version));
     }
+    num_serving += available;
   }
-  LOG(INFO) << "serving " << num_models << " model(s) from " << options_.model_repository;
+  std::string summary = absl::StrCat("serving ", num_serving, " of ", num_models, " model(s) from ",
+                                     options_.model_repository);
+  if (!failed.empty()) {
+    absl::StrAppend(&summary, "; failed to load: ", absl::StrJoin(failed, ", "),
+                    " (see above; `collabctl models` lists why)");
+    LOG(WARNING) << summary;
+  } else {
+    LOG(INFO) << summary;
+  }
   return absl::OkStatus();
 }
 

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <iterator>
 #include <fstream>
 #include <string>
 #include <utility>
@@ -31,6 +32,7 @@ namespace {
 using ::collabserve::testing::MakeTinyModel;
 using ::collabserve::testing::TempDir;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 std::string Bin(const std::string& name) { return testing::BinaryPath(name); }
 
@@ -176,6 +178,83 @@ TEST(CollabserveBinaryTest, ReportsABadRepository) {
   // The allocator it was built with is the one it runs on (a linker that drops unreferenced
   // libraries once left it on glibc's malloc with jemalloc on its link line).
   EXPECT_THAT(out, HasSubstr("allocator: " COLLABSERVE_SERVER_ALLOCATOR));
+}
+
+// A version that cannot load is logged once, with its path and where its file is wrong; the start-up
+// summary names it; `collabctl models` lists it with its error; a call for it says why, once.
+TEST(CollabserveBinaryTest, ABrokenVersionIsLoggedOnceAndListedWithItsError) {
+  TempDir repo;
+  MakeTinyModel(repo.path() + "/good/1", 1);
+  MakeTinyModel(repo.path() + "/bad/1", 2);
+  {
+    std::ofstream config(repo.path() + "/bad/1/config.json", std::ios::trunc);
+    config << "{\n  \"hidden_size\": 3";
+  }
+  TempDir work;
+  const std::string log = work.path() + "/stderr.log";
+  ServerProcess server({"--port=0", "--metrics_port=-1", "--host=127.0.0.1",
+                        "--model_repository=" + repo.path(), "--poll_interval_s=0"},
+                       log);
+  ASSERT_TRUE(server.serving());
+  const std::string why = "config.json: not valid JSON: parse error at line 2, column 1";
+  std::string text;
+  {
+    std::ifstream in(log);
+    text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  size_t logged = 0;
+  for (size_t at = text.find(why); at != std::string::npos; at = text.find(why, at + 1)) ++logged;
+  EXPECT_EQ(logged, 1u) << text;
+  EXPECT_THAT(text, HasSubstr("cannot load bad:1 from " + repo.path() + "/bad/1"));
+  EXPECT_THAT(text, HasSubstr("serving 1 of 2 model(s) from " + repo.path() +
+                              "; failed to load: bad:1"));
+
+  const std::string ctl = Bin("collabctl") + " --address=" + server.address();
+  std::string out;
+  EXPECT_EQ(RunCommand(ctl + " models", &out), 0);
+  EXPECT_THAT(out, HasSubstr("bad\tversions \n\tversion 1 failed: INVALID_ARGUMENT: loading bad:1"));
+  EXPECT_THAT(out, HasSubstr(why));
+  EXPECT_THAT(out, HasSubstr("good\tversions 1\n"));
+
+  EXPECT_EQ(RunCommand(ctl + " classify --model=bad 'x' 2>&1", &out), 1);
+  EXPECT_THAT(out, HasSubstr("NOT_FOUND: model \"bad\" has no available version (version 1 failed "
+                             "to load: loading bad:1 from " + repo.path() + "/bad/1: "));
+  EXPECT_THAT(out, HasSubstr(why));
+  EXPECT_THAT(out, Not(HasSubstr("no version is available"))) << "said twice";
+  EXPECT_EQ(out.find("bad:1"), out.rfind("bad:1")) << "named twice: " << out;
+}
+
+// collabserve-model's JSON-lines commands answer each bad line with an error that names the line and
+// where its JSON is wrong, in place of its result, and go on; the exit status says lines failed.
+TEST(CollabserveBinaryTest, TheOfflineToolNamesABadInputLine) {
+  TempDir work;
+  MakeTinyModel(work.path() + "/m", 1);
+  {
+    std::ofstream in(work.path() + "/in.jsonl");
+    in << "{\"text\": \"fine\"}\n{\"text\": 3}\n{\"text\": \"a\",}\n[1]\n\n{\"text\": \"ok\"}\n";
+  }
+  std::string out;
+  EXPECT_EQ(RunCommand(Bin("collabserve-model") + " predict --model " + work.path() + "/m < " +
+                           work.path() + "/in.jsonl 2>/dev/null",
+                       &out),
+            1);
+  std::vector<std::string> lines = absl::StrSplit(out, '\n', absl::SkipEmpty());
+  ASSERT_EQ(lines.size(), 5u) << out;
+  EXPECT_THAT(lines[0], HasSubstr("\"logits\""));
+  EXPECT_THAT(lines[1], HasSubstr("{\"error\":\"line 2: "));
+  EXPECT_THAT(lines[2], HasSubstr("{\"error\":\"line 3: not valid JSON: parse error at column 14"));
+  EXPECT_THAT(lines[3], HasSubstr("{\"error\":\"line 4: not a JSON object"));
+  EXPECT_THAT(lines[4], HasSubstr("\"logits\""));
+
+  {
+    std::ofstream data(work.path() + "/data.jsonl");
+    data << "{\"text\": \"fine\", \"label\": \"positive\"}\n{\"text\": \"bad\", \"label\": \"negative\"\n";
+  }
+  EXPECT_EQ(RunCommand(Bin("collabserve-model") + " evaluate --model " + work.path() +
+                           "/m --data " + work.path() + "/data.jsonl 2>&1",
+                       &out),
+            1);
+  EXPECT_THAT(out, HasSubstr(work.path() + "/data.jsonl:2: not valid JSON: parse error at column"));
 }
 
 // A flag that every model's load, or the serving itself, would refuse stops the server at start-up,

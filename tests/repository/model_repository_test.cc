@@ -28,6 +28,7 @@ namespace fs = std::filesystem;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
+using ::testing::Not;
 using ::testing::Pair;
 using State = ModelRepository::VersionStatus::State;
 
@@ -427,8 +428,12 @@ TEST_F(ModelRepositoryTest, ModelWithOnlyFailedVersionsSaysWhy) {
   absl::Status s = repo_->Get("m").status();
   EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(s.message(), HasSubstr("model \"m\" has no available version"));
-  EXPECT_THAT(s.message(), HasSubstr("version 1 failed to load"));
-  EXPECT_THAT(s.message(), HasSubstr("no version is available"));
+  EXPECT_THAT(s.message(), HasSubstr("(version 1 failed to load: loading m:1 from "));
+  // Said once: not again as "; no version is available".
+  EXPECT_THAT(s.message(), Not(HasSubstr("no version is available")));
+  s = repo_->Get("m", 1).status();
+  EXPECT_THAT(s.message(), HasSubstr("version 1 of model \"m\" is not available (version 1 failed"));
+  EXPECT_THAT(s.message(), HasSubstr("; no version is available"));
 }
 
 TEST_F(ModelRepositoryTest, LoadVersionPinsAnOlderVersionUntilUnloaded) {
