@@ -324,6 +324,15 @@ absl::StatusOr<ModelRepository::DiskModel> ModelRepository::ScanModel(const std:
     }
     return absl::FailedPreconditionError(absl::StrCat("cannot list ", dir, ": ", ec.message()));
   }
+  // A checkpoint's files put straight into the model directory (no version directory): one message
+  // for the directory, not one per file.
+  const std::optional<struct stat> config = Stat(Join(dir, "config.json"), /*follow=*/true);
+  const bool flat_checkpoint = config && S_ISREG(config->st_mode);
+  if (flat_checkpoint) {
+    LogOnce(dir, absl::StrCat("it holds a checkpoint's files (config.json), but each version is a "
+                              "directory named by its number: move them into ",
+                              Join(dir, "1"), "/"));
+  }
   DiskModel versions;
   for (; !ec && it != fs::directory_iterator(); it.increment(ec)) {
     const std::string name = it->path().filename().string();
@@ -331,7 +340,9 @@ absl::StatusOr<ModelRepository::DiskModel> ModelRepository::ScanModel(const std:
     const std::string path = it->path().string();
     std::optional<int64_t> version = ParseVersion(name);
     if (!version) {
-      LogOnce(path, "a version directory name must be a positive integer without leading zeros");
+      if (flat_checkpoint && !IsDir(path)) continue;
+      LogOnce(path, "a version directory's name must be a positive integer of at most 18 digits, "
+                    "without leading zeros");
       continue;
     }
     if (!IsDir(path)) {

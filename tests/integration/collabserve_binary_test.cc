@@ -182,10 +182,12 @@ TEST(CollabserveBinaryTest, ReportsABadRepository) {
 
 // A version that cannot load is logged once, with its path and where its file is wrong; the start-up
 // summary names it; `collabctl models` lists it with its error; a call for it says why, once.
+// A checkpoint put straight into its model directory gets one message that says where it belongs.
 TEST(CollabserveBinaryTest, ABrokenVersionIsLoggedOnceAndListedWithItsError) {
   TempDir repo;
   MakeTinyModel(repo.path() + "/good/1", 1);
   MakeTinyModel(repo.path() + "/bad/1", 2);
+  MakeTinyModel(repo.path() + "/flat", 3);
   {
     std::ofstream config(repo.path() + "/bad/1/config.json", std::ios::trunc);
     config << "{\n  \"hidden_size\": 3";
@@ -208,6 +210,10 @@ TEST(CollabserveBinaryTest, ABrokenVersionIsLoggedOnceAndListedWithItsError) {
   EXPECT_THAT(text, HasSubstr("cannot load bad:1 from " + repo.path() + "/bad/1"));
   EXPECT_THAT(text, HasSubstr("serving 1 of 2 model(s) from " + repo.path() +
                               "; failed to load: bad:1"));
+  EXPECT_THAT(text, HasSubstr("ignoring " + repo.path() + "/flat: it holds a checkpoint's files "
+                              "(config.json), but each version is a directory named by its "
+                              "number: move them into " + repo.path() + "/flat/1/"));
+  EXPECT_THAT(text, Not(HasSubstr("/flat/config.json"))) << "one message for the directory";
 
   const std::string ctl = Bin("collabctl") + " --address=" + server.address();
   std::string out;
