@@ -477,6 +477,14 @@ absl::Status Server::LoadModels() {
     absl::StrAppend(&summary, "; failed to load: ", absl::StrJoin(failed, ", "),
                     " (see above; `collabctl models` lists why)");
     LOG(WARNING) << summary;
+  } else if (num_models == 0) {
+    absl::StrAppend(&summary, ": it holds no model yet (a model is MODEL/VERSION/, e.g. ",
+                    util::JoinPath(options_.model_repository, "mymodel/1/config.json"), "); ",
+                    options_.poll_interval > absl::ZeroDuration()
+                        ? absl::StrCat("it is scanned again every ",
+                                       absl::FormatDuration(options_.poll_interval))
+                        : std::string("--poll_interval_s=0: it is not scanned again"));
+    LOG(WARNING) << summary;
   } else {
     LOG(INFO) << summary;
   }

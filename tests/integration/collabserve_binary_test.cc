@@ -178,6 +178,19 @@ TEST(CollabserveBinaryTest, ReportsABadRepository) {
   // The allocator it was built with is the one it runs on (a linker that drops unreferenced
   // libraries once left it on glibc's malloc with jemalloc on its link line).
   EXPECT_THAT(out, HasSubstr("allocator: " COLLABSERVE_SERVER_ALLOCATOR));
+
+  // An empty repository serves (uploads fill it), and says what a model's files look like.
+  TempDir empty, work;
+  ServerProcess server({"--port=0", "--metrics_port=-1", "--host=127.0.0.1",
+                        "--model_repository=" + empty.path(), "--poll_interval_s=0"},
+                       work.path() + "/stderr.log");
+  ASSERT_TRUE(server.serving());
+  std::ifstream in(work.path() + "/stderr.log");
+  const std::string log((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_THAT(log, HasSubstr("serving 0 of 0 model(s) from " + empty.path() +
+                             ": it holds no model yet (a model is MODEL/VERSION/, e.g. " +
+                             empty.path() + "/mymodel/1/config.json); --poll_interval_s=0: it is "
+                             "not scanned again"));
 }
 
 // A version that cannot load is logged once, with its path and where its file is wrong; the start-up
