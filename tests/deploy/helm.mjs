@@ -46,6 +46,9 @@ check(find(def, 'PersistentVolumeClaim')[0].spec.accessModes[0] === 'ReadWriteOn
 for (const p of ['startupProbe', 'readinessProbe', 'livenessProbe']) {
   check(c[p] && c[p].grpc && c[p].grpc.port === 8500, `${p} is a native gRPC probe on port 8500`);
 }
+check(c.readinessProbe.grpc.service === '' && c.startupProbe.grpc.service === '', 'readiness and startup ask the server\'s health by default');
+check(ctr(template(['probes.readiness.service=demo'])).readinessProbe.grpc.service === 'demo',
+  'probes.readiness.service makes readiness follow that model');
 check(pod.terminationGracePeriodSeconds === 30 + 5 + 5, `terminationGracePeriodSeconds = drain 30 + preStop 5 + margin 5, got ${pod.terminationGracePeriodSeconds}`);
 check(JSON.stringify(c.lifecycle.preStop.exec.command) === '["sleep","5"]', 'preStop sleeps 5 s');
 check(c.livenessProbe.periodSeconds * c.livenessProbe.failureThreshold > 35, 'liveness tolerates a whole preStop + drain');
