@@ -10,6 +10,7 @@ exits non-zero with the gRPC status code and message on stderr when a call fails
   collabserve_client.py classify --model tiny [--version 2] [--pair TEXT ...] TEXT ...
   collabserve_client.py infer --model tiny [--version 2] [--raw] [--pair TEXT ...] TEXT ...
   collabserve_client.py kserve-status [--model tiny]
+  collabserve_client.py models
   collabserve_client.py upload --token-file F --model NAME --dir CHECKPOINT_DIR
                                [--rank R | --ranks R1,R2,... | --ratio X] [--activate] [--watch]
   collabserve_client.py watch --token-file F JOB_ID
@@ -129,6 +130,22 @@ class Client:
         resp = self.inference.Classify(req, timeout=self.timeout)
         return [{"label": r.label, "score": r.score, "logits": list(r.logits),
                  "model_version": resp.model_version} for r in resp.results]
+
+    def list_models(self):
+        """ListModels: one dict per model, with its served versions and the state of every version
+        on disk (with the load error of a failed one)."""
+        resp = self.inference.ListModels(self.stubs.inference_pb2.ListModelsRequest(),
+                                         timeout=self.timeout)
+        out = []
+        for m in resp.models:
+            status = []
+            for v in m.version_status:
+                row = {"version": v.version, "state": v.state}
+                if v.error:
+                    row["error"] = v.error
+                status.append(row)
+            out.append({"name": m.name, "versions": list(m.versions), "version_status": status})
+        return out
 
     def infer(self, model, texts, pairs=None, version="", raw=False):
         """KServe v2 ModelInfer; one dict per input with logits, probabilities and label."""
@@ -275,6 +292,7 @@ def main(argv=None):
             p.add_argument("--raw", action="store_true", help="send raw_input_contents")
     p = sub.add_parser("kserve-status")
     p.add_argument("--model")
+    sub.add_parser("models")
     p = sub.add_parser("upload", parents=[admin])
     p.add_argument("--model", required=True)
     p.add_argument("--dir", required=True, help="Hugging Face BERT checkpoint directory")
@@ -291,6 +309,12 @@ def main(argv=None):
     if args.command in ("classify", "infer") and args.pair and len(args.pair) != len(args.texts):
         parser.error("give --pair once per text (%d texts, %d pairs)"
                      % (len(args.texts), len(args.pair)))
+    version = None
+    if args.command == "classify" and args.version is not None:
+        try:
+            version = int(args.version)
+        except ValueError:
+            parser.error("--version %r: a version is an integer (1, 2, ...)" % args.version)
     ranks = None
     if getattr(args, "ranks", None) is not None:
         try:
@@ -308,7 +332,6 @@ def main(argv=None):
             print_json({"service": args.service, "status": status})
             return 0 if status == "SERVING" else 1
         if args.command == "classify":
-            version = int(args.version) if args.version is not None else None
             for row in client.classify(args.model, args.texts, args.pair, version):
                 print_json(row)
         elif args.command == "infer":
@@ -317,6 +340,9 @@ def main(argv=None):
                 print_json(row)
         elif args.command == "kserve-status":
             print_json(client.kserve_status(args.model))
+        elif args.command == "models":
+            for row in client.list_models():
+                print_json(row)
         elif args.command == "upload":
             resp = client.upload(args.model, args.dir, args.rank, args.ratio, args.activate, ranks)
             print_json({"job_id": resp.job_id, "model_name": resp.model_name,

@@ -132,6 +132,11 @@ class PythonClientTest(unittest.TestCase):
         self.assertEqual(status["model"]["inputs"][0], ["text", "BYTES", [-1]])
         self.assertEqual(status["model"]["outputs"][0], ["logits", "FP32", [-1, 2]])
 
+    def test_models(self):
+        rows = {row["name"]: row for row in self.rows("models")}
+        self.assertEqual(rows["tiny"], {"name": "tiny", "versions": [1],
+                                        "version_status": [{"version": 1, "state": "available"}]})
+
     def test_errors_come_back_as_grpc_status(self):
         proc = self.client("classify", "--model", "missing", "x", check=False)
         self.assertEqual(proc.returncode, 2)
@@ -139,6 +144,9 @@ class PythonClientTest(unittest.TestCase):
         proc = self.client("infer", "--model", "tiny", "--version", "x", "hello", check=False)
         self.assertEqual(proc.returncode, 2)
         self.assertIn("INVALID_ARGUMENT", proc.stderr)
+        proc = self.client("classify", "--model", "tiny", "--version", "x", "hello", check=False)
+        self.assertEqual(proc.returncode, 2)
+        self.assertIn("--version 'x': a version is an integer", proc.stderr)
 
     def test_upload_and_watch(self):
         if not ARGS.admin:
