@@ -50,7 +50,7 @@ absl::Status Make(int argc, char** argv) {
                                          {"out", "preset", "layers", "hidden", "heads", "intermediate",
                                           "labels", "seed", "format", "dtype", "vocab", "planted_rank",
                                           "planted_noise", "hidden_act", "problem_type", "label_names"}));
-  if (!f.Has("out")) return absl::InvalidArgumentError("make: --out DIR is required");
+  if (!f.Has("out")) return absl::InvalidArgumentError("--out DIR is required");
   model::MakeOptions o;
   o.preset = f.Get("preset", "tiny");
   ASSIGN_OR_RETURN(int64_t layers, f.GetInt("layers", 0));
@@ -163,7 +163,7 @@ absl::StatusOr<model::TokenizedInput> ToInput(const json& j, const text::BertTok
 
 absl::Status Tokenize(int argc, char** argv) {
   ASSIGN_OR_RETURN(Flags f, Flags::Parse(argc, argv, 2, {"model", "max_length"}));
-  if (!f.Has("model")) return absl::InvalidArgumentError("tokenize: --model DIR is required");
+  if (!f.Has("model")) return absl::InvalidArgumentError("--model DIR is required");
   ASSIGN_OR_RETURN(int64_t max_length, f.GetInt("max_length", 0));
   ASSIGN_OR_RETURN(auto tok, text::BertTokenizer::FromDirectory(f.Get("model")));
   return ForEachLine([&](const json& j) -> absl::Status {
@@ -190,7 +190,7 @@ model::EngineOptions InferenceOptions(const Flags& f) {
 
 absl::Status Predict(int argc, char** argv) {
   ASSIGN_OR_RETURN(Flags f, Flags::Parse(argc, argv, 2, {"model", "batch_size", "device", "dtype"}));
-  if (!f.Has("model")) return absl::InvalidArgumentError("predict: --model DIR is required");
+  if (!f.Has("model")) return absl::InvalidArgumentError("--model DIR is required");
   ASSIGN_OR_RETURN(int64_t batch_size, f.GetInt("batch_size", 8));
   if (batch_size < 1) return absl::InvalidArgumentError("--batch_size must be at least 1");
   const model::EngineOptions eo = InferenceOptions(f);
@@ -271,8 +271,8 @@ absl::StatusOr<std::vector<model::Prediction>> PredictAll(const model::Engine& e
 absl::Status Evaluate(int argc, char** argv) {
   ASSIGN_OR_RETURN(Flags f, Flags::Parse(argc, argv, 2,
                                          {"model", "data", "reference", "batch_size", "device", "dtype"}));
-  if (!f.Has("model")) return absl::InvalidArgumentError("evaluate: --model DIR is required");
-  if (!f.Has("data")) return absl::InvalidArgumentError("evaluate: --data FILE (JSON lines) is required");
+  if (!f.Has("model")) return absl::InvalidArgumentError("--model DIR is required");
+  if (!f.Has("data")) return absl::InvalidArgumentError("--data FILE (JSON lines) is required");
   ASSIGN_OR_RETURN(int64_t batch_size, f.GetInt("batch_size", 32));
   if (batch_size < 1) return absl::InvalidArgumentError("--batch_size must be at least 1");
   const model::EngineOptions eo = InferenceOptions(f);
@@ -322,7 +322,7 @@ absl::Status Evaluate(int argc, char** argv) {
 
 absl::Status Inspect(int argc, char** argv) {
   ASSIGN_OR_RETURN(Flags f, Flags::Parse(argc, argv, 2, {"model"}));
-  if (!f.Has("model")) return absl::InvalidArgumentError("inspect: --model DIR is required");
+  if (!f.Has("model")) return absl::InvalidArgumentError("--model DIR is required");
   std::string dir = f.Get("model");
   ASSIGN_OR_RETURN(model::BertConfig config, model::BertConfig::FromFile(util::JoinPath(dir, "config.json")));
   ASSIGN_OR_RETURN(auto classifier, model::LoadClassifier(dir, config));

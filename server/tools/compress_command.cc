@@ -35,13 +35,13 @@ absl::Status Compress(int argc, char** argv) {
                                           "line_search", "init", "calibration", "whiten_damping", "target_agreement",
                                           "max_kl", "search_seconds", "whiten_inputs"}));
   if (!f.Has("model") || !f.Has("out")) {
-    return absl::InvalidArgumentError("compress: --model IN and --out OUT are required");
+    return absl::InvalidArgumentError("--model IN and --out OUT are required");
   }
   int specs = f.Has("rank") + f.Has("ratio") + f.Has("ranks") + f.Has("max_error") + f.Has("target_agreement") +
               f.Has("max_kl");
   if (specs != 1) {
     return absl::InvalidArgumentError(
-        "compress: give exactly one of --rank, --ratio, --ranks, --max_error, --target_agreement, --max_kl");
+        "give exactly one of --rank, --ratio, --ranks, --max_error, --target_agreement, --max_kl");
   }
   compress::CompressOptions o;
   if (f.Has("rank")) {
