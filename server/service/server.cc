@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <functional>
+#include <map>
 #include <optional>
 #include <string>
 #include <thread>
@@ -20,7 +21,10 @@
 #include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
 #include "grpcpp/support/server_interceptor.h"
+#include "prometheus/client_metric.h"
+#include "prometheus/collectable.h"
 #include "prometheus/gauge.h"
+#include "prometheus/metric_family.h"
 #include "server/batching/batch_scheduler.h"
 #include "server/metrics/process_metrics.h"
 #include "server/model/device.h"
@@ -30,6 +34,50 @@
 #include "server/util/status_macros.h"
 
 namespace collabserve::service {
+
+// collabserve_model_versions{model,state}: how many version directories of each model the
+// repository knows in each state, read at each scrape. Every state is exported for every model, 0
+// included, so that an alert can ask for a model with no available version. Attach(nullptr) before
+// the repository goes: a scrape then exports nothing.
+class ModelVersionsCollectable : public prometheus::Collectable {
+ public:
+  void Attach(const repository::ModelRepository* repository) {
+    absl::MutexLock l(&mu_);
+    repository_ = repository;
+  }
+
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    absl::MutexLock l(&mu_);
+    if (repository_ == nullptr) return {};
+    using State = repository::ModelRepository::VersionStatus::State;
+    prometheus::MetricFamily f;
+    f.name = "collabserve_model_versions";
+    f.help =
+        "Version directories of each model in the model repository, by state: available (served), "
+        "loading, settling (changed on disk within --version_settle_s), failed (its load failed: "
+        "collabctl models lists why), unloaded.";
+    f.type = prometheus::MetricType::Gauge;
+    for (const auto& [model, versions] : repository_->List()) {
+      std::map<std::string, int> counts;
+      for (State state : {State::kAvailable, State::kLoading, State::kFailed, State::kUnloaded}) {
+        counts[repository::ModelRepository::StateName(state)] = 0;
+      }
+      counts["settling"] = 0;
+      for (const auto& v : versions) ++counts[repository::ModelRepository::StateName(v)];
+      for (const auto& [state, count] : counts) {
+        prometheus::ClientMetric m;
+        m.label = {{"model", model}, {"state", state}};
+        m.gauge.value = count;
+        f.metric.push_back(std::move(m));
+      }
+    }
+    return {std::move(f)};
+  }
+
+ private:
+  mutable absl::Mutex mu_;
+  const repository::ModelRepository* repository_ ABSL_GUARDED_BY(mu_) = nullptr;
+};
 
 // ---------------------------------------------------------------------------------------------
 // StreamIdleWatchdog
@@ -452,6 +500,9 @@ absl::Status Server::LoadModels() {
   };
   ASSIGN_OR_RETURN(repository_, repository::ModelRepository::Create(ro, loader));
   inference_->AttachRepository(repository_.get());
+  versions_collectable_ = std::make_shared<ModelVersionsCollectable>();
+  versions_collectable_->Attach(repository_.get());
+  metrics_->AddCollectable(versions_collectable_);
   {
     absl::MutexLock lock(&mu_);
     if (shutting_down_) return absl::UnavailableError("shut down while loading models");
@@ -562,6 +613,7 @@ void Server::Shutdown() {
   }
   idle_watchdog_->Stop();
   if (repository_ != nullptr) repository_->StopPolling();
+  if (versions_collectable_ != nullptr) versions_collectable_->Attach(nullptr);
   repository_.reset();  // servables go to the reaper, which drains their schedulers
   // In-flight completions may still hold a servable for a moment; they must all be gone before
   // the metrics (which a servable's destructor updates) are.

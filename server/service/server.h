@@ -31,6 +31,7 @@ class ServerInterceptorFactoryInterface;
 namespace collabserve::service {
 
 class ServableReaper;
+class ModelVersionsCollectable;
 
 // Ends streaming calls whose client has stalled, so that a stalled client holds neither a thread
 // (the callback API holds none anyway) nor memory for longer than a bound. A watched call is idle
@@ -169,6 +170,8 @@ class Server {
   std::unique_ptr<StreamIdleWatchdog> idle_watchdog_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<repository::ModelRepository> repository_;
+  // collabserve_model_versions{model,state}, read from repository_ at each scrape.
+  std::shared_ptr<ModelVersionsCollectable> versions_collectable_;
   int port_ = 0;
   int metrics_port_ = -1;
 

@@ -26,6 +26,8 @@ check(uses('CollabserveHighErrorRate', 'collabserve_requests_total'), 'an error-
 check(uses('CollabserveHighLatencyP99', 'collabserve_request_duration_seconds_bucket'), 'a p99 latency alert');
 check(uses('CollabserveQueueSaturated', 'collabserve_queue_duration_seconds_bucket') && uses('CollabserveQueueDepthHigh', 'collabserve_queue_depth'), 'queue saturation alerts');
 check(uses('CollabserveCompressionJobsFailing', 'collabserve_jobs_total'), 'a failed compression jobs alert');
+check(uses('CollabserveModelUnavailable', 'collabserve_model_versions') && uses('CollabserveModelVersionFailed', 'collabserve_model_versions'),
+  'alerts on a model with no version serving and on a version that failed to load');
 const prom = YAML.parse(fs.readFileSync(path.join(ROOT, 'deploy/prometheus/prometheus.yml'), 'utf8'));
 check(prom.rule_files.includes('alerts.yml'), 'prometheus.yml loads alerts.yml');
 check(prom.scrape_configs.some((j) => j.job_name === 'collabserve' && j.static_configs[0].targets.includes('collabserve:9090')),

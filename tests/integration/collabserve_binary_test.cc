@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <iterator>
+#include <map>
 #include <fstream>
 #include <string>
 #include <utility>
@@ -207,10 +208,19 @@ TEST(CollabserveBinaryTest, ABrokenVersionIsLoggedOnceAndListedWithItsError) {
   }
   TempDir work;
   const std::string log = work.path() + "/stderr.log";
-  ServerProcess server({"--port=0", "--metrics_port=-1", "--host=127.0.0.1",
+  ServerProcess server({"--port=0", "--metrics_port=0", "--host=127.0.0.1",
                         "--model_repository=" + repo.path(), "--poll_interval_s=0"},
                        log);
   ASSERT_TRUE(server.serving());
+  // /metrics: what an alert on a model with no version serving reads.
+  absl::StatusOr<std::string> scraped = testing::ScrapeMetrics(server.metrics_port());
+  ASSERT_TRUE(scraped.ok()) << scraped.status();
+  std::map<std::string, double> metrics = testing::ParseMetrics(*scraped);
+  EXPECT_EQ(metrics["collabserve_model_versions{model=\"bad\",state=\"failed\"}"], 1);
+  EXPECT_EQ(metrics["collabserve_model_versions{model=\"bad\",state=\"available\"}"], 0);
+  EXPECT_EQ(metrics.count("collabserve_model_versions{model=\"bad\",state=\"available\"}"), 1u);
+  EXPECT_EQ(metrics["collabserve_model_versions{model=\"good\",state=\"available\"}"], 1);
+  EXPECT_EQ(metrics["collabserve_model_versions{model=\"good\",state=\"failed\"}"], 0);
   const std::string why = "config.json: not valid JSON: parse error at line 2, column 1";
   std::string text;
   {

@@ -597,6 +597,13 @@ TEST_F(ServerTest, MetricsPageParsesAndPassesPromtool) {
   EXPECT_EQ(m["collabserve_model_layer_rank{layer=\"1\",model=\"tiny\",version=\"1\"}"], 64);
   EXPECT_EQ(m["collabserve_model_compression_ratio{model=\"tiny\",version=\"1\"}"], 1);
   EXPECT_GT(m["collabserve_model_load_seconds{model=\"tiny\",version=\"1\"}"], 0);
+  // The repository's versions by state: every state, 0 included (alerts ask for 0 available).
+  EXPECT_EQ(m["collabserve_model_versions{model=\"tiny\",state=\"available\"}"], 1);
+  for (const char* state : {"loading", "settling", "failed", "unloaded"}) {
+    const std::string series = absl::StrCat("collabserve_model_versions{model=\"tiny\",state=\"", state, "\"}");
+    EXPECT_EQ(m.count(series), 1u) << series;
+    EXPECT_EQ(m[series], 0) << series;
+  }
   EXPECT_EQ(m["collabserve_build_info{torch_version=\"test\",version=\"0.1.0\"}"], 1);
   EXPECT_EQ(m.count("collabserve_pass_memory_kept_bytes{part=\"arena\"}"), 1u);  // the server's source
   EXPECT_GE(m["collabserve_pass_memory_kept_bytes{part=\"arena\"}"], 0);
