@@ -161,6 +161,13 @@ const char* ModelRepository::StateName(const VersionStatus& status) {
   return status.settling ? "settling" : StateName(status.state);
 }
 
+const std::vector<const char*>& ModelRepository::StateNames() {
+  static const auto* names = new std::vector<const char*>{
+      StateName(State::kAvailable), StateName(State::kLoading), "settling",
+      StateName(State::kFailed), StateName(State::kUnloaded)};
+  return *names;
+}
+
 absl::Status ModelRepository::ValidateModelName(std::string_view name) {
   const absl::string_view model = Sv(name);
   if (model.empty()) return absl::InvalidArgumentError("model name is empty");

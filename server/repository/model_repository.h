@@ -211,6 +211,8 @@ class ModelRepository {
   static const char* StateName(VersionStatus::State state);  // "loading", "available", ...
   // StateName, or "settling" for a settling version that is not loading or available.
   static const char* StateName(const VersionStatus& status);
+  // Every name StateName(const VersionStatus&) returns, in a fixed order.
+  static const std::vector<const char*>& StateNames();
 
  private:
   using State = VersionStatus::State;

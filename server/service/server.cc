@@ -49,7 +49,6 @@ class ModelVersionsCollectable : public prometheus::Collectable {
   std::vector<prometheus::MetricFamily> Collect() const override {
     absl::MutexLock l(&mu_);
     if (repository_ == nullptr) return {};
-    using State = repository::ModelRepository::VersionStatus::State;
     prometheus::MetricFamily f;
     f.name = "collabserve_model_versions";
     f.help =
@@ -59,10 +58,7 @@ class ModelVersionsCollectable : public prometheus::Collectable {
     f.type = prometheus::MetricType::Gauge;
     for (const auto& [model, versions] : repository_->List()) {
       std::map<std::string, int> counts;
-      for (State state : {State::kAvailable, State::kLoading, State::kFailed, State::kUnloaded}) {
-        counts[repository::ModelRepository::StateName(state)] = 0;
-      }
-      counts["settling"] = 0;
+      for (const char* state : repository::ModelRepository::StateNames()) counts[state] = 0;
       for (const auto& v : versions) ++counts[repository::ModelRepository::StateName(v)];
       for (const auto& [state, count] : counts) {
         prometheus::ClientMetric m;

@@ -184,6 +184,23 @@ class ModelRepositoryTest : public ::testing::Test {
   std::vector<std::string> events_ ABSL_GUARDED_BY(events_mu_);
 };
 
+// The /metrics gauge exports one series per name in StateNames(), so every name a version can
+// be listed under must be there, once.
+TEST(ModelRepositoryStateNames, ListEveryNameAVersionCanHaveOnce) {
+  std::vector<std::string> names(ModelRepository::StateNames().begin(),
+                                 ModelRepository::StateNames().end());
+  EXPECT_THAT(names, ::testing::UnorderedElementsAre("available", "loading", "settling", "failed",
+                                                    "unloaded"));
+  for (State state : {State::kLoading, State::kAvailable, State::kFailed, State::kUnloaded}) {
+    for (bool settling : {false, true}) {
+      ModelRepository::VersionStatus status;
+      status.state = state;
+      status.settling = settling;
+      EXPECT_THAT(names, ::testing::Contains(std::string(ModelRepository::StateName(status))));
+    }
+  }
+}
+
 TEST_F(ModelRepositoryTest, DiscoversModelsAndServesTheNewestVersion) {
   MakeVersion("sst2", 1);
   MakeVersion("sst2", 2);
