@@ -34,6 +34,7 @@
 #include "server/service/admin_server.h"
 #include "server/service/kserve_service.h"
 #include "server/service/server.h"
+#include "server/tools/log_flags.h"
 #include "server/util/files.h"
 #include "server/util/process_env.h"
 #include "server/util/process_memory.h"
@@ -53,7 +54,7 @@ ABSL_FLAG(std::string, device, "cpu", "cpu, cuda or cuda:N");
 ABSL_FLAG(std::string, dtype, "float32", "float32; float16/bfloat16 on CUDA");
 ABSL_FLAG(int64_t, cuda_graph_max_tokens, 4096,
           "CUDA: passes of at most this many tokens (batch and length rounded up to powers of two) "
-          "replay CUDA graphs, one captured per shape on its first pass; 0 = none");
+          "replay CUDA graphs, one per shape, captured when the version loads; 0 = none");
 ABSL_FLAG(int, num_batch_threads, 0,
           "batch threads per model version (concurrent forward passes); 0 = on CPU one per CPU up to 4 "
           "(or CPUs / --inference_threads), on CUDA 1");
@@ -237,6 +238,13 @@ int Run(int argc, char** argv, int cpus) {
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   google::InitGoogleLogging(argv[0]);
   FLAGS_logtostderr = true;
+  const auto verbose = collabserve::tools::GetVerboseLogFlags();
+  if (!verbose.ok()) {
+    std::cerr << "collabserve: " << verbose.status() << "\n";
+    return 1;
+  }
+  if (verbose->v) FLAGS_v = *verbose->v;
+  if (verbose->vmodule) FLAGS_vmodule = *verbose->vmodule;
 
   SignalWatcher& signals = SignalWatcher::Install();
 

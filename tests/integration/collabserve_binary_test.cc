@@ -18,6 +18,7 @@
 #include "tests/testing/server_process.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "collabserve/v1/inference.grpc.pb.h"
@@ -253,6 +254,43 @@ TEST(CollabserveBinaryTest, ABrokenVersionIsLoggedOnceAndListedWithItsError) {
   EXPECT_EQ(out.find("bad:1"), out.rfind("bad:1")) << "named twice: " << out;
 }
 
+// glog's verbose log from the command line: --v and --vmodule (the Helm chart's extraArgs example
+// passes --v=1), over GLOG_v when given, GLOG_v's level when not.
+TEST(CollabserveBinaryTest, VerboseLogFlagsReachGlog) {
+  TempDir repo;
+  MakeTinyModel(repo.path() + "/tiny/1", 1);
+  TempDir work;
+  struct Case {
+    std::vector<std::string> flags;
+    std::vector<std::string> env;
+    bool logged;  // VLOG(1) in model_repository.cc
+  };
+  const Case cases[] = {
+      {{}, {}, false},
+      {{"--v=1"}, {}, true},
+      {{"--vmodule=model_repo*=1"}, {}, true},
+      {{"--vmodule=batch_scheduler=1,model_repository=1"}, {}, true},
+      {{"--v=1", "--vmodule=model_repository=0,model_*=1"}, {}, false},  // the first match wins
+      {{}, {"GLOG_v=1"}, true},
+      {{"--v=0"}, {"GLOG_v=1"}, false},
+  };
+  int i = 0;
+  for (const Case& c : cases) {
+    const std::string log = absl::StrCat(work.path(), "/stderr", i++, ".log");
+    std::vector<std::string> args = {"--port=0", "--metrics_port=-1", "--host=127.0.0.1",
+                                     "--model_repository=" + repo.path()};
+    args.insert(args.end(), c.flags.begin(), c.flags.end());
+    const std::string what = absl::StrCat(absl::StrJoin(c.env, " "), " ", absl::StrJoin(c.flags, " "));
+    ServerProcess server(args, log, nullptr, "", c.env);
+    ASSERT_TRUE(server.serving()) << what;
+    EXPECT_EQ(server.Terminate(), 0) << what;
+    std::ifstream in(log);
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    EXPECT_EQ(absl::StrContains(text, "model repository: loaded tiny:1 from"), c.logged)
+        << what << ":\n" << text;
+  }
+}
+
 // collabserve-model's JSON-lines commands answer each bad line with an error that names the line and
 // where its JSON is wrong, in place of its result, and go on; the exit status says lines failed.
 TEST(CollabserveBinaryTest, TheOfflineToolNamesABadInputLine) {
@@ -304,6 +342,8 @@ TEST(CollabserveBinaryTest, RefusesABadFlagBeforeListening) {
       {"--inference_threads=100000", "--inference_threads=100000 must be"},
       {"--drain_timeout_s=nan", "--drain_timeout_s=nan is not a number of seconds"},
       {"--drain_timeout_s=-1", "--drain_timeout_s must not be negative"},
+      {"--vmodule=model_repository", "'model_repository' is not PATTERN=N"},
+      {"--vmodule=a=1,=2", "--vmodule=a=1,=2: '=2' is not PATTERN=N"},
       {"--admin_port=70000 --admin_token_file=" + repo.path() + "/tiny/1/vocab.txt",
        "--admin_port=70000 is not a port number"},
   };
