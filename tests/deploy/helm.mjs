@@ -5,7 +5,7 @@ import fs from 'node:fs';
 import path from 'node:path';
 import { ROOT, YAML, check, fatal, finish, k8sTools, run, tmpdir, parseDocs, validateK8s, find } from './lib.mjs';
 // After lib.mjs, which fails clearly when node_modules is missing.
-const { valuesDoc } = await import('./values-doc.mjs');
+const { valuesDoc, markdownTable } = await import('./values-doc.mjs');
 
 const chart = path.join(ROOT, 'helm/collabserve');
 const { helm } = k8sTools();
@@ -56,6 +56,10 @@ check(pod.securityContext.runAsNonRoot === true && pod.securityContext.runAsUser
 check(c.securityContext.readOnlyRootFilesystem === true && c.securityContext.allowPrivilegeEscalation === false, 'read-only root filesystem, no privilege escalation');
 check(c.volumeMounts.some((m) => m.mountPath === '/tmp') && pod.volumes.some((v) => v.name === 'tmp' && v.emptyDir), '/tmp is an emptyDir');
 check(!c.resources.limits || !('nvidia.com/gpu' in c.resources.limits), 'no GPU requested by default');
+check(c.image === `collabserve:${chartYaml.appVersion}`, `the CPU image is tagged with the appVersion; got ${c.image}`);
+check(ctr(template(['gpu.enabled=true'])).image === `collabserve:${chartYaml.appVersion}-cuda`,
+  'gpu.enabled alone picks the cuda image (appVersion-cuda)');
+check(ctr(template(['gpu.enabled=true', 'image.tag=mine'])).image === 'collabserve:mine', 'image.tag overrides the default tag');
 const cm = find(def, 'ConfigMap')[0];
 const args = c.args.map((a) => a.replace(/\$\((\w+)\)/g, (_, v) => check(v in cm.data, `arg ${a} references ${v}, which the ConfigMap lacks`) && cm.data[v]));
 for (const want of ['--port=8500', '--admin_port=8501', '--metrics_port=9090', '--drain_timeout_s=30', '--device=cpu',
@@ -149,5 +153,37 @@ for (const row of valuesDoc(path.join(chart, 'values.yaml'))) {
   const isUsed = [...used].some((u) => u === row.key || u.startsWith(row.key + '.') || row.key.startsWith(u + '.'));
   check(isUsed, `values.yaml: ${row.key} is used by no template`);
 }
+// README.md's table is values-doc.mjs's output row for row: a hand edit would be lost when it is
+// regenerated, so the fix belongs in values.yaml's comment.
+for (const line of markdownTable(valuesDoc(path.join(chart, 'values.yaml'))).split('\n').slice(2)) {
+  check(readme.includes(line), `README.md: the row differs from values.yaml (regenerate with node tests/deploy/values-doc.mjs):\n  ${line}`);
+}
+
+// Every server flag can be set from values: the chart sets some from their own values, every other
+// one is a server.flags key that the schema accepts, documented with the server's default.
+const table = run('/usr/bin/python3', [path.join(ROOT, 'scripts/flag-table.py')]);
+if (table.status !== 0) fatal(`scripts/flag-table.py failed:\n${table.stderr}`);
+const serverFlags = new Map([...table.stdout.matchAll(/^\| `--(\w+)` \| [^|]+ \| ([^|]+?) \|/gm)].map((m) => [m[1], m[2].replace(/^"(.*)"$/, '$1')]));
+check(serverFlags.size > 30, `scripts/flag-table.py lists the server's flags; got ${serverFlags.size}`);
+const fromOwnValues = new Set(['port', 'admin_port', 'metrics_port', 'drain_timeout_s', 'device', 'model_repository',
+  'admin_token_file', 'tls_cert', 'tls_key']);
+const throughExtraArgs = new Set(['v', 'vmodule']);  // glog's verbose log: server.extraArgs' example
+const schema = JSON.parse(fs.readFileSync(path.join(chart, 'values.schema.json'), 'utf8'));
+const schemaFlags = Object.keys(schema.properties.server.properties.flags.properties).sort();
+const valueFlags = Object.keys(values.server.flags).sort();
+check(JSON.stringify(schemaFlags) === JSON.stringify(valueFlags),
+  `values.schema.json's server.flags (${schemaFlags}) are values.yaml's (${valueFlags})`);
+const docs = new Map(valuesDoc(path.join(chart, 'values.yaml')).map((r) => [r.key, r.comment.replace(/\s+/g, ' ')]));
+check(values.server.extraArgs !== undefined && docs.get('server.extraArgs').includes('--v=1'), 'server.extraArgs shows --v=1');
+for (const [flag, dflt] of serverFlags) {
+  if (fromOwnValues.has(flag) || throughExtraArgs.has(flag)) continue;
+  check(valueFlags.includes(flag), `server flag --${flag} has no server.flags.${flag} in values.yaml (and the schema)`);
+  const doc = docs.get(`server.flags.${flag}`);
+  check(!doc || doc.includes(`(server default ${dflt})`),
+    `values.yaml: server.flags.${flag}'s comment should end "(server default ${dflt})"; it reads: ${doc}`);
+}
+for (const flag of valueFlags) check(serverFlags.has(flag), `values.yaml: server.flags.${flag} is not a server flag`);
+for (const flag of [...fromOwnValues, ...throughExtraArgs]) check(serverFlags.has(flag), `--${flag} is not a server flag`);
+
 check(fs.existsSync(path.join(tdir, 'NOTES.txt')) && fs.existsSync(path.join(tdir, '_helpers.tpl')), 'templates/NOTES.txt and _helpers.tpl exist');
 finish('deploy_helm');

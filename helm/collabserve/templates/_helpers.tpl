@@ -44,8 +44,11 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 {{- end }}
 
+{{/* image.tag, else the appVersion: "0.1.0" for the CPU image, "0.1.0-cuda" with gpu.enabled. */}}
 {{- define "collabserve.image" -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag | toString) }}
+{{- $tag := .Values.image.tag | toString }}
+{{- if not $tag }}{{ $tag = printf "%s%s" .Chart.AppVersion (ternary "-cuda" "" (.Values.gpu.enabled | default false)) }}{{ end }}
+{{- printf "%s:%s" .Values.image.repository $tag }}
 {{- end }}
 
 {{/* Most pods that may run at once: decides the access mode of the model repository claim. */}}
