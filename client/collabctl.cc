@@ -10,7 +10,9 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
 #include "client/collabctl_admin.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -22,8 +24,10 @@
 
 ABSL_FLAG(std::string, address, "127.0.0.1:8500", "server address host:port");
 ABSL_FLAG(std::string, model, "demo", "model name");
-ABSL_FLAG(int64_t, version, 0, "model version (0 = newest)");
-ABSL_FLAG(int, deadline_ms, 10000, "per-call deadline in milliseconds");
+ABSL_FLAG(int64_t, version, 0, "classify: model version (0 = newest)");
+ABSL_FLAG(int, deadline_ms, 10000,
+          "per-call deadline of the inference commands, in milliseconds (admin calls: 10 min; "
+          "upload 1 h, --wait 24 h)");
 ABSL_FLAG(bool, tls, false, "use TLS (inference and admin commands)");
 ABSL_FLAG(std::string, tls_ca_file, "",
           "with --tls: PEM file of the root certificates that verify the server (default: the "
@@ -31,7 +35,7 @@ ABSL_FLAG(std::string, tls_ca_file, "",
 ABSL_FLAG(std::string, service, "", "health: service name to check (\"\" = server)");
 ABSL_FLAG(int, top_k, 0, "classify: labels to return per input");
 ABSL_FLAG(bool, raw_scores, false, "classify: logits instead of probabilities");
-ABSL_FLAG(bool, json, false, "print responses as JSON");
+ABSL_FLAG(bool, json, false, "classify, models: print the responses as JSON (tokenize and model always do)");
 ABSL_FLAG(int, concurrency, 4, "bench: concurrent closed-loop clients");
 ABSL_FLAG(double, duration_s, 10, "bench: seconds to run");
 ABSL_FLAG(int64_t, max_requests, 0, "bench: stop after this many requests (0 = duration only)");
@@ -184,10 +188,25 @@ int Bench(const Client& client) {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "collabctl [--address=HOST:PORT] (classify TEXT... | tokenize TEXT... | models | model [NAME] "
-      "| health | bench | upload --dir=D --name=N [--rank=R|--ranks=R1,R2,..|--ratio=X|--max_error=E|--target_agreement=A|--max_kl=K] "
-      "[--calibration=FILE] [--wait] "
-      "| jobs [ID] | watch ID | cancel ID | compress NAME [VERSION] | load|unload|delete NAME VERSION)");
+      "collabctl [--address=HOST:PORT] [--tls [--tls_ca_file=F]] COMMAND  (every flag: --help)\n"
+      "  classify TEXT... [--model=M] [--version=V] [--top_k=K] [--raw_scores] [--json]\n"
+      "  tokenize TEXT... | models [--json] | model [NAME] | health [--service=S] | bench\n"
+      "admin commands (--token_file=F, else $COLLABSERVE_TOKEN):\n"
+      "  upload --dir=D --name=N [COMPRESSION] [--calibration=FILE] [--min_agreement=A] [--noactivate] "
+      "[--wait]\n"
+      "  compress NAME [SOURCE_VERSION] COMPRESSION [--calibration=FILE] [--min_agreement=A] "
+      "[--noactivate] [--wait]\n"
+      "  jobs [ID] | watch ID | cancel ID | load|unload|delete NAME VERSION\n"
+      "COMPRESSION: --rank=R | --ranks=R1,R2,... | --ratio=X | --max_error=E | --target_agreement=A | "
+      "--max_kl=K");
+  // --help lists the flags of both of collabctl's files (absl's default: only the one named like
+  // the program).
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view file) {
+    return absl::StrContains(file, "client/collabctl");
+  };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage);
   std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
   if (rest.size() < 2) {
     std::cerr << absl::ProgramUsageMessage() << "\n";

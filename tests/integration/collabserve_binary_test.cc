@@ -77,6 +77,17 @@ TEST(CollabserveBinaryTest, ServesCollabctlAndMatchesTheOfflineTool) {
   EXPECT_THAT(out, HasSubstr("model_version -3 is not a version"));
   EXPECT_EQ(RunCommand(ctl + " classify --model=tiny --deadline_ms=0 'x' 2>&1", &out), 1);
   EXPECT_THAT(out, HasSubstr("--deadline_ms=0 must be > 0"));
+  // No command: the usage, naming the admin token and every command; --help: the flags of both
+  // of collabctl's files (absl's default lists only collabctl.cc's).
+  EXPECT_EQ(RunCommand(Bin("collabctl") + " 2>&1", &out), 2);
+  for (const char* says : {"classify TEXT...", "--token_file=F, else $COLLABSERVE_TOKEN",
+                           "compress NAME [SOURCE_VERSION] COMPRESSION", "--noactivate", "--max_kl=K"}) {
+    EXPECT_THAT(out, HasSubstr(says));
+  }
+  RunCommand(Bin("collabctl") + " --help 2>&1", &out);
+  for (const char* flag : {"--address", "--deadline_ms", "--token_file", "--min_agreement", "--activate"}) {
+    EXPECT_THAT(out, HasSubstr(absl::StrCat(flag, " ("))) << flag;
+  }
   EXPECT_EQ(RunCommand(ctl + " bench --model=tiny --concurrency=2 --duration_s=1 --input_tokens=16", &out), 0)
       << out;
   EXPECT_THAT(out, HasSubstr("p99_ms="));
