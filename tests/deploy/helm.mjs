@@ -26,6 +26,22 @@ function template(sets, { expectFail } = {}) {
   return parseDocs(r.stdout, `helm template ${sets.join(' ')}`);
 }
 
+// NOTES.txt as `helm install` prints it. helm template skips it, so a copy of the chart renders it
+// as a named template, quoted into a YAML document.
+const notesChart = path.join(tmpdir('notes'), 'collabserve');
+fs.cpSync(chart, notesChart, { recursive: true });
+const notesText = fs.readFileSync(path.join(notesChart, 'templates/NOTES.txt'), 'utf8');
+fs.rmSync(path.join(notesChart, 'templates/NOTES.txt'));
+fs.writeFileSync(path.join(notesChart, 'templates/_notes.tpl'), `{{- define "notes" -}}\n${notesText}{{- end }}\n`);
+fs.writeFileSync(path.join(notesChart, 'templates/notes.yaml'), 'notes: {{ include "notes" . | toJson }}\n');
+function notes(sets) {
+  const args = ['template', 'cs', notesChart, '--namespace', 'ml', '--show-only', 'templates/notes.yaml'];
+  for (const s of sets) args.push('--set', s);
+  const r = run(helm, args, { env });
+  if (r.status !== 0) fatal(`NOTES.txt with ${sets.join(' ')} failed:\n${r.stderr}`);
+  return YAML.parse(r.stdout).notes;
+}
+
 const lint = run(helm, ['lint', '--strict', chart, '--namespace', 'ml'], { env });
 check(lint.status === 0, `helm lint --strict failed:\n${lint.stdout}${lint.stderr}`);
 const lintGpu = run(helm, ['lint', '--strict', chart, '--set', 'gpu.enabled=true,replicaCount=3,autoscaling.enabled=true,autoscaling.metric=queueTime,serviceMonitor.enabled=true,admin.service.enabled=true,tls.enabled=true,tls.secretName=t'], { env });
@@ -60,6 +76,14 @@ check(c.image === `collabserve:${chartYaml.appVersion}`, `the CPU image is tagge
 check(ctr(template(['gpu.enabled=true'])).image === `collabserve:${chartYaml.appVersion}-cuda`,
   'gpu.enabled alone picks the cuda image (appVersion-cuda)');
 check(ctr(template(['gpu.enabled=true', 'image.tag=mine'])).image === 'collabserve:mine', 'image.tag overrides the default tag');
+const gpuNotes = notes(['gpu.enabled=true']);
+check(gpuNotes.includes(`Image: collabserve:${chartYaml.appVersion}-cuda.`) && !gpuNotes.includes('WARNING'),
+  `NOTES: gpu.enabled names the cuda image and does not warn; got:\n${gpuNotes}`);
+check(notes(['gpu.enabled=true', `image.tag=${chartYaml.appVersion}`]).includes('WARNING: gpu.enabled is set but image'),
+  'NOTES: gpu.enabled with the CPU image warns');
+check(notes([]).includes('collabctl --address=127.0.0.1:8500 health') &&
+  notes(['tls.enabled=true', 'tls.secretName=t']).includes('collabctl --address=127.0.0.1:8500 --tls health'),
+  'NOTES: the collabctl command, with --tls under tls.enabled');
 const cm = find(def, 'ConfigMap')[0];
 const args = c.args.map((a) => a.replace(/\$\((\w+)\)/g, (_, v) => check(v in cm.data, `arg ${a} references ${v}, which the ConfigMap lacks`) && cm.data[v]));
 for (const want of ['--port=8500', '--admin_port=8501', '--metrics_port=9090', '--drain_timeout_s=30', '--device=cpu',
@@ -100,6 +124,14 @@ const hpa = find(all, 'HorizontalPodAutoscaler')[0];
 check(hpa && hpa.spec.maxReplicas === 6 && hpa.spec.metrics[0].type === 'Pods' &&
   hpa.spec.metrics[0].pods.metric.name === 'collabserve_queue_duration_seconds_p90', 'HPA scales on the queue-time Pods metric');
 check(find(all, 'ServiceMonitor')[0].spec.endpoints[0].port === 'metrics', 'ServiceMonitor scrapes the metrics port');
+{
+  // The alerts ask for job="collabserve": the ServiceMonitor takes the job from this Service label.
+  const sm = find(all, 'ServiceMonitor')[0];
+  const jobLabel = find(all, 'Service').find((x) => !x.metadata.name.endsWith('-admin')).metadata.labels[sm.spec.jobLabel];
+  const alerts = fs.readFileSync(path.join(ROOT, 'deploy/prometheus/alerts.yml'), 'utf8');
+  check(jobLabel === 'collabserve' && alerts.includes('up{job="collabserve"}'),
+    `the ServiceMonitor's job (Service label ${sm.spec.jobLabel} = ${jobLabel}) is the one alerts.yml asks for`);
+}
 const adminSvc = find(all, 'Service', (s) => s.metadata.name.endsWith('-admin'))[0];
 check(adminSvc && adminSvc.spec.type === 'ClusterIP' && adminSvc.spec.ports[0].targetPort === 'admin', 'admin Service is internal and targets the admin port');
 check(find(all, 'PodDisruptionBudget')[0].spec.minAvailable === 2, 'PDB minAvailable is honoured');
