@@ -374,7 +374,7 @@ absl::StatusOr<std::shared_ptr<Job>> JobManager::Create(const JobSpec& spec) {
     if (static_cast<int>(pending_.size()) >= options_.max_queued_jobs) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "the job queue is full (", pending_.size(), " jobs receiving or queued; "
-          "--max_concurrent_jobs=", options_.max_concurrent_jobs, "): try again later"));
+          "--max_queued_jobs=", options_.max_queued_jobs, "): try again later"));
     }
     std::set<int64_t>& reserved = reserved_versions_[spec.model_name];
     int64_t version = spec.version;
@@ -434,7 +434,7 @@ void JobManager::Enqueue(const std::shared_ptr<Job>& job, std::string input_dir,
     on_validated(absl::CancelledError(absl::StrCat("job ", job->id(), " was cancelled")));
     return;
   }
-  job->Record(Event(v1::JobEvent::QUEUED, "upload verified; queued"),
+  job->Record(Event(v1::JobEvent::QUEUED, "upload received; queued"),
               [](v1::Job* j) { j->set_state(v1::Job::QUEUED); });
   bool stopping;
   {
@@ -566,16 +566,26 @@ void JobManager::RunAtServerPriority(const std::function<void()>& fn) {
 
 void JobManager::Run(Work work) {
   std::shared_ptr<Job> job = work.job;
-  if (job->terminal()) {  // cancelled while queued
-    if (work.on_validated) {
-      work.on_validated(absl::CancelledError(absl::StrCat("job ", job->id(), " was cancelled")));
+  if (options_.start_hook) options_.start_hook(job->id());
+  // QUEUED -> RUNNING under the lock CancelJob reads the state and sets the flag under: a job it
+  // found QUEUED never starts, one it finds RUNNING notices the flag. (Checked apart from the
+  // change, a CancelJob between the two ended the job CANCELLED, then the worker set it RUNNING
+  // for good.)
+  bool start = false;
+  {
+    absl::MutexLock l(&job->mu_);
+    if (!job->cancel_.load() && !Job::IsTerminal(job->job_.state()) && !job->finishing_) {
+      job->job_.set_state(v1::Job::RUNNING);
+      job->job_.set_started_unix_micros(NowMicros());
+      start = true;
     }
+  }
+  if (!start) {  // cancelled while queued (by CancelJob or Shutdown)
+    const absl::Status cancelled = absl::CancelledError(absl::StrCat("job ", job->id(), " was cancelled"));
+    Finish(job, cancelled);  // nothing when CancelJob has ended it
+    if (work.on_validated) work.on_validated(cancelled);
     return;
   }
-  job->Update([](v1::Job* j) {
-    j->set_state(v1::Job::RUNNING);
-    j->set_started_unix_micros(NowMicros());
-  });
   repository::ModelRepository* repo = repository_();
   absl::Status status = repo == nullptr
                             ? absl::UnavailableError("the model repository is not loaded yet")

@@ -104,6 +104,9 @@ struct JobManagerOptions {
   // (after an upload is verified and the config read); a status it returns ends the job as that
   // work failing would. Null in production.
   std::function<absl::Status()> work_fault_hook;
+  // For tests, to reach the moment a CancelJob meets a worker: called on the worker with the job's
+  // id once it has taken the job from the queue, before it starts it. Null in production.
+  std::function<void(const std::string& job_id)> start_hook;
   // Ended jobs kept for GetJob/ListJobs (the oldest are forgotten first).
   int max_finished_jobs = 100;
 };

@@ -19,6 +19,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "collabserve/v1/inference.grpc.pb.h"
+#include "absl/synchronization/notification.h"
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/create_channel.h"
@@ -688,6 +689,7 @@ TEST_F(AdminServiceTest, CancelDuringUploadLeavesNothing) {
     v1::UploadModelResponse r2;
     grpc::Status s = Upload(Header("other"), &r2);
     EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr("--max_queued_jobs=1")) << "the flag that limits it";
   }
   {
     grpc::ClientContext cctx;
@@ -764,6 +766,58 @@ TEST_F(AdminServiceTest, CancelRunningCompressionKeepsServing) {
   EXPECT_TRUE(StagingEmpty());
   v1::ClassifyResponse cr;
   EXPECT_TRUE(Classify("big", 1, &cr).ok());
+}
+
+// A CancelJob that finds a job QUEUED while a worker is taking it: the job ends CANCELLED, never
+// starts, and stays so (the worker used to set it RUNNING for good when the cancel came between its
+// check and its start). JobManagerOptions::start_hook holds the worker at that moment.
+TEST_F(AdminServiceTest, ACancelAsAWorkerTakesTheJobEndsItForGood) {
+  absl::Notification taken, cancelled;
+  std::string held;  // the job the worker is held on (written before `taken`)
+  AdminServerOptions ao;
+  ao.service.jobs.start_hook = [&](const std::string& id) {
+    if (taken.HasBeenNotified()) return;  // only the first job
+    held = id;
+    taken.Notify();
+    cancelled.WaitForNotificationWithTimeout(absl::Seconds(60));
+  };
+  Start(ao);
+  auto compress = [&]() {
+    grpc::ClientContext ctx;
+    Authorize(&ctx, kToken);
+    v1::CompressModelRequest req;
+    req.set_model_name("tiny");
+    req.mutable_compression()->set_rank(16);
+    v1::CompressModelResponse resp;
+    grpc::Status s = admin_stub_->CompressModel(&ctx, req, &resp);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return resp.job_id();
+  };
+  const std::string id = compress();
+  ASSERT_TRUE(taken.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  ASSERT_EQ(held, id);
+  EXPECT_EQ(GetJob(id).state(), v1::Job::QUEUED);
+  {
+    grpc::ClientContext ctx;
+    Authorize(&ctx, kToken);
+    v1::CancelJobRequest req;
+    req.set_job_id(id);
+    v1::CancelJobResponse resp;
+    grpc::Status s = admin_stub_->CancelJob(&ctx, req, &resp);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+  }
+  cancelled.Notify();
+  EXPECT_EQ(WaitJob(id).state(), v1::Job::CANCELLED);
+  // The next job runs on the same (only) worker, so the first one's Run has returned by its end.
+  const std::string next = compress();
+  EXPECT_EQ(WaitJob(next).state(), v1::Job::SUCCEEDED);
+  const v1::Job j = GetJob(id);
+  EXPECT_EQ(j.state(), v1::Job::CANCELLED);
+  EXPECT_EQ(j.started_unix_micros(), 0) << "it started";
+  ASSERT_GT(j.events_size(), 0);
+  EXPECT_EQ(j.events(j.events_size() - 1).kind(), v1::JobEvent::CANCELLED);
+  EXPECT_FALSE(j.published());
+  EXPECT_TRUE(StagingEmpty());
 }
 
 TEST_F(AdminServiceTest, CompressLoadUnloadDeleteOnOwnPort) {
