@@ -61,27 +61,7 @@ class TorchEngine final : public Engine {
     for (size_t i = 0; i < batch.size(); ++i) {
       const TokenizedInput& in = *batch[i];
       const int64_t n = static_cast<int64_t>(in.input_ids.size());
-      if (n == 0) return absl::InvalidArgumentError(absl::StrCat("input ", i, " is empty"));
-      if (n > info_.max_length) {
-        return absl::InvalidArgumentError(absl::StrCat("input ", i, " has ", n,
-                                                       " tokens; the model takes at most ", info_.max_length));
-      }
-      if (!in.token_type_ids.empty() && in.token_type_ids.size() != in.input_ids.size()) {
-        return absl::InvalidArgumentError(absl::StrCat("input ", i, ": token_type_ids has ",
-                                                       in.token_type_ids.size(), " entries, input_ids ", n));
-      }
-      for (int32_t id : in.input_ids) {
-        if (id < 0 || id >= c.vocab_size) {
-          return absl::InvalidArgumentError(absl::StrCat("input ", i, ": token id ", id,
-                                                         " is outside the vocabulary [0, ", c.vocab_size, ")"));
-        }
-      }
-      for (int32_t t : in.token_type_ids) {
-        if (t < 0 || t >= c.type_vocab_size) {
-          return absl::InvalidArgumentError(absl::StrCat("input ", i, ": token type ", t,
-                                                         " is outside [0, ", c.type_vocab_size, ")"));
-        }
-      }
+      if (absl::Status s = CheckInput(in); !s.ok()) return util::Prefixed(s, absl::StrCat("input ", i, ": "));
       if (i > 0 && n != S) ragged = true;
       S = std::max(S, n);
     }
@@ -119,6 +99,33 @@ class TorchEngine final : public Engine {
       out[b].label = static_cast<int>(std::max_element(lp + b * C, lp + (b + 1) * C) - (lp + b * C));
     }
     return out;
+  }
+
+  absl::Status CheckInput(const TokenizedInput& in) const override {
+    const BertConfig& c = model_->config();
+    const int64_t n = static_cast<int64_t>(in.input_ids.size());
+    if (n == 0) return absl::InvalidArgumentError("it is empty");
+    if (n > info_.max_length) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("it has ", n, " tokens; the model takes at most ", info_.max_length));
+    }
+    if (!in.token_type_ids.empty() && in.token_type_ids.size() != in.input_ids.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("token_type_ids has ", in.token_type_ids.size(),
+                                                     " entries, input_ids ", n));
+    }
+    for (int32_t id : in.input_ids) {
+      if (id < 0 || id >= c.vocab_size) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("token id ", id, " is outside the vocabulary [0, ", c.vocab_size, ")"));
+      }
+    }
+    for (int32_t t : in.token_type_ids) {
+      if (t < 0 || t >= c.type_vocab_size) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("token type ", t, " is outside [0, ", c.type_vocab_size, ")"));
+      }
+    }
+    return absl::OkStatus();
   }
 
   absl::Status WarmUpGraphs(int64_t max_batch_size) const override {

@@ -117,6 +117,11 @@ class Engine {
   virtual absl::StatusOr<std::vector<Prediction>> Run(
       absl::Span<const TokenizedInput* const> batch) const = 0;
 
+  // OK when Run takes `in` (alone or in any batch); else the INVALID_ARGUMENT Run gives for it (Run
+  // adds "input I: "): an empty input, one longer than max_length, an id outside the vocabulary,
+  // token_type_ids (when given) not one per id or outside the model's token types.
+  virtual absl::Status CheckInput(const TokenizedInput& in) const = 0;
+
   // Convenience: Run over owned inputs.
   absl::StatusOr<std::vector<Prediction>> Run(const std::vector<TokenizedInput>& batch) const;
 

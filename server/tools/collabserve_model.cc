@@ -1,6 +1,6 @@
 // collabserve-model: the offline tool. JSON lines in, JSON lines out.
 //   make      --out DIR [--preset tiny|mini|base] [--layers --hidden --heads --intermediate --labels
-//             --seed --planted_rank --planted_noise --hidden_act --problem_type]
+//             --label_names --seed --planted_rank --planted_noise --hidden_act --problem_type]
 //             [--format safetensors|bin] [--dtype f32|f16|bf16] [--vocab FILE]
 //   tokenize  --model DIR [--max_length N]        stdin {"text", "text_pair"} → {"input_ids", "token_type_ids"}
 //   predict   --model DIR [--batch_size B] [--device D] [--dtype T]
@@ -15,18 +15,26 @@
 
 #include <ATen/Parallel.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "server/model/checkpoint_maker.h"
 #include "server/model/config.h"
@@ -58,9 +66,12 @@ absl::Status Make(int argc, char** argv) {
   ASSIGN_OR_RETURN(int64_t heads, f.GetInt("heads", 0));
   ASSIGN_OR_RETURN(int64_t inter, f.GetInt("intermediate", 0));
   ASSIGN_OR_RETURN(int64_t labels, f.GetInt("labels", 2));
-  ASSIGN_OR_RETURN(int64_t seed, f.GetInt("seed", 0));
+  ASSIGN_OR_RETURN(int64_t seed, f.GetInt64("seed", 0));
   ASSIGN_OR_RETURN(int64_t planted, f.GetInt("planted_rank", 0));
   ASSIGN_OR_RETURN(o.planted_noise, f.GetDouble("planted_noise", 0.05));
+  if (!(o.planted_noise >= 0) || !std::isfinite(o.planted_noise)) {
+    return absl::InvalidArgumentError(absl::StrCat("--planted_noise must be a finite number >= 0, got ", f.Get("planted_noise")));
+  }
   o.layers = static_cast<int>(layers);
   o.hidden = static_cast<int>(hidden);
   o.heads = static_cast<int>(heads);
@@ -71,7 +82,20 @@ absl::Status Make(int argc, char** argv) {
   o.vocab_path = f.Get("vocab");
   o.hidden_act = f.Get("hidden_act", "gelu");
   o.problem_type = f.Get("problem_type");
-  if (f.Has("label_names")) o.label_names = absl::StrSplit(f.Get("label_names"), ',');
+  if (f.Has("label_names")) {
+    o.label_names = absl::StrSplit(f.Get("label_names"), ',');
+    std::set<std::string> seen;
+    for (const std::string& name : o.label_names) {
+      if (name.empty() || !seen.insert(name).second) {
+        return absl::InvalidArgumentError(absl::StrCat("--label_names '", f.Get("label_names"), "': ",
+                                                       name.empty() ? "a name is empty" : "'" + name + "' comes twice"));
+      }
+    }
+    if (f.Has("labels") && labels != static_cast<int64_t>(o.label_names.size())) {
+      return absl::InvalidArgumentError(absl::StrCat("--labels ", labels, " but --label_names has ",
+                                                     o.label_names.size(), " names"));
+    }
+  }
   std::string format = f.Get("format", "safetensors");
   if (format == "safetensors") o.format = model::WeightFormat::kSafetensors;
   else if (format == "bin") o.format = model::WeightFormat::kTorchBin;
@@ -84,7 +108,25 @@ absl::Status Make(int argc, char** argv) {
   if (o.dtype != model::WeightDType::kF32 && o.format != model::WeightFormat::kSafetensors) {
     return absl::InvalidArgumentError("--dtype f16/bf16 is only written as safetensors");
   }
-  RETURN_IF_ERROR(model::MakeCheckpoint(f.Get("out"), o));
+  // Like compress: a new directory, written in a temporary sibling and renamed into place, so that a
+  // failure (or an existing checkpoint) never leaves a mix of files behind.
+  std::filesystem::path out = std::filesystem::path(f.Get("out")).lexically_normal();
+  if (!out.has_filename()) out = out.parent_path();
+  std::error_code ec;
+  if (std::filesystem::exists(out, ec)) {
+    return absl::AlreadyExistsError(absl::StrCat(f.Get("out"), ": already exists; choose a new output directory"));
+  }
+  if (out.has_parent_path()) std::filesystem::create_directories(out.parent_path(), ec);
+  const std::string tmp = absl::StrCat(out.string(), ".tmp-", ::getpid());
+  std::filesystem::remove_all(tmp, ec);
+  absl::Status made = model::MakeCheckpoint(tmp, o);
+  if (made.ok() && ::rename(tmp.c_str(), out.c_str()) != 0) {
+    made = absl::FailedPreconditionError(absl::StrCat(f.Get("out"), ": cannot create: ", std::strerror(errno)));
+  }
+  if (!made.ok()) {
+    std::filesystem::remove_all(tmp, ec);
+    return made;
+  }
   std::cout << json{{"out", f.Get("out")}, {"preset", o.preset}, {"format", format}, {"dtype", dtype}}.dump()
             << std::endl;
   return absl::OkStatus();
@@ -134,20 +176,30 @@ absl::StatusOr<std::string> GetString(const json& j, const char* key, bool requi
   return it->get<std::string>();
 }
 
+// j[key] as a list of 32-bit integers (a value that does not fit is refused, not wrapped).
+absl::StatusOr<std::vector<int32_t>> Int32List(const json& j, const char* key) {
+  const json& list = j[key];
+  const auto error = [&] { return absl::InvalidArgumentError(absl::StrCat("\"", key, "\" must be a list of integers")); };
+  if (!list.is_array()) return error();
+  std::vector<int32_t> out;
+  for (const auto& x : list) {
+    if (!x.is_number_integer()) return error();
+    const bool fits = x.is_number_unsigned()
+                          ? x.get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<int32_t>::max())
+                          : x.get<int64_t>() >= std::numeric_limits<int32_t>::min() &&
+                                x.get<int64_t>() <= std::numeric_limits<int32_t>::max();
+    if (!fits) return absl::InvalidArgumentError(absl::StrCat("\"", key, "\": ", x.dump(), " is out of range"));
+    out.push_back(x.get<int32_t>());
+  }
+  return out;
+}
+
 absl::StatusOr<model::TokenizedInput> ToInput(const json& j, const text::BertTokenizer& tok, int max_length) {
   model::TokenizedInput in;
   if (j.contains("input_ids")) {
-    const json& ids = j["input_ids"];
-    if (!ids.is_array()) return absl::InvalidArgumentError("\"input_ids\" must be a list of integers");
-    for (const auto& x : ids) {
-      if (!x.is_number_integer()) return absl::InvalidArgumentError("\"input_ids\" must be a list of integers");
-      in.input_ids.push_back(x.get<int32_t>());
-    }
+    ASSIGN_OR_RETURN(in.input_ids, Int32List(j, "input_ids"));
     if (j.contains("token_type_ids")) {
-      for (const auto& x : j["token_type_ids"]) {
-        if (!x.is_number_integer()) return absl::InvalidArgumentError("\"token_type_ids\" must be integers");
-        in.token_type_ids.push_back(x.get<int32_t>());
-      }
+      ASSIGN_OR_RETURN(in.token_type_ids, Int32List(j, "token_type_ids"));
     }
     return in;
   }
@@ -205,8 +257,10 @@ absl::Status Predict(int argc, char** argv) {
     return absl::OkStatus();
   };
   absl::Status st = ForEachLine([&](const json& j) -> absl::Status {
-    // A bad line must be reported in its place: flush what came before it first.
+    // A bad line must be reported in its place: flush what came before it first. The engine's own
+    // checks run here, line by line, so that a bad input never fails the batch of good ones.
     ASSIGN_OR_RETURN(model::TokenizedInput in, ToInput(j, engine->tokenizer(), 0));
+    RETURN_IF_ERROR(engine->CheckInput(in));
     pending.push_back(std::move(in));
     if (static_cast<int64_t>(pending.size()) >= batch_size) return flush();
     return absl::OkStatus();
@@ -216,13 +270,15 @@ absl::Status Predict(int argc, char** argv) {
   return st;
 }
 
-// A labelled data set in JSON lines: {"text", "text_pair"?, "label"?}. Line numbers in errors.
+// A labelled data set in JSON lines: {"text", "text_pair"?, "label"?}; each input checked by the
+// engine and each label one of its labels. Errors name FILE:LINE.
 struct Example {
   model::TokenizedInput input;
   std::string label;  // empty: unlabelled
 };
 
-absl::StatusOr<std::vector<Example>> ReadExamples(const std::string& path, const text::BertTokenizer& tok) {
+absl::StatusOr<std::vector<Example>> ReadExamples(const std::string& path, const model::Engine& engine) {
+  const std::vector<std::string>& labels = engine.info().labels;
   std::ifstream in(path);
   if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
   std::vector<Example> out;
@@ -235,12 +291,17 @@ absl::StatusOr<std::vector<Example>> ReadExamples(const std::string& path, const
       return absl::InvalidArgumentError(absl::StrCat(path, ":", n, ": not a JSON object"));
     }
     Example e;
-    auto input = ToInput(j, tok, 0);
-    if (!input.ok()) return absl::InvalidArgumentError(absl::StrCat(path, ":", n, ": ", input.status().message()));
+    auto input = ToInput(j, engine.tokenizer(), 0);
+    absl::Status checked = input.ok() ? engine.CheckInput(*input) : input.status();
+    if (!checked.ok()) return absl::InvalidArgumentError(absl::StrCat(path, ":", n, ": ", checked.message()));
     e.input = *std::move(input);
     auto label = GetString(j, "label", false);
     if (!label.ok()) return absl::InvalidArgumentError(absl::StrCat(path, ":", n, ": ", label.status().message()));
     e.label = *std::move(label);
+    if (!e.label.empty() && std::find(labels.begin(), labels.end(), e.label) == labels.end()) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ":", n, ": label '", e.label,
+                                                     "' is not one of the model's (", absl::StrJoin(labels, ", "), ")"));
+    }
     out.push_back(std::move(e));
   }
   if (out.empty()) return absl::InvalidArgumentError(absl::StrCat(path, ": no examples"));
@@ -278,16 +339,12 @@ absl::Status Evaluate(int argc, char** argv) {
   const model::EngineOptions eo = InferenceOptions(f);
   const auto start = std::chrono::steady_clock::now();
   ASSIGN_OR_RETURN(auto engine, model::Engine::Load(f.Get("model"), eo));
-  ASSIGN_OR_RETURN(std::vector<Example> examples, ReadExamples(f.Get("data"), engine->tokenizer()));
+  ASSIGN_OR_RETURN(std::vector<Example> examples, ReadExamples(f.Get("data"), *engine));
   ASSIGN_OR_RETURN(std::vector<model::Prediction> preds, PredictAll(*engine, examples, batch_size));
   const std::vector<std::string>& labels = engine->info().labels;
   int64_t labelled = 0, correct = 0;
   for (size_t i = 0; i < examples.size(); ++i) {
-    if (examples[i].label.empty()) continue;
-    if (std::find(labels.begin(), labels.end(), examples[i].label) == labels.end()) {
-      return absl::InvalidArgumentError(absl::StrCat(f.Get("data"), ": example ", i + 1, " has label '",
-                                                     examples[i].label, "', which the model does not have"));
-    }
+    if (examples[i].label.empty()) continue;  // ReadExamples checked the others
     ++labelled;
     correct += labels[preds[i].label] == examples[i].label;
   }
@@ -363,19 +420,23 @@ absl::Status Inspect(int argc, char** argv) {
            {"qk_compression_ratio",
             p.attention_qk ? static_cast<double>(std_qk * config.num_hidden_layers) / p.attention_qk : 1.0},
            {"per_layer", layers}};
-  std::cout << out.dump(2) << std::endl;
+  std::cout << out.dump() << std::endl;
   return absl::OkStatus();
 }
 
 int Usage() {
-  std::cerr << "usage: collabserve-model (make|tokenize|predict|evaluate|inspect|compress) [--flags]\n"
-               "  make     --out DIR [--preset tiny|mini|base] [--format safetensors|bin] [--seed S] ...\n"
-               "  tokenize --model DIR            (JSON lines on stdin)\n"
-               "  predict  --model DIR [--batch_size B] [--device cpu|cuda[:N]]\n"
-               "  evaluate --model DIR --data FILE.jsonl [--reference DIR] [--batch_size B]\n"
+  std::cerr << "usage: collabserve-model COMMAND --flag value ...   (JSON lines on stdin for tokenize and predict)\n"
+               "  make     --out DIR [--preset tiny|mini|base] [--labels 2 | --label_names a,b,...] [--seed 0]\n"
+               "           [--format safetensors|bin] [--dtype f32|f16|bf16] [--layers L] [--hidden H] [--heads A]\n"
+               "           [--intermediate F] [--vocab FILE] [--hidden_act gelu] [--problem_type T]\n"
+               "           [--planted_rank 0] [--planted_noise 0.05]\n"
+               "  tokenize --model DIR [--max_length N]\n"
+               "  predict  --model DIR [--batch_size 8] [--device cpu|cuda[:N]] [--dtype float32|float16|bfloat16]\n"
+               "  evaluate --model DIR --data FILE.jsonl [--reference DIR] [--batch_size 32] [--device D] [--dtype T]\n"
                "  inspect  --model DIR\n"
                "  compress --model IN --out OUT (--rank R | --ratio X | --ranks r1,... | --max_error E |\n"
-               "           --target_agreement A | --max_kl K) [--calibration FILE] [--search_seconds S]\n";
+               "           --target_agreement A | --max_kl K) [--calibration FILE] [--search_seconds 600] ...\n"
+               "           (every compress flag: README.md, \"The offline tool\")\n";
   return 2;
 }
 
@@ -397,7 +458,10 @@ int main(int argc, char** argv) {
   else if (cmd == "inspect") st = Inspect(argc, argv);
   else if (cmd == "compress") st = Compress(argc, argv);
   else if (cmd == "--help" || cmd == "-h" || cmd == "help") { Usage(); return 0; }
-  else return Usage();
+  else {
+    std::cerr << "collabserve-model: unknown command '" << cmd << "'\n";
+    return Usage();
+  }
   if (!st.ok()) {
     std::cerr << "collabserve-model " << cmd << ": " << st.message() << std::endl;
     return 1;

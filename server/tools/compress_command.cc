@@ -73,7 +73,7 @@ absl::Status Compress(int argc, char** argv) {
   ASSIGN_OR_RETURN(o.search_seconds, f.GetDouble("search_seconds", o.search_seconds));
   ASSIGN_OR_RETURN(int64_t iters, f.GetInt("max_iters", 100));
   ASSIGN_OR_RETURN(o.tol, f.GetDouble("tol", 1e-5));
-  ASSIGN_OR_RETURN(int64_t seed, f.GetInt("seed", 0));
+  ASSIGN_OR_RETURN(int64_t seed, f.GetInt64("seed", 0));
   ASSIGN_OR_RETURN(int64_t par, f.GetInt("parallel_layers", 0));
   if (par < 0) {
     return absl::InvalidArgumentError(

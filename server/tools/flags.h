@@ -3,6 +3,8 @@
 #ifndef COLLABSERVE_SERVER_TOOLS_FLAGS_H_
 #define COLLABSERVE_SERVER_TOOLS_FLAGS_H_
 
+#include <cstdint>
+#include <limits>
 #include <map>
 #include <set>
 #include <string>
@@ -12,12 +14,14 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "server/util/status_macros.h"
 
 namespace collabserve::tools {
 
 class Flags {
  public:
-  // Parses argv[first..]; every flag must be in `known`. Bare `--flag` means "true".
+  // Parses argv[first..]; every flag must be in `known` and have a value (`--flag value` or
+  // `--flag=value`, not empty: no flag of the tool is a switch).
   static absl::StatusOr<Flags> Parse(int argc, char** argv, int first, const std::set<std::string>& known) {
     Flags f;
     for (int i = first; i < argc; ++i) {
@@ -32,13 +36,12 @@ class Flags {
         key = key.substr(0, eq);
       } else if (i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0) {
         value = argv[++i];
-      } else {
-        value = "true";
       }
       if (!known.count(key)) {
         return absl::InvalidArgumentError(absl::StrCat("unknown flag --", key, " (known: --",
                                                        absl::StrJoin(known, ", --"), ")"));
       }
+      if (value.empty()) return absl::InvalidArgumentError(absl::StrCat("--", key, " needs a value"));
       f.values_[key] = value;
     }
     return f;
@@ -48,7 +51,15 @@ class Flags {
     auto it = values_.find(k);
     return it == values_.end() ? def : it->second;
   }
-  absl::StatusOr<int64_t> GetInt(const std::string& k, int64_t def) const {
+  // An int (a count, a rank, a size): a larger value is refused rather than cut to 32 bits.
+  absl::StatusOr<int> GetInt(const std::string& k, int def) const {
+    ASSIGN_OR_RETURN(int64_t v, GetInt64(k, def));
+    if (v < std::numeric_limits<int>::min() || v > std::numeric_limits<int>::max()) {
+      return absl::InvalidArgumentError(absl::StrCat("--", k, " = ", v, " is out of range"));
+    }
+    return static_cast<int>(v);
+  }
+  absl::StatusOr<int64_t> GetInt64(const std::string& k, int64_t def) const {
     if (!Has(k)) return def;
     int64_t v;
     if (!absl::SimpleAtoi(Get(k), &v)) {

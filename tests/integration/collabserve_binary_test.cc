@@ -7,6 +7,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <algorithm>
 #include <filesystem>
 #include <iterator>
 #include <map>
@@ -333,6 +334,72 @@ TEST(CollabserveBinaryTest, TheOfflineToolNamesABadInputLine) {
                        &out),
             1);
   EXPECT_THAT(out, HasSubstr(work.path() + "/data.jsonl:2: not valid JSON: parse error at column"));
+
+  // Inputs the engine refuses are refused line by line: the good lines of the same batch are
+  // answered (they used to fail with the batch, naming no line), and an id past 32 bits is refused
+  // rather than wrapped.
+  {
+    std::ofstream in(work.path() + "/ids.jsonl");
+    in << "{\"text\": \"a\"}\n{\"input_ids\": [101, 99999999, 102]}\n{\"text\": \"b\"}\n"
+          "{\"input_ids\": [5000000000]}\n{\"input_ids\": [101, 102], \"token_type_ids\": [0, 9]}\n";
+  }
+  EXPECT_EQ(RunCommand(Bin("collabserve-model") + " predict --model " + work.path() + "/m < " +
+                           work.path() + "/ids.jsonl 2>/dev/null",
+                       &out),
+            1);
+  lines = absl::StrSplit(out, '\n', absl::SkipEmpty());
+  ASSERT_EQ(lines.size(), 5u) << out;
+  EXPECT_THAT(lines[0], HasSubstr("\"logits\""));
+  EXPECT_THAT(lines[1], HasSubstr("line 2: token id 99999999 is outside the vocabulary"));
+  EXPECT_THAT(lines[2], HasSubstr("\"logits\""));
+  EXPECT_THAT(lines[3], HasSubstr("line 4: \\\"input_ids\\\": 5000000000 is out of range"));
+  EXPECT_THAT(lines[4], HasSubstr("line 5: token type 9 is outside [0, 2)"));
+  // evaluate: FILE:LINE for a label the model lacks, blank lines counted.
+  {
+    std::ofstream data(work.path() + "/labels.jsonl");
+    data << "{\"text\": \"fine\", \"label\": \"positive\"}\n\n{\"text\": \"x\", \"label\": \"neutral\"}\n";
+  }
+  EXPECT_EQ(RunCommand(Bin("collabserve-model") + " evaluate --model " + work.path() +
+                           "/m --data " + work.path() + "/labels.jsonl 2>&1",
+                       &out),
+            1);
+  EXPECT_THAT(out, HasSubstr("labels.jsonl:3: label 'neutral' is not one of the model's"));
+}
+
+// collabserve-model's flags: a flag without its value, a value past 32 bits, a bad label list or
+// noise, an unknown command are refused by name; make never writes into an existing directory and
+// leaves nothing behind when it fails.
+TEST(CollabserveBinaryTest, TheOfflineToolRefusesBadFlagsAndKeepsAnExistingCheckpoint) {
+  TempDir work;
+  const std::string tool = Bin("collabserve-model");
+  const std::string m = work.path() + "/m";
+  const std::pair<std::string, std::string> cases[] = {
+      {"make --out --preset tiny", "--out needs a value"},
+      {"make --out=", "--out needs a value"},
+      {"make --out " + m + " --labels 4294967298", "--labels = 4294967298 is out of range"},
+      {"make --out " + m + " --planted_rank 8 --planted_noise nan", "--planted_noise must be a finite number"},
+      {"make --out " + m + " --label_names a,,b", "a name is empty"},
+      {"make --out " + m + " --label_names a,b,a", "'a' comes twice"},
+      {"make --out " + m + " --labels 3 --label_names a,b", "--labels 3 but --label_names has 2 names"},
+      {"make --out " + m + " --planted_rank 1000", "--planted_rank must be in [0, 64]"},
+      {"predict --model", "--model needs a value"},
+      {"bogus", "unknown command 'bogus'"},
+  };
+  std::string out;
+  for (const auto& [args, message] : cases) {
+    EXPECT_NE(RunCommand("cd " + work.path() + " && " + tool + " " + args + " 2>&1", &out), 0) << args;
+    EXPECT_THAT(out, HasSubstr(message)) << args;
+  }
+  std::vector<std::string> left;
+  for (const auto& e : std::filesystem::directory_iterator(work.path())) left.push_back(e.path().filename());
+  EXPECT_THAT(left, ::testing::IsEmpty()) << "a refused or failed make left files behind";
+
+  ASSERT_EQ(RunCommand(tool + " make --out " + m + " --seed 1", &out), 0) << out;
+  EXPECT_EQ(RunCommand(tool + " make --out " + m + "/ --seed 5 --format bin 2>&1", &out), 1);
+  EXPECT_THAT(out, HasSubstr("already exists; choose a new output directory"));
+  EXPECT_FALSE(std::filesystem::exists(m + "/pytorch_model.bin")) << "written into the existing one";
+  EXPECT_EQ(RunCommand(tool + " inspect --model " + m, &out), 0);
+  EXPECT_EQ(std::count(out.begin(), out.end(), '\n'), 1) << "one JSON line: " << out;
 }
 
 // A flag that every model's load, or the serving itself, would refuse stops the server at start-up,
