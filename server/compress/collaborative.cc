@@ -885,6 +885,7 @@ absl::Status PrepareWhitening(const model::BertClassifier& passes, const std::st
   }
   if (o->probes.empty() && fit < n) {
     o->probes.assign(o->calibration.begin() + fit, o->calibration.end());
+    report->fidelity_texts = "held-out calibration texts";
     report->whitening_note = absl::StrCat("fitted on ", fit, " calibration texts; fidelity on the other ", n - fit);
   } else {
     report->whitening_note = absl::StrCat("fitted on ", fit, " calibration texts; fidelity on ",
@@ -1033,6 +1034,7 @@ absl::StatusOr<CompressReport> CompressLoadedModel(const model::BertClassifier& 
   }
   auto step_start = Clock::now();
   std::unique_ptr<model::BertClassifier> compressed;
+  if (report.fidelity_texts.empty()) report.fidelity_texts = o.probes.empty() ? "built-in probes" : "given probes";
   if (o.whiten_compressed_inputs && !fit_texts.empty()) {
     ASSIGN_OR_RETURN(compressed, ConvertOnCompressedInputs(source, source_passes.get(), in_dir, fit_texts, o, &report));
   } else if (target) {

@@ -215,6 +215,9 @@ struct CompressReport {
   // the fidelity, tokens, truncated texts, seconds of the calibration pass and the factors).
   bool whitened = false;
   std::string whitening_note;   // why not, or where the fidelity was measured
+  // The texts the fidelity (and a target search) ran on: "held-out calibration texts", "given
+  // probes" or "built-in probes" (CompressOptions::probes, else the calibration's held-out part).
+  std::string fidelity_texts;
   int64_t calibration_fit_texts = 0, calibration_heldout_texts = 0, calibration_tokens = 0;
   int64_t calibration_truncated = 0;
   double calibration_seconds = 0;

@@ -330,6 +330,9 @@ absl::StatusOr<std::shared_ptr<Job>> JobManager::Create(const JobSpec& spec) {
       return absl::InvalidArgumentError("min_agreement needs a compression request");
     }
   }
+  if (!spec.probes.empty() && !compress) {
+    return absl::InvalidArgumentError("probes need a compression request (they measure its fidelity)");
+  }
   if (spec.version < 0) return absl::InvalidArgumentError("version must be positive");
   if (options_.refusal) RETURN_IF_ERROR(options_.refusal());
   repository::ModelRepository* repo = repository_();
@@ -698,9 +701,10 @@ compress::CompressOptions CompressionOptions(Job& job, const v1::Job& spec, std:
                                             : absl::StrCat(spec.model_name(), "/", spec.source_version());
   job.Record(Event(v1::JobEvent::CALIBRATED,
                    !o.calibration.empty()
-                       ? absl::StrFormat("whitening on: %d calibration texts, fitted on the first %.0f%%, "
-                                         "fidelity measured on the rest",
-                                         o.calibration.size(), 100 * o.calibration_fit_fraction)
+                       ? absl::StrFormat("whitening on: %d calibration texts, fitted on the first %.0f%%; "
+                                         "fidelity measured on %s",
+                                         o.calibration.size(), 100 * o.calibration_fit_fraction,
+                                         o.probes.empty() ? "the rest" : "the given probes")
                    : spec.kind() == v1::Job::UPLOAD
                        ? "whitening off: the upload has no calibration.txt (plain weight-space CP)"
                        : "whitening off: the request has no calibration texts (plain weight-space CP)"));
@@ -777,7 +781,7 @@ absl::Status CompressInto(Job& job, const v1::Job& spec, compress::CompressOptio
   v1::JobEvent e = Event(v1::JobEvent::FIDELITY_MEASURED,
                          absl::StrFormat("fidelity on %d %s: top-1 agreement %.4f, max |logit diff| %.4g, "
                                          "mean KL %.4g",
-                                         f.probes(), report->whitened ? "held-out calibration texts" : "probes",
+                                         f.probes(), report->fidelity_texts,
                                          f.top1_agreement(), f.max_abs_logit_diff(), f.mean_kl()));
   *e.mutable_fidelity() = f;
   job.Record(e, [&](v1::Job* j) { *j->mutable_report() = proto; });

@@ -309,6 +309,11 @@ TEST_F(AdminServiceTest, EveryRefusalIsInvalidArgumentAndLeavesNothing) {
     cases.push_back({"gate without compression", h, files_, "min_agreement needs"});
   }
   {
+    v1::UploadHeader h = Header("p");
+    h.add_probes("a probe nothing would measure");
+    cases.push_back({"probes without compression", h, files_, "probes need a compression request"});
+  }
+  {
     v1::UploadHeader h = Header("up");
     h.mutable_compression()->set_rank(0);
     cases.push_back({"rank 0", h, files_, "compression.rank"});
@@ -412,13 +417,17 @@ TEST_F(AdminServiceTest, UploadWithCalibrationAndATargetSearchesWhitenedRanks) {
   ASSERT_TRUE(watched.ok()) << watched.error_code() << ": " << watched.error_message();
   v1::Job job = GetJob(r.job_id());
   ASSERT_EQ(job.state(), v1::Job::SUCCEEDED) << job.error();
-  std::vector<std::string> calibrated, trials;
+  std::vector<std::string> calibrated, trials, measured;
   for (const auto& e : events) {
     if (e.event().kind() == v1::JobEvent::CALIBRATED) calibrated.push_back(e.event().message());
     if (e.event().kind() == v1::JobEvent::SEARCH_TRIAL) trials.push_back(e.event().message());
+    if (e.event().kind() == v1::JobEvent::FIDELITY_MEASURED) measured.push_back(e.event().message());
   }
   ASSERT_EQ(calibrated.size(), 1u);
   EXPECT_THAT(calibrated[0], HasSubstr("whitening on: 60 calibration texts"));
+  EXPECT_THAT(calibrated[0], HasSubstr("fidelity measured on the rest"));
+  ASSERT_EQ(measured.size(), 1u);
+  EXPECT_THAT(measured[0], HasSubstr("fidelity on 12 held-out calibration texts"));
   ASSERT_FALSE(trials.empty());
   EXPECT_THAT(trials[0], HasSubstr("search trial 1: ranks ["));
   auto report = nlohmann::json::parse(job.report().json());
@@ -459,6 +468,10 @@ TEST_F(AdminServiceTest, WithoutCalibrationTheJobSaysWhiteningIsOff) {
     }
   }
   EXPECT_TRUE(said);
+  EXPECT_TRUE(std::any_of(events.begin(), events.end(), [](const v1::WatchJobResponse& e) {
+    return e.event().kind() == v1::JobEvent::FIDELITY_MEASURED &&
+           absl::StrContains(e.event().message(), "built-in probes");
+  }));
   v1::Job job = GetJob(r.job_id());
   ASSERT_EQ(job.state(), v1::Job::SUCCEEDED) << job.error();
   EXPECT_FALSE(nlohmann::json::parse(job.report().json())["whitening"]["on"].get<bool>());
@@ -467,13 +480,16 @@ TEST_F(AdminServiceTest, WithoutCalibrationTheJobSaysWhiteningIsOff) {
 
 TEST_F(AdminServiceTest, CompressModelTakesCalibrationTextsAndRefusesBadOnes) {
   Start();
-  auto compress = [&](const std::vector<std::string>& texts, v1::CompressModelResponse* resp) {
+  auto compress = [&](const std::vector<std::string>& texts, v1::CompressModelResponse* resp,
+                      const std::vector<std::string>& probes = {}) {
     grpc::ClientContext ctx;
     Authorize(&ctx, kToken);
     v1::CompressModelRequest req;
     req.set_model_name("tiny");
+    req.set_source_version(1);
     req.mutable_compression()->set_rank(8);
     for (const auto& t : texts) req.add_calibration(t);
+    for (const auto& t : probes) req.add_probes(t);
     return admin_stub_->CompressModel(&ctx, req, resp);
   };
   std::vector<std::string> texts;
@@ -485,6 +501,19 @@ TEST_F(AdminServiceTest, CompressModelTakesCalibrationTextsAndRefusesBadOnes) {
   ASSERT_EQ(j.state(), v1::Job::SUCCEEDED) << j.error();
   EXPECT_TRUE(nlohmann::json::parse(j.report().json())["whitening"]["on"].get<bool>());
   EXPECT_EQ(j.report().fidelity().probes(), 4);
+  // Probes given: the fidelity runs on them, not on the held-out calibration texts, and the job's
+  // events say so.
+  s = compress(texts, &resp, {"probe one", "probe two", "probe three"});
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  j = WaitJob(resp.job_id());
+  ASSERT_EQ(j.state(), v1::Job::SUCCEEDED) << j.error();
+  EXPECT_EQ(j.report().fidelity().probes(), 3);
+  int said = 0;
+  for (const auto& e : j.events()) {
+    if (e.kind() == v1::JobEvent::CALIBRATED) said += absl::StrContains(e.message(), "fidelity measured on the given probes");
+    if (e.kind() == v1::JobEvent::FIDELITY_MEASURED) said += absl::StrContains(e.message(), "fidelity on 3 given probes");
+  }
+  EXPECT_EQ(said, 2);
 
   auto refused = [&](std::vector<std::string> bad, const std::string& message) {
     v1::CompressModelResponse r;
@@ -501,7 +530,7 @@ TEST_F(AdminServiceTest, CompressModelTakesCalibrationTextsAndRefusesBadOnes) {
   // (Invalid UTF-8 cannot travel: protobuf refuses to serialize it into a string field.)
   refused(with(0, "   "), "calibration text 1: no text lines");
   refused({texts.begin(), texts.begin() + 3}, "calibration: 3 texts; at least 16");
-  EXPECT_EQ(VersionDirs("tiny"), (std::vector<std::string>{"1", "2"}));
+  EXPECT_EQ(VersionDirs("tiny"), (std::vector<std::string>{"1", "2", "3"}));
 }
 
 TEST_F(AdminServiceTest, FidelityGateFailsAndPublishesNothing) {
