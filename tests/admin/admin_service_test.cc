@@ -99,6 +99,18 @@ class AdminServiceTest : public testing::AdminServerTest {
     return resp.job();
   }
 
+  // CancelJob(id); the Job it answers with in `job` when given.
+  grpc::Status CancelJob(const std::string& id, v1::Job* job = nullptr) {
+    grpc::ClientContext ctx;
+    Authorize(&ctx, kToken);
+    v1::CancelJobRequest req;
+    req.set_job_id(id);
+    v1::CancelJobResponse resp;
+    grpc::Status s = admin_stub_->CancelJob(&ctx, req, &resp);
+    if (job != nullptr) *job = resp.job();
+    return s;
+  }
+
   // The job once its watch has ended (a watch that fails is a failure of the test: the job may
   // still be running).
   v1::Job WaitJob(const std::string& id) {
@@ -721,13 +733,9 @@ TEST_F(AdminServiceTest, CancelDuringUploadLeavesNothing) {
     EXPECT_THAT(s.error_message(), HasSubstr("--max_queued_jobs=1")) << "the flag that limits it";
   }
   {
-    grpc::ClientContext cctx;
-    Authorize(&cctx, kToken);
-    v1::CancelJobRequest creq;
-    creq.set_job_id(id);
-    v1::CancelJobResponse cresp;
-    ASSERT_TRUE(admin_stub_->CancelJob(&cctx, creq, &cresp).ok());
-    EXPECT_EQ(cresp.job().state(), v1::Job::CANCELLED);
+    v1::Job cancelled;
+    ASSERT_TRUE(CancelJob(id, &cancelled).ok());
+    EXPECT_EQ(cancelled.state(), v1::Job::CANCELLED);
   }
   c.mutable_chunk()->set_offset(10);
   c.mutable_chunk()->set_data(files_["config.json"].substr(10));
@@ -738,15 +746,8 @@ TEST_F(AdminServiceTest, CancelDuringUploadLeavesNothing) {
   EXPECT_EQ(GetJob(id).state(), v1::Job::CANCELLED);
   EXPECT_TRUE(VersionDirs("cancelled").empty());
   EXPECT_TRUE(StagingEmpty());
-  {  // An ended job cannot be cancelled.
-    grpc::ClientContext cctx;
-    Authorize(&cctx, kToken);
-    v1::CancelJobRequest creq;
-    creq.set_job_id(id);
-    v1::CancelJobResponse cresp;
-    EXPECT_EQ(admin_stub_->CancelJob(&cctx, creq, &cresp).error_code(),
-              grpc::StatusCode::FAILED_PRECONDITION);
-  }
+  // An ended job cannot be cancelled.
+  EXPECT_EQ(CancelJob(id).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   // The slot is free again.
   v1::UploadModelResponse r3;
   EXPECT_TRUE(Upload(Header("other"), &r3).ok());
@@ -782,12 +783,7 @@ TEST_F(AdminServiceTest, CancelRunningCompressionKeepsServing) {
     if (answered_while_running >= 3) break;
   }
   EXPECT_GE(answered_while_running, 3);
-  grpc::ClientContext cctx;
-  Authorize(&cctx, kToken);
-  v1::CancelJobRequest creq;
-  creq.set_job_id(resp.job_id());
-  v1::CancelJobResponse cresp;
-  grpc::Status cs = admin_stub_->CancelJob(&cctx, creq, &cresp);
+  grpc::Status cs = CancelJob(resp.job_id());
   ASSERT_TRUE(cs.ok()) << cs.error_message();
   v1::Job j = WaitJob(resp.job_id());
   EXPECT_EQ(j.state(), v1::Job::CANCELLED) << j.error();
@@ -826,15 +822,8 @@ TEST_F(AdminServiceTest, ACancelAsAWorkerTakesTheJobEndsItForGood) {
   ASSERT_TRUE(taken.WaitForNotificationWithTimeout(absl::Seconds(60)));
   ASSERT_EQ(held, id);
   EXPECT_EQ(GetJob(id).state(), v1::Job::QUEUED);
-  {
-    grpc::ClientContext ctx;
-    Authorize(&ctx, kToken);
-    v1::CancelJobRequest req;
-    req.set_job_id(id);
-    v1::CancelJobResponse resp;
-    grpc::Status s = admin_stub_->CancelJob(&ctx, req, &resp);
-    ASSERT_TRUE(s.ok()) << s.error_message();
-  }
+  const grpc::Status s = CancelJob(id);
+  ASSERT_TRUE(s.ok()) << s.error_message();
   cancelled.Notify();
   EXPECT_EQ(WaitJob(id).state(), v1::Job::CANCELLED);
   // The next job runs on the same (only) worker, so the first one's Run has returned by its end.

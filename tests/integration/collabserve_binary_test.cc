@@ -307,17 +307,26 @@ TEST(CollabserveBinaryTest, VerboseLogFlagsReachGlog) {
 // where its JSON is wrong, in place of its result, and go on; the exit status says lines failed.
 TEST(CollabserveBinaryTest, TheOfflineToolNamesABadInputLine) {
   TempDir work;
-  MakeTinyModel(work.path() + "/m", 1);
-  {
-    std::ofstream in(work.path() + "/in.jsonl");
-    in << "{\"text\": \"fine\"}\n{\"text\": 3}\n{\"text\": \"a\",}\n[1]\n\n{\"text\": \"ok\"}\n";
-  }
+  const std::string m = work.path() + "/m";
+  MakeTinyModel(m, 1);
+  // Writes `contents` to work/NAME and returns its path.
+  auto file = [&](const std::string& name, const std::string& contents) {
+    std::ofstream(work.path() + "/" + name) << contents;
+    return work.path() + "/" + name;
+  };
+  const std::string tool = Bin("collabserve-model");
   std::string out;
-  EXPECT_EQ(RunCommand(Bin("collabserve-model") + " predict --model " + work.path() + "/m < " +
-                           work.path() + "/in.jsonl 2>/dev/null",
-                       &out),
-            1);
-  std::vector<std::string> lines = absl::StrSplit(out, '\n', absl::SkipEmpty());
+  std::vector<std::string> lines;
+  auto predict = [&](const std::string& input) {
+    const int rc = RunCommand(tool + " predict --model " + m + " < " + input + " 2>/dev/null", &out);
+    lines = absl::StrSplit(out, '\n', absl::SkipEmpty());
+    return rc;
+  };
+  auto evaluate = [&](const std::string& data) {
+    return RunCommand(tool + " evaluate --model " + m + " --data " + data + " 2>&1", &out);
+  };
+
+  EXPECT_EQ(predict(file("in.jsonl", "{\"text\": \"fine\"}\n{\"text\": 3}\n{\"text\": \"a\",}\n[1]\n\n{\"text\": \"ok\"}\n")), 1);
   ASSERT_EQ(lines.size(), 5u) << out;
   EXPECT_THAT(lines[0], HasSubstr("\"logits\""));
   EXPECT_THAT(lines[1], HasSubstr("{\"error\":\"line 2: "));
@@ -325,29 +334,18 @@ TEST(CollabserveBinaryTest, TheOfflineToolNamesABadInputLine) {
   EXPECT_THAT(lines[3], HasSubstr("{\"error\":\"line 4: not a JSON object"));
   EXPECT_THAT(lines[4], HasSubstr("\"logits\""));
 
-  {
-    std::ofstream data(work.path() + "/data.jsonl");
-    data << "{\"text\": \"fine\", \"label\": \"positive\"}\n{\"text\": \"bad\", \"label\": \"negative\"\n";
-  }
-  EXPECT_EQ(RunCommand(Bin("collabserve-model") + " evaluate --model " + work.path() +
-                           "/m --data " + work.path() + "/data.jsonl 2>&1",
-                       &out),
+  EXPECT_EQ(evaluate(file("data.jsonl", "{\"text\": \"fine\", \"label\": \"positive\"}\n"
+                                        "{\"text\": \"bad\", \"label\": \"negative\"\n")),
             1);
   EXPECT_THAT(out, HasSubstr(work.path() + "/data.jsonl:2: not valid JSON: parse error at column"));
 
   // Inputs the engine refuses are refused line by line: the good lines of the same batch are
   // answered (they used to fail with the batch, naming no line), and an id past 32 bits is refused
   // rather than wrapped.
-  {
-    std::ofstream in(work.path() + "/ids.jsonl");
-    in << "{\"text\": \"a\"}\n{\"input_ids\": [101, 99999999, 102]}\n{\"text\": \"b\"}\n"
-          "{\"input_ids\": [5000000000]}\n{\"input_ids\": [101, 102], \"token_type_ids\": [0, 9]}\n";
-  }
-  EXPECT_EQ(RunCommand(Bin("collabserve-model") + " predict --model " + work.path() + "/m < " +
-                           work.path() + "/ids.jsonl 2>/dev/null",
-                       &out),
+  EXPECT_EQ(predict(file("ids.jsonl", "{\"text\": \"a\"}\n{\"input_ids\": [101, 99999999, 102]}\n"
+                                      "{\"text\": \"b\"}\n{\"input_ids\": [5000000000]}\n"
+                                      "{\"input_ids\": [101, 102], \"token_type_ids\": [0, 9]}\n")),
             1);
-  lines = absl::StrSplit(out, '\n', absl::SkipEmpty());
   ASSERT_EQ(lines.size(), 5u) << out;
   EXPECT_THAT(lines[0], HasSubstr("\"logits\""));
   EXPECT_THAT(lines[1], HasSubstr("line 2: token id 99999999 is outside the vocabulary"));
@@ -355,13 +353,8 @@ TEST(CollabserveBinaryTest, TheOfflineToolNamesABadInputLine) {
   EXPECT_THAT(lines[3], HasSubstr("line 4: \\\"input_ids\\\": 5000000000 is out of range"));
   EXPECT_THAT(lines[4], HasSubstr("line 5: token type 9 is outside [0, 2)"));
   // evaluate: FILE:LINE for a label the model lacks, blank lines counted.
-  {
-    std::ofstream data(work.path() + "/labels.jsonl");
-    data << "{\"text\": \"fine\", \"label\": \"positive\"}\n\n{\"text\": \"x\", \"label\": \"neutral\"}\n";
-  }
-  EXPECT_EQ(RunCommand(Bin("collabserve-model") + " evaluate --model " + work.path() +
-                           "/m --data " + work.path() + "/labels.jsonl 2>&1",
-                       &out),
+  EXPECT_EQ(evaluate(file("labels.jsonl", "{\"text\": \"fine\", \"label\": \"positive\"}\n\n"
+                                          "{\"text\": \"x\", \"label\": \"neutral\"}\n")),
             1);
   EXPECT_THAT(out, HasSubstr("labels.jsonl:3: label 'neutral' is not one of the model's"));
 }
