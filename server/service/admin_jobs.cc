@@ -342,18 +342,30 @@ absl::StatusOr<std::shared_ptr<Job>> JobManager::Create(const JobSpec& spec) {
   int64_t source_version = spec.source_version;
   if (spec.kind == v1::Job::COMPRESS) {
     if (source_version == 0) {
+      // The newest version on disk that is not itself collaborative (an earlier compression's
+      // output cannot be compressed again); one whose config.json does not parse is the job's to
+      // report.
       auto all = repo->List();
       auto it = all.find(spec.model_name);
+      bool only_collaborative = false;
       if (it != all.end()) {
         for (auto v = it->second.rbegin(); v != it->second.rend(); ++v) {
-          if (IsDir(util::JoinPath(model_dir, absl::StrCat(v->version)))) {
-            source_version = v->version;
-            break;
+          const std::string dir = util::JoinPath(model_dir, absl::StrCat(v->version));
+          if (!IsDir(dir)) continue;
+          absl::StatusOr<model::BertConfig> c = model::BertConfig::FromFile(util::JoinPath(dir, "config.json"));
+          if (c.ok() && c->collaborative.present()) {
+            only_collaborative = true;
+            continue;
           }
+          source_version = v->version;
+          break;
         }
       }
       if (source_version == 0) {
-        return absl::NotFoundError(absl::StrCat("model '", spec.model_name, "' has no version on disk"));
+        return absl::NotFoundError(absl::StrCat(
+            "model '", spec.model_name, "' has ",
+            only_collaborative ? "only collaborative versions on disk; compress needs a standard one"
+                               : "no version on disk"));
       }
     } else if (!IsDir(util::JoinPath(model_dir, absl::StrCat(source_version)))) {
       return absl::NotFoundError(absl::StrCat("model '", spec.model_name, "' has no version ",

@@ -101,10 +101,14 @@ absl::Status Make(int argc, char** argv) {
   else if (format == "bin") o.format = model::WeightFormat::kTorchBin;
   else return absl::InvalidArgumentError(absl::StrCat("--format '", format, "' is not safetensors or bin"));
   std::string dtype = f.Get("dtype", "f32");
+  // predict's and the server's spellings too.
+  if (dtype == "float32") dtype = "f32";
+  if (dtype == "float16") dtype = "f16";
+  if (dtype == "bfloat16") dtype = "bf16";
   if (dtype == "f32") o.dtype = model::WeightDType::kF32;
   else if (dtype == "f16") o.dtype = model::WeightDType::kF16;
   else if (dtype == "bf16") o.dtype = model::WeightDType::kBF16;
-  else return absl::InvalidArgumentError(absl::StrCat("--dtype '", dtype, "' is not f32, f16 or bf16"));
+  else return absl::InvalidArgumentError(absl::StrCat("--dtype '", dtype, "' is not f32, f16 or bf16 (or float32, float16, bfloat16)"));
   if (o.dtype != model::WeightDType::kF32 && o.format != model::WeightFormat::kSafetensors) {
     return absl::InvalidArgumentError("--dtype f16/bf16 is only written as safetensors");
   }

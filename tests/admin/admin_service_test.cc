@@ -498,7 +498,6 @@ TEST_F(AdminServiceTest, CompressModelTakesCalibrationTextsAndRefusesBadOnes) {
     Authorize(&ctx, kToken);
     v1::CompressModelRequest req;
     req.set_model_name("tiny");
-    req.set_source_version(1);
     req.mutable_compression()->set_rank(8);
     for (const auto& t : texts) req.add_calibration(t);
     for (const auto& t : probes) req.add_probes(t);
@@ -520,6 +519,7 @@ TEST_F(AdminServiceTest, CompressModelTakesCalibrationTextsAndRefusesBadOnes) {
   j = WaitJob(resp.job_id());
   ASSERT_EQ(j.state(), v1::Job::SUCCEEDED) << j.error();
   EXPECT_EQ(j.report().fidelity().probes(), 3);
+  EXPECT_EQ(j.source_version(), 1) << "the newest standard version; 2 is collaborative";
   int said = 0;
   for (const auto& e : j.events()) {
     if (e.kind() == v1::JobEvent::CALIBRATED) said += absl::StrContains(e.message(), "fidelity measured on the given probes");
@@ -543,6 +543,25 @@ TEST_F(AdminServiceTest, CompressModelTakesCalibrationTextsAndRefusesBadOnes) {
   refused(with(0, "   "), "calibration text 1: no text lines");
   refused({texts.begin(), texts.begin() + 3}, "calibration: 3 texts; at least 16");
   EXPECT_EQ(VersionDirs("tiny"), (std::vector<std::string>{"1", "2", "3"}));
+}
+
+// CompressModel without a source version takes the newest standard one (the test above: 1, not the
+// collaborative 2); a model with only collaborative versions has none, and the call says so.
+TEST_F(AdminServiceTest, CompressModelWithOnlyCollaborativeVersionsSaysSo) {
+  compress::CompressOptions o;
+  o.spec.rank = 8;
+  ASSERT_TRUE(compress::CompressModelDirectory(repo_.path() + "/tiny/1", repo_.path() + "/only/1", o).ok());
+  Start();
+  grpc::ClientContext ctx;
+  Authorize(&ctx, kToken);
+  v1::CompressModelRequest req;
+  req.set_model_name("only");
+  req.mutable_compression()->set_rank(4);
+  v1::CompressModelResponse resp;
+  grpc::Status s = admin_stub_->CompressModel(&ctx, req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("model 'only' has only collaborative versions on disk"));
+  EXPECT_EQ(VersionDirs("only"), std::vector<std::string>({"1"}));
 }
 
 TEST_F(AdminServiceTest, FidelityGateFailsAndPublishesNothing) {

@@ -391,6 +391,9 @@ TEST(CollabserveBinaryTest, TheOfflineToolRefusesBadFlagsAndKeepsAnExistingCheck
   EXPECT_EQ(RunCommand(tool + " make --out " + m + "/ --seed 5 --format bin 2>&1", &out), 1);
   EXPECT_THAT(out, HasSubstr("already exists; choose a new output directory"));
   EXPECT_FALSE(std::filesystem::exists(m + "/pytorch_model.bin")) << "written into the existing one";
+  // make takes predict's dtype names too.
+  EXPECT_EQ(RunCommand(tool + " make --out " + m + "-half --dtype float16", &out), 0) << out;
+  EXPECT_THAT(out, HasSubstr("\"dtype\":\"f16\""));
   EXPECT_EQ(RunCommand(tool + " inspect --model " + m, &out), 0);
   EXPECT_EQ(std::count(out.begin(), out.end(), '\n'), 1) << "one JSON line: " << out;
 }
