@@ -207,16 +207,23 @@ class Client:
         if self.metadata is None:
             raise RuntimeError("the Admin service needs a token (--token-file)")
 
-    def upload(self, model, checkpoint_dir, rank=None, ratio=None, activate=False, ranks=None):
-        """Streams every known file of `checkpoint_dir`; returns the UploadModelResponse. At most
-        one of rank, ranks (one per layer; 0 keeps a layer standard) and ratio; none uploads the
-        checkpoint as it is."""
+    def upload(self, model, checkpoint_dir, rank=None, ratio=None, activate=True, ranks=None,
+               min_agreement=None):
+        """Streams every known file of `checkpoint_dir` (calibration.txt too: activation-aware
+        compression); returns the UploadModelResponse. At most one of rank, ranks (one per layer;
+        0 keeps a layer standard) and ratio; none uploads the checkpoint as it is. min_agreement:
+        the fidelity gate. OSError when the directory or a file cannot be read."""
         self._need_admin()
         pb = self.stubs.admin_pb2
+        if not os.path.isfile(os.path.join(checkpoint_dir, "config.json")):
+            raise OSError("%s: no config.json (a Hugging Face BERT checkpoint directory)"
+                          % checkpoint_dir)
         known = ["config.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json",
-                 "model.safetensors", "pytorch_model.bin"]
+                 "model.safetensors", "pytorch_model.bin", "calibration.txt"]
         names = [n for n in known if os.path.isfile(os.path.join(checkpoint_dir, n))]
         header = pb.UploadHeader(model_name=model, activate=activate)
+        if min_agreement is not None:
+            header.min_agreement = min_agreement
         if rank is not None:
             header.compression.rank = rank
         elif ranks is not None:
@@ -300,7 +307,11 @@ def main(argv=None):
     group.add_argument("--rank", type=int)
     group.add_argument("--ranks", help="one rank per layer, comma-separated (0 keeps a layer standard)")
     group.add_argument("--ratio", type=float)
-    p.add_argument("--activate", action="store_true")
+    p.add_argument("--min-agreement", type=float,
+                   help="fidelity gate: publish nothing below this top-1 agreement")
+    p.add_argument("--activate", action=argparse.BooleanOptionalAction, default=True,
+                   help="load the new version once published (as collabctl; --no-activate: leave "
+                        "it to the repository's next scan)")
     p.add_argument("--watch", action="store_true", help="follow the job until it ends")
     p = sub.add_parser("watch", parents=[admin])
     p.add_argument("job_id")
@@ -312,7 +323,7 @@ def main(argv=None):
     version = None
     if args.command == "classify" and args.version is not None:
         try:
-            version = int(args.version)
+            version = int(args.version) or None  # 0: the newest, as in collabctl
         except ValueError:
             parser.error("--version %r: a version is an integer (1, 2, ...)" % args.version)
     ranks = None
@@ -322,10 +333,13 @@ def main(argv=None):
         except ValueError:
             parser.error("--ranks %r: one integer rank per layer, comma-separated" % args.ranks)
     token = None
-    if args.token_file:
-        with open(args.token_file) as f:
-            token = f.read().strip()
     try:
+        if args.token_file and args.command in ("upload", "watch"):
+            try:
+                with open(args.token_file) as f:
+                    token = f.read().strip()
+            except OSError as e:
+                raise OSError("--token-file: %s" % e) from e
         client = Client(args.address, Stubs(args.proto_dir), args.timeout, token)
         if args.command == "health":
             status = client.check_health(args.service)
@@ -344,7 +358,8 @@ def main(argv=None):
             for row in client.list_models():
                 print_json(row)
         elif args.command == "upload":
-            resp = client.upload(args.model, args.dir, args.rank, args.ratio, args.activate, ranks)
+            resp = client.upload(args.model, args.dir, args.rank, args.ratio, args.activate, ranks,
+                                 args.min_agreement)
             print_json({"job_id": resp.job_id, "model_name": resp.model_name,
                         "version": resp.version})
             if args.watch:
@@ -352,12 +367,15 @@ def main(argv=None):
         elif args.command == "watch":
             return 0 if watch_and_print(client, args.job_id) == "SUCCEEDED" else 1
     except grpc.RpcError as e:
-        print("collabserve_client: %s: %s: %s" % (args.command, e.code().name, e.details()),
+        print("collabserve_client: %s: %s: %s" % (args.command, e.code().name, e.details() or ""),
               file=sys.stderr)
         return 2
-    except RuntimeError as e:
-        print("collabserve_client: %s" % e, file=sys.stderr)
+    except (RuntimeError, OSError) as e:
+        print("collabserve_client: %s: %s" % (args.command, e), file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("collabserve_client: %s: interrupted" % args.command, file=sys.stderr)
+        return 130
     return 0
 
 

@@ -147,6 +147,9 @@ class PythonClientTest(unittest.TestCase):
         proc = self.client("classify", "--model", "tiny", "--version", "x", "hello", check=False)
         self.assertEqual(proc.returncode, 2)
         self.assertIn("--version 'x': a version is an integer", proc.stderr)
+        # --version 0 is the newest, as in collabctl.
+        self.assertEqual(self.rows("classify", "--model", "tiny", "--version", "0", "hello")[0]
+                         ["model_version"], 1)
 
     def test_upload_and_watch(self):
         if not ARGS.admin:
@@ -172,6 +175,14 @@ class PythonClientTest(unittest.TestCase):
                           check=False)
         self.assertEqual(bad.returncode, 2)
         self.assertIn("--ranks '8,y'", bad.stderr)
+        # Files that cannot be read: one line naming them, exit 2, no traceback.
+        for args, says in [(["--dir", self.tmp], "no config.json"),
+                           (["--token-file", os.path.join(self.tmp, "missing"), "--dir", checkpoint],
+                            "--token-file: [Errno 2]")]:
+            bad = self.client("upload", "--model", "x", *args, check=False)
+            self.assertEqual(bad.returncode, 2, bad.stderr)
+            self.assertIn(says, bad.stderr)
+            self.assertNotIn("Traceback", bad.stderr)
         # Watching an ended job replays its events and ends.
         again = self.client("watch", lines[0]["job_id"])
         self.assertIn("SUCCEEDED", again.stdout)
