@@ -189,7 +189,7 @@ absl::StatusOr<ParsedInfer> ParseInfer(const InferRequest& request) {
     } else {
       return absl::InvalidArgumentError(absl::StrCat(
           "input '", in.name(), "' is not an input of this model; it takes 'text' (BYTES, [N] or "
-          "[N, 1]) and optionally 'text_pair' (same shape)"));
+          "[N, 1]) and optionally 'text_pair' (as many elements)"));
     }
   }
   if (!seen_text) {
@@ -199,7 +199,7 @@ absl::StatusOr<ParsedInfer> ParseInfer(const InferRequest& request) {
   if (p.pairs.has_value() && p.pairs->size() != p.texts.size()) {
     return absl::InvalidArgumentError(absl::StrCat("input 'text_pair' has ", p.pairs->size(),
                                                    " elements but 'text' has ", p.texts.size(),
-                                                   "; they must have the same shape"));
+                                                   "; they must have as many"));
   }
   for (size_t i = 0; i < p.texts.size(); ++i) {
     if (p.texts[i].empty()) {

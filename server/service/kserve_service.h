@@ -4,7 +4,7 @@
 //
 // Tensors of every model:
 //   input  `text`          BYTES [N] or [N, 1]   UTF-8 text, one element per input (required)
-//   input  `text_pair`     BYTES, same shape     second segment for sentence-pair tasks (optional)
+//   input  `text_pair`     BYTES, same N         second segment for sentence-pair tasks (optional)
 //   output `logits`        FP32  [N, C]          C = number of labels, in label id order
 //   output `probabilities` FP32  [N, C]          softmax; sigmoid for multi-label models or C == 1;
 //                                                the logits for regression (Classify's rule)
@@ -22,7 +22,8 @@
 // UNAVAILABLE while the models load or the server drains; the rest as Classify.
 //
 // ModelMetadata reports platform "collabserve", the served versions, and the tensors above with -1
-// for variable dimensions (`text` as [-1]). ServerLive is always true; ServerReady is true once the
+// for variable dimensions (`text` as [-1]). ServerLive is true until the server's GPU fails for good
+// (then a restart is the cure, as with grpc.health.v1); ServerReady is true once the
 // service is attached (models loaded) until the server starts draining; ModelReady is true when the
 // model (version) is served and the server is ready; an unknown model is not ready (OK status).
 #ifndef COLLABSERVE_SERVER_SERVICE_KSERVE_SERVICE_H_
