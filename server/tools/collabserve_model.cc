@@ -61,24 +61,18 @@ absl::Status Make(int argc, char** argv) {
   if (!f.Has("out")) return absl::InvalidArgumentError("--out DIR is required");
   model::MakeOptions o;
   o.preset = f.Get("preset", "tiny");
-  ASSIGN_OR_RETURN(int64_t layers, f.GetInt("layers", 0));
-  ASSIGN_OR_RETURN(int64_t hidden, f.GetInt("hidden", 0));
-  ASSIGN_OR_RETURN(int64_t heads, f.GetInt("heads", 0));
-  ASSIGN_OR_RETURN(int64_t inter, f.GetInt("intermediate", 0));
-  ASSIGN_OR_RETURN(int64_t labels, f.GetInt("labels", 2));
+  ASSIGN_OR_RETURN(o.layers, f.GetInt("layers", 0));
+  ASSIGN_OR_RETURN(o.hidden, f.GetInt("hidden", 0));
+  ASSIGN_OR_RETURN(o.heads, f.GetInt("heads", 0));
+  ASSIGN_OR_RETURN(o.intermediate, f.GetInt("intermediate", 0));
+  ASSIGN_OR_RETURN(o.labels, f.GetInt("labels", 2));
   ASSIGN_OR_RETURN(int64_t seed, f.GetInt64("seed", 0));
-  ASSIGN_OR_RETURN(int64_t planted, f.GetInt("planted_rank", 0));
+  ASSIGN_OR_RETURN(o.planted_rank, f.GetInt("planted_rank", 0));
   ASSIGN_OR_RETURN(o.planted_noise, f.GetDouble("planted_noise", 0.05));
   if (!(o.planted_noise >= 0) || !std::isfinite(o.planted_noise)) {
     return absl::InvalidArgumentError(absl::StrCat("--planted_noise must be a finite number >= 0, got ", f.Get("planted_noise")));
   }
-  o.layers = static_cast<int>(layers);
-  o.hidden = static_cast<int>(hidden);
-  o.heads = static_cast<int>(heads);
-  o.intermediate = static_cast<int>(inter);
-  o.labels = static_cast<int>(labels);
   o.seed = static_cast<uint64_t>(seed);
-  o.planted_rank = static_cast<int>(planted);
   o.vocab_path = f.Get("vocab");
   o.hidden_act = f.Get("hidden_act", "gelu");
   o.problem_type = f.Get("problem_type");
@@ -91,8 +85,8 @@ absl::Status Make(int argc, char** argv) {
                                                        name.empty() ? "a name is empty" : "'" + name + "' comes twice"));
       }
     }
-    if (f.Has("labels") && labels != static_cast<int64_t>(o.label_names.size())) {
-      return absl::InvalidArgumentError(absl::StrCat("--labels ", labels, " but --label_names has ",
+    if (f.Has("labels") && o.labels != static_cast<int>(o.label_names.size())) {
+      return absl::InvalidArgumentError(absl::StrCat("--labels ", o.labels, " but --label_names has ",
                                                      o.label_names.size(), " names"));
     }
   }
@@ -220,10 +214,10 @@ absl::StatusOr<model::TokenizedInput> ToInput(const json& j, const text::BertTok
 absl::Status Tokenize(int argc, char** argv) {
   ASSIGN_OR_RETURN(Flags f, Flags::Parse(argc, argv, 2, {"model", "max_length"}));
   if (!f.Has("model")) return absl::InvalidArgumentError("--model DIR is required");
-  ASSIGN_OR_RETURN(int64_t max_length, f.GetInt("max_length", 0));
+  ASSIGN_OR_RETURN(const int max_length, f.GetInt("max_length", 0));
   ASSIGN_OR_RETURN(auto tok, text::BertTokenizer::FromDirectory(f.Get("model")));
   return ForEachLine([&](const json& j) -> absl::Status {
-    ASSIGN_OR_RETURN(model::TokenizedInput in, ToInput(j, *tok, static_cast<int>(max_length)));
+    ASSIGN_OR_RETURN(model::TokenizedInput in, ToInput(j, *tok, max_length));
     std::cout << json{{"input_ids", in.input_ids}, {"token_type_ids", in.token_type_ids}}.dump() << "\n";
     return absl::OkStatus();
   });

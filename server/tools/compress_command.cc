@@ -46,8 +46,7 @@ absl::Status Compress(int argc, char** argv) {
   compress::CompressOptions o;
   if (f.Has("rank")) {
     o.spec.kind = compress::RankSpec::Kind::kRank;
-    ASSIGN_OR_RETURN(int64_t r, f.GetInt("rank", 0));
-    o.spec.rank = static_cast<int>(r);
+    ASSIGN_OR_RETURN(o.spec.rank, f.GetInt("rank", 0));
   } else if (f.Has("ratio")) {
     o.spec.kind = compress::RankSpec::Kind::kRatio;
     ASSIGN_OR_RETURN(o.spec.ratio, f.GetDouble("ratio", 0));
@@ -71,17 +70,16 @@ absl::Status Compress(int argc, char** argv) {
     ASSIGN_OR_RETURN(o.spec.max_kl, f.GetDouble("max_kl", 0));
   }
   ASSIGN_OR_RETURN(o.search_seconds, f.GetDouble("search_seconds", o.search_seconds));
-  ASSIGN_OR_RETURN(int64_t iters, f.GetInt("max_iters", 100));
+  ASSIGN_OR_RETURN(o.max_iters, f.GetInt("max_iters", 100));
   ASSIGN_OR_RETURN(o.tol, f.GetDouble("tol", 1e-5));
   ASSIGN_OR_RETURN(int64_t seed, f.GetInt64("seed", 0));
-  ASSIGN_OR_RETURN(int64_t par, f.GetInt("parallel_layers", 0));
+  ASSIGN_OR_RETURN(const int par, f.GetInt("parallel_layers", 0));
   if (par < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("--parallel_layers must be 0 (one layer per CPU) or positive, got ", par));
   }
-  o.max_iters = static_cast<int>(iters);
   o.seed = static_cast<uint64_t>(seed);
-  o.parallel_layers = static_cast<int>(par);
+  o.parallel_layers = par;
   o.device = f.Get("device", "cpu");
   std::string precision = f.Get("precision", "f32");
   if (precision != "f32" && precision != "f64") {
