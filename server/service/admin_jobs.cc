@@ -583,9 +583,9 @@ void JobManager::Run(Work work) {
   std::shared_ptr<Job> job = work.job;
   if (options_.start_hook) options_.start_hook(job->id());
   // QUEUED -> RUNNING under the lock CancelJob reads the state and sets the flag under: a job it
-  // found QUEUED never starts, one it finds RUNNING notices the flag. (Checked apart from the
-  // change, a CancelJob between the two ended the job CANCELLED, then the worker set it RUNNING
-  // for good.)
+  // found QUEUED never starts, one it finds RUNNING notices the flag. (With the check and the
+  // change as two steps, a CancelJob between them ended the job CANCELLED and the worker then set
+  // it RUNNING for good.)
   bool start = false;
   {
     absl::MutexLock l(&job->mu_);
