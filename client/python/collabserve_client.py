@@ -8,7 +8,7 @@ exits non-zero with the gRPC status code and message on stderr when a call fails
 
   collabserve_client.py --address 127.0.0.1:8500 health [--service MODEL]
   collabserve_client.py classify --model tiny [--version 2] [--pair TEXT ...] TEXT ...
-  collabserve_client.py infer --model tiny [--version 2] [--raw] [--pair TEXT ...] TEXT ...
+  collabserve_client.py infer --model tiny [--version 2] [--raw] [--top K] [--pair TEXT ...] TEXT ...
   collabserve_client.py kserve-status [--model tiny]
   collabserve_client.py models
   collabserve_client.py upload --token-file F --model NAME --dir CHECKPOINT_DIR
@@ -147,10 +147,17 @@ class Client:
             out.append({"name": m.name, "versions": list(m.versions), "version_status": status})
         return out
 
-    def infer(self, model, texts, pairs=None, version="", raw=False):
-        """KServe v2 ModelInfer; one dict per input with logits, probabilities and label."""
+    def infer(self, model, texts, pairs=None, version="", raw=False, top=0):
+        """KServe v2 ModelInfer; one dict per input with logits, probabilities and label. With
+        top > 0 the probabilities come as Triton's classification extension answers them: "top",
+        the `top` best classes, each {"probability", "index", "label"}, best first."""
         pb = self.stubs.kserve_pb2
         req = pb.ModelInferRequest(model_name=model, model_version=version, id="python-client")
+        if top > 0:
+            req.outputs.add(name="logits")
+            probs = req.outputs.add(name="probabilities")
+            probs.parameters["classification"].int64_param = top
+            req.outputs.add(name="label")
         tensors = [("text", texts)] + ([("text_pair", pairs)] if pairs else [])
         for name, values in tensors:
             encoded = [v.encode("utf-8") for v in values]
@@ -173,13 +180,24 @@ class Client:
             outputs[out.name] = (list(out.shape), values)
         n = len(texts)
         c = outputs["logits"][0][1]
+        probs_shape, probs = outputs["probabilities"]
         rows = []
         for i in range(n):
-            rows.append({"label": outputs["label"][1][i].decode("utf-8"),
-                         "logits": outputs["logits"][1][i * c:(i + 1) * c],
-                         "probabilities": outputs["probabilities"][1][i * c:(i + 1) * c],
-                         "model_version": resp.model_version,
-                         "raw": bool(resp.raw_output_contents)})
+            row = {"label": outputs["label"][1][i].decode("utf-8"),
+                   "logits": outputs["logits"][1][i * c:(i + 1) * c],
+                   "model_version": resp.model_version,
+                   "raw": bool(resp.raw_output_contents)}
+            if top > 0:
+                k = probs_shape[1]
+                row["top"] = []
+                for entry in probs[i * k:(i + 1) * k]:
+                    # "value:index:label"; the label itself may hold colons.
+                    value, index, label = entry.decode("utf-8").split(":", 2)
+                    row["top"].append({"probability": float(value), "index": int(index),
+                                       "label": label})
+            else:
+                row["probabilities"] = probs[i * c:(i + 1) * c]
+            rows.append(row)
         return rows
 
     def kserve_status(self, model=None):
@@ -297,6 +315,8 @@ def main(argv=None):
         p.add_argument("texts", nargs="+")
         if name == "infer":
             p.add_argument("--raw", action="store_true", help="send raw_input_contents")
+            p.add_argument("--top", type=int, default=0, metavar="K",
+                           help="answer the K best classes (Triton's classification parameter)")
     p = sub.add_parser("kserve-status")
     p.add_argument("--model")
     sub.add_parser("models")
@@ -350,7 +370,7 @@ def main(argv=None):
                 print_json(row)
         elif args.command == "infer":
             for row in client.infer(args.model, args.texts, args.pair, args.version or "",
-                                    args.raw):
+                                    args.raw, args.top):
                 print_json(row)
         elif args.command == "kserve-status":
             print_json(client.kserve_status(args.model))

@@ -41,6 +41,8 @@ class InferenceService final : public v1::Inference::CallbackService {
  public:
   InferenceService(InferenceServiceOptions options, metrics::Metrics* metrics);
 
+  const InferenceServiceOptions& options() const { return options_; }
+
   void AttachRepository(repository::ModelRepository* repository) {
     repository_.store(repository, std::memory_order_release);
   }

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <regex>
@@ -50,11 +51,14 @@ std::string ShapeString(const google::protobuf::RepeatedField<int64_t>& shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 
-// "" = the newest version; otherwise a positive decimal integer.
+// "" = the newest version; otherwise a positive decimal integer, digits only ("1", not " 1" or
+// "+1": a version is a name as much as a number, and ModelMetadata lists them that way).
 absl::StatusOr<std::optional<int64_t>> ParseVersion(const std::string& version) {
   if (version.empty()) return std::optional<int64_t>();
   int64_t v = 0;
-  if (!absl::SimpleAtoi(version, &v) || v <= 0) {
+  const bool digits = std::all_of(version.begin(), version.end(),
+                                  [](char ch) { return ch >= '0' && ch <= '9'; });
+  if (!digits || !absl::SimpleAtoi(version, &v) || v <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("model version \"", version,
                      "\" is not a version; versions are positive integers (leave it empty for the "
@@ -116,8 +120,10 @@ void AppendRawBytes(const std::string& element, std::string* raw) {
   raw->append(element);
 }
 
-// The elements of one BYTES input tensor of shape [N] or [N, 1].
-absl::StatusOr<std::vector<std::string>> ReadTextInput(const InferRequest& request, int index) {
+// The elements of one BYTES input tensor of shape [N] or [N, 1], 1 <= N <= max_elements (checked
+// before anything is decoded).
+absl::StatusOr<std::vector<std::string>> ReadTextInput(const InferRequest& request, int index,
+                                                       int max_elements) {
   const InferRequest::InferInputTensor& in = request.inputs(index);
   const std::string& name = in.name();
   if (in.datatype() != "BYTES") {
@@ -133,6 +139,11 @@ absl::StatusOr<std::vector<std::string>> ReadTextInput(const InferRequest& reque
                                                    "; it must be [N] or [N, 1] with N >= 1"));
   }
   const int64_t n = shape[0];
+  if (n > max_elements) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "input '", name, "' has ", n, " elements, more than the limit of ", max_elements,
+        " (--max_inputs_per_request); split it into several requests"));
+  }
   std::vector<std::string> texts;
   if (request.raw_input_contents_size() > 0) {
     RETURN_IF_ERROR(DecodeRawBytes(request.raw_input_contents(index), n, name, &texts));
@@ -154,16 +165,48 @@ bool HasTypedContents(const inference::InferTensorContents& c) {
          c.fp32_contents_size() > 0 || c.fp64_contents_size() > 0 || c.bytes_contents_size() > 0;
 }
 
+// One requested output.
+struct RequestedOutput {
+  std::string name;
+  // The classification extension: > 0 answers the output as its `classes` best classes
+  // ("value:index:label" strings) instead of the FP32 tensor.
+  int64_t classes = 0;
+};
+
 // What a ModelInfer request asks for, checked.
 struct ParsedInfer {
   std::vector<std::string> texts;
   std::optional<std::vector<std::string>> pairs;
-  std::vector<std::string> outputs;  // names, in response order
-  bool raw = false;                  // answer with raw_output_contents
+  std::vector<RequestedOutput> outputs;  // in response order
+  bool raw = false;                      // answer with raw_output_contents
   bool truncate = true;
+  std::optional<absl::Duration> timeout;  // the `timeout` parameter, if > 0
 };
 
-absl::StatusOr<ParsedInfer> ParseInfer(const InferRequest& request) {
+// A count or a time in a parameter's int64_param or uint64_param (Triton's clients send either),
+// >= 0.
+absl::StatusOr<int64_t> NonNegativeIntParam(const inference::InferParameter& p,
+                                            const std::string& what) {
+  switch (p.parameter_choice_case()) {
+    case inference::InferParameter::kInt64Param:
+      if (p.int64_param() < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(what, " is ", p.int64_param(), "; it must not be negative"));
+      }
+      return p.int64_param();
+    case inference::InferParameter::kUint64Param:
+      if (p.uint64_param() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+        return absl::InvalidArgumentError(absl::StrCat(what, " is ", p.uint64_param(),
+                                                       ", more than an int64 holds"));
+      }
+      return static_cast<int64_t>(p.uint64_param());
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, " must be an int64_param (or uint64_param)"));
+  }
+}
+
+absl::StatusOr<ParsedInfer> ParseInfer(const InferRequest& request, int max_inputs) {
   ParsedInfer p;
   p.raw = request.raw_input_contents_size() > 0;
   if (p.raw && request.raw_input_contents_size() != request.inputs_size()) {
@@ -182,10 +225,10 @@ absl::StatusOr<ParsedInfer> ParseInfer(const InferRequest& request) {
     if (in.name() == kText) {
       if (seen_text) return absl::InvalidArgumentError("input 'text' is given twice");
       seen_text = true;
-      ASSIGN_OR_RETURN(p.texts, ReadTextInput(request, i));
+      ASSIGN_OR_RETURN(p.texts, ReadTextInput(request, i, max_inputs));
     } else if (in.name() == kTextPair) {
       if (p.pairs.has_value()) return absl::InvalidArgumentError("input 'text_pair' is given twice");
-      ASSIGN_OR_RETURN(p.pairs, ReadTextInput(request, i));
+      ASSIGN_OR_RETURN(p.pairs, ReadTextInput(request, i, max_inputs));
     } else {
       return absl::InvalidArgumentError(absl::StrCat(
           "input '", in.name(), "' is not an input of this model; it takes 'text' (BYTES, [N] or "
@@ -214,18 +257,40 @@ absl::StatusOr<ParsedInfer> ParseInfer(const InferRequest& request) {
           "requested output '", name,
           "' is not an output of this model; its outputs are 'logits', 'probabilities', 'label'"));
     }
-    if (std::find(p.outputs.begin(), p.outputs.end(), name) != p.outputs.end()) {
-      return absl::InvalidArgumentError(absl::StrCat("output '", name, "' is requested twice"));
+    for (const RequestedOutput& seen : p.outputs) {
+      if (seen.name == name) {
+        return absl::InvalidArgumentError(absl::StrCat("output '", name, "' is requested twice"));
+      }
     }
-    p.outputs.push_back(name);
+    RequestedOutput requested{name, 0};
+    if (auto it = out.parameters().find("classification"); it != out.parameters().end()) {
+      ASSIGN_OR_RETURN(requested.classes,
+                       NonNegativeIntParam(it->second, absl::StrCat("output '", name,
+                                                                      "' parameter 'classification'")));
+      if (requested.classes == 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "output '", name, "' parameter 'classification' is 0; ask for at least 1 class"));
+      }
+      if (name == kLabel) {
+        return absl::InvalidArgumentError(
+            "output 'label' is BYTES and cannot be answered as classes; ask 'logits' or "
+            "'probabilities' for classification");
+      }
+    }
+    p.outputs.push_back(std::move(requested));
   }
-  if (p.outputs.empty()) p.outputs = {kLogits, kProbabilities, kLabel};
+  if (p.outputs.empty()) p.outputs = {{kLogits, 0}, {kProbabilities, 0}, {kLabel, 0}};
 
-  if (auto it = request.parameters().find("truncate"); it != request.parameters().end()) {
+  const auto& params = request.parameters();
+  if (auto it = params.find("truncate"); it != params.end()) {
     if (it->second.parameter_choice_case() != inference::InferParameter::kBoolParam) {
       return absl::InvalidArgumentError("parameter 'truncate' must be a bool_param");
     }
     p.truncate = it->second.bool_param();
+  }
+  if (auto it = params.find("timeout"); it != params.end()) {
+    ASSIGN_OR_RETURN(int64_t micros, NonNegativeIntParam(it->second, "parameter 'timeout'"));
+    if (micros > 0) p.timeout = absl::Microseconds(micros);
   }
   return p;
 }
@@ -249,14 +314,36 @@ std::vector<float> Probabilities(const std::string& problem_type,
   return p;
 }
 
-// StartClassify names the inputs of a ClassifyRequest ("inputs[3].text"); say it in tensor terms.
-grpc::Status InTensorTerms(const grpc::Status& status) {
+// StartClassify names the inputs of a ClassifyRequest ("inputs[3].text", "inputs[3]: text_pair:
+// invalid UTF-8 ..."); say it in tensor terms. What it says of a whole input (its token count)
+// concerns both tensors when the request has `text_pair`.
+grpc::Status InTensorTerms(const grpc::Status& status, bool has_pairs) {
   if (status.error_code() != grpc::StatusCode::INVALID_ARGUMENT) return status;
-  static const std::regex* const kField = new std::regex(R"(inputs\[(\d+)\]\.(text_pair|text))");
+  static const std::regex* const kField =
+      new std::regex(R"(inputs\[(\d+)\](?:\.|: )(text_pair|text)\b)");
   static const std::regex* const kInput = new std::regex(R"(inputs\[(\d+)\])");
   std::string message = std::regex_replace(status.error_message(), *kField, "input '$2' element $1");
-  message = std::regex_replace(message, *kInput, "element $1 of 'text'");
+  message = std::regex_replace(
+      message, *kInput, has_pairs ? "element $1 of 'text' with 'text_pair'" : "element $1 of 'text'");
   return grpc::Status(status.error_code(), message);
+}
+
+// The classification extension's strings for one row of values: the `count` highest values, best
+// first (equal values in index order), each "value:index:label" with the value as Triton writes it
+// (std::to_string).
+void AppendClasses(const std::vector<float>& row, int64_t count,
+                   const std::vector<std::string>& labels, std::vector<std::string>* out) {
+  std::vector<size_t> order(row.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  const size_t k = std::min<size_t>(static_cast<size_t>(count), row.size());
+  std::partial_sort(order.begin(), order.begin() + k, order.end(), [&row](size_t a, size_t b) {
+    return row[a] > row[b] || (row[a] == row[b] && a < b);
+  });
+  for (size_t j = 0; j < k; ++j) {
+    const size_t i = order[j];
+    const std::string label = i < labels.size() ? labels[i] : absl::StrCat("LABEL_", i);
+    out->push_back(absl::StrCat(std::to_string(row[i]), ":", i, ":", label));
+  }
 }
 
 // Fills `response` from Classify's results for the requested outputs.
@@ -271,35 +358,55 @@ absl::Status BuildResponse(const ParsedInfer& parsed, const model::ModelInfo& in
   }
   response->set_model_name(result.model_name());
   response->set_model_version(std::to_string(result.model_version()));
-  for (const std::string& name : parsed.outputs) {
-    InferResponse::InferOutputTensor* t = response->add_outputs();
-    t->set_name(name);
-    if (name == kLabel) {
-      t->set_datatype("BYTES");
-      t->add_shape(n);
-      std::string* raw = parsed.raw ? response->add_raw_output_contents() : nullptr;
-      for (const auto& r : result.results()) {
-        if (raw != nullptr) {
-          AppendRawBytes(r.label(), raw);
-        } else {
-          t->mutable_contents()->add_bytes_contents(r.label());
-        }
+  // A BYTES output, in the form the request used.
+  auto add_bytes = [&](InferResponse::InferOutputTensor* t, const std::vector<std::string>& v) {
+    t->set_datatype("BYTES");
+    std::string* raw = parsed.raw ? response->add_raw_output_contents() : nullptr;
+    for (const std::string& e : v) {
+      if (raw != nullptr) {
+        AppendRawBytes(e, raw);
+      } else {
+        t->mutable_contents()->add_bytes_contents(e);
       }
+    }
+  };
+  for (const RequestedOutput& out : parsed.outputs) {
+    InferResponse::InferOutputTensor* t = response->add_outputs();
+    t->set_name(out.name);
+    if (out.name == kLabel) {
+      t->add_shape(n);
+      std::vector<std::string> labels;
+      labels.reserve(n);
+      for (const auto& r : result.results()) labels.push_back(r.label());
+      add_bytes(t, labels);
       continue;
     }
-    t->set_datatype("FP32");
-    t->add_shape(n);
-    t->add_shape(c);
     std::vector<float> values;
     values.reserve(n * c);
     for (const auto& r : result.results()) {
-      if (name == kLogits) {
+      if (out.name == kLogits) {
         values.insert(values.end(), r.logits().begin(), r.logits().end());
       } else {
         std::vector<float> p = Probabilities(info.problem_type, r.logits());
         values.insert(values.end(), p.begin(), p.end());
       }
     }
+    if (out.classes > 0) {
+      const int64_t k = std::min<int64_t>(out.classes, c);
+      t->add_shape(n);
+      t->add_shape(k);
+      std::vector<std::string> classes;
+      classes.reserve(n * k);
+      for (int64_t i = 0; i < n; ++i) {
+        const std::vector<float> row(values.begin() + i * c, values.begin() + (i + 1) * c);
+        AppendClasses(row, k, info.labels, &classes);
+      }
+      add_bytes(t, classes);
+      continue;
+    }
+    t->set_datatype("FP32");
+    t->add_shape(n);
+    t->add_shape(c);
     if (parsed.raw) {
       response->add_raw_output_contents()->assign(reinterpret_cast<const char*>(values.data()),
                                                   values.size() * sizeof(float));
@@ -392,6 +499,7 @@ grpc::ServerUnaryReactor* KServeService::ServerMetadata(
   return FinishUnary(context, [&] {
     response->set_name(options_.server_name);
     response->set_version(options_.server_version);
+    response->add_extensions("classification");
     return grpc::Status::OK;
   });
 }
@@ -452,7 +560,7 @@ grpc::ServerUnaryReactor* KServeService::ModelInfer(grpc::CallbackServerContext*
   std::shared_ptr<ModelServable> servable = std::move(resolved).value();
   const std::string& model = servable->id().model;
   const std::string version = std::to_string(servable->id().version);
-  auto parsed = ParseInfer(*request);
+  auto parsed = ParseInfer(*request, a.inference->options().max_inputs_per_request);
   if (!parsed.ok()) return reject(ToGrpcStatus(parsed.status()), model, version);
 
   // The resolved version is pinned so that the labels below describe the version that answers.
@@ -466,14 +574,17 @@ grpc::ServerUnaryReactor* KServeService::ModelInfer(grpc::CallbackServerContext*
     if (parsed->pairs.has_value()) in->set_text_pair(std::move((*parsed->pairs)[i]));
   }
   response->set_id(request->id());
+  // The `timeout` parameter works as a deadline of its own; the earlier one applies.
+  absl::Time deadline = ToAbslTime(context->deadline());
+  if (parsed->timeout.has_value()) deadline = std::min(deadline, absl::Now() + *parsed->timeout);
   auto shared = std::make_shared<ParsedInfer>(std::move(parsed).value());
   a.inference->StartClassify(
-      classify, ToAbslTime(context->deadline()), reactor->cancelled(),
+      classify, deadline, reactor->cancelled(),
       [reactor, response, servable, shared](const grpc::Status& status,
                                             v1::ClassifyResponse* result) {
         if (!status.ok() || result == nullptr) {
           reactor->Finish(status.ok() ? grpc::Status(grpc::StatusCode::INTERNAL, "no result")
-                                      : InTensorTerms(status));
+                                      : InTensorTerms(status, shared->pairs.has_value()));
           return;
         }
         absl::Status built = BuildResponse(*shared, servable->info(), *result, response);

@@ -13,13 +13,25 @@
 // little-endian length followed by its bytes), not both in one request. The response uses the form
 // the request used: raw inputs get `raw_output_contents` (what Triton clients read), typed inputs
 // get `contents` (KServe's Python client reads either). `outputs` may ask for a subset, in any
-// order; empty means all three in the order above. The request parameter `truncate` (bool, default
-// true) is Classify's options.truncate; other parameters are ignored.
+// order; empty means all three in the order above.
 //
-// Errors: INVALID_ARGUMENT naming the input or output (unknown name, wrong datatype, bad shape,
-// element count not matching the shape, malformed raw bytes, missing `text`, empty text) or a
-// malformed model_version; NOT_FOUND for an unknown model or version (model_version "" = newest);
-// UNAVAILABLE while the models load or the server drains; the rest as Classify.
+// Triton's classification extension (listed in ServerMetadata's extensions): an output parameter
+// `classification` = K (int64_param or uint64_param, K >= 1) on `logits` or `probabilities`
+// answers that output as BYTES [N, min(K, C)] instead: each input's K highest values, best first
+// (ties in label order), each "value:index:label" with the value printed as std::to_string does
+// ("0.912345:1:positive"), as Triton does.
+//
+// Request parameters: `truncate` (bool_param, default true) is Classify's options.truncate;
+// `timeout` (int64_param or uint64_param, microseconds, 0 = none) is a deadline counted from the
+// call's arrival, and the earlier of it and the gRPC deadline applies (DEADLINE_EXCEEDED, as
+// Classify's deadline); `priority` and other parameters are ignored (one queue per model).
+//
+// Errors: INVALID_ARGUMENT naming the input, output or parameter (unknown name, wrong datatype,
+// bad shape, more elements than --max_inputs_per_request (checked before decoding), element count
+// not matching the shape, malformed raw bytes, missing `text`, empty text, a parameter of the
+// wrong type or value) or a malformed model_version (digits only: "1", not " 1"); NOT_FOUND for
+// an unknown model or version (model_version "" = newest); UNAVAILABLE while the models load or
+// the server drains; the rest as Classify.
 //
 // ModelMetadata reports platform "collabserve", the served versions, and the tensors above with -1
 // for variable dimensions (`text` as [-1]). ServerLive is true until the server's GPU fails for good

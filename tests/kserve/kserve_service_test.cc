@@ -3,12 +3,15 @@
 // from proto/kserve/grpc_predict_v2.proto. ModelInfer must agree with Classify and with the engine.
 #include "server/service/kserve_service.h"
 
+#include <algorithm>
 #include <atomic>
+#include <functional>
 #include <cmath>
 #include <cstring>
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/time/clock.h"
@@ -399,6 +402,98 @@ TEST_F(KServeTest, ProbabilitiesFollowTheProblemType) {
   }
 }
 
+// Triton's classification extension: "value:index:label", best first, count capped at the labels.
+TEST_F(KServeTest, ClassificationParameterAnswersTheBestClassesAsTritonDoes) {
+  Start();
+  auto servable = server_->repository()->Get("multi");
+  ASSERT_TRUE(servable.ok()) << servable.status();
+  const std::vector<std::string> names =
+      std::static_pointer_cast<ModelServable>(*servable)->info().labels;
+  ASSERT_THAT(names, ElementsAre("sports", "politics", "tech"));
+  for (bool raw : {false, true}) {
+    SCOPED_TRACE(raw ? "raw" : "contents");
+    // The plain tensors, to compare with.
+    InferRequest plain;
+    plain.set_model_name("multi");
+    AddInput(&plain, "text", kTexts);
+    InferResponse plain_resp;
+    ASSERT_TRUE(Infer(plain, &plain_resp).ok());
+
+    InferRequest req;
+    req.set_model_name("multi");
+    if (raw) {
+      AddRawInput(&req, "text", kTexts);
+    } else {
+      AddInput(&req, "text", kTexts);
+    }
+    auto* logits_out = req.add_outputs();
+    logits_out->set_name("logits");
+    (*logits_out->mutable_parameters())["classification"].set_int64_param(2);
+    auto* probs_out = req.add_outputs();
+    probs_out->set_name("probabilities");
+    // What a newer Triton client may send; more classes than the model has means all of them.
+    (*probs_out->mutable_parameters())["classification"].set_uint64_param(10);
+    req.add_outputs()->set_name("label");
+    InferResponse resp;
+    grpc::Status s = Infer(req, &resp);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    ASSERT_EQ(resp.outputs_size(), 3);
+    EXPECT_EQ(resp.raw_output_contents_size(), raw ? 3 : 0);
+
+    for (const auto& [name, k] : std::vector<std::pair<std::string, int>>{{"logits", 2},
+                                                                          {"probabilities", 3}}) {
+      SCOPED_TRACE(name);
+      const Tensor values = Output(plain_resp, name);
+      const Tensor classes = Output(resp, name);
+      EXPECT_EQ(classes.datatype, "BYTES");
+      EXPECT_THAT(classes.shape, ElementsAre(3, k));
+      ASSERT_EQ(classes.strings.size(), static_cast<size_t>(3 * k));
+      for (int i = 0; i < 3; ++i) {
+        std::vector<int> order = {0, 1, 2};
+        std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+          return values.floats[3 * i + a] > values.floats[3 * i + b];
+        });
+        for (int j = 0; j < k; ++j) {
+          const std::string& got = classes.strings[i * k + j];
+          const int idx = order[j];
+          // std::to_string's "%f": six decimals, as Triton prints it.
+          EXPECT_THAT(got, ::testing::MatchesRegex(
+                               absl::StrCat("-?[0-9]+\\.[0-9]{6}:", idx, ":", names[idx])))
+              << "input " << i << " rank " << j;
+          EXPECT_NEAR(std::stof(got.substr(0, got.find(':'))), values.floats[3 * i + idx], 1e-5);
+        }
+      }
+    }
+    EXPECT_EQ(Output(resp, "label").strings, Output(plain_resp, "label").strings);
+  }
+  inference::ServerMetadataResponse server;
+  ASSERT_TRUE(stub_->ServerMetadata(Context().get(), {}, &server).ok());
+  EXPECT_THAT(server.extensions(), ::testing::Contains("classification"));
+}
+
+// Triton's `timeout` request parameter (microseconds) is a deadline of its own.
+TEST_F(KServeTest, TimeoutParameterIsADeadline) {
+  Start();
+  InferRequest req;
+  req.set_model_name("tiny");
+  AddInput(&req, "text", kTexts);
+  InferResponse resp;
+  (*req.mutable_parameters())["timeout"].set_int64_param(0);  // none
+  ASSERT_TRUE(Infer(req, &resp).ok());
+  (*req.mutable_parameters())["timeout"].set_uint64_param(60'000'000);
+  ASSERT_TRUE(Infer(req, &resp).ok());
+  // 1 µs has passed long before the inputs reach a batch; the 30 s gRPC deadline has not.
+  (*req.mutable_parameters())["timeout"].set_int64_param(1);
+  grpc::Status s = Infer(req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << s.error_message();
+  // Priority is accepted and does not change the answer (one queue per model).
+  req.mutable_parameters()->erase("timeout");
+  (*req.mutable_parameters())["priority"].set_uint64_param(1);
+  InferResponse prioritized;
+  ASSERT_TRUE(Infer(req, &prioritized).ok());
+  EXPECT_EQ(Output(prioritized, "logits").floats, Output(resp, "logits").floats);
+}
+
 TEST_F(KServeTest, ConcurrentCallsBatchedTogetherEachGetTheirOwnResults) {
   Start();
   constexpr int kCalls = 8;
@@ -495,10 +590,12 @@ TEST_F(KServeTest, ExplicitAndUnknownVersions) {
   grpc::Status s = Infer(req, &resp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
   EXPECT_THAT(s.error_message(), HasSubstr("tiny"));
-  req.set_model_version("one");
-  s = Infer(req, &resp);
-  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_THAT(s.error_message(), HasSubstr("\"one\""));
+  for (const std::string bad : {"one", " 1", "+1", "1 ", "0", "99999999999999999999"}) {
+    req.set_model_version(bad);
+    s = Infer(req, &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << bad;
+    EXPECT_THAT(s.error_message(), HasSubstr("\"" + bad + "\""));
+  }
   req.set_model_version("");
   req.set_model_name("nope");
   s = Infer(req, &resp);
@@ -586,7 +683,52 @@ TEST_F(KServeTest, BadInputsAreInvalidArgumentNamingTheProblem) {
        },
        "parameter 'truncate'"},
       {"not UTF-8", [](InferRequest* r) { AddInput(r, "text", {"fine", "caf\xc3"}); },
-       "element 1 of 'text'"},
+       "input 'text' element 1: invalid UTF-8"},
+      {"pair not UTF-8",
+       [](InferRequest* r) {
+         AddInput(r, "text", {"fine", "fine"});
+         AddInput(r, "text_pair", {"fine", "caf\xc3"});
+       },
+       "input 'text_pair' element 1: invalid UTF-8"},
+      {"more elements than allowed, found before decoding",
+       [](InferRequest* r) { AddRawInput(r, "text", {"a"}, {100000}); },
+       "input 'text' has 100000 elements, more than the limit of 64 (--max_inputs_per_request)"},
+      {"classification of label",
+       [](InferRequest* r) {
+         AddInput(r, "text", {"a"});
+         auto* out = r->add_outputs();
+         out->set_name("label");
+         (*out->mutable_parameters())["classification"].set_int64_param(1);
+       },
+       "output 'label' is BYTES"},
+      {"classification zero",
+       [](InferRequest* r) {
+         AddInput(r, "text", {"a"});
+         auto* out = r->add_outputs();
+         out->set_name("logits");
+         (*out->mutable_parameters())["classification"].set_int64_param(0);
+       },
+       "output 'logits' parameter 'classification' is 0"},
+      {"classification type",
+       [](InferRequest* r) {
+         AddInput(r, "text", {"a"});
+         auto* out = r->add_outputs();
+         out->set_name("probabilities");
+         (*out->mutable_parameters())["classification"].set_string_param("2");
+       },
+       "output 'probabilities' parameter 'classification' must be an int64_param"},
+      {"negative timeout",
+       [](InferRequest* r) {
+         AddInput(r, "text", {"a"});
+         (*r->mutable_parameters())["timeout"].set_int64_param(-5);
+       },
+       "parameter 'timeout' is -5; it must not be negative"},
+      {"timeout type",
+       [](InferRequest* r) {
+         AddInput(r, "text", {"a"});
+         (*r->mutable_parameters())["timeout"].set_double_param(1.5);
+       },
+       "parameter 'timeout' must be an int64_param"},
       {"pair too long",
        [](InferRequest* r) {
          AddInput(r, "text", {"a"});
@@ -658,6 +800,7 @@ TEST_F(KServeTest, Metadata) {
   inference::ServerMetadataResponse server;
   ASSERT_TRUE(stub_->ServerMetadata(Context().get(), {}, &server).ok());
   EXPECT_EQ(server.name(), "collabserve");
+  EXPECT_THAT(server.extensions(), ElementsAre("classification"));
   EXPECT_FALSE(server.version().empty());
 
   inference::ModelMetadataRequest req;

@@ -112,6 +112,23 @@ class PythonClientTest(unittest.TestCase):
                 self.assertAlmostEqual(sum(k["probabilities"]), 1.0, places=5)
                 self.assertAlmostEqual(max(k["probabilities"]), c["score"], places=5)
 
+    def test_kserve_classification_extension(self):
+        texts = ["the best movie of the year", "not good at all"]
+        plain = self.rows("infer", "--model", "tiny", *texts)
+        for raw in (False, True):
+            top = self.rows("infer", "--model", "tiny", "--top", "5",
+                            *(["--raw"] if raw else []), *texts)
+            for p, t in zip(plain, top):
+                # Both labels (5 is capped at the model's 2), best first, the best one the label.
+                self.assertEqual(len(t["top"]), 2)
+                self.assertEqual(t["top"][0]["label"], p["label"])
+                self.assertNotIn("probabilities", t)
+                self.assertEqual(t["logits"], p["logits"])
+                for entry in t["top"]:
+                    self.assertAlmostEqual(entry["probability"],
+                                           p["probabilities"][entry["index"]], places=5)
+                self.assertGreaterEqual(t["top"][0]["probability"], t["top"][1]["probability"])
+
     def test_text_pair(self):
         args = ["--model", "tiny", "--pair", "someone makes music", "a man plays guitar"]
         classified = self.rows("classify", *args)
