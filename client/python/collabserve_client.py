@@ -6,7 +6,7 @@ and `grpc_python_plugin` (Debian package protobuf-compiler-grpc) into a temporar
 generated code is kept anywhere. Every command prints JSON (one object per line) on stdout, and
 exits non-zero with the gRPC status code and message on stderr when a call fails.
 
-  collabserve_client.py --address 127.0.0.1:8500 health [--service MODEL]
+  collabserve_client.py --address 127.0.0.1:8500 [--tls [--tls-ca-file F]] health [--service MODEL]
   collabserve_client.py classify --model tiny [--version 2] [--pair TEXT ...] TEXT ...
   collabserve_client.py infer --model tiny [--version 2] [--raw] [--top K] [--pair TEXT ...] TEXT ...
   collabserve_client.py kserve-status [--model tiny]
@@ -103,10 +103,16 @@ def parse_raw_fp32(raw):
 
 
 class Client:
-    def __init__(self, address, stubs, timeout_s=30.0, token=None):
+    def __init__(self, address, stubs, timeout_s=30.0, token=None, tls=False, root_certs=None):
+        """tls: talk TLS, as the server's --tls_cert / --tls_key offer it; root_certs (PEM bytes)
+        verify the server, None = the system's roots."""
         self.stubs = stubs
         self.timeout = timeout_s
-        self.channel = grpc.insecure_channel(address)
+        if tls:
+            self.channel = grpc.secure_channel(
+                address, grpc.ssl_channel_credentials(root_certificates=root_certs))
+        else:
+            self.channel = grpc.insecure_channel(address)
         self.inference = stubs.inference_grpc.InferenceStub(self.channel)
         self.kserve = stubs.kserve_grpc.GRPCInferenceServiceStub(self.channel)
         self.health = stubs.health_grpc.HealthStub(self.channel)
@@ -299,6 +305,11 @@ def main(argv=None):
                         help="directory holding collabserve/, kserve/ and grpc/ .proto files")
     parser.add_argument("--timeout", type=float, default=30.0, help="deadline per call (s)")
     parser.add_argument("--token-file", help="file with the Admin bearer token")
+    parser.add_argument("--tls", action="store_true",
+                        help="use TLS (the server's --tls_cert / --tls_key)")
+    parser.add_argument("--tls-ca-file",
+                        help="with --tls: PEM root certificates that verify the server (default: "
+                             "the system's)")
     sub = parser.add_subparsers(dest="command", required=True)
     # The Admin commands take --token-file after their name too (SUPPRESS: not given there, the
     # one before the command stands).
@@ -337,6 +348,8 @@ def main(argv=None):
     p.add_argument("job_id")
     args = parser.parse_args(argv)
 
+    if args.tls_ca_file and not args.tls:
+        parser.error("--tls-ca-file needs --tls")
     if args.command in ("classify", "infer") and args.pair and len(args.pair) != len(args.texts):
         parser.error("give --pair once per text (%d texts, %d pairs)"
                      % (len(args.texts), len(args.pair)))
@@ -360,7 +373,15 @@ def main(argv=None):
                     token = f.read().strip()
             except OSError as e:
                 raise OSError("--token-file: %s" % e) from e
-        client = Client(args.address, Stubs(args.proto_dir), args.timeout, token)
+        root_certs = None
+        if args.tls_ca_file:
+            try:
+                with open(args.tls_ca_file, "rb") as f:
+                    root_certs = f.read()
+            except OSError as e:
+                raise OSError("--tls-ca-file: %s" % e) from e
+        client = Client(args.address, Stubs(args.proto_dir), args.timeout, token, args.tls,
+                        root_certs)
         if args.command == "health":
             status = client.check_health(args.service)
             print_json({"service": args.service, "status": status})

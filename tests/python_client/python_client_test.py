@@ -32,6 +32,28 @@ def run(cmd, check=True, timeout=300):
     return proc
 
 
+def start_server(repo, flags):
+    """Starts collabserve on 127.0.0.1:0 over `repo`; returns the process and its address once it
+    serves."""
+    cmd = [ARGS.server, "--host=127.0.0.1", "--port=0", "--metrics_port=-1",
+           "--model_repository=" + repo, "--poll_interval_s=0"] + flags
+    server = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    address = None
+    serving = False
+    for line in server.stdout:
+        if line.startswith("listening on 127.0.0.1:"):
+            address = line.split("listening on ", 1)[1].strip()
+        elif line.startswith("serving"):
+            serving = True
+            break
+    if not serving or address is None:
+        server.kill()
+        server.wait()
+        raise AssertionError("collabserve did not start (exit %s); see its stderr above"
+                             % server.returncode)
+    return server, address
+
+
 class PythonClientTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
@@ -39,28 +61,14 @@ class PythonClientTest(unittest.TestCase):
         cls.repo = os.path.join(cls.tmp, "repo")
         run([ARGS.model_tool, "make", "--out", os.path.join(cls.repo, "tiny", "1"),
              "--seed", "3"])
-        cmd = [ARGS.server, "--host=127.0.0.1", "--port=0", "--metrics_port=-1",
-               "--model_repository=" + cls.repo, "--poll_interval_s=0"]
+        flags = []
         cls.token_file = None
         if ARGS.admin:
             cls.token_file = os.path.join(cls.tmp, "token")
             with open(cls.token_file, "w") as f:
                 f.write("python-client-test-token\n")
-            cmd.append("--admin_token_file=" + cls.token_file)
-        cls.server = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-        cls.address = None
-        serving = False
-        for line in cls.server.stdout:
-            if line.startswith("listening on 127.0.0.1:"):
-                cls.address = line.split("listening on ", 1)[1].strip()
-            elif line.startswith("serving"):
-                serving = True
-                break
-        if not serving or cls.address is None:
-            cls.server.kill()
-            cls.server.wait()
-            raise AssertionError("collabserve did not start (exit %s); see its stderr above"
-                                 % cls.server.returncode)
+            flags.append("--admin_token_file=" + cls.token_file)
+        cls.server, cls.address = start_server(cls.repo, flags)
 
     @classmethod
     def tearDownClass(cls):
@@ -167,6 +175,41 @@ class PythonClientTest(unittest.TestCase):
         # --version 0 is the newest, as in collabctl.
         self.assertEqual(self.rows("classify", "--model", "tiny", "--version", "0", "hello")[0]
                          ["model_version"], 1)
+
+    def test_tls(self):
+        certs = os.path.join(self.tmp, "certs")
+        os.makedirs(certs)
+        cert, key = os.path.join(certs, "cert.pem"), os.path.join(certs, "key.pem")
+        run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+             "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost",
+             "-keyout", key, "-out", cert])
+        server, address = start_server(self.repo, ["--tls_cert=" + cert, "--tls_key=" + key])
+        try:
+            # The certificate's name, not 127.0.0.1.
+            base = ["/usr/bin/python3", ARGS.client, "--address",
+                    "localhost:" + address.rsplit(":", 1)[1], "--proto-dir", ARGS.proto_dir,
+                    "--timeout", "20"]
+            proc = run(base + ["--tls", "--tls-ca-file", cert, "classify", "--model", "tiny",
+                               "hello"])
+            self.assertEqual(json.loads(proc.stdout.splitlines()[0])["model_version"], 1)
+            proc = run(base + ["--tls", "--tls-ca-file", cert, "health"])
+            self.assertEqual(json.loads(proc.stdout)["status"], "SERVING")
+            # Plaintext to a TLS port, and TLS with roots that do not sign the server, fail.
+            proc = run(base + ["--timeout", "3", "health"], check=False)
+            self.assertEqual(proc.returncode, 2, proc.stderr)
+            self.assertIn("UNAVAILABLE", proc.stderr)
+            proc = run(base + ["--timeout", "3", "--tls", "health"], check=False)
+            self.assertEqual(proc.returncode, 2, proc.stderr)
+            proc = run(base + ["--tls-ca-file", cert, "health"], check=False)
+            self.assertEqual(proc.returncode, 2)
+            self.assertIn("--tls-ca-file needs --tls", proc.stderr)
+            proc = run(base + ["--tls", "--tls-ca-file", os.path.join(certs, "none.pem"),
+                               "health"], check=False)
+            self.assertEqual(proc.returncode, 2)
+            self.assertIn("--tls-ca-file:", proc.stderr)
+        finally:
+            server.kill()
+            server.wait()
 
     def test_upload_and_watch(self):
         if not ARGS.admin:
