@@ -27,11 +27,13 @@ import hashlib
 import importlib
 import json
 import os
+import random
 import shutil
 import struct
 import subprocess
 import sys
 import tempfile
+import time
 
 try:
     import grpc
@@ -103,11 +105,22 @@ def parse_raw_fp32(raw):
 
 
 class Client:
-    def __init__(self, address, stubs, timeout_s=30.0, token=None, tls=False, root_certs=None):
+    # Unary calls that fail with UNAVAILABLE (server unreachable, loading, restarting, draining) or
+    # RESOURCE_EXHAUSTED (a full queue) are tried again, as collabctl does: up to MAX_ATTEMPTS in
+    # all, waits drawn from [backoff / 2, backoff] with backoff 50 ms doubling up to 2 s, all inside
+    # the call's one deadline. None of these calls changes the server's state; UploadModel and
+    # WatchJob are not retried.
+    MAX_ATTEMPTS = 5
+    RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+    def __init__(self, address, stubs, timeout_s=30.0, token=None, tls=False, root_certs=None,
+                 on_retry=None):
         """tls: talk TLS, as the server's --tls_cert / --tls_key offer it; root_certs (PEM bytes)
-        verify the server, None = the system's roots."""
+        verify the server, None = the system's roots. on_retry(error, attempt) is called before
+        each wait (for logging)."""
         self.stubs = stubs
         self.timeout = timeout_s
+        self.on_retry = on_retry
         if tls:
             self.channel = grpc.secure_channel(
                 address, grpc.ssl_channel_credentials(root_certificates=root_certs))
@@ -119,9 +132,27 @@ class Client:
         self.metadata = [("authorization", "Bearer " + token)] if token else None
         self.admin = stubs.admin_grpc.AdminStub(self.channel) if stubs.admin_grpc else None
 
+    def _call(self, method, request):
+        """method(request) with the retries above, inside one deadline of self.timeout."""
+        give_up = time.monotonic() + self.timeout
+        backoff = 0.05
+        for attempt in range(1, self.MAX_ATTEMPTS + 1):
+            try:
+                return method(request, timeout=max(give_up - time.monotonic(), 0.001))
+            except grpc.RpcError as e:
+                if e.code() not in self.RETRYABLE or attempt == self.MAX_ATTEMPTS:
+                    raise
+                wait = random.uniform(backoff / 2, backoff)
+                if time.monotonic() + wait >= give_up:
+                    raise
+                if self.on_retry:
+                    self.on_retry(e, attempt)
+                time.sleep(wait)
+                backoff = min(backoff * 2, 2.0)
+
     def check_health(self, service=""):
         pb = self.stubs.health_pb2
-        resp = self.health.Check(pb.HealthCheckRequest(service=service), timeout=self.timeout)
+        resp = self._call(self.health.Check, pb.HealthCheckRequest(service=service))
         return pb.HealthCheckResponse.ServingStatus.Name(resp.status)
 
     def classify(self, model, texts, pairs=None, version=None):
@@ -133,15 +164,14 @@ class Client:
             item = req.inputs.add(text=text)
             if pairs:
                 item.text_pair = pairs[i]
-        resp = self.inference.Classify(req, timeout=self.timeout)
+        resp = self._call(self.inference.Classify, req)
         return [{"label": r.label, "score": r.score, "logits": list(r.logits),
                  "model_version": resp.model_version} for r in resp.results]
 
     def list_models(self):
         """ListModels: one dict per model, with its served versions and the state of every version
         on disk (with the load error of a failed one)."""
-        resp = self.inference.ListModels(self.stubs.inference_pb2.ListModelsRequest(),
-                                         timeout=self.timeout)
+        resp = self._call(self.inference.ListModels, self.stubs.inference_pb2.ListModelsRequest())
         out = []
         for m in resp.models:
             status = []
@@ -172,7 +202,7 @@ class Client:
                 req.raw_input_contents.append(raw_bytes(encoded))
             else:
                 tensor.contents.bytes_contents.extend(encoded)
-        resp = self.kserve.ModelInfer(req, timeout=self.timeout)
+        resp = self._call(self.kserve.ModelInfer, req)
         if resp.id != req.id:
             raise RuntimeError("ModelInfer echoed id %r, sent %r" % (resp.id, req.id))
         outputs = {}
@@ -209,16 +239,15 @@ class Client:
     def kserve_status(self, model=None):
         pb = self.stubs.kserve_pb2
         out = {
-            "live": self.kserve.ServerLive(pb.ServerLiveRequest(), timeout=self.timeout).live,
-            "ready": self.kserve.ServerReady(pb.ServerReadyRequest(), timeout=self.timeout).ready,
+            "live": self._call(self.kserve.ServerLive, pb.ServerLiveRequest()).live,
+            "ready": self._call(self.kserve.ServerReady, pb.ServerReadyRequest()).ready,
         }
-        meta = self.kserve.ServerMetadata(pb.ServerMetadataRequest(), timeout=self.timeout)
+        meta = self._call(self.kserve.ServerMetadata, pb.ServerMetadataRequest())
         out["server"] = {"name": meta.name, "version": meta.version}
         if model:
-            out["model_ready"] = self.kserve.ModelReady(
-                pb.ModelReadyRequest(name=model), timeout=self.timeout).ready
-            m = self.kserve.ModelMetadata(pb.ModelMetadataRequest(name=model),
-                                          timeout=self.timeout)
+            out["model_ready"] = self._call(self.kserve.ModelReady,
+                                            pb.ModelReadyRequest(name=model)).ready
+            m = self._call(self.kserve.ModelMetadata, pb.ModelMetadataRequest(name=model))
             out["model"] = {
                 "name": m.name, "platform": m.platform, "versions": list(m.versions),
                 "inputs": [[t.name, t.datatype, list(t.shape)] for t in m.inputs],
@@ -380,8 +409,12 @@ def main(argv=None):
                     root_certs = f.read()
             except OSError as e:
                 raise OSError("--tls-ca-file: %s" % e) from e
+        def on_retry(error, attempt):
+            print("collabserve_client: %s: attempt %d: %s: %s; trying again"
+                  % (args.command, attempt, error.code().name, error.details()), file=sys.stderr)
+
         client = Client(args.address, Stubs(args.proto_dir), args.timeout, token, args.tls,
-                        root_certs)
+                        root_certs, on_retry)
         if args.command == "health":
             status = client.check_health(args.service)
             print_json({"service": args.service, "status": status})

@@ -211,6 +211,56 @@ class PythonClientTest(unittest.TestCase):
             server.kill()
             server.wait()
 
+    def test_retries_unavailable_within_the_deadline(self):
+        # A Health service that fails its first calls with a chosen code: the client's retry
+        # policy seen from the server's side.
+        import concurrent.futures
+        import importlib.util
+        import grpc
+        spec = importlib.util.spec_from_file_location("collabserve_client", ARGS.client)
+        client_module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(client_module)
+        stubs = client_module.Stubs(ARGS.proto_dir)
+
+        class FlakyHealth(stubs.health_grpc.HealthServicer):
+            def __init__(self):
+                self.failures, self.code, self.calls = 0, None, 0
+
+            def Check(self, request, context):
+                self.calls += 1
+                if self.calls <= self.failures:
+                    context.abort(self.code, "not yet (call %d)" % self.calls)
+                return stubs.health_pb2.HealthCheckResponse(
+                    status=stubs.health_pb2.HealthCheckResponse.SERVING)
+
+        health = FlakyHealth()
+        server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=2))
+        stubs.health_grpc.add_HealthServicer_to_server(health, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        try:
+            base = ["/usr/bin/python3", ARGS.client, "--address", "127.0.0.1:%d" % port,
+                    "--proto-dir", ARGS.proto_dir, "--timeout", "20", "health"]
+            cases = [  # failures, code, exit status, calls the server sees
+                (2, grpc.StatusCode.UNAVAILABLE, 0, 3),
+                (1, grpc.StatusCode.RESOURCE_EXHAUSTED, 0, 2),
+                (9, grpc.StatusCode.UNAVAILABLE, 2, 5),  # gives up after five attempts
+                (1, grpc.StatusCode.NOT_FOUND, 2, 1),  # not retried
+            ]
+            for failures, code, status, calls in cases:
+                with self.subTest(failures=failures, code=code.name):
+                    health.failures, health.code, health.calls = failures, code, 0
+                    proc = run(base, check=False)
+                    self.assertEqual(proc.returncode, status, proc.stderr)
+                    self.assertEqual(health.calls, calls)
+                    self.assertEqual(proc.stderr.count("trying again"), calls - 1, proc.stderr)
+                    if status == 0:
+                        self.assertEqual(json.loads(proc.stdout)["status"], "SERVING")
+                    else:
+                        self.assertIn(code.name, proc.stderr)
+        finally:
+            server.stop(None)
+
     def test_upload_and_watch(self):
         if not ARGS.admin:
             self.fail("run with --admin to test upload and watch (the Admin service)")
