@@ -107,7 +107,8 @@ const cpuChecksum = dep(def).spec.template.metadata.annotations['checksum/config
 const all = template(['replicaCount=3', 'gpu.enabled=true', 'gpu.count=1', 'image.tag=0.1.0-cuda',
   'S:nodeSelector.nvidia\\.com/gpu\\.present=true', 'tolerations[0].key=nvidia.com/gpu', 'tolerations[0].operator=Exists',
   'autoscaling.enabled=true', 'autoscaling.metric=queueTime', 'autoscaling.maxReplicas=6', 'serviceMonitor.enabled=true',
-  'admin.service.enabled=true', 'server.drainTimeoutS=60', 'server.flags.max_batch_size=16', 'podDisruptionBudget.minAvailable=2']);
+  'admin.service.enabled=true', 'server.drainTimeoutS=60', 'server.flags.max_batch_size=16', 'podDisruptionBudget.minAvailable=2',
+  'server.flags.max_upload_bytes=4294967296', 'server.flags.max_queue_delay_micros=1500000', 'server.flags.version_settle_s=0.5']);
 await validateK8s(all, 'all options');
 const ca = ctr(all);
 check(ca.resources.limits['nvidia.com/gpu'] === 1, 'gpu.count=1 requests nvidia.com/gpu: 1');
@@ -115,6 +116,14 @@ check(ca.resources.limits.memory === '8Gi', 'GPU limit is added to, not replacin
 check(dep(all).spec.template.spec.nodeSelector['nvidia.com/gpu.present'] === 'true' && dep(all).spec.template.spec.tolerations.length === 1, 'nodeSelector and tolerations reach the pod');
 check(find(all, 'ConfigMap')[0].data.COLLABSERVE_DEVICE === 'cuda', 'gpu.enabled defaults the device to cuda');
 check(find(all, 'ConfigMap')[0].data.COLLABSERVE_MAX_BATCH_SIZE === '16', 'server.flags.max_batch_size reaches the ConfigMap');
+{
+  // YAML round trips make numbers floats; the server's int64 flags must not get "4.294967296e+09".
+  const data = find(all, 'ConfigMap')[0].data;
+  check(data.COLLABSERVE_MAX_UPLOAD_BYTES === '4294967296' && data.COLLABSERVE_MAX_QUEUE_DELAY_MICROS === '1500000' &&
+    data.COLLABSERVE_VERSION_SETTLE_S === '0.5',
+    `large whole numbers reach the ConfigMap whole, fractions as they are (got ${data.COLLABSERVE_MAX_UPLOAD_BYTES}, ` +
+    `${data.COLLABSERVE_MAX_QUEUE_DELAY_MICROS}, ${data.COLLABSERVE_VERSION_SETTLE_S})`);
+}
 check(dep(all).spec.template.metadata.annotations['checksum/config'] !== cpuChecksum, 'a flag change changes the pod template (rolls the pods)');
 check(find(all, 'PersistentVolumeClaim')[0].spec.accessModes[0] === 'ReadWriteMany', 'several pods: the model claim is ReadWriteMany');
 check(dep(all).spec.template.spec.terminationGracePeriodSeconds === 70, 'terminationGracePeriodSeconds follows drainTimeoutS (60 + 5 + 5)');

@@ -112,6 +112,17 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- toYaml $f }}
 {{- end }}
 
+{{/* A flag's value as the server parses it. The flags pass through toYaml | fromYaml, which makes
+     every number a float64, and toString prints 4294967296 as "4.294967296e+09": whole numbers
+     are printed whole; everything else as it is. */}}
+{{- define "collabserve.flagValue" -}}
+{{- if and (kindIs "float64" .) (eq (float64 (int64 .)) .) -}}
+{{- int64 . -}}
+{{- else -}}
+{{- toString . -}}
+{{- end -}}
+{{- end }}
+
 {{/* Environment variable that carries a flag from the ConfigMap: max_batch_size -> COLLABSERVE_MAX_BATCH_SIZE. */}}
 {{- define "collabserve.flagEnv" -}}
 {{- printf "COLLABSERVE_%s" (. | upper | replace "-" "_") }}
