@@ -97,9 +97,11 @@ absl::StatusOr<BertConfig> MakeConfig(const MakeOptions& o) {
   } else {
     return absl::InvalidArgumentError(absl::StrCat("unknown preset '", o.preset, "' (tiny, mini, base)"));
   }
-  if (o.layers < 0 || o.hidden < 0 || o.heads < 0 || o.intermediate < 0) {
-    return absl::InvalidArgumentError("--layers, --hidden, --heads and --intermediate must be positive");
+  if (o.layers < 0 || o.hidden < 0 || o.heads < 0 || o.intermediate < 0 || o.type_vocab_size < 0) {
+    return absl::InvalidArgumentError(
+        "--layers, --hidden, --heads, --intermediate and the token types must be positive");
   }
+  if (o.type_vocab_size) c.type_vocab_size = o.type_vocab_size;
   if (o.layers) c.num_hidden_layers = o.layers;
   if (o.hidden) c.hidden_size = o.hidden;
   if (o.heads) c.num_attention_heads = o.heads;

@@ -21,6 +21,7 @@ struct MakeOptions {
   std::string preset = "tiny";  // tiny (2×64, 4 heads), mini (4×256, 4 heads), base (12×768, 12 heads)
   // Overrides of the preset (0 = keep the preset's).
   int layers = 0, hidden = 0, heads = 0, intermediate = 0;
+  int type_vocab_size = 0;  // token types (1: a model that takes no text pairs); 0 = BERT's 2
   int labels = 2;
   std::vector<std::string> label_names;  // empty: LABEL_0..
   uint64_t seed = 0;

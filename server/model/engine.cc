@@ -236,6 +236,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Load(const std::string& dir,
   info.head_size = config.head_size();
   info.hidden_size = config.hidden_size;
   info.intermediate_size = config.intermediate_size;
+  info.type_vocab_size = config.type_vocab_size;
   info.collaborative_ranks = config.collaborative.ranks;
   info.collaborative_errors = config.collaborative.errors;
   if (config.collaborative.fidelity) info.fidelity_top1_agreement = config.collaborative.fidelity->top1_agreement;

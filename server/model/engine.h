@@ -66,6 +66,8 @@ struct ModelInfo {
   int head_size = 0;
   int hidden_size = 0;
   int intermediate_size = 0;
+  // Token types the embeddings have (config.json's type_vocab_size): 1 means no text pairs.
+  int type_vocab_size = 2;
   // Shared key/query rank per layer for a collaborative model; empty for a standard one.
   std::vector<int> collaborative_ranks;
   // Also from the collaborative section: each layer's relative reconstruction error (-1 where not

@@ -77,6 +77,12 @@ struct Encoded {
 absl::StatusOr<Encoded> EncodeInput(const ModelServable& servable, const v1::Input& in, int index,
                                     bool truncate) {
   const int max_length = servable.info().max_length;
+  if (in.has_text_pair() && servable.info().type_vocab_size < 2) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "inputs[", index, "].text_pair is given, but model ", servable.id().DebugString(),
+        " has one token type (type_vocab_size ", servable.info().type_vocab_size,
+        ") and takes no text pairs; send the text alone"));
+  }
   std::optional<std::string_view> pair;
   if (in.has_text_pair()) pair = in.text_pair();
   auto enc = servable.engine().tokenizer().Encode(in.text(), pair, max_length, truncate);
@@ -93,6 +99,12 @@ absl::StatusOr<Encoded> EncodeInput(const ModelServable& servable, const v1::Inp
         "inputs[", index, "] has ", out.input.input_ids.size(), " tokens, more than model ",
         servable.id().DebugString(), "'s max length of ", max_length,
         "; shorten it or leave options.truncate unset (true)"));
+  }
+  // What the forward pass would refuse is refused here, for this request alone: in a batch it
+  // would fail every caller's inputs.
+  if (absl::Status s = servable.engine().CheckInput(out.input); !s.ok()) {
+    return util::Prefixed(s, absl::StrCat("inputs[", index, "]: model ",
+                                          servable.id().DebugString(), " cannot take it: "));
   }
   return out;
 }
@@ -505,7 +517,13 @@ void InferenceService::StartClassify(const v1::ClassifyRequest& request, absl::T
     // Nothing was taken: report every input failed, which fires the tracker once with the error.
     if (scheduled.code() == absl::StatusCode::kResourceExhausted) {
       scheduled = absl::ResourceExhaustedError(
-          absl::StrCat(scheduled.message(), "; the server is overloaded, retry with backoff"));
+          absl::StrCat(scheduled.message(),
+                       "; the server is overloaded, retry with backoff (the queue's size is "
+                       "--max_queue_size)"));
+    } else if (scheduled.code() == absl::StatusCode::kInvalidArgument) {
+      // More inputs than the whole queue holds (--max_inputs_per_request above --max_queue_size).
+      scheduled = absl::InvalidArgumentError(absl::StrCat(
+          scheduled.message(), " (--max_queue_size); split the request into smaller ones"));
     }
     for (auto& t : tasks) t->Fail(scheduled);
   }

@@ -397,6 +397,11 @@ absl::Status ValidateServerOptions(const ServerOptions& o) {
     return absl::InvalidArgumentError(absl::StrCat("--max_message_bytes=", o.max_message_bytes,
                                                    " is below 1024; requests would not fit"));
   }
+  if (o.inference.max_inputs_per_request < 1 || o.inference.max_text_bytes < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max_inputs_per_request=", o.inference.max_inputs_per_request, " and --max_text_bytes=",
+        o.inference.max_text_bytes, " must both be >= 1"));
+  }
   if (o.inference.max_concurrent_streams < 1) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--max_concurrent_streams=", o.inference.max_concurrent_streams, " must be >= 1"));

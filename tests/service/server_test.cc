@@ -24,6 +24,7 @@
 #include "grpcpp/support/channel_arguments.h"
 #include "server/util/files.h"
 #include "gtest/gtest.h"
+#include "server/model/checkpoint_maker.h"
 #include "server/model/device.h"
 #include "server/model/engine.h"
 #include "server/service/model_servable.h"
@@ -304,6 +305,43 @@ TEST_F(ServerTest, ConcurrentRequestsShareABatch) {
   EXPECT_EQ(m["collabserve_requests_total{code=\"OK\",model=\"tiny\",version=\"1\"}"], 9);
 }
 
+// A text pair for a model with one token type would fail the forward pass of its whole batch, and
+// so other callers' inputs: it is refused on its own, before it is queued.
+TEST_F(ServerTest, APairForAModelWithOneTokenTypeIsRefusedAloneNotWithItsBatch) {
+  model::MakeOptions single;
+  single.type_vocab_size = 1;
+  single.seed = 9;
+  ASSERT_TRUE(model::MakeCheckpoint(repo_.path() + "/single/1", single).ok());
+  Start();
+  gate_.Close();
+  auto running = StartAsync(Request("single", {"running"}));
+  ASSERT_TRUE(gate_.WaitForArrivals(1));  // the next inputs wait together for one batch
+  auto good = StartAsync(Request("single", {"a text alone"}));
+  v1::ClassifyRequest pair = Request("single", {"a text"});
+  pair.mutable_inputs(0)->set_text_pair("and its pair");
+  v1::ClassifyResponse resp;
+  grpc::Status s = Classify(pair, &resp, absl::Seconds(5));
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("inputs[0].text_pair is given, but model single:1 has "
+                                           "one token type (type_vocab_size 1)"));
+  grpc::ClientContext ctx;
+  v1::TokenizeRequest treq;
+  treq.set_model_name("single");
+  *treq.add_inputs() = pair.inputs(0);
+  v1::TokenizeResponse tresp;
+  s = stub_->Tokenize(&ctx, treq, &tresp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("takes no text pairs"));
+  gate_.Open();
+  for (auto* c : {running.get(), good.get()}) {
+    c->finished.WaitForNotification();
+    EXPECT_TRUE(c->status.ok()) << c->status.error_message();
+  }
+  // The pair works on a model with two token types.
+  pair.set_model_name("tiny");
+  EXPECT_TRUE(Classify(pair, &resp).ok());
+}
+
 TEST_F(ServerTest, QueueOverflowIsResourceExhaustedAndTheServerRecovers) {
   ServerOptions o = Options();
   o.servable.batching.max_batch_size = 1;
@@ -320,9 +358,14 @@ TEST_F(ServerTest, QueueOverflowIsResourceExhaustedAndTheServerRecovers) {
   grpc::Status s = Classify(Request("tiny", {"one too many"}), &resp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
   EXPECT_THAT(s.error_message(), HasSubstr("queue full"));
+  EXPECT_THAT(s.error_message(), HasSubstr("--max_queue_size"));
   // Two inputs when one slot is... none free: also refused, all or nothing.
   s = Classify(Request("tiny", {"a", "b"}), &resp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  // More inputs than the whole queue holds can never be queued: the request's own fault.
+  s = Classify(Request("tiny", {"a", "b", "c"}), &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("queue holds at most 2 (--max_queue_size)"));
   gate_.Open();
   for (auto* c : {running.get(), q1.get(), q2.get()}) {
     c->finished.WaitForNotification();
@@ -670,6 +713,26 @@ TEST_F(ServerTest, ServesTlsWhenGivenACertificate) {
   v1::ClassifyResponse plain;
   s = Classify(Request("tiny", {"in the clear"}), &plain, absl::Seconds(3));
   EXPECT_FALSE(s.ok());
+}
+
+TEST_F(ServerTest, RequestLimitsBelowOneAreRefusedAtStartUp) {
+  struct Case {
+    std::function<void(ServerOptions*)> set;
+    std::string expect;
+  };
+  const std::vector<Case> cases = {
+      {[](ServerOptions* o) { o->inference.max_inputs_per_request = 0; },
+       "--max_inputs_per_request=0 and --max_text_bytes=65536 must both be >= 1"},
+      {[](ServerOptions* o) { o->inference.max_text_bytes = 0; }, "--max_text_bytes=0"},
+  };
+  for (const Case& c : cases) {
+    ServerOptions o = Options();
+    c.set(&o);
+    Server server(o);
+    absl::Status s = server.Start();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_THAT(std::string(s.message()), HasSubstr(c.expect));
+  }
 }
 
 TEST_F(ServerTest, HalfTlsConfigurationIsRejected) {
