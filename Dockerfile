@@ -9,7 +9,8 @@
 # never loads, and installing them made the CPU image twice the size.
 #
 # No `# syntax=` line: it would make every build pull a frontend image from Docker Hub first; the
-# engine's own frontend (Docker 20.10 and later) has all this file uses, RUN --mount included.
+# engine's own frontend has all this file uses, RUN --mount included, with BuildKit: the default
+# builder from Docker 23.0; on 20.10-22.x, build with DOCKER_BUILDKIT=1.
 #
 # `make check-image` (scripts/check-image.sh says what it checks) builds the CPU image and runs it as
 # the Helm chart runs its pods. The `cuda` target has NOT been built: its base images and the
@@ -92,7 +93,9 @@ RUN --mount=type=bind,from=cuda-build,source=/out/libs,target=/tmp/libs \
 # LibTorch's libraries, including the CUDA runtime, cuBLAS and cuDNN it was built with.
 COPY --from=cuda-build /opt/libtorch/lib/ /opt/libtorch/lib/
 COPY --from=cuda-build /out/usr/local/bin/ /usr/local/bin/
-ENV LD_LIBRARY_PATH=/opt/libtorch/lib \
+# Prepended, not replaced: the nvidia/cuda base's LD_LIBRARY_PATH (/usr/local/nvidia/lib64) is where
+# some node images (GKE's driver installer) mount libcuda.so.1, with no ldconfig in the container.
+ENV LD_LIBRARY_PATH=/opt/libtorch/lib:${LD_LIBRARY_PATH} \
     NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility \
     COLLABSERVE_HEALTH_ADDRESS=127.0.0.1:8500

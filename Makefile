@@ -55,7 +55,7 @@ test-tsan: deps
 # Compiles the LibTorch code against LibTorch 2.x headers (Debian trixie's libtorch-dev, fetched
 # once into $(BUILD_DIR)/libtorch2), as the CUDA image will build it (C++17), and as C++20, the
 # standard LibTorch 2.13 and later need; CI runs both on server/ and tests/.
-check-libtorch2: configure
+check-libtorch2: build
 	CXX_STANDARD=17 JOBS=$(JOBS) scripts/check-libtorch2.sh $(BUILD_DIR)
 	CXX_STANDARD=20 JOBS=$(JOBS) scripts/check-libtorch2.sh $(BUILD_DIR)
 

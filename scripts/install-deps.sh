@@ -15,7 +15,7 @@ BUILD_PKGS=(
   libgtest-dev libgmock-dev libbenchmark-dev libssl-dev zlib1g-dev
   clang libclang-rt-dev
 )
-TEST_PKGS=(python3-torch python3-numpy python3-grpcio curl prometheus)
+TEST_PKGS=(python3-torch python3-numpy python3-grpcio curl openssl prometheus)
 
 [ $# -eq 0 ] || { echo "usage: $0 (no arguments)" >&2; exit 2; }
 want=("${BUILD_PKGS[@]}" "${TEST_PKGS[@]}")
