@@ -101,6 +101,15 @@ absl::StatusOr<BertConfig> BertConfig::Parse(absl::string_view text, absl::strin
                                                    " is not supported (only \"bert\")"));
     }
   }
+  // Hugging Face's AutoTokenizer falls back on this one when tokenizer_config.json names none.
+  if (auto it = j.find("tokenizer_class"); it != j.end() && !it->is_null()) {
+    if (!it->is_string() ||
+        (it->get<std::string>() != "BertTokenizer" && it->get<std::string>() != "BertTokenizerFast")) {
+      return absl::UnimplementedError(absl::StrCat(
+          name, ": tokenizer_class ", Describe(*it),
+          " is not supported; collabserve tokenizes as BertTokenizer / BertTokenizerFast do"));
+    }
+  }
   if (auto it = j.find("architectures"); it != j.end() && !it->is_null()) {
     if (!it->is_array()) return Invalid(name, "'architectures' must be a list");
     for (const auto& a : *it) {
@@ -194,6 +203,12 @@ absl::StatusOr<BertConfig> BertConfig::Parse(absl::string_view text, absl::strin
   if (auto it = j.find("collaborative"); it != j.end() && !it->is_null()) {
     const json& cj = *it;
     if (!cj.is_object()) return Invalid(name, "'collaborative' must be an object");
+    // Version 1 is the form this code writes and runs; a later one may compute something else.
+    if (auto v = cj.find("format_version"); v != cj.end() && !(v->is_number_integer() && v->get<int64_t>() == 1)) {
+      return absl::UnimplementedError(absl::StrCat(
+          name, ": 'collaborative.format_version' is ", Describe(*v),
+          "; this collabserve reads version 1 (a newer collabserve wrote this checkpoint?)"));
+    }
     auto ranks = cj.find("ranks");
     if (ranks == cj.end() || !ranks->is_array()) return Invalid(name, "'collaborative.ranks' must be a list");
     if (static_cast<int>(ranks->size()) != c.num_hidden_layers) {

@@ -163,6 +163,13 @@ absl::StatusOr<std::string> FindWeightsFile(const std::string& dir) {
     std::string p = util::JoinPath(dir, name);
     if (util::FileExists(p)) return p;
   }
+  for (const char* index : {"model.safetensors.index.json", "pytorch_model.bin.index.json"}) {
+    if (util::FileExists(util::JoinPath(dir, index))) {
+      return absl::UnimplementedError(absl::StrCat(
+          dir, ": ", index, " names a checkpoint sharded into several files, which is not supported; "
+          "save it as one file (save_pretrained(..., max_shard_size=\"100GB\"))"));
+    }
+  }
   return absl::NotFoundError(
       absl::StrCat(dir, ": no model.safetensors or pytorch_model.bin in the model directory"));
 }

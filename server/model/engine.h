@@ -87,7 +87,7 @@ struct TokenizedInput {
 
 struct Prediction {
   std::vector<float> logits;
-  std::vector<float> probabilities;  // softmax, or sigmoid for multi-label; equals logits for regression
+  std::vector<float> probabilities;  // softmax; sigmoid for multi-label or one label; logits for regression
   int label = 0;                     // argmax
 };
 

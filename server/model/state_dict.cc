@@ -144,10 +144,18 @@ std::string NormalizeKey(absl::string_view key) {
 absl::Status LoadStateDict(BertClassifier& model, const io::Checkpoint& checkpoint,
                            absl::string_view file, bool borrow_packed) {
   std::map<std::string, const io::RawTensor*> by_key;
+  std::map<std::string, std::string> source_key;  // normalized key -> the checkpoint's own
   std::vector<std::string> unexpected;
   for (const auto& [key, raw] : checkpoint.tensors) {
     std::string k = NormalizeKey(key);
     if (absl::EndsWith(k, "position_ids") || absl::StartsWith(k, "cls.")) continue;
+    // Two spellings of one parameter ("bert.x" and "x", gamma and weight): which one to load is a
+    // guess, and a wrong guess loads silently.
+    if (auto [it, fresh] = source_key.emplace(k, key); !fresh) {
+      return absl::InvalidArgumentError(absl::StrCat(file, ": tensors '", it->second, "' and '", key,
+                                                     "' are both parameter '", k,
+                                                     "'; keep one of them"));
+    }
     by_key[k] = &raw;
   }
   const std::vector<std::pair<uintptr_t, uintptr_t>> file_mappings = ReadOnlyFileMappings();

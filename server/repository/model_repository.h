@@ -3,9 +3,10 @@
 // a model is; the service hands it a loader that turns a version directory into a Servable.
 //
 // Layout: `root/<model>/<version>/` where <model> matches [A-Za-z0-9_.-]+ without a leading '.',
-// and <version> is a positive decimal integer without leading zeros. Names starting with '.'
-// (`root/.staging/`, `root/.trash-*`) are the repository's own and are never served; any other
-// name that is not a valid model or version is ignored and logged once.
+// and <version> is a positive decimal integer without leading zeros, of at most 18 digits. Names
+// starting with '.' (`root/.staging/`, `root/.trash-*`) are the repository's own and are never
+// served; files at the root (a README) are skipped; any other name that is not a valid model or
+// version is ignored and logged once.
 #ifndef COLLABSERVE_SERVER_REPOSITORY_MODEL_REPOSITORY_H_
 #define COLLABSERVE_SERVER_REPOSITORY_MODEL_REPOSITORY_H_
 

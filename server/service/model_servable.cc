@@ -9,17 +9,19 @@
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
 #include "server/model/device.h"
+#include "server/text/bert_tokenizer.h"
 #include "server/util/status_macros.h"
 
 namespace collabserve::service {
 namespace {
 
-// [CLS] w w ... [SEP] with ids that exist in any BERT vocabulary (1000+ are word pieces).
-model::TokenizedInput WarmUpInput(int length) {
+// [CLS] w w ... [SEP] in the model's own vocabulary (w: the unknown-word token, which every
+// vocabulary has).
+model::TokenizedInput WarmUpInput(const text::BertTokenizer& tokenizer, int length) {
   model::TokenizedInput in;
-  in.input_ids.assign(length, 1996);
-  in.input_ids.front() = 101;
-  in.input_ids.back() = 102;
+  in.input_ids.assign(length, tokenizer.unk_id());
+  in.input_ids.front() = tokenizer.cls_id();
+  in.input_ids.back() = tokenizer.sep_id();
   in.token_type_ids.assign(length, 0);
   return in;
 }
@@ -119,11 +121,12 @@ absl::Status ModelServable::WarmUp() {
   // One short input, then one full batch of medium inputs: the first passes allocate and pick
   // kernels, so that the first client requests do not pay for it.
   const int max_len = engine_->info().max_length;
-  std::vector<model::TokenizedInput> inputs = {WarmUpInput(std::min(8, max_len))};
+  const text::BertTokenizer& tokenizer = engine_->tokenizer();
+  std::vector<model::TokenizedInput> inputs = {WarmUpInput(tokenizer, std::min(8, max_len))};
   auto r = engine_->Run(inputs);
   if (!r.ok()) return Failed(r.status(), "warm-up failed: ");
   const int n = static_cast<int>(std::min<int64_t>(options_.batching.max_batch_size, 8));
-  inputs.assign(n, WarmUpInput(std::min(64, max_len)));
+  inputs.assign(n, WarmUpInput(tokenizer, std::min(64, max_len)));
   r = engine_->Run(inputs);
   if (!r.ok()) return Failed(r.status(), "warm-up failed: ");
   // On CUDA: a pass in every graph bucket a batch can fall in, so that no client request waits for

@@ -1,9 +1,14 @@
 #include "server/text/bert_tokenizer.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <limits>
 #include <utility>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
 #include "server/text/bert_normalizer.h"
@@ -76,8 +81,41 @@ absl::Status WrongType(const std::string& path, const std::string& key, std::str
                                                  value));
 }
 
-// Applies the keys of a tokenizer_config.json or special_tokens_map.json to `o`.
-absl::Status ApplyConfig(const std::string& path, TokenizerOptions* o) {
+// A token that a file says was added to the vocabulary at `id` (added_tokens.json,
+// tokenizer_config.json's added_tokens_decoder).
+struct DeclaredToken {
+  std::string file;
+  std::string content;
+  int64_t id = 0;
+};
+
+// A token written as a string or as a serialized AddedToken ({"content": ...}).
+bool TokenContent(const nlohmann::json& j, std::string* out) {
+  if (j.is_string()) {
+    *out = j.get<std::string>();
+    return true;
+  }
+  if (j.is_object()) {
+    auto it = j.find("content");
+    if (it != j.end() && it->is_string()) {
+      *out = it->get<std::string>();
+      return true;
+    }
+  }
+  return false;
+}
+
+std::string Cut(std::string s) {
+  if (s.size() <= 80) return s;
+  size_t cut = 80;
+  while (cut > 0 && (static_cast<unsigned char>(s[cut]) & 0xC0) == 0x80) --cut;
+  return s.substr(0, cut) + "...";
+}
+
+// Applies the keys of a tokenizer_config.json or special_tokens_map.json to `o`; the tokens it
+// declares added go to `declared`.
+absl::Status ApplyConfig(const std::string& path, TokenizerOptions* o,
+                         std::vector<DeclaredToken>* declared) {
   ASSIGN_OR_RETURN(std::string contents, util::ReadFile(path, kMaxConfigFileBytes));
   nlohmann::json j = nlohmann::json::parse(contents, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return util::JsonSyntaxError(contents, path);
@@ -113,6 +151,16 @@ absl::Status ApplyConfig(const std::string& path, TokenizerOptions* o) {
     o->model_max_length = v >= std::numeric_limits<int>::max() ? std::numeric_limits<int>::max()
                                                                : static_cast<int>(v);
   }
+  // Another tokenizer's ids would be valid ids and give plausible, wrong answers.
+  if (auto it = j.find("tokenizer_class"); it != j.end() && !it->is_null()) {
+    if (!it->is_string()) return WrongType(path, "tokenizer_class", "a string", *it);
+    const std::string cls = it->get<std::string>();
+    if (cls != "BertTokenizer" && cls != "BertTokenizerFast") {
+      return absl::UnimplementedError(absl::StrCat(
+          path, ": tokenizer_class \"", Cut(cls),
+          "\" is not supported; collabserve tokenizes as BertTokenizer / BertTokenizerFast do"));
+    }
+  }
   const std::pair<const char*, std::string*> tokens[] = {{"unk_token", &o->unk_token},
                                                          {"sep_token", &o->sep_token},
                                                          {"pad_token", &o->pad_token},
@@ -121,15 +169,109 @@ absl::Status ApplyConfig(const std::string& path, TokenizerOptions* o) {
   for (const auto& [key, out] : tokens) {
     auto it = j.find(key);
     if (it == j.end()) continue;
-    if (it->is_string()) {
-      *out = it->get<std::string>();
-    } else if (it->is_object() && it->contains("content") && (*it)["content"].is_string()) {
-      *out = (*it)["content"].get<std::string>();  // a serialized AddedToken
-    } else {
+    if (it->is_null() && out == &o->mask_token) {
+      out->clear();  // no mask token
+    } else if (!TokenContent(*it, out)) {
       return WrongType(path, key, "a string or an object with a string \"content\"", *it);
     }
   }
+  auto add_special = [o](const std::string& token) {
+    auto& extra = o->additional_special_tokens;
+    if (std::find(extra.begin(), extra.end(), token) == extra.end()) extra.push_back(token);
+  };
+  if (auto it = j.find("additional_special_tokens"); it != j.end() && !it->is_null()) {
+    if (!it->is_array()) return WrongType(path, "additional_special_tokens", "a list", *it);
+    for (const auto& e : *it) {
+      std::string token;
+      if (!TokenContent(e, &token)) {
+        return WrongType(path, "additional_special_tokens",
+                         "a list of strings or objects with a string \"content\"", e);
+      }
+      add_special(token);
+    }
+  }
+  if (auto it = j.find("added_tokens_decoder"); it != j.end() && !it->is_null()) {
+    if (!it->is_object()) {
+      return WrongType(path, "added_tokens_decoder", "an object {\"id\": token, ...}", *it);
+    }
+    for (const auto& [key, e] : it->items()) {
+      DeclaredToken d{path, "", 0};
+      if (!absl::SimpleAtoi(key, &d.id) || d.id < 0 || !TokenContent(e, &d.content)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            path, ": added_tokens_decoder entry \"", Cut(key),
+            "\" must map an id to a token with a string \"content\""));
+      }
+      auto special = e.is_object() ? e.find("special") : e.end();
+      if (e.is_object() && special != e.end() && special->is_boolean() && special->get<bool>()) {
+        add_special(d.content);
+      }
+      declared->push_back(std::move(d));
+    }
+  }
   return absl::OkStatus();
+}
+
+// added_tokens.json: {"token": id, ...}.
+absl::Status ReadAddedTokens(const std::string& path, std::vector<DeclaredToken>* declared) {
+  ASSIGN_OR_RETURN(std::string contents, util::ReadFile(path, kMaxConfigFileBytes));
+  nlohmann::json j = nlohmann::json::parse(contents, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return util::JsonSyntaxError(contents, path);
+  if (!j.is_object()) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": not a JSON object {\"token\": id}"));
+  }
+  for (const auto& [token, id] : j.items()) {
+    if (!id.is_number_integer() || id.get<int64_t>() < 0) {
+      return WrongType(path, token, "an id (an integer >= 0)", id);
+    }
+    declared->push_back({path, token, id.get<int64_t>()});
+  }
+  return absl::OkStatus();
+}
+
+// Every declared token must be a special token at its own vocab.txt id: a token added beyond
+// vocab.txt would be split into word pieces here, and a non-special added token is matched in the
+// text before WordPiece by Hugging Face, not here. Either way the ids, and the answers, would
+// differ; refused instead.
+absl::Status CheckDeclaredTokens(const BertTokenizer& tokenizer,
+                                 const std::vector<DeclaredToken>& declared) {
+  const TokenizerOptions& o = tokenizer.options();
+  for (const DeclaredToken& d : declared) {
+    if (d.id >= tokenizer.vocab_size() || tokenizer.IdToToken(static_cast<int32_t>(d.id)) != d.content) {
+      return absl::UnimplementedError(absl::StrCat(
+          d.file, ": added token \"", Cut(d.content), "\" has id ", d.id,
+          d.id >= tokenizer.vocab_size()
+              ? absl::StrCat(", beyond the ", tokenizer.vocab_size(), " tokens of vocab.txt")
+              : absl::StrCat(", where vocab.txt has \"",
+                             Cut(tokenizer.IdToToken(static_cast<int32_t>(d.id))), "\""),
+          "; tokens added to the vocabulary are not supported"));
+    }
+    const bool special =
+        d.content == o.unk_token || d.content == o.sep_token || d.content == o.pad_token ||
+        d.content == o.cls_token || d.content == o.mask_token ||
+        std::find(o.additional_special_tokens.begin(), o.additional_special_tokens.end(),
+                  d.content) != o.additional_special_tokens.end();
+    if (!special) {
+      return absl::UnimplementedError(absl::StrCat(
+          d.file, ": added token \"", Cut(d.content),
+          "\" is not a special token; non-special added tokens (matched in the text before "
+          "WordPiece) are not supported"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Whether `path` is there to read: false when nothing has that name, true for a regular file (or a
+// link to one); an error naming it for anything else (a dangling link, a directory), which would
+// otherwise pass for an absent file and its defaults.
+absl::StatusOr<bool> PresentFile(const std::string& path) {
+  struct stat st;
+  if (::lstat(path.c_str(), &st) != 0) {
+    if (errno == ENOENT) return false;
+    return absl::InvalidArgumentError(absl::StrCat(path, ": ", std::strerror(errno)));
+  }
+  if (::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode)) return true;
+  return absl::InvalidArgumentError(absl::StrCat(
+      path, ": exists but is not a readable file (a dangling link or a directory?)"));
 }
 
 // Per-thread scratch buffers keep their capacity between calls, except after an unusually large
@@ -180,6 +322,22 @@ absl::StatusOr<std::unique_ptr<BertTokenizer>> BertTokenizer::Create(std::vector
     }
     return -1;
   };
+  // Additional special tokens, less those that are one of the five.
+  std::vector<std::pair<const std::string*, int32_t>> extra;
+  for (const std::string& token : options.additional_special_tokens) {
+    if (token.empty()) return absl::InvalidArgumentError("an additional special token is empty");
+    if (token == options.unk_token || token == options.sep_token || token == options.pad_token ||
+        token == options.cls_token || token == options.mask_token) {
+      continue;
+    }
+    const int32_t id = find(token);
+    if (id < 0) {
+      return absl::UnimplementedError(absl::StrCat(
+          "additional special token \"", Cut(token), "\" is not in the vocabulary (", vocab.size(),
+          " tokens); tokens added to the vocabulary are not supported"));
+    }
+    extra.emplace_back(&token, id);
+  }
   int32_t ids[5];
   const std::pair<const char*, const std::string*> specials[] = {
       {"unk_token", &options.unk_token},
@@ -203,6 +361,11 @@ absl::StatusOr<std::unique_ptr<BertTokenizer>> BertTokenizer::Create(std::vector
       std::vector<char32_t> cps;
       RETURN_IF_ERROR(DecodeUtf8(*specials[k].second, &cps));
       special_tokens.emplace_back(std::u32string(cps.begin(), cps.end()), ids[k]);
+    }
+    for (const auto& [token, id] : extra) {
+      std::vector<char32_t> cps;
+      RETURN_IF_ERROR(DecodeUtf8(*token, &cps));
+      special_tokens.emplace_back(std::u32string(cps.begin(), cps.end()), id);
     }
   }
   auto tokenizer = std::unique_ptr<BertTokenizer>(
@@ -234,18 +397,31 @@ absl::StatusOr<std::unique_ptr<BertTokenizer>> FromVocabFile(const std::string& 
 absl::StatusOr<std::unique_ptr<BertTokenizer>> BertTokenizer::FromFiles(
     const std::string& vocab_path, const std::string& tokenizer_config_path) {
   TokenizerOptions options;
-  if (!tokenizer_config_path.empty()) RETURN_IF_ERROR(ApplyConfig(tokenizer_config_path, &options));
-  return FromVocabFile(vocab_path, std::move(options));
+  std::vector<DeclaredToken> declared;
+  if (!tokenizer_config_path.empty()) {
+    RETURN_IF_ERROR(ApplyConfig(tokenizer_config_path, &options, &declared));
+  }
+  ASSIGN_OR_RETURN(auto tokenizer, FromVocabFile(vocab_path, std::move(options)));
+  RETURN_IF_ERROR(CheckDeclaredTokens(*tokenizer, declared));
+  return tokenizer;
 }
 
 absl::StatusOr<std::unique_ptr<BertTokenizer>> BertTokenizer::FromDirectory(
     const std::string& dir) {
-  const std::string config_path = util::JoinPath(dir, "tokenizer_config.json");
-  const std::string map_path = util::JoinPath(dir, "special_tokens_map.json");
   TokenizerOptions options;
-  if (util::FileExists(config_path)) RETURN_IF_ERROR(ApplyConfig(config_path, &options));
-  if (util::FileExists(map_path)) RETURN_IF_ERROR(ApplyConfig(map_path, &options));
-  return FromVocabFile(util::JoinPath(dir, "vocab.txt"), std::move(options));
+  std::vector<DeclaredToken> declared;
+  for (const char* name : {"tokenizer_config.json", "special_tokens_map.json"}) {
+    const std::string path = util::JoinPath(dir, name);
+    ASSIGN_OR_RETURN(bool present, PresentFile(path));
+    if (present) RETURN_IF_ERROR(ApplyConfig(path, &options, &declared));
+  }
+  const std::string added_path = util::JoinPath(dir, "added_tokens.json");
+  ASSIGN_OR_RETURN(bool added, PresentFile(added_path));
+  if (added) RETURN_IF_ERROR(ReadAddedTokens(added_path, &declared));
+  ASSIGN_OR_RETURN(auto tokenizer,
+                   FromVocabFile(util::JoinPath(dir, "vocab.txt"), std::move(options)));
+  RETURN_IF_ERROR(CheckDeclaredTokens(*tokenizer, declared));
+  return tokenizer;
 }
 
 const std::string& BertTokenizer::IdToToken(int32_t id) const {

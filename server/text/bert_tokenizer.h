@@ -26,6 +26,10 @@ struct TokenizerOptions {
   int model_max_length = 512;
   std::string unk_token = "[UNK]", sep_token = "[SEP]", pad_token = "[PAD]", cls_token = "[CLS]",
               mask_token = "[MASK]";
+  // More special tokens (Hugging Face's additional_special_tokens, and the special entries of
+  // tokenizer_config.json's added_tokens_decoder), matched in the input as the ones above are. Each
+  // must be in the vocabulary.
+  std::vector<std::string> additional_special_tokens;
   // false (Hugging Face's default): the special tokens above, written literally in the input
   // ("a [SEP] b"), become their ids, matched case-sensitively before normalization. true: they are
   // tokenized like any other text ("[", "sep", "]").
@@ -48,21 +52,28 @@ class BertTokenizer {
   // twice maps to its later id) and, unless `tokenizer_config_path` is "", tokenizer_config.json:
   // the keys do_lower_case, strip_accents (bool or null), tokenize_chinese_chars, model_max_length
   // (values above 2^31-1, like Hugging Face's 1e30 "no limit", become 2^31-1),
-  // unk/sep/pad/cls/mask_token (string or {"content": ...}) and split_special_tokens; other keys
-  // are ignored. Errors name the file: NOT_FOUND for a missing file; INVALID_ARGUMENT for an empty
-  // vocabulary, invalid UTF-8 in it, a special token missing from it, malformed JSON or a key of
-  // the wrong type.
+  // unk/sep/pad/cls/mask_token (string or {"content": ...}; mask_token null or "" for none),
+  // additional_special_tokens, added_tokens_decoder, tokenizer_class and split_special_tokens;
+  // other keys are ignored. Errors name the file: NOT_FOUND for a missing file; INVALID_ARGUMENT
+  // for an empty vocabulary, invalid UTF-8 in it, a special token missing from it, malformed JSON
+  // or a key of the wrong type; UNIMPLEMENTED for what this tokenizer does not do: a
+  // tokenizer_class other than BertTokenizer(Fast), and added tokens beyond vocab.txt or not
+  // special (Hugging Face matches those in the text before WordPiece).
   static absl::StatusOr<std::unique_ptr<BertTokenizer>> FromFiles(
       const std::string& vocab_path, const std::string& tokenizer_config_path);
 
   // `dir`/vocab.txt plus `dir`/tokenizer_config.json and `dir`/special_tokens_map.json when they
-  // exist (the latter's special tokens override the former's, as in Hugging Face). A tokenizer.json
-  // is not read: for BERT checkpoints it repeats vocab.txt, and Hugging Face's BertTokenizerFast
-  // lets tokenizer_config.json override its normalizer settings anyway.
+  // exist (the latter's special tokens override the former's, as in Hugging Face) and
+  // `dir`/added_tokens.json (each entry must be a special token at its vocab.txt id). A name that
+  // exists but is not a readable file (a dangling link) is an error, not an absent file. A
+  // tokenizer.json is not read: for BERT checkpoints it repeats vocab.txt and the added tokens
+  // above, and Hugging Face's BertTokenizerFast lets tokenizer_config.json override its normalizer
+  // settings anyway.
   static absl::StatusOr<std::unique_ptr<BertTokenizer>> FromDirectory(const std::string& dir);
 
   // `vocab[i]` is the token of id i. INVALID_ARGUMENT if the vocabulary is empty or lacks one of
-  // the special tokens (mask_token may be "" for none), or model_max_length < 2.
+  // the special tokens (mask_token may be "" for none), or model_max_length < 2; UNIMPLEMENTED if
+  // it lacks an additional special token (one added beyond the vocabulary).
   static absl::StatusOr<std::unique_ptr<BertTokenizer>> Create(std::vector<std::string> vocab,
                                                                TokenizerOptions options);
 

@@ -196,6 +196,10 @@ TEST_F(EngineTest, MissingFiles) {
   EXPECT_THAT(Msg(Engine::Load(dir_ / "nope").status()), HasSubstr("model directory does not exist"));
   std::filesystem::remove(dir_ / "model.safetensors");
   EXPECT_THAT(Msg(Engine::Load(dir_.path()).status()), HasSubstr("no model.safetensors or pytorch_model.bin"));
+  std::ofstream(dir_ / "model.safetensors.index.json") << R"({"weight_map": {}})";
+  auto sharded = Engine::Load(dir_.path()).status();
+  EXPECT_EQ(sharded.code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(Msg(sharded), HasSubstr("model.safetensors.index.json names a checkpoint sharded"));
   std::filesystem::remove(dir_ / "config.json");
   auto s = Engine::Load(dir_.path()).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
@@ -236,6 +240,20 @@ TEST_F(EngineTest, AcceptsBareBertKeysAndOldLayerNormNames) {
     m = renamed;
   });
   EXPECT_TRUE(Engine::Load(dir_.path()).ok());
+}
+
+TEST_F(EngineTest, TwoSpellingsOfOneParameterAreRefused) {
+  EditWeights([](auto& m) {
+    m["bert.embeddings.LayerNorm.gamma"] = m["bert.embeddings.LayerNorm.weight"] * 2;
+  });
+  EXPECT_THAT(Msg(Engine::Load(dir_.path()).status()),
+              HasSubstr("tensors 'bert.embeddings.LayerNorm.gamma' and 'bert.embeddings.LayerNorm.weight' "
+                        "are both parameter 'bert.embeddings.LayerNorm.weight'"));
+  EditWeights([](auto& m) {
+    m.erase("bert.embeddings.LayerNorm.gamma");
+    m["pooler.dense.bias"] = m["bert.pooler.dense.bias"];
+  });
+  EXPECT_THAT(Msg(Engine::Load(dir_.path()).status()), HasSubstr("keep one of them"));
 }
 
 TEST_F(EngineTest, NonFiniteWeightsAreRefused) {

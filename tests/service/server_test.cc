@@ -342,6 +342,22 @@ TEST_F(ServerTest, APairForAModelWithOneTokenTypeIsRefusedAloneNotWithItsBatch) 
   EXPECT_TRUE(Classify(pair, &resp).ok());
 }
 
+// Warm-up runs on the model's own special tokens: a vocabulary of 31 tokens (no id 1996) loads.
+TEST_F(ServerTest, AModelWithASmallVocabularyWarmsUpAndServes) {
+  std::string vocab = "[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\n";
+  for (char c = 'a'; c <= 'z'; ++c) vocab += std::string(1, c) + "\n";
+  const std::string vocab_path = repo_.path() + "/small-vocab.txt";
+  std::ofstream(vocab_path) << vocab;
+  model::MakeOptions small;
+  small.vocab_path = vocab_path;
+  ASSERT_TRUE(model::MakeCheckpoint(repo_.path() + "/small/1", small).ok());
+  Start();
+  v1::ClassifyResponse resp;
+  grpc::Status s = Classify(Request("small", {"a b c"}), &resp);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(resp.results(0).num_tokens(), 5);
+}
+
 TEST_F(ServerTest, QueueOverflowIsResourceExhaustedAndTheServerRecovers) {
   ServerOptions o = Options();
   o.servable.batching.max_batch_size = 1;

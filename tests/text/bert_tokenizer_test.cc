@@ -1,10 +1,14 @@
 #include "server/text/bert_tokenizer.h"
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <cstdlib>
 #include <fstream>
 #include <limits>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -32,6 +36,17 @@ std::string WriteTemp(const std::string& name, const std::string& contents) {
   const std::string path = TempPath(name);
   std::ofstream(path, std::ios::binary) << contents;
   return path;
+}
+
+// A checkpoint's tokenizer files in a directory of their own.
+std::string TokenizerDir(const std::string& name,
+                         const std::vector<std::pair<std::string, std::string>>& files) {
+  const std::string dir = TempPath(name);
+  ::mkdir(dir.c_str(), 0755);
+  for (const auto& [file, contents] : files) {
+    std::ofstream(dir + "/" + file, std::ios::binary) << contents;
+  }
+  return dir;
 }
 
 class BertTokenizerTest : public ::testing::Test {
@@ -293,6 +308,97 @@ TEST(BertTokenizerFilesTest, FromDirectoryReadsConfigAndSpecialTokensMap) {
   EXPECT_EQ(BertTokenizer::FromDirectory(dir + "/missing").status().code(),
             absl::StatusCode::kNotFound);
   std::system(("rm -rf " + dir).c_str());
+}
+
+}  // namespace
+}  // namespace collabserve::text
+
+namespace collabserve::text {
+namespace {
+
+// Added tokens: special ones in vocab.txt are matched in the text as Hugging Face matches them;
+// anything this tokenizer would split differently is refused by name, never served.
+TEST(BertTokenizerFilesTest, AddedTokensAreMatchedOrRefused) {
+  // ids:            0       1       2       3       4         5         6       7
+  const std::string vocab = "[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\n[unused1]\nhello\nworld\n";
+  auto plain = BertTokenizer::FromDirectory(TokenizerDir("plain", {{"vocab.txt", vocab}}));
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_THAT(*(*plain)->TokenizeToIds("hello[unused1]world"), ::testing::Not(::testing::Contains(5)));
+
+  auto additional = BertTokenizer::FromDirectory(TokenizerDir(
+      "additional", {{"vocab.txt", vocab},
+                     {"special_tokens_map.json", R"({"additional_special_tokens": ["[unused1]"]})"}}));
+  ASSERT_TRUE(additional.ok()) << additional.status();
+  EXPECT_THAT(*(*additional)->TokenizeToIds("hello[unused1]world"), ElementsAre(6, 5, 7));
+
+  // The form transformers 4.34+ writes: the special tokens, and one more, in added_tokens_decoder.
+  auto decoder = BertTokenizer::FromDirectory(TokenizerDir(
+      "decoder", {{"vocab.txt", vocab},
+                  {"tokenizer_config.json", R"({"added_tokens_decoder": {
+                     "0": {"content": "[PAD]", "special": true},
+                     "4": {"content": "[MASK]", "special": true},
+                     "5": {"content": "[unused1]", "lstrip": false, "special": true}},
+                     "tokenizer_class": "BertTokenizerFast"})"},
+                  {"added_tokens.json", R"({"[unused1]": 5})"}}));
+  ASSERT_TRUE(decoder.ok()) << decoder.status();
+  EXPECT_THAT(*(*decoder)->TokenizeToIds("hello [unused1] world"), ElementsAre(6, 5, 7));
+
+  struct Case {
+    std::string what;
+    std::vector<std::pair<std::string, std::string>> files;
+    absl::StatusCode code;
+    std::vector<std::string> expect;
+  };
+  const std::vector<Case> cases = {
+      {"a special token beyond vocab.txt",
+       {{"tokenizer_config.json", R"({"added_tokens_decoder": {"8": {"content": "[E1]", "special": true}}})"}},
+       absl::StatusCode::kUnimplemented,
+       {"additional special token \"[E1]\" is not in the vocabulary (8 tokens)"}},
+      {"a non-special added token",
+       {{"tokenizer_config.json", R"({"added_tokens_decoder": {"6": {"content": "hello", "special": false}}})"}},
+       absl::StatusCode::kUnimplemented,
+       {"tokenizer_config.json: added token \"hello\" is not a special token"}},
+      {"added_tokens.json beyond vocab.txt",
+       {{"added_tokens.json", R"({"[E1]": 8})"}},
+       absl::StatusCode::kUnimplemented,
+       {"added_tokens.json: added token \"[E1]\" has id 8, beyond the 8 tokens of vocab.txt"}},
+      {"added_tokens.json at another token's id",
+       {{"added_tokens.json", R"({"[unused1]": 4})"}},
+       absl::StatusCode::kUnimplemented,
+       {"added_tokens.json: added token \"[unused1]\" has id 4, where vocab.txt has \"[MASK]\""}},
+      {"added_tokens.json malformed",
+       {{"added_tokens.json", R"({"[unused1]": "five"})"}},
+       absl::StatusCode::kInvalidArgument,
+       {"added_tokens.json: \"[unused1]\" must be an id"}},
+      {"another tokenizer",
+       {{"tokenizer_config.json", R"({"tokenizer_class": "BertJapaneseTokenizer"})"}},
+       absl::StatusCode::kUnimplemented,
+       {"tokenizer_config.json: tokenizer_class \"BertJapaneseTokenizer\" is not supported"}},
+  };
+  int n = 0;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    std::vector<std::pair<std::string, std::string>> files = c.files;
+    files.emplace_back("vocab.txt", vocab);
+    auto t = BertTokenizer::FromDirectory(TokenizerDir("case" + std::to_string(n++), files));
+    EXPECT_EQ(t.status().code(), c.code) << t.status();
+    for (const std::string& e : c.expect) EXPECT_THAT(t.status().message(), HasSubstr(e));
+  }
+}
+
+TEST(BertTokenizerFilesTest, ANullMaskTokenIsNoneAndADanglingConfigIsAnError) {
+  const std::string vocab = "[PAD]\n[UNK]\n[CLS]\n[SEP]\nhello\n";
+  auto t = BertTokenizer::FromDirectory(TokenizerDir(
+      "nomask", {{"vocab.txt", vocab}, {"tokenizer_config.json", R"({"mask_token": null})"}}));
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ((*t)->mask_id(), -1);
+
+  // A cased model whose config is a dangling link must not be served lowercased.
+  const std::string dir = TokenizerDir("dangling", {{"vocab.txt", vocab}});
+  ASSERT_EQ(::symlink("missing.json", (dir + "/tokenizer_config.json").c_str()), 0);
+  t = BertTokenizer::FromDirectory(dir);
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument) << t.status();
+  EXPECT_THAT(t.status().message(), HasSubstr("tokenizer_config.json: exists but is not a readable file"));
 }
 
 }  // namespace
