@@ -232,6 +232,14 @@ run_step() {  # name, command...: runs it with its output in $OUT/<name>.log; re
   log "$name ..."
   current=$name current_t0=$SECONDS
   if "$@" >"$OUT/$name.log" 2>&1; then
+    # A CUDA case skips (exit 0) when the binary sees no device: on a GPU run that is a failure of
+    # the run, not an "ok" (LibTorch's CUDA library not loaded, or CUDA failing to start in C++).
+    if [ "${device:-cpu}" != cpu ] && [[ $name == test-* ]] &&
+       grep -qE 'no CUDA device \(scripts/gpu-check.sh runs this\)|^no GPU$' "$OUT/$name.log"; then
+      status+=("| $name | **CUDA cases skipped**: the binary saw no device (see $name.log) | $((SECONDS - current_t0)) s |")
+      current=
+      return 1
+    fi
     status+=("| $name | ok | $((SECONDS - current_t0)) s |")
   else
     status+=("| $name | **FAILED** (see $name.log) | $((SECONDS - current_t0)) s |")

@@ -86,6 +86,11 @@ struct SchedulerOptions {
   bool fair_share = false;
   // Time source; nullptr means RealClock::Get(). Must outlive the scheduler's threads.
   Clock* clock = nullptr;
+  // Called with the number of queued tasks each time it changes: tasks queued, a batch formed,
+  // dead tasks swept out (which happens on a batch thread with no batch), shutdown. Calls may come
+  // from several threads but never concurrently, and a value never replaces a newer one. Optional;
+  // must be cheap and must not call into the scheduler.
+  std::function<void(int64_t queued)> on_queue_size;
   // For logs and error messages.
   std::string name;
 };
@@ -244,11 +249,14 @@ class SchedulerCore {
     }
     std::vector<Dropped> dropped;
     absl::Status status;
+    QueueSize queued;
     {
       absl::MutexLock lock(&mu_);
       status = ScheduleLocked(tasks, sizes, &dropped);
+      queued = QueueSizeLocked();
     }
     FailDropped(&dropped);
+    Publish(queued);
     return status;
   }
 
@@ -259,6 +267,7 @@ class SchedulerCore {
       std::vector<Dropped> dropped;
       std::unique_ptr<Batch<TaskType>> batch;
       bool exit = false;
+      QueueSize queued;
       {
         absl::MutexLock lock(&mu_);
         if (processed >= 0) {
@@ -298,8 +307,10 @@ class SchedulerCore {
           if (!dropped.empty()) break;
           clock_->WaitWithDeadline(&mu_, &cv_, std::min(release_time, earliest_deadline_));
         }
+        queued = QueueSizeLocked();
       }
       FailDropped(&dropped);
+      Publish(queued);
       if (batch != nullptr) {
         VLOG(2) << label_ << ": batch of " << batch->num_tasks() << " tasks, "
                 << batch->padded_size() << " padded tokens, padding ratio "
@@ -314,6 +325,7 @@ class SchedulerCore {
   // Stops accepting; with kFailQueued also empties the queue (failing its tasks with UNAVAILABLE).
   void BeginShutdown(ShutdownMode mode) {
     std::vector<Dropped> dropped;
+    QueueSize queued;
     {
       absl::MutexLock lock(&mu_);
       if (closing_ && mode == ShutdownMode::kDrain) return;
@@ -328,10 +340,12 @@ class SchedulerCore {
         longest_queued_ = 0;
       }
       cv_.SignalAll();
+      queued = QueueSizeLocked();
     }
     VLOG(1) << label_ << ": shutting down ("
             << (mode == ShutdownMode::kDrain ? "draining" : "failing queued tasks") << ")";
     FailDropped(&dropped);
+    Publish(queued);
   }
 
   int64_t NumEnqueuedTasks() const {
@@ -351,6 +365,22 @@ class SchedulerCore {
     int64_t size;
     absl::Time enqueue_time;
   };
+  // The queue's size at one moment, numbered so that a later moment's size is never overwritten.
+  struct QueueSize {
+    uint64_t moment = 0;  // 0: nothing to publish
+    int64_t tasks = 0;
+  };
+  QueueSize QueueSizeLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return {++queue_moment_, static_cast<int64_t>(queue_.size())};
+  }
+  void Publish(const QueueSize& q) {
+    if (!options_.on_queue_size || q.moment == 0) return;
+    absl::MutexLock lock(&publish_mu_);
+    if (q.moment <= published_moment_) return;
+    published_moment_ = q.moment;
+    options_.on_queue_size(q.tasks);
+  }
+
   struct Dropped {
     std::unique_ptr<TaskType> task;
     absl::Status status;
@@ -537,6 +567,9 @@ class SchedulerCore {
   int in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t in_flight_tasks_ ABSL_GUARDED_BY(mu_) = 0;
   SchedulerStats stats_ ABSL_GUARDED_BY(mu_);
+  uint64_t queue_moment_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Mutex publish_mu_;  // never held with mu_
+  uint64_t published_moment_ ABSL_GUARDED_BY(publish_mu_) = 0;
 };
 
 }  // namespace internal

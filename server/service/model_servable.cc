@@ -57,6 +57,13 @@ absl::StatusOr<std::unique_ptr<ModelServable>> ModelServable::Load(
   // The model cannot take more than max_length tokens per input; a batch must fit one such input.
   so.max_batch_tokens = std::max<int64_t>(so.max_batch_tokens, info.max_length);
   ModelServable* raw = s.get();
+  // The gauge follows every change of the queue, sweeps of expired inputs included (which form no
+  // batch): set only on Schedule and on batches, it kept its last value on an idle server.
+  so.on_queue_size = [raw](int64_t queued) {
+    if (prometheus::Gauge* g = raw->queue_depth_.load(std::memory_order_acquire)) {
+      g->Set(static_cast<double>(queued));
+    }
+  };
   absl::Status created = batching::BatchScheduler<InferenceTask>::Create(
       so,
       [raw](std::unique_ptr<batching::Batch<InferenceTask>> batch) {
@@ -101,7 +108,7 @@ absl::StatusOr<std::unique_ptr<ModelServable>> ModelServable::Load(
   metrics->SetVersionFacts(id.model, id.version, facts);
   s->facts_published_ = true;
   s->model_metrics_ = metrics->ForModel(id.model);
-  s->queue_depth_ = metrics->QueueDepth(id.model, id.version);
+  s->queue_depth_.store(metrics->QueueDepth(id.model, id.version), std::memory_order_release);
   LOG(INFO) << "loaded " << id.DebugString() << " from " << path << " in " << s->load_seconds_
             << " s (engine " << absl::ToDoubleSeconds(engine_loaded - start) << " s, warm-up "
             << absl::ToDoubleSeconds(warm_up) << " s; " << info.num_layers << " layers, " << p.total << " parameters, "
@@ -149,15 +156,12 @@ absl::Status ModelServable::Failed(const absl::Status& status, absl::string_view
 }
 
 absl::Status ModelServable::Schedule(std::vector<std::unique_ptr<InferenceTask>>* tasks) {
-  absl::Status s = scheduler_->ScheduleAll(tasks);
-  queue_depth_->Set(static_cast<double>(scheduler_->NumEnqueuedTasks()));
-  return s;
+  return scheduler_->ScheduleAll(tasks);
 }
 
 void ModelServable::Stop() { scheduler_->Shutdown(batching::ShutdownMode::kFailQueued); }
 
 void ModelServable::ProcessBatch(std::unique_ptr<batching::Batch<InferenceTask>> batch) {
-  queue_depth_->Set(static_cast<double>(scheduler_->NumEnqueuedTasks()));
   if (options_.before_batch_hook) options_.before_batch_hook();
 
   // Queue waits are known only while the tasks are in the batch.

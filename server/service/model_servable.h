@@ -3,6 +3,7 @@
 #ifndef COLLABSERVE_SERVER_SERVICE_MODEL_SERVABLE_H_
 #define COLLABSERVE_SERVER_SERVICE_MODEL_SERVABLE_H_
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <string>
@@ -85,7 +86,8 @@ class ModelServable final : public repository::Servable {
   batching::Clock* const clock_;
   metrics::Metrics* const metrics_;
   metrics::ModelMetrics model_metrics_;
-  prometheus::Gauge* queue_depth_ = nullptr;
+  // Set once loaded; read by the scheduler's on_queue_size (batch threads).
+  std::atomic<prometheus::Gauge*> queue_depth_{nullptr};
   bool facts_published_ = false;
   double load_seconds_ = 0;
   double compression_ratio_ = 1;

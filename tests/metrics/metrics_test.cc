@@ -49,6 +49,33 @@ TEST(MetricsTest, ExportsEveryFamilyWithItsLabels) {
   }
 }
 
+// histogram_quantile interpolates inside a bucket: a threshold that is not a bucket bound reads a
+// quantile above it with no observation above it. The alerts' (p99 request 0.5 s, queue 0.1 s) and
+// the chart's HPA target (queue p90 50 ms) must be bounds, written exactly; tokenization needs
+// microsecond buckets.
+TEST(MetricsTest, LatencyBucketsHaveTheAlertThresholdsAsBounds) {
+  Metrics m("0.1.0", "1.13.1");
+  ModelMetrics mm = m.ForModel("m");
+  mm.request_duration->Observe(0.42);
+  mm.queue_duration->Observe(0.055);
+  mm.tokenization_duration->Observe(12e-6);
+  const std::string text = m.TextFormat();
+  for (const char* family : {"request", "queue", "tokenization", "inference"}) {
+    for (const char* le : {"1e-05", "0.05", "0.1", "0.5", "25"}) {
+      EXPECT_TRUE(text.find(std::string("collabserve_") + family +
+                            "_duration_seconds_bucket{model=\"m\",le=\"" + le + "\"}") !=
+                  std::string::npos)
+          << family << " " << le;
+    }
+  }
+  // 0.42 s is below the 0.5 s bound and above the 0.25 s one; 55 ms is above 50 ms, below 100 ms.
+  EXPECT_THAT(text, HasSubstr("collabserve_request_duration_seconds_bucket{model=\"m\",le=\"0.5\"} 1"));
+  EXPECT_THAT(text, HasSubstr("collabserve_request_duration_seconds_bucket{model=\"m\",le=\"0.25\"} 0"));
+  EXPECT_THAT(text, HasSubstr("collabserve_queue_duration_seconds_bucket{model=\"m\",le=\"0.1\"} 1"));
+  EXPECT_THAT(text, HasSubstr("collabserve_tokenization_duration_seconds_bucket{model=\"m\",le=\"2.5e-05\"} 1"));
+  EXPECT_THAT(text, HasSubstr("collabserve_tokenization_duration_seconds_bucket{model=\"m\",le=\"1e-05\"} 0"));
+}
+
 // The process collector every Prometheus client library has, read at each scrape.
 TEST(MetricsTest, ExportsTheStandardProcessFamilies) {
   Metrics m("0.1.0", "1.13.1");

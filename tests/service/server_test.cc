@@ -423,6 +423,8 @@ TEST_F(ServerTest, AnInputWhoseDeadlinePassedNeverReachesTheModel) {
   }));
   EXPECT_EQ(servable->scheduler_stats().tasks_batched, 1);
   EXPECT_EQ(Metrics()["collabserve_batch_size_sum{model=\"tiny\"}"], 1);
+  // The queue-depth gauge follows the sweep that dropped them, though no batch came after it.
+  EXPECT_TRUE(Eventually([&] { return Metrics()["collabserve_queue_depth{model=\"tiny\",version=\"1\"}"] == 0; }));
 }
 
 TEST_F(ServerTest, AnInputWhoseClientCancelledNeverReachesTheModel) {
