@@ -812,6 +812,11 @@ std::map<std::string, std::vector<ModelRepository::VersionStatus>> ModelReposito
   return out;
 }
 
+bool ModelRepository::Knows(std::string_view model) const {
+  absl::ReaderMutexLock l(&mu_);
+  return models_.find(std::string(model)) != models_.end();
+}
+
 bool ModelRepository::AllLoaded() const {
   absl::ReaderMutexLock l(&mu_);
   for (const auto& [name, entries] : models_) {

@@ -162,6 +162,8 @@ class ModelRepository {
   // Every known model with its versions on disk (and any still served after their directory went
   // away), oldest version first.
   std::map<std::string, std::vector<VersionStatus>> List() const;
+  // Whether List() would list `model`.
+  bool Knows(std::string_view model) const;
 
   // True when no version is loading or settling: every discovered version is available, failed
   // or unloaded.

@@ -409,6 +409,11 @@ void InferenceService::LeaveInflight() {
   inflight_.fetch_sub(1, std::memory_order_acq_rel);
 }
 
+std::string InferenceService::ModelLabel(const std::string& requested) const {
+  repository::ModelRepository* repository = repository_.load(std::memory_order_acquire);
+  return repository != nullptr && repository->Knows(requested) ? requested : std::string();
+}
+
 void InferenceService::StartClassify(const v1::ClassifyRequest& request, absl::Time deadline,
                                      std::shared_ptr<std::atomic<bool>> cancelled,
                                      FinishCallback finish) {
@@ -425,16 +430,16 @@ void InferenceService::StartClassify(const v1::ClassifyRequest& request, absl::T
   };
 
   grpc::Status serving = CheckServing();
-  if (!serving.ok()) return reject(FromGrpcStatus(serving), "", "");
+  if (!serving.ok()) return reject(FromGrpcStatus(serving), ModelLabel(request.model_name()), "");
   absl::Status valid = ValidateInputs(request.inputs(), options_);
   if (valid.ok() && request.options().top_k() < 0) {
     valid = absl::InvalidArgumentError(
         absl::StrCat("options.top_k is ", request.options().top_k(), "; it must be >= 0"));
   }
-  if (!valid.ok()) return reject(valid, "", "");
+  if (!valid.ok()) return reject(valid, ModelLabel(request.model_name()), "");
   auto resolved = Resolve(repository_.load(std::memory_order_acquire), request.model_name(),
                           OptionalVersion(request.has_model_version(), request.model_version()));
-  if (!resolved.ok()) return reject(resolved.status(), "", "");
+  if (!resolved.ok()) return reject(resolved.status(), ModelLabel(request.model_name()), "");
   std::shared_ptr<ModelServable> servable = std::move(resolved).value();
   const std::string& model = servable->id().model;
   const std::string version = std::to_string(servable->id().version);

@@ -56,6 +56,11 @@ class InferenceService final : public v1::Inference::CallbackService {
   // UNAVAILABLE, saying why, while draining or after a device failure; OK otherwise (loading is
   // the caller's to check).
   grpc::Status Refusal() const;
+  // The `model` label of a call refused before its model version was resolved: the requested
+  // model's name when the repository knows it (so per-model error rates and alerts see a model's
+  // refusals: after a GPU failure, while draining, an unserved version), else "" (a name a client
+  // made up must not become a label).
+  std::string ModelLabel(const std::string& requested) const;
   // Unary calls and stream requests being processed.
   int64_t inflight() const { return inflight_.load(std::memory_order_acquire); }
   // Calls (unary or streams) whose client cancelled or whose deadline passed, as seen by OnCancel.

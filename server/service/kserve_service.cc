@@ -554,9 +554,11 @@ grpc::ServerUnaryReactor* KServeService::ModelInfer(grpc::CallbackServerContext*
     return reactor;
   };
   grpc::Status serving = CheckServing(a);
-  if (!serving.ok()) return reject(serving, "", "");
+  const std::string label =
+      a.inference != nullptr ? a.inference->ModelLabel(request->model_name()) : std::string();
+  if (!serving.ok()) return reject(serving, label, "");
   auto resolved = Resolve(a.repository, request->model_name(), request->model_version());
-  if (!resolved.ok()) return reject(ToGrpcStatus(resolved.status()), "", "");
+  if (!resolved.ok()) return reject(ToGrpcStatus(resolved.status()), label, "");
   std::shared_ptr<ModelServable> servable = std::move(resolved).value();
   const std::string& model = servable->id().model;
   const std::string version = std::to_string(servable->id().version);

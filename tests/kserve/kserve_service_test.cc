@@ -751,6 +751,7 @@ TEST_F(KServeTest, BadInputsAreInvalidArgumentNamingTheProblem) {
   ASSERT_TRUE(text.ok()) << text.status();
   auto m = ParseMetrics(*text);
   EXPECT_EQ(m["collabserve_requests_total{code=\"INVALID_ARGUMENT\",model=\"tiny\",version=\"2\"}"] +
+                m["collabserve_requests_total{code=\"INVALID_ARGUMENT\",model=\"tiny\",version=\"\"}"] +
                 m["collabserve_requests_total{code=\"INVALID_ARGUMENT\",model=\"\",version=\"\"}"],
             cases.size());
 }

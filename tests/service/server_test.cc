@@ -637,14 +637,21 @@ TEST_F(ServerTest, MetricsPageParsesAndPassesPromtool) {
   v1::ClassifyResponse resp;
   ASSERT_TRUE(Classify(Request("tiny", {"one", "two"}), &resp).ok());
   ASSERT_FALSE(Classify(Request("nope", {"x"}), &resp).ok());
+  v1::ClassifyRequest unserved = Request("tiny", {"x"});
+  unserved.set_model_version(9);
+  ASSERT_FALSE(Classify(unserved, &resp).ok());
   // A call leaves the in-flight count just after its response is handed to gRPC.
   ASSERT_TRUE(Eventually([&] { return Metrics()["collabserve_inflight_requests"] == 0; }));
   auto text = ScrapeMetrics(server_->metrics_port());
   ASSERT_TRUE(text.ok()) << text.status();
   auto m = ParseMetrics(*text);
   EXPECT_EQ(m["collabserve_requests_total{code=\"OK\",model=\"tiny\",version=\"1\"}"], 1);
+  // An unknown model's refusals carry no model label (a client's made-up name is no label); a known
+  // model's unserved version is counted under the model, so that per-model alerts see it.
   EXPECT_EQ(m["collabserve_requests_total{code=\"NOT_FOUND\",model=\"\",version=\"\"}"], 1);
-  EXPECT_EQ(m["collabserve_request_duration_seconds_count{model=\"tiny\"}"], 1);
+  EXPECT_EQ(m["collabserve_requests_total{code=\"NOT_FOUND\",model=\"tiny\",version=\"\"}"], 1);
+  // Every call to the model, the refused one included (time from arrival to response).
+  EXPECT_EQ(m["collabserve_request_duration_seconds_count{model=\"tiny\"}"], 2);
   EXPECT_EQ(m["collabserve_tokenization_duration_seconds_count{model=\"tiny\"}"], 1);
   EXPECT_EQ(m["collabserve_queue_duration_seconds_count{model=\"tiny\"}"], 2);
   EXPECT_EQ(m["collabserve_batch_tokens_count{model=\"tiny\"}"], 1);
