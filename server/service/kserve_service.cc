@@ -553,12 +553,14 @@ grpc::ServerUnaryReactor* KServeService::ModelInfer(grpc::CallbackServerContext*
     reactor->Finish(status);
     return reactor;
   };
+  // Only refusals need it (a repository lookup).
+  auto label = [&] {
+    return a.inference != nullptr ? a.inference->ModelLabel(request->model_name()) : std::string();
+  };
   grpc::Status serving = CheckServing(a);
-  const std::string label =
-      a.inference != nullptr ? a.inference->ModelLabel(request->model_name()) : std::string();
-  if (!serving.ok()) return reject(serving, label, "");
+  if (!serving.ok()) return reject(serving, label(), "");
   auto resolved = Resolve(a.repository, request->model_name(), request->model_version());
-  if (!resolved.ok()) return reject(ToGrpcStatus(resolved.status()), label, "");
+  if (!resolved.ok()) return reject(ToGrpcStatus(resolved.status()), label(), "");
   std::shared_ptr<ModelServable> servable = std::move(resolved).value();
   const std::string& model = servable->id().model;
   const std::string version = std::to_string(servable->id().version);
