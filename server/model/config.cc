@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "server/text/bert_tokenizer.h"
 #include "server/util/files.h"
 #include "server/util/json_error.h"
 #include "server/util/status_macros.h"
@@ -103,8 +104,7 @@ absl::StatusOr<BertConfig> BertConfig::Parse(absl::string_view text, absl::strin
   }
   // Hugging Face's AutoTokenizer falls back on this one when tokenizer_config.json names none.
   if (auto it = j.find("tokenizer_class"); it != j.end() && !it->is_null()) {
-    if (!it->is_string() ||
-        (it->get<std::string>() != "BertTokenizer" && it->get<std::string>() != "BertTokenizerFast")) {
+    if (!it->is_string() || !text::BertTokenizer::IsSupportedClass(it->get<std::string>())) {
       return absl::UnimplementedError(absl::StrCat(
           name, ": tokenizer_class ", Describe(*it),
           " is not supported; collabserve tokenizes as BertTokenizer / BertTokenizerFast do"));

@@ -62,20 +62,21 @@ absl::StatusOr<std::vector<std::string>> ParseVocab(const std::string& path,
   return vocab;
 }
 
+// `s` cut to 80 bytes (at a UTF-8 character boundary) with "..." when longer: values quoted in
+// error messages.
+std::string Cut(std::string s) {
+  if (s.size() <= 80) return s;
+  size_t cut = 80;
+  while (cut > 0 && (static_cast<unsigned char>(s[cut]) & 0xC0) == 0x80) --cut;
+  return s.substr(0, cut) + "...";
+}
+
 // Containers are not dumped into the message: dump() recurses once per nesting level, so a hostile
 // file nested 30000 deep overflowed the stack (tests/fuzz/regressions/tokenizer_config_json).
 // Long values are cut.
 absl::Status WrongType(const std::string& path, const std::string& key, std::string_view want,
                        const nlohmann::json& got) {
-  std::string value;
-  if (got.is_primitive()) {
-    value = got.dump();
-    if (value.size() > 80) {
-      size_t cut = 80;
-      while (cut > 0 && (static_cast<unsigned char>(value[cut]) & 0xC0) == 0x80) --cut;
-      value = value.substr(0, cut) + "...";
-    }
-  }
+  const std::string value = got.is_primitive() ? Cut(got.dump()) : std::string();
   return absl::InvalidArgumentError(absl::StrCat(path, ": \"", key, "\" must be ", AV(want),
                                                  ", not ", got.type_name(), value.empty() ? "" : " ",
                                                  value));
@@ -103,13 +104,6 @@ bool TokenContent(const nlohmann::json& j, std::string* out) {
     }
   }
   return false;
-}
-
-std::string Cut(std::string s) {
-  if (s.size() <= 80) return s;
-  size_t cut = 80;
-  while (cut > 0 && (static_cast<unsigned char>(s[cut]) & 0xC0) == 0x80) --cut;
-  return s.substr(0, cut) + "...";
 }
 
 // Applies the keys of a tokenizer_config.json or special_tokens_map.json to `o`; the tokens it
@@ -155,7 +149,7 @@ absl::Status ApplyConfig(const std::string& path, TokenizerOptions* o,
   if (auto it = j.find("tokenizer_class"); it != j.end() && !it->is_null()) {
     if (!it->is_string()) return WrongType(path, "tokenizer_class", "a string", *it);
     const std::string cls = it->get<std::string>();
-    if (cls != "BertTokenizer" && cls != "BertTokenizerFast") {
+    if (!BertTokenizer::IsSupportedClass(cls)) {
       return absl::UnimplementedError(absl::StrCat(
           path, ": tokenizer_class \"", Cut(cls),
           "\" is not supported; collabserve tokenizes as BertTokenizer / BertTokenizerFast do"));
@@ -422,6 +416,10 @@ absl::StatusOr<std::unique_ptr<BertTokenizer>> BertTokenizer::FromDirectory(
                    FromVocabFile(util::JoinPath(dir, "vocab.txt"), std::move(options)));
   RETURN_IF_ERROR(CheckDeclaredTokens(*tokenizer, declared));
   return tokenizer;
+}
+
+bool BertTokenizer::IsSupportedClass(std::string_view tokenizer_class) {
+  return tokenizer_class == "BertTokenizer" || tokenizer_class == "BertTokenizerFast";
 }
 
 const std::string& BertTokenizer::IdToToken(int32_t id) const {

@@ -71,6 +71,10 @@ class BertTokenizer {
   // settings anyway.
   static absl::StatusOr<std::unique_ptr<BertTokenizer>> FromDirectory(const std::string& dir);
 
+  // Whether a checkpoint's tokenizer_class (tokenizer_config.json or config.json) tokenizes as
+  // this class does: BertTokenizer and BertTokenizerFast.
+  static bool IsSupportedClass(std::string_view tokenizer_class);
+
   // `vocab[i]` is the token of id i. INVALID_ARGUMENT if the vocabulary is empty or lacks one of
   // the special tokens (mask_token may be "" for none), or model_max_length < 2; UNIMPLEMENTED if
   // it lacks an additional special token (one added beyond the vocabulary).
