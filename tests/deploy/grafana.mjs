@@ -22,6 +22,24 @@ for (const p of panels) {
     exprs.push({ title: p.title, expr: t.expr });
   }
 }
+// A query of a byte count is drawn in bytes, on its own axis when the panel's default unit is another
+// (the fidelity panel once drew a 0-1 agreement and bytes per hour on one axis).
+const BYTE_UNITS = new Set(['bytes', 'decbytes']);
+for (const p of panels) {
+  const fc = p.fieldConfig || {};
+  const defaults = fc.defaults || {};
+  for (const t of p.targets || []) {
+    if (!metricNames(t.expr || '').some((m) => /_bytes(_total)?$/.test(m))) continue;
+    const props = (fc.overrides || []).filter((o) => o.matcher && o.matcher.id === 'byFrameRefID' && o.matcher.options === t.refId)
+      .flatMap((o) => o.properties || []);
+    const prop = (id) => { const x = props.find((q) => q.id === id); return x ? x.value : undefined; };
+    const unit = prop('unit') ?? defaults.unit;
+    check(BYTE_UNITS.has(unit), `panel "${p.title}" target ${t.refId} counts bytes but is drawn in ${unit}`);
+    if (prop('unit') !== undefined && !BYTE_UNITS.has(defaults.unit)) {
+      check(prop('custom.axisPlacement') === 'right', `panel "${p.title}" target ${t.refId} has its own unit but shares the left axis`);
+    }
+  }
+}
 const all = exprs.map((e) => e.expr).join('\n');
 for (const [what, metric] of [['latency', 'collabserve_request_duration_seconds_bucket'], ['throughput', 'collabserve_requests_total'],
   ['batch size', 'collabserve_batch_size_'], ['padding ratio', 'collabserve_batch_padding_ratio_'], ['queue depth', 'collabserve_queue_depth'],
