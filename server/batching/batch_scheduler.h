@@ -91,6 +91,13 @@ struct SchedulerOptions {
   // from several threads but never concurrently, and a value never replaces a newer one. Optional;
   // must be cheap and must not call into the scheduler.
   std::function<void(int64_t queued)> on_queue_size;
+  // Called once for every task that leaves the queue, with the time it waited there: when its
+  // batch forms (before the callback sees the batch), and when it is failed dead (expired,
+  // cancelled) or at shutdown, before its Fail. So a queue-time histogram also counts the inputs
+  // that waited until their deadline, which under overload are the longest waits. Calls come from
+  // several threads, possibly at once, outside the scheduler's lock. Optional; must be cheap and
+  // must not call into the scheduler.
+  std::function<void(absl::Duration waited)> on_dequeue;
   // For logs and error messages.
   std::string name;
 };
@@ -316,6 +323,9 @@ class SchedulerCore {
                 << batch->padded_size() << " padded tokens, padding ratio "
                 << batch->padding_ratio();
         processed = batch->num_tasks();
+        if (options_.on_dequeue) {
+          for (int64_t i = 0; i < batch->num_tasks(); ++i) options_.on_dequeue(batch->queue_wait(i));
+        }
         process_batch_(std::move(batch));
       }
       if (exit) return;
@@ -333,7 +343,10 @@ class SchedulerCore {
       if (mode == ShutdownMode::kFailQueued) {
         const absl::Status status =
             absl::UnavailableError(absl::StrCat(label_, " shut down before the task was batched"));
-        for (auto& [seq, e] : queue_) dropped.push_back(Dropped{std::move(e.task), status});
+        const absl::Time now = clock_->Now();
+        for (auto& [seq, e] : queue_) {
+          dropped.push_back(Dropped{std::move(e.task), status, now - e.enqueue_time});
+        }
         stats_.tasks_failed_shutdown += static_cast<int64_t>(queue_.size());
         queue_.clear();
         by_length_.clear();
@@ -384,10 +397,14 @@ class SchedulerCore {
   struct Dropped {
     std::unique_ptr<TaskType> task;
     absl::Status status;
+    absl::Duration waited;  // in the queue
   };
 
-  static void FailDropped(std::vector<Dropped>* dropped) {
-    for (Dropped& d : *dropped) d.task->Fail(d.status);
+  void FailDropped(std::vector<Dropped>* dropped) const {
+    for (Dropped& d : *dropped) {
+      if (options_.on_dequeue) options_.on_dequeue(d.waited);
+      d.task->Fail(d.status);
+    }
     dropped->clear();
   }
 
@@ -459,13 +476,15 @@ class SchedulerCore {
 
   // Moves a dead task out of the queue into *dropped.
   void DropLocked(typename std::map<uint64_t, Entry>::iterator it, absl::Status status,
-                  std::vector<Dropped>* dropped) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+                  absl::Time now, std::vector<Dropped>* dropped)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (status.code() == absl::StatusCode::kCancelled) {
       ++stats_.tasks_failed_cancelled;
     } else {
       ++stats_.tasks_failed_deadline;
     }
-    dropped->push_back(Dropped{std::move(it->second.task), std::move(status)});
+    dropped->push_back(
+        Dropped{std::move(it->second.task), std::move(status), now - it->second.enqueue_time});
     RemoveLocked(it);
   }
 
@@ -482,7 +501,7 @@ class SchedulerCore {
       if (dead.ok()) {
         earliest_deadline_ = std::min(earliest_deadline_, it->second.task->deadline());
       } else {
-        DropLocked(it, std::move(dead), dropped);
+        DropLocked(it, std::move(dead), now, dropped);
       }
       it = next;
     }
@@ -500,7 +519,7 @@ class SchedulerCore {
         auto it = queue_.find(seq);
         absl::Status dead = DeadStatus(*it->second.task, now);
         if (!dead.ok()) {
-          DropLocked(it, std::move(dead), dropped);
+          DropLocked(it, std::move(dead), now, dropped);
           any_dead = true;
         }
       }

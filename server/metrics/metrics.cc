@@ -50,7 +50,8 @@ Metrics::Metrics(const std::string& build_version, const std::string& torch_vers
                            .Register(r);
   queue_duration_ = &prometheus::BuildHistogram()
                          .Name("collabserve_queue_duration_seconds")
-                         .Help("Time an input waited in the batch queue.")
+                         .Help("Time each input waited in the batch queue, those failed there (deadline, "
+                               "cancellation, shutdown) included.")
                          .Register(r);
   tokenization_duration_ = &prometheus::BuildHistogram()
                                 .Name("collabserve_tokenization_duration_seconds")

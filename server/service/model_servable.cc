@@ -55,7 +55,12 @@ absl::StatusOr<std::unique_ptr<ModelServable>> ModelServable::Load(
   so.clock = s->clock_;
   so.release_when_idle = options.release_batch_when_idle;
   // The model cannot take more than max_length tokens per input; a batch must fit one such input.
-  so.max_batch_tokens = std::max<int64_t>(so.max_batch_tokens, info.max_length);
+  if (so.max_batch_tokens < info.max_length) {
+    LOG(WARNING) << id.DebugString() << ": --max_batch_tokens=" << so.max_batch_tokens
+                 << " is below the model's longest input (" << info.max_length
+                 << " tokens); its batches may hold up to " << info.max_length << " tokens";
+    so.max_batch_tokens = info.max_length;
+  }
   ModelServable* raw = s.get();
   // The gauge follows every change of the queue, sweeps of expired inputs included (which form no
   // batch): set only on Schedule and on batches, it kept its last value on an idle server.
@@ -63,6 +68,12 @@ absl::StatusOr<std::unique_ptr<ModelServable>> ModelServable::Load(
     if (prometheus::Gauge* g = raw->queue_depth_.load(std::memory_order_acquire)) {
       g->Set(static_cast<double>(queued));
     }
+  };
+  // Every input that leaves the queue, those failed there at their deadline included: the HPA's
+  // queue-time p90 read low under overload when only the inputs that reached a batch counted.
+  // (model_metrics_ is set below, before any task can be scheduled.)
+  so.on_dequeue = [raw](absl::Duration waited) {
+    raw->model_metrics_.queue_duration->Observe(absl::ToDoubleSeconds(waited));
   };
   absl::Status created = batching::BatchScheduler<InferenceTask>::Create(
       so,
@@ -159,8 +170,6 @@ absl::Status ModelServable::Schedule(std::vector<std::unique_ptr<InferenceTask>>
   return scheduler_->ScheduleAll(tasks);
 }
 
-void ModelServable::Stop() { scheduler_->Shutdown(batching::ShutdownMode::kFailQueued); }
-
 void ModelServable::ProcessBatch(std::unique_ptr<batching::Batch<InferenceTask>> batch) {
   if (options_.before_batch_hook) options_.before_batch_hook();
 
@@ -207,7 +216,6 @@ void ModelServable::ProcessBatch(std::unique_ptr<batching::Batch<InferenceTask>>
   m.batch_size->Observe(static_cast<double>(live.size()));
   m.batch_tokens->Observe(static_cast<double>(tokens));
   m.batch_padding_ratio->Observe(padded == 0 ? 0.0 : static_cast<double>(padded - tokens) / padded);
-  for (const absl::Duration& w : live_waits) m.queue_duration->Observe(absl::ToDoubleSeconds(w));
 
   if (!predictions.ok() || predictions->size() != live.size()) {
     // Failed tells the Server of a device failure before the calls end: a client that sees this

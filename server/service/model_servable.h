@@ -67,9 +67,6 @@ class ModelServable final : public repository::Servable {
   // RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE when shutting down.
   absl::Status Schedule(std::vector<std::unique_ptr<InferenceTask>>* tasks);
 
-  // Stops accepting tasks and fails the queued ones with UNAVAILABLE; batches already formed run.
-  void Stop();
-
   batching::SchedulerStats scheduler_stats() const { return scheduler_->stats(); }
 
  private:

@@ -63,10 +63,12 @@ ABSL_FLAG(int, inference_threads, 0,
           "least 1");
 ABSL_FLAG(bool, release_batch_when_idle, true,
           "send a batch at once when no forward pass is running (a lone request does not wait "
-          "--max_queue_delay_micros); false = TF Serving's policy, always wait for the delay or a "
-          "full batch");
+          "--max_queue_delay_micros); false = TF Serving's policy, wait for the delay or a full "
+          "batch (with --fair_share_batching and several batch threads, full is the thread's "
+          "share: one input at low load)");
 ABSL_FLAG(int, max_batch_size, 32, "most inputs in one forward pass (1 = no batching)");
-ABSL_FLAG(int64_t, max_batch_tokens, 16384, "most padded tokens in one forward pass");
+ABSL_FLAG(int64_t, max_batch_tokens, 16384,
+          "most padded tokens in one forward pass (raised to the model's longest input, logged)");
 ABSL_FLAG(int64_t, max_queue_delay_micros, 2000, "longest an input waits for its batch to fill");
 ABSL_FLAG(int64_t, max_queue_size, 1024, "most queued inputs per model version (then RESOURCE_EXHAUSTED)");
 ABSL_FLAG(bool, length_aware_batching, true, "group inputs of similar length");

@@ -1,5 +1,6 @@
 #include "server/batching/batch_scheduler.h"
 
+#include <algorithm>
 #include <atomic>
 #include <iostream>
 #include <map>
@@ -437,6 +438,53 @@ TEST_F(BatchSchedulerTest, QueueSizeObserverSeesSchedulesBatchesAndSweeps) {
   // and publish 0 first, and an older value never replaces a newer one.)
   absl::MutexLock lock(&mu);
   for (int64_t v : seen) EXPECT_LE(v, 2);
+}
+
+// on_dequeue reports every task's wait once, whatever ends it: a batch, its deadline in the queue,
+// or shutdown (the queue-time histogram counted only the inputs that reached a batch, so it read
+// low under overload, when inputs wait until their deadline).
+TEST_F(BatchSchedulerTest, DequeueObserverSeesTheWaitOfBatchedExpiredAndShutDownTasks) {
+  absl::Mutex mu;
+  std::vector<absl::Duration> waits;
+  SchedulerOptions options = Options();
+  options.max_queue_delay_micros = 2000;
+  options.max_batch_size = 3;  // two tasks do not fill a batch: it waits for the delay
+  options.on_dequeue = [&](absl::Duration waited) {
+    absl::MutexLock lock(&mu);
+    waits.push_back(waited);
+  };
+  auto scheduler = Create(options);
+  auto seen = [&] {
+    absl::MutexLock lock(&mu);
+    std::vector<absl::Duration> sorted = waits;
+    std::sort(sorted.begin(), sorted.end());
+    return sorted;
+  };
+  const absl::Time t0 = clock_.Now();
+  std::unique_ptr<TestTask> doomed = Task(0, 8, t0 + absl::Microseconds(1500));
+  ASSERT_TRUE(scheduler->Schedule(&doomed).ok());
+  ScheduleOk(scheduler.get(), 1, 8);
+  // At 1.5 ms task 0 expires in the queue (the batch would have left at 2 ms).
+  ASSERT_TRUE(clock_.BlockUntilWaiting(1, t0 + absl::Microseconds(1500)));
+  clock_.AdvanceTime(absl::Microseconds(1500));
+  ASSERT_TRUE(recorder_->AwaitDone(1));
+  EXPECT_EQ(recorder_->fail_code(0), absl::StatusCode::kDeadlineExceeded);
+  ASSERT_TRUE(clock_.BlockUntilWaiting(1, t0 + absl::Microseconds(2000)));
+  clock_.AdvanceTime(absl::Microseconds(500));
+  ASSERT_TRUE(recorder_->AwaitDone(2));
+  EXPECT_THAT(recorder_->batch_ids(), ElementsAre(ElementsAre(1)));
+  // The wait is reported before the callback sees the batch, and a failed task's before its Fail.
+  EXPECT_THAT(seen(), ElementsAre(absl::Microseconds(1500), absl::Microseconds(2000)));
+
+  std::vector<std::unique_ptr<TestTask>> late;
+  late.push_back(Task(2, 8));
+  ASSERT_TRUE(scheduler->ScheduleAll(&late).ok());
+  clock_.AdvanceTime(absl::Microseconds(700));
+  scheduler->Shutdown(ShutdownMode::kFailQueued);
+  ASSERT_TRUE(recorder_->AwaitDone(3));
+  EXPECT_EQ(recorder_->fail_code(2), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(seen(), ElementsAre(absl::Microseconds(700), absl::Microseconds(1500),
+                                  absl::Microseconds(2000)));
 }
 
 TEST_F(BatchSchedulerTest, AYoungerTaskWithAnEarlierDeadlineIsFailedAtItsDeadline) {

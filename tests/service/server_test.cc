@@ -423,6 +423,12 @@ TEST_F(ServerTest, AnInputWhoseDeadlinePassedNeverReachesTheModel) {
   }));
   EXPECT_EQ(servable->scheduler_stats().tasks_batched, 1);
   EXPECT_EQ(Metrics()["collabserve_batch_size_sum{model=\"tiny\"}"], 1);
+  // The queue-time histogram counts every input that left the queue, the ones dropped there too
+  // (those refused at Schedule never entered it). Observed just after the stats count the drop.
+  EXPECT_TRUE(Eventually([&] {
+    return Metrics()["collabserve_queue_duration_seconds_count{model=\"tiny\"}"] ==
+           servable->scheduler_stats().tasks_scheduled;
+  }));
   // The queue-depth gauge follows the sweep that dropped them, though no batch came after it.
   EXPECT_TRUE(Eventually([&] { return Metrics()["collabserve_queue_depth{model=\"tiny\",version=\"1\"}"] == 0; }));
 }
