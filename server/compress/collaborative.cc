@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <limits>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <numeric>
@@ -94,6 +95,7 @@ absl::StatusOr<CpResult> Decompose(const HeadFactors& f, int rank, int full, con
   co.init = o.init;
   co.precision = o.float64 ? CpAlsOptions::Precision::kFloat64 : CpAlsOptions::Precision::kFloat32;
   co.line_search = o.line_search;
+  co.cancelled = o.cancelled;
   return FactorizedCpAls(f.P, f.Q, co);
 }
 
@@ -159,6 +161,14 @@ absl::StatusOr<int> ResolveParallelLayers(int requested, int num_layers, bool on
   return std::max(1, std::min(n, num_layers));
 }
 
+namespace {
+absl::Status NoClassesError(absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat(
+      what, " needs a classifier: a regression model (problem_type \"regression\") has no classes "
+      "to agree on and no output distribution; give rank, ratio, ranks or max_error"));
+}
+}  // namespace
+
 absl::StatusOr<std::vector<int>> ResolveRanks(const RankSpec& spec, const model::BertConfig& c) {
   const int L = c.num_hidden_layers, full = c.hidden_size;  // N_h · d_k
   switch (spec.kind) {
@@ -196,12 +206,14 @@ absl::StatusOr<std::vector<int>> ResolveRanks(const RankSpec& spec, const model:
       }
       return std::vector<int>(L, -1);  // searched per layer
     case RankSpec::Kind::kTargetAgreement:
+      if (c.output_function() == model::OutputFunction::kNone) return NoClassesError("target_agreement");
       if (!(spec.target_agreement > 0 && spec.target_agreement <= 1)) {
         return absl::InvalidArgumentError(
             absl::StrCat("target_agreement must be in (0, 1], got ", spec.target_agreement));
       }
       return std::vector<int>(L, -1);
     case RankSpec::Kind::kMaxKl:
+      if (c.output_function() == model::OutputFunction::kNone) return NoClassesError("max_kl");
       if (!(spec.max_kl > 0) || !std::isfinite(spec.max_kl)) {
         return absl::InvalidArgumentError(absl::StrCat("max_kl must be a finite number > 0, got ", spec.max_kl));
       }
@@ -228,6 +240,7 @@ absl::StatusOr<LayerDecomposition> DecomposeLayer(const model::BertClassifier& s
   absl::StatusOr<CpResult> r;
   if (rank < 0) {
     // With whitening the search rests on the activation-weighted error.
+    lr.ranks_tried = 0;  // counted by the search (the default 1 is one given rank's)
     auto found = SearchRank(fw, full, o.spec.max_error, o, o.seed + i, &lr.ranks_tried);
     if (!found.ok()) return found.status();
     rank = found->first;
@@ -636,7 +649,7 @@ absl::StatusOr<std::vector<at::Tensor>> BatchLogits(const model::BertClassifier&
 }
 
 absl::StatusOr<FidelityReport> CompareLogits(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b,
-                                             int64_t texts) {
+                                             int64_t texts, model::OutputFunction fn) {
   FidelityReport f;
   double kl_sum = 0;
   int64_t agree = 0;
@@ -644,14 +657,36 @@ absl::StatusOr<FidelityReport> CompareLogits(const std::vector<at::Tensor>& a, c
     c10::InferenceMode guard;
     for (size_t i = 0; i < a.size(); ++i) {
       f.max_abs_logit_diff = std::max(f.max_abs_logit_diff, (a[i] - b[i]).abs().max().item<double>());
-      agree += a[i].argmax(1).eq(b[i].argmax(1)).sum().item<int64_t>();
-      at::Tensor lp = at::log_softmax(a[i], 1), lq = at::log_softmax(b[i], 1);
-      kl_sum += (lp.exp() * (lp - lq)).sum().item<double>();
+      switch (fn) {
+        case model::OutputFunction::kSoftmax: {
+          agree += a[i].argmax(1).eq(b[i].argmax(1)).sum().item<int64_t>();
+          at::Tensor lp = at::log_softmax(a[i], 1), lq = at::log_softmax(b[i], 1);
+          kl_sum += (lp.exp() * (lp - lq)).sum().item<double>();
+          break;
+        }
+        case model::OutputFunction::kSigmoid: {
+          // Each label is its own yes/no (p = sigmoid(logit), decided at p > 0.5, i.e. logit > 0):
+          // a text agrees when every label's decision does; its KL is the sum of the labels'
+          // Bernoulli KLs, from log-sigmoids (no 0 · log 0).
+          agree += a[i].gt(0).eq(b[i].gt(0)).all(1).sum().item<int64_t>();
+          at::Tensor lp = at::log_sigmoid(a[i]), lq = at::log_sigmoid(b[i]);
+          at::Tensor lnp = at::log_sigmoid(-a[i]), lnq = at::log_sigmoid(-b[i]);
+          kl_sum += (lp.exp() * (lp - lq) + lnp.exp() * (lnp - lnq)).sum().item<double>();
+          break;
+        }
+        case model::OutputFunction::kNone:
+          break;  // regression: only max_abs_logit_diff means anything
+      }
     }
   } catch (const std::exception& e) {
     return model::TorchErrorStatus("fidelity measurement failed", e);
   }
   f.probes = static_cast<int>(texts);
+  if (fn == model::OutputFunction::kNone) {
+    f.top1_agreement = std::numeric_limits<double>::quiet_NaN();
+    f.mean_kl = std::numeric_limits<double>::quiet_NaN();
+    return f;
+  }
   f.top1_agreement = texts == 0 ? 1.0 : static_cast<double>(agree) / texts;
   f.mean_kl = texts == 0 ? 0.0 : kl_sum / texts;
   return f;
@@ -745,7 +780,7 @@ absl::StatusOr<FidelityReport> MeasureFidelity(const model::BertClassifier& orig
   if (!concurrent && a.ok()) b = internal::BatchLogits(compressed, tb, 1);
   RETURN_IF_ERROR(a.status());
   RETURN_IF_ERROR(b.status());
-  return internal::CompareLogits(*a, *b, tb.texts);
+  return internal::CompareLogits(*a, *b, tb.texts, original.config().output_function());
 }
 
 std::string CompressReport::ToJson() const {
@@ -826,9 +861,10 @@ std::string CompressReport::ToJson() const {
   return j.dump();
 }
 
-absl::StatusOr<CompressReport> CompressModelDirectory(const std::string& in_dir, const std::string& out_dir,
+absl::StatusOr<CompressReport> CompressModelDirectory(const std::string& in_dir, const std::string& out_arg,
                                                       const CompressOptions& options) {
   auto t0 = Clock::now();
+  const std::string out_dir = util::DirectoryName(out_arg);
   std::error_code ec;
   if (std::filesystem::exists(out_dir, ec)) {
     return absl::AlreadyExistsError(absl::StrCat(out_dir, ": already exists; choose a new output directory"));
@@ -991,9 +1027,10 @@ absl::StatusOr<std::unique_ptr<model::BertClassifier>> ConvertOnCompressedInputs
 }  // namespace
 
 absl::StatusOr<CompressReport> CompressLoadedModel(const model::BertClassifier& source,
-                                                   const std::string& in_dir, const std::string& out_dir,
+                                                   const std::string& in_dir, const std::string& out_arg,
                                                    const CompressOptions& options) {
   auto t0 = Clock::now();
+  const std::string out_dir = util::DirectoryName(out_arg);
   auto step = [&](const char* name) {
     if (options.on_step) options.on_step(name);
   };
@@ -1009,6 +1046,10 @@ absl::StatusOr<CompressReport> CompressLoadedModel(const model::BertClassifier& 
         absl::StrCat(in_dir, ": the loaded model must be prepared on the CPU in float32 to compress it"));
   }
   if (source.weights_released()) return internal::ReleasedWeightsError();
+  // Before any model pass (the calibration pass takes a minute on BERT-base): a bad rank spec or
+  // CP option is refused at once, not after it.
+  RETURN_IF_ERROR(internal::CheckConvertible(source, options));
+  RETURN_IF_ERROR(ResolveRanks(options.spec, source.config()).status());
   CompressOptions o = options;
   if (o.source.empty()) o.source = in_dir;
   ASSIGN_OR_RETURN(const c10::Device device, model::ParseDevice(o.device));
@@ -1086,7 +1127,13 @@ absl::StatusOr<CompressReport> CompressLoadedModel(const model::BertClassifier& 
       try {
         for (const char* name : {"vocab.txt", "tokenizer_config.json", "special_tokens_map.json"}) {
           std::string src = util::JoinPath(in_dir, name);
-          if (!util::FileExists(src)) continue;
+          // The vocabulary is what serves the model: a checkpoint written without it would load
+          // nowhere (the two others are optional).
+          ASSIGN_OR_RETURN(bool present, util::PresentFile(src));
+          if (!present && std::string(name) == "vocab.txt") {
+            return absl::NotFoundError(absl::StrCat(src, ": no such file; the source's vocabulary is needed"));
+          }
+          if (!present) continue;
           ASSIGN_OR_RETURN(std::string bytes, util::ReadFile(src, 64 << 20));
           RETURN_IF_ERROR(util::WriteFileAtomic(util::JoinPath(tmp, name), bytes));
         }

@@ -53,9 +53,16 @@ struct LayerReport {
   int ranks_tried = 1;          // kMaxError searches several
 };
 
+// The compressed model's outputs against the original's, as the model serves them
+// (BertConfig::output_function()):
+// - softmax (single-label): a probe agrees when its argmax label is unchanged; KL of the softmaxes;
+// - sigmoid (multi-label, or one label): a probe agrees when every label's decision (p > 0.5) is
+//   unchanged; KL is the sum over labels of the Bernoulli KLs;
+// - none (regression): top1_agreement and mean_kl are NaN (no classes, no distribution); only
+//   max_abs_logit_diff is measured.
 struct FidelityReport {
   int probes = 0;
-  double top1_agreement = 0;     // fraction of probes whose argmax label is unchanged
+  double top1_agreement = 0;     // fraction of probes that agree (above)
   double max_abs_logit_diff = 0;
   double mean_kl = 0;            // mean KL(p_original || p_compressed) of the output distributions
 };

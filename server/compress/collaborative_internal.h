@@ -16,6 +16,7 @@
 #include "absl/status/statusor.h"
 #include "server/compress/collaborative.h"
 #include "server/compress/cp_als.h"
+#include "server/model/config.h"
 
 namespace collabserve::compress::internal {
 
@@ -133,9 +134,10 @@ absl::Status AdvanceBatches(const model::BertClassifier& model, size_t layer, co
 absl::StatusOr<std::vector<at::Tensor>> BatchLogits(const model::BertClassifier& model, const TextBatches& batches,
                                                     int workers);
 
-// Agreement, max |Δ logit| and mean KL(p_a || p_b) of two models' logits over the same batches.
+// Agreement, max |Δ logit| and mean KL(p_a || p_b) of two models' logits over the same batches,
+// as the model serves them (`fn`; FidelityReport says what each means).
 absl::StatusOr<FidelityReport> CompareLogits(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b,
-                                             int64_t texts);
+                                             int64_t texts, model::OutputFunction fn);
 
 // The fidelity-target search (RankSpec kTargetAgreement / kMaxKl; rank_search.cc says how):
 // one decomposition per layer, in layer order, for the cheapest ranks found that meet the target on

@@ -40,13 +40,22 @@ double RelativeFromInner(double norm_sq, double inner, double estimate_sq) {
   return norm > 0 ? residual / norm : residual;
 }
 
-// Records sweep `iter`'s relative error and returns whether the stopping rule holds: the error
-// moved by less than `tol`.
-bool RecordSweep(int iter, double rel, double tol, CpResult* result) {
+bool Cancelled(const CpAlsOptions& options) {
+  return options.cancelled != nullptr && options.cancelled->load(std::memory_order_relaxed);
+}
+
+// Records sweep `iter`'s relative error and returns whether to stop: the error moved by less than
+// options.tol, or the call was cancelled (which the caller turns into CANCELLED).
+bool RecordSweep(int iter, double rel, const CpAlsOptions& options, CpResult* result) {
   result->error_history.push_back(rel);
   result->iterations = iter;
   VLOG(2) << "CP-ALS sweep " << iter << ": relative error " << rel;
-  return iter >= 2 && std::abs(rel - result->error_history[iter - 2]) < tol;
+  if (Cancelled(options)) return true;
+  return iter >= 2 && std::abs(rel - result->error_history[iter - 2]) < options.tol;
+}
+
+absl::Status CancelledAfter(const CpResult& result) {
+  return absl::CancelledError(absl::StrCat("CP-ALS cancelled after ", result.iterations, " sweeps"));
 }
 
 std::string ShapeString(const at::Tensor& t) {
@@ -426,7 +435,7 @@ CpResult RunAls(MttkrpSource& source, double norm_sq, const at::Tensor& B0, cons
         (gram_a.to(at::kDouble) * gram_b.to(at::kDouble) * gram_c.to(at::kDouble))
             .sum()
             .item<double>();
-    if (RecordSweep(iter, RelativeFromInner(norm_sq, inner, estimate_sq), options.tol, &result)) {
+    if (RecordSweep(iter, RelativeFromInner(norm_sq, inner, estimate_sq), options, &result)) {
       break;
     }
   }
@@ -594,7 +603,7 @@ CpResult RunCoefficientAls(const at::Tensor& P, const at::Tensor& Q, double norm
   result.setup_seconds = std::chrono::duration<double>(sweeps_start - start).count();
   for (int iter = 1; iter <= options.max_iters; ++iter) {
     if (!options.line_search) {
-      if (RecordSweep(iter, sweep(points[0], points[0]), options.tol, &result)) break;
+      if (RecordSweep(iter, sweep(points[0], points[0]), options, &result)) break;
       continue;
     }
     // The sweep writes into a buffer that is neither its start nor the previous end point (the
@@ -614,7 +623,7 @@ CpResult RunCoefficientAls(const at::Tensor& P, const at::Tensor& Q, double norm
       }
     }
     last = end;
-    if (RecordSweep(iter, rel, options.tol, &result)) break;
+    if (RecordSweep(iter, rel, options, &result)) break;
   }
   result.sweep_seconds = SecondsSince(sweeps_start);
   result.relative_error = result.error_history.back();
@@ -719,6 +728,7 @@ absl::StatusOr<CpResult> FactorizedCpAls(const at::Tensor& P, const at::Tensor& 
       DirectSource source(Pc, Qc);
       result = RunAls(source, norm_sq, B, C, options, start);
     }
+    if (Cancelled(options)) return CancelledAfter(result);
     // The sweeps' Gram-based errors carry the compute precision (float32 cannot resolve errors
     // below ~1e-3); one float64 pass gives the error of the factors actually returned.
     ASSIGN_OR_RETURN(result.relative_error, RelativeErrorUnchecked(P, Q, result.mixing,
@@ -764,6 +774,7 @@ absl::StatusOr<CpResult> DenseCpAls(const at::Tensor& T, const CpAlsOptions& opt
       C = RandomNormal(Tc.size(2), options.rank, rng, Tc.options());
     }
     CpResult result = RunAls(source, norm_sq, B, C, options, start);
+    if (Cancelled(options)) return CancelledAfter(result);
     result.seconds = SecondsSince(start);
     result.finish_seconds = result.seconds - result.setup_seconds - result.sweep_seconds;
     return result;

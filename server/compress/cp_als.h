@@ -14,6 +14,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -58,6 +59,9 @@ struct CpAlsOptions {
   // N_h·d_k <= 2·min(D_q, D_k) (every BERT); ignored by the other paths and by DenseCpAls, which
   // keep the textbook iterates.
   bool line_search = false;
+  // Checked after every sweep: once it reads true the call stops and returns CANCELLED (a job's
+  // CancelJob, a server shutting down). Null: never. Must outlive the call.
+  const std::atomic<bool>* cancelled = nullptr;
 };
 
 struct CpResult {
@@ -91,7 +95,8 @@ struct CpResult {
 // Returns float32 factors on P's device.
 // INVALID_ARGUMENT (naming the argument) for a non-positive rank, max_iters < 1, a negative or
 // non-finite tol, undefined tensors, shapes that are not [N_h, D, d_k] with matching N_h and d_k,
-// tensors on different devices, non-floating dtypes, or NaN/Inf entries.
+// tensors on different devices, non-floating dtypes, or NaN/Inf entries. CANCELLED once
+// options.cancelled reads true (checked after each sweep).
 absl::StatusOr<CpResult> FactorizedCpAls(const at::Tensor& P, const at::Tensor& Q,
                                          const CpAlsOptions& options);
 

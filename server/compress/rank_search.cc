@@ -184,7 +184,7 @@ absl::StatusOr<std::vector<LayerDecomposition>> SearchRanks(const model::BertCla
   auto measure = [&](const std::vector<int>& alloc) -> absl::StatusOr<FidelityReport> {
     ASSIGN_OR_RETURN(auto m, candidate(alloc));
     ASSIGN_OR_RETURN(std::vector<at::Tensor> logits, BatchLogits(*m, tb, eval_workers));
-    return CompareLogits(reference, logits, tb.texts);
+    return CompareLogits(reference, logits, tb.texts, cfg.output_function());
   };
 
   // 2. Each layer's KL curve from two measurements (one when the grid has a single rank near both).
@@ -220,7 +220,7 @@ absl::StatusOr<std::vector<LayerDecomposition>> SearchRanks(const model::BertCla
       RETURN_IF_ERROR(ForEachBatch(n_batches, eval_workers, [&](int, size_t b) {
         logits[b] = m->LogitsFrom(i, hidden[b], tb.batches[b].mask).to(at::kDouble);
       }));
-      ASSIGN_OR_RETURN(FidelityReport f, CompareLogits(reference, logits, tb.texts));
+      ASSIGN_OR_RETURN(FidelityReport f, CompareLogits(reference, logits, tb.texts, cfg.output_function()));
       kl.push_back(f.mean_kl);
     }
     if (i + 1 < L) RETURN_IF_ERROR(AdvanceBatches(passes, i, tb, eval_workers, &hidden));

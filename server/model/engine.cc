@@ -161,10 +161,13 @@ absl::StatusOr<std::vector<Prediction>> Engine::Run(const std::vector<TokenizedI
 absl::StatusOr<std::string> FindWeightsFile(const std::string& dir) {
   for (const char* name : {"model.safetensors", "pytorch_model.bin"}) {
     std::string p = util::JoinPath(dir, name);
-    if (util::FileExists(p)) return p;
+    // A dangling link or a directory is named, not passed over for the other format.
+    ASSIGN_OR_RETURN(bool present, util::PresentFile(p));
+    if (present) return p;
   }
   for (const char* index : {"model.safetensors.index.json", "pytorch_model.bin.index.json"}) {
-    if (util::FileExists(util::JoinPath(dir, index))) {
+    ASSIGN_OR_RETURN(bool present, util::PresentFile(util::JoinPath(dir, index)));
+    if (present) {
       return absl::UnimplementedError(absl::StrCat(
           dir, ": ", index, " names a checkpoint sharded into several files, which is not supported; "
           "save it as one file (save_pretrained(..., max_shard_size=\"100GB\"))"));

@@ -25,6 +25,9 @@ int64_t CollaborativeQkParamsPerLayer(const BertConfig& config, int rank);
 absl::StatusOr<std::unique_ptr<BertClassifier>> LoadClassifier(const std::string& dir,
                                                                const BertConfig& config,
                                                                bool borrow_packed = false);
+// The single weights file of `dir`: model.safetensors, else pytorch_model.bin. NOT_FOUND when
+// neither is there, UNIMPLEMENTED for a sharded checkpoint's index, INVALID_ARGUMENT naming a
+// weights file that cannot be read (a dangling link, a directory).
 absl::StatusOr<std::string> FindWeightsFile(const std::string& dir);
 
 }  // namespace collabserve::model

@@ -1,10 +1,6 @@
 #include "server/text/bert_tokenizer.h"
 
-#include <sys/stat.h>
-
 #include <algorithm>
-#include <cerrno>
-#include <cstring>
 #include <limits>
 #include <utility>
 
@@ -254,20 +250,6 @@ absl::Status CheckDeclaredTokens(const BertTokenizer& tokenizer,
   return absl::OkStatus();
 }
 
-// Whether `path` is there to read: false when nothing has that name, true for a regular file (or a
-// link to one); an error naming it for anything else (a dangling link, a directory), which would
-// otherwise pass for an absent file and its defaults.
-absl::StatusOr<bool> PresentFile(const std::string& path) {
-  struct stat st;
-  if (::lstat(path.c_str(), &st) != 0) {
-    if (errno == ENOENT) return false;
-    return absl::InvalidArgumentError(absl::StrCat(path, ": ", std::strerror(errno)));
-  }
-  if (::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode)) return true;
-  return absl::InvalidArgumentError(absl::StrCat(
-      path, ": exists but is not a readable file (a dangling link or a directory?)"));
-}
-
 // Per-thread scratch buffers keep their capacity between calls, except after an unusually large
 // input, so that one huge request does not pin memory in every thread that ever served one.
 template <typename T>
@@ -406,11 +388,11 @@ absl::StatusOr<std::unique_ptr<BertTokenizer>> BertTokenizer::FromDirectory(
   std::vector<DeclaredToken> declared;
   for (const char* name : {"tokenizer_config.json", "special_tokens_map.json"}) {
     const std::string path = util::JoinPath(dir, name);
-    ASSIGN_OR_RETURN(bool present, PresentFile(path));
+    ASSIGN_OR_RETURN(bool present, util::PresentFile(path));
     if (present) RETURN_IF_ERROR(ApplyConfig(path, &options, &declared));
   }
   const std::string added_path = util::JoinPath(dir, "added_tokens.json");
-  ASSIGN_OR_RETURN(bool added, PresentFile(added_path));
+  ASSIGN_OR_RETURN(bool added, util::PresentFile(added_path));
   if (added) RETURN_IF_ERROR(ReadAddedTokens(added_path, &declared));
   ASSIGN_OR_RETURN(auto tokenizer,
                    FromVocabFile(util::JoinPath(dir, "vocab.txt"), std::move(options)));

@@ -108,8 +108,7 @@ absl::Status Make(int argc, char** argv) {
   }
   // Like compress: a new directory, written in a temporary sibling and renamed into place, so that a
   // failure (or an existing checkpoint) never leaves a mix of files behind.
-  std::filesystem::path out = std::filesystem::path(f.Get("out")).lexically_normal();
-  if (!out.has_filename()) out = out.parent_path();
+  const std::filesystem::path out = util::DirectoryName(f.Get("out"));
   std::error_code ec;
   if (std::filesystem::exists(out, ec)) {
     return absl::AlreadyExistsError(absl::StrCat(f.Get("out"), ": already exists; choose a new output directory"));

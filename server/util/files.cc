@@ -6,6 +6,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <random>
 
 #include "absl/strings/str_cat.h"
@@ -78,6 +79,17 @@ absl::Status WriteFileAtomic(const std::string& path, absl::string_view contents
   return absl::OkStatus();
 }
 
+absl::StatusOr<bool> PresentFile(const std::string& path) {
+  struct stat st;
+  if (::lstat(path.c_str(), &st) != 0) {
+    if (errno == ENOENT) return false;
+    return absl::InvalidArgumentError(absl::StrCat(path, ": ", std::strerror(errno)));
+  }
+  if (::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode)) return true;
+  return absl::InvalidArgumentError(absl::StrCat(
+      path, ": exists but is not a readable file (a dangling link or a directory?)"));
+}
+
 bool FileExists(const std::string& path) {
   struct stat st;
   return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
@@ -86,6 +98,12 @@ bool FileExists(const std::string& path) {
 bool IsDirectory(const std::string& path) {
   struct stat st;
   return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+std::string DirectoryName(const std::string& path) {
+  std::filesystem::path p = std::filesystem::path(path).lexically_normal();
+  if (!p.has_filename() && p.has_parent_path()) p = p.parent_path();
+  return p.string();
 }
 
 std::string JoinPath(absl::string_view dir, absl::string_view name) {

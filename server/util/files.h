@@ -19,8 +19,16 @@ absl::StatusOr<std::string> ReadFile(const std::string& path, size_t max_bytes =
 absl::Status WriteFileAtomic(const std::string& path, absl::string_view contents);
 
 bool FileExists(const std::string& path);
+// Whether `path` is there to read: false when nothing has that name, true for a regular file (or a
+// link to one); INVALID_ARGUMENT naming it for anything else (a dangling link, a directory), which
+// FileExists would report as absent, so that an optional file's defaults silently applied.
+absl::StatusOr<bool> PresentFile(const std::string& path);
 bool IsDirectory(const std::string& path);
 std::string JoinPath(absl::string_view dir, absl::string_view name);
+// `path` in lexically normal form without a trailing separator ("out/" and "./out/." give "out"),
+// for a directory about to be created: its temporary sibling is `name + suffix` and it is renamed
+// into place, which a trailing separator would turn into a child of the target.
+std::string DirectoryName(const std::string& path);
 
 }  // namespace collabserve::util
 

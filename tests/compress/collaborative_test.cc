@@ -195,6 +195,8 @@ TEST_F(CollaborativeTest, MaxErrorPicksTheSmallestSufficientRank) {
   for (const auto& l : report->layers) {
     EXPECT_LE(l.relative_error, 0.3);
     EXPECT_GT(l.ranks_tried, 1);
+    // A binary search over the ranks 1..64 decomposes at most 7 of them (it reported one more).
+    EXPECT_LE(l.ranks_tried, 7);
     if (l.rank > 1 && l.rank < 64) {
       // One step below the chosen rank the error is above the bound.
       CompressOptions lower = Rank(l.rank - 1);
@@ -610,6 +612,13 @@ TEST_F(CollaborativeTest, BadRequestsAreRefusedAndWriteNothing) {
   EXPECT_THAT(msg(no_time), HasSubstr("search_seconds must be >= 0 (0: no limit), got -5"));
   no_time.search_seconds = std::nan("");
   EXPECT_THAT(msg(no_time), HasSubstr("search_seconds must be >= 0"));
+  // Refused before the calibration pass (the first step), not after it.
+  CompressOptions calibrated = Rank(0);
+  calibrated.calibration.assign(20, "a calibration text about films");
+  std::vector<std::string> steps;
+  calibrated.on_step = [&](const std::string& step) { steps.push_back(step); };
+  EXPECT_THAT(msg(calibrated), HasSubstr("rank must be at least 1"));
+  EXPECT_TRUE(steps.empty()) << steps.front();
   EXPECT_FALSE(std::filesystem::exists(work_ / "out"));
 
   std::atomic<bool> cancelled{true};
@@ -631,6 +640,63 @@ TEST_F(CollaborativeTest, BadRequestsAreRefusedAndWriteNothing) {
   for (auto& e : std::filesystem::directory_iterator(work_.path())) {
     EXPECT_EQ(e.path().filename().string().find(".tmp-"), std::string::npos) << e.path();
   }
+}
+
+// Fidelity as the model serves its outputs: for a single-logit or multi-label model (sigmoid) the
+// argmax of one logit always agreed and a softmax over it had no KL, so a target search went to
+// the cheapest ranks and every gate passed.
+TEST(CompareLogitsTest, FollowsTheModelsOutputFunction) {
+  const auto t = [](std::vector<double> v, int64_t cols) {
+    return at::tensor(v, at::kDouble).view({-1, cols});
+  };
+  // One logit (sigmoid): probe 0 flips (2 -> -0.5), probe 1 stays no (-1 -> -2).
+  const std::vector<at::Tensor> a1 = {t({2.0, -1.0}, 1)}, b1 = {t({-0.5, -2.0}, 1)};
+  auto one = internal::CompareLogits(a1, b1, 2, model::OutputFunction::kSigmoid);
+  ASSERT_TRUE(one.ok()) << one.status();
+  EXPECT_DOUBLE_EQ(one->top1_agreement, 0.5);
+  const auto bernoulli = [](double x, double y) {
+    const double p = 1 / (1 + std::exp(-x)), q = 1 / (1 + std::exp(-y));
+    return p * std::log(p / q) + (1 - p) * std::log((1 - p) / (1 - q));
+  };
+  EXPECT_NEAR(one->mean_kl, (bernoulli(2.0, -0.5) + bernoulli(-1.0, -2.0)) / 2, 1e-12);
+  EXPECT_DOUBLE_EQ(one->max_abs_logit_diff, 2.5);
+  // The softmax of one logit is 1 whatever it is: what this measure used to report.
+  auto as_softmax = internal::CompareLogits(a1, b1, 2, model::OutputFunction::kSoftmax);
+  ASSERT_TRUE(as_softmax.ok());
+  EXPECT_DOUBLE_EQ(as_softmax->top1_agreement, 1.0);
+  EXPECT_DOUBLE_EQ(as_softmax->mean_kl, 0.0);
+  // Multi-label: a probe agrees only when every label's decision does.
+  const std::vector<at::Tensor> a2 = {t({1, 1, -1, /**/ 1, -1, -1}, 3)};
+  const std::vector<at::Tensor> b2 = {t({2, 0.5, -3, /**/ 1, 0.2, -1}, 3)};
+  auto multi = internal::CompareLogits(a2, b2, 2, model::OutputFunction::kSigmoid);
+  ASSERT_TRUE(multi.ok());
+  EXPECT_DOUBLE_EQ(multi->top1_agreement, 0.5);
+  // Regression: no classes, no distribution.
+  auto none = internal::CompareLogits(a1, b1, 2, model::OutputFunction::kNone);
+  ASSERT_TRUE(none.ok());
+  EXPECT_TRUE(std::isnan(none->top1_agreement));
+  EXPECT_TRUE(std::isnan(none->mean_kl));
+  EXPECT_DOUBLE_EQ(none->max_abs_logit_diff, 2.5);
+}
+
+TEST(ResolveRanksTest, FidelityTargetsNeedAClassifier) {
+  model::BertConfig regression;
+  regression.num_hidden_layers = 2;
+  regression.hidden_size = 64;
+  regression.problem_type = model::ProblemType::kRegression;
+  for (RankSpec::Kind kind : {RankSpec::Kind::kTargetAgreement, RankSpec::Kind::kMaxKl}) {
+    RankSpec spec;
+    spec.kind = kind;
+    spec.target_agreement = 0.9;
+    spec.max_kl = 0.01;
+    auto r = ResolveRanks(spec, regression);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(r.status().message()), HasSubstr("a regression model"));
+  }
+  RankSpec rank;
+  rank.kind = RankSpec::Kind::kRank;
+  rank.rank = 16;
+  EXPECT_TRUE(ResolveRanks(rank, regression).ok());
 }
 
 }  // namespace

@@ -113,6 +113,20 @@ TEST_F(CompressCommandTest, InitSelectsTheStart) {
   EXPECT_GT(differ, 0) << "the random start gave the SVD start's errors on every layer";
 }
 
+// An --out with a trailing separator names the same directory: it used to create it as the
+// temporary's parent and then fail to rename into it, after all the work, leaving it behind.
+TEST_F(CompressCommandTest, AnOutWithATrailingSlashIsThatDirectory) {
+  nlohmann::json report = Report("slash/", "");
+  EXPECT_EQ(report["layers"].size(), 4u);
+  EXPECT_TRUE(std::filesystem::is_regular_file(dir_ / "slash/model.safetensors"));
+  std::vector<std::string> entries;
+  for (const auto& e : std::filesystem::directory_iterator(dir_.path())) {
+    entries.push_back(e.path().filename().string());
+  }
+  std::sort(entries.begin(), entries.end());
+  EXPECT_EQ(entries, (std::vector<std::string>{"in", "slash"}));  // no temporary left
+}
+
 TEST_F(CompressCommandTest, CalibrationTextWhitensAndSaysWhereFidelityWasMeasured) {
   std::string text;
   for (int i = 0; i < 40; ++i) text += "calibration sentence number " + std::to_string(i) + " about tools\n";

@@ -5,6 +5,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <tuple>
@@ -359,6 +360,27 @@ TEST(FactorizedCpAlsTest, StopsWhenTheErrorSettles) {
   ASSERT_LT(result->iterations, 1000);
   const auto& h = result->error_history;
   EXPECT_LT(std::abs(h[h.size() - 1] - h[h.size() - 2]), 1e-4);
+}
+
+// A job's cancellation stops CP-ALS after the sweep that sees it, on every path (a million-sweep
+// request used to run to its end, whatever CancelJob said).
+TEST(FactorizedCpAlsTest, ACancelledCallStopsAfterOneSweep) {
+  const Factors f = RandomFactors(107);
+  std::atomic<bool> cancelled{true};
+  for (bool line_search : {false, true}) {
+    CpAlsOptions options = Options(8, 1000);
+    options.tol = 0;
+    options.line_search = line_search;
+    options.cancelled = &cancelled;
+    auto result = FactorizedCpAls(f.P, f.Q, options);
+    EXPECT_EQ(result.status().code(), absl::StatusCode::kCancelled) << "line_search " << line_search;
+    EXPECT_THAT(result.status().message(), HasSubstr("cancelled after 1 sweeps"));
+  }
+  CpAlsOptions options = Options(8, 1000);
+  options.cancelled = &cancelled;
+  EXPECT_EQ(DenseCpAls(Materialize(f), options).status().code(), absl::StatusCode::kCancelled);
+  cancelled = false;  // not cancelled: runs as before
+  EXPECT_TRUE(FactorizedCpAls(f.P, f.Q, options).ok());
 }
 
 TEST(CpAlsArgumentsTest, BadOptionsAreInvalidArgument) {

@@ -196,6 +196,12 @@ TEST_F(EngineTest, MissingFiles) {
   EXPECT_THAT(Msg(Engine::Load(dir_ / "nope").status()), HasSubstr("model directory does not exist"));
   std::filesystem::remove(dir_ / "model.safetensors");
   EXPECT_THAT(Msg(Engine::Load(dir_.path()).status()), HasSubstr("no model.safetensors or pytorch_model.bin"));
+  // A weights file that is there but cannot be read is named, not taken for an absent one.
+  std::filesystem::create_symlink(dir_ / "gone.safetensors", dir_ / "model.safetensors");
+  auto dangling = Engine::Load(dir_.path()).status();
+  EXPECT_EQ(dangling.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(Msg(dangling), HasSubstr("model.safetensors: exists but is not a readable file"));
+  std::filesystem::remove(dir_ / "model.safetensors");
   std::ofstream(dir_ / "model.safetensors.index.json") << R"({"weight_map": {}})";
   auto sharded = Engine::Load(dir_.path()).status();
   EXPECT_EQ(sharded.code(), absl::StatusCode::kUnimplemented);
