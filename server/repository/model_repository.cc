@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <stdio.h>
 #include <sys/stat.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -10,6 +11,7 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <set>
 #include <utility>
 
 #include "absl/strings/ascii.h"
@@ -890,10 +892,7 @@ absl::Status ModelRepository::DeleteVersion(const ServableId& id) {
     absl::MutexLock l(&mu_);
     auto m = models_.find(id.model);
     if (m != models_.end()) {
-      if (auto v = m->second.find(id.version); v != m->second.end()) {
-        known = true;
-        v->second.pinned = false;
-      }
+      known = m->second.count(id.version) > 0;
     }
   }
   if (!on_disk && !known) {
@@ -917,6 +916,13 @@ absl::Status ModelRepository::DeleteVersion(const ServableId& id) {
                    << " (removed at the next start)";
     }
     LOG(INFO) << "model repository: deleted " << id.DebugString() << " (" << path << ")";
+  }
+  {
+    // Only now: a delete that failed above leaves an admin's pin in place.
+    absl::MutexLock l(&mu_);
+    if (auto m = models_.find(id.model); m != models_.end()) {
+      if (auto v = m->second.find(id.version); v != m->second.end()) v->second.pinned = false;
+    }
   }
   // The deleted version keeps serving until the replacement the policy picks is loaded.
   RescanAndReconcile(id.model);
@@ -1025,8 +1031,25 @@ absl::Status ModelRepository::CleanLeftovers() {
       first.Update(s);
     }
   };
+  // A claimed staging entry: gone with its claim once no process holds it, else left alone.
+  auto remove_if_unclaimed = [&](const std::string& claim) {
+    const int fd = ::open(claim.c_str(), O_RDWR | O_CLOEXEC);
+    if (fd < 0) return;  // its owner just released it
+    if (::flock(fd, LOCK_EX | LOCK_NB) == 0) {
+      const std::string entry = claim.substr(0, claim.size() - std::strlen(kStagingClaimSuffix));
+      absl::Status s = Stat(entry, /*follow=*/false) ? RemoveTree(entry) : absl::OkStatus();
+      if (s.ok()) {
+        LOG(INFO) << "model repository: removed leftover " << entry << " (its owner is gone)";
+      } else {
+        LOG(WARNING) << "model repository: " << s.message();
+        first.Update(s);
+      }
+      ::unlink(claim.c_str());
+    }
+    ::close(fd);
+  };
   // Collected first: removing entries while a directory is being listed is unspecified.
-  std::vector<std::string> candidates;
+  std::vector<std::string> candidates, claims;
   std::error_code ec;
   for (fs::directory_iterator it(options_.root, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
@@ -1034,12 +1057,22 @@ absl::Status ModelRepository::CleanLeftovers() {
     if (absl::StartsWith(name, ".trash-")) {
       candidates.push_back(path);
     } else if (name == ".staging" && IsDir(path)) {
+      std::set<std::string> names;
       std::error_code sec;
       for (fs::directory_iterator s(path, sec), send; !sec && s != send; s.increment(sec)) {
-        candidates.push_back(s->path().string());
+        names.insert(s->path().filename().string());
+      }
+      for (const std::string& n : names) {
+        const std::string p = Join(path, n);
+        if (absl::EndsWith(n, kStagingClaimSuffix)) {
+          claims.push_back(p);
+        } else if (names.count(n + kStagingClaimSuffix) == 0) {
+          candidates.push_back(p);  // no claim: judged by its age
+        }
       }
     }
   }
+  for (const std::string& claim : claims) remove_if_unclaimed(claim);
   for (const std::string& path : candidates) remove_if_old(path);
   if (ec) {
     first.Update(absl::FailedPreconditionError(

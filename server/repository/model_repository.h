@@ -202,10 +202,16 @@ class ModelRepository {
   // directory; FAILED_PRECONDITION if it is on another filesystem.
   absl::Status Publish(const std::string& staging_dir, const ServableId& id, bool load_now);
 
-  // Removes leftovers of a crashed process: entries of root/.staging/ and root/.trash-* whose
-  // mtime is older than the start of this process (newer ones may belong to a live upload).
-  // Called by Create(). Failures are logged; the error returned is the first one.
+  // Removes leftovers of a crashed process. An entry X of root/.staging/ with a claim X.lock (see
+  // kStagingClaimSuffix) goes with its claim when no process holds the claim's flock(2), and
+  // stays, whatever its age, while one does: replicas sharing the volume clean up after one
+  // another without removing each other's uploads in progress. Entries without a claim, and
+  // root/.trash-*, go when their mtime is older than the start of this process. Called by
+  // Create(). Failures are logged; the error returned is the first one.
   absl::Status CleanLeftovers();
+  // A process writing root/.staging/X holds an exclusive flock(2) on root/.staging/X + this for
+  // as long as X is in use, takes it before creating X, and removes X before the claim.
+  static constexpr char kStagingClaimSuffix[] = ".lock";
 
   // The name rules above. Exposed for the upload path, which validates before writing anything.
   static absl::Status ValidateModelName(std::string_view model);

@@ -2,13 +2,16 @@
 
 #include <ATen/Parallel.h>
 #include <glog/logging.h>
+#include <fcntl.h>
 #include <sched.h>
+#include <sys/file.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <random>
 
@@ -120,6 +123,56 @@ const char* Outcome(const absl::Status& s) {
   return s.code() == absl::StatusCode::kCancelled ? "cancelled" : "failed";
 }
 
+// The files of version directory `src`, hard-linked into `dst` (created), so that a job reads the
+// version it was given even if DeleteVersion removes it while the job waits or runs (the links
+// keep the data; they are removed with the job's staging directory). Returns `dst`, or `src`
+// itself when a file cannot be linked there (a filesystem without hard links): the job then reads
+// in place, as before, and says so in the log.
+std::string SnapshotSource(const std::string& src, const std::string& dst) {
+  std::error_code ec;
+  std::filesystem::create_directory(dst, ec);
+  for (std::filesystem::directory_iterator it(src, ec), end; !ec && it != end; it.increment(ec)) {
+    if (!it->is_regular_file(ec)) continue;  // follows links: a linked file is linked as its target
+    const std::string name = it->path().filename().string();
+    if (::linkat(AT_FDCWD, it->path().c_str(), AT_FDCWD, util::JoinPath(dst, name).c_str(),
+                 AT_SYMLINK_FOLLOW) != 0) {
+      LOG(WARNING) << "cannot link " << it->path().string() << " into " << dst << " ("
+                   << std::strerror(errno) << "): the job reads " << src
+                   << " in place, and deleting that version under it fails the job";
+      return src;
+    }
+  }
+  if (ec) {
+    LOG(WARNING) << "cannot list " << src << " into " << dst << " (" << ec.message()
+                 << "): the job reads it in place";
+    return src;
+  }
+  return dst;
+}
+
+// Claims staging directory `dir` for this process: `dir`.lock, created and held with flock(2) until
+// ReleaseStaging (the kernel lets go if the process dies). ModelRepository::CleanLeftovers leaves
+// claimed entries alone. Returns the lock's descriptor, or -1 (logged) when it cannot be taken:
+// the directory is then judged by its age, as entries without a claim are.
+int ClaimStaging(const std::string& dir) {
+  const std::string path = dir + repository::ModelRepository::kStagingClaimSuffix;
+  const int fd = ::open(path.c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0644);
+  if (fd < 0 || ::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    LOG(WARNING) << "cannot claim " << path << " (" << std::strerror(errno)
+                 << "): another process starting on this repository may remove " << dir
+                 << " while the job uses it";
+    if (fd >= 0) ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+void ReleaseStaging(const std::string& dir, int lock) {
+  if (lock < 0) return;
+  ::unlink((dir + repository::ModelRepository::kStagingClaimSuffix).c_str());
+  ::close(lock);
+}
+
 }  // namespace
 
 absl::Status ParseCompressionSpec(const v1::CompressionSpec& spec, bool* requested) {
@@ -131,9 +184,9 @@ absl::Status ParseCompressionSpec(const v1::CompressionSpec& spec, bool* request
       }
       break;
     case v1::CompressionSpec::kRatio:
-      if (!(spec.ratio() >= 1)) {
+      if (!(spec.ratio() >= 1) || !std::isfinite(spec.ratio())) {
         return absl::InvalidArgumentError(
-            absl::StrCat("compression.ratio must be >= 1, got ", spec.ratio()));
+            absl::StrCat("compression.ratio must be a finite number >= 1, got ", spec.ratio()));
       }
       break;
     case v1::CompressionSpec::kRanks:
@@ -168,8 +221,19 @@ absl::Status ParseCompressionSpec(const v1::CompressionSpec& spec, bool* request
   if (!(spec.search_seconds() >= 0) || !std::isfinite(spec.search_seconds())) {
     return absl::InvalidArgumentError("compression.search_seconds must be a finite number >= 0");
   }
-  if (spec.max_iters() < 0) return absl::InvalidArgumentError("compression.max_iters is negative");
-  if (spec.tol() < 0) return absl::InvalidArgumentError("compression.tol is negative");
+  // A bound on one layer's CP-ALS (the job's cancellation is checked after every sweep, but a
+  // million sweeps of a BERT-base layer would hold a worker for hours).
+  if (spec.max_iters() < 0 || spec.max_iters() > kMaxCpIterations) {
+    return absl::InvalidArgumentError(absl::StrCat("compression.max_iters must be in [0, ",
+                                                   kMaxCpIterations, "], got ", spec.max_iters()));
+  }
+  if (!v1::CompressionSpec::Init_IsValid(spec.init())) {
+    return absl::InvalidArgumentError(absl::StrCat("compression.init: unknown value ", spec.init()));
+  }
+  if (!(spec.tol() >= 0) || !std::isfinite(spec.tol())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("compression.tol must be a finite number >= 0, got ", spec.tol()));
+  }
   return absl::OkStatus();
 }
 
@@ -421,9 +485,15 @@ absl::StatusOr<std::shared_ptr<Job>> JobManager::Create(const JobSpec& spec) {
     const std::string staging_root = util::JoinPath(repo->root(), ".staging");
     mkdir(staging_root.c_str(), 0755);  // EEXIST is fine; the next mkdir reports real errors
     const std::string dir = util::JoinPath(staging_root, id);
+    // Claimed before it exists: another process sharing the volume (a replica starting) removes
+    // staging entries whose claim it can take, and would otherwise judge this one by its age.
+    const int lock = ClaimStaging(dir);
     if (mkdir(dir.c_str(), 0755) != 0) {
-      return absl::InternalError(absl::StrCat("cannot create ", dir, ": ", strerror(errno)));
+      const int err = errno;
+      ReleaseStaging(dir, lock);
+      return absl::InternalError(absl::StrCat("cannot create ", dir, ": ", strerror(err)));
     }
+    if (lock >= 0) staging_locks_[id] = lock;
     reserved.insert(version);
     pending_.insert(id);
     jobs_[id] = job;
@@ -435,7 +505,8 @@ absl::StatusOr<std::shared_ptr<Job>> JobManager::Create(const JobSpec& spec) {
     job->Record(Event(v1::JobEvent::QUEUED, "queued"));
     Work w;
     w.job = job;
-    w.input_dir = util::JoinPath(model_dir, absl::StrCat(source_version));
+    w.input_dir = SnapshotSource(util::JoinPath(model_dir, absl::StrCat(source_version)),
+                                 util::JoinPath(StagingDir(*job), "source"));
     absl::MutexLock l(&mu_);
     queue_.push_back(std::move(w));
   }
@@ -648,6 +719,11 @@ absl::StatusOr<model::BertConfig> ReadConfig(const v1::Job& spec, const std::str
   if (spec.kind() == v1::Job::COMPRESS && compress && config->collaborative.present()) {
     return absl::InvalidArgumentError(absl::StrCat(input_dir, ": the model is already collaborative"));
   }
+  if (spec.has_min_agreement() && config->output_function() == model::OutputFunction::kNone) {
+    return absl::InvalidArgumentError(
+        "min_agreement needs a classifier: a regression model (problem_type \"regression\") has no "
+        "classes to agree on");
+  }
   return config;
 }
 
@@ -703,6 +779,7 @@ compress::CompressOptions CompressionOptions(Job& job, const v1::Job& spec, std:
   if (spec.compression().tol() > 0) o.tol = spec.compression().tol();
   if (spec.compression().search_seconds() > 0) o.search_seconds = spec.compression().search_seconds();
   o.seed = spec.compression().seed();
+  if (spec.compression().init() == v1::CompressionSpec::RANDOM) o.init = compress::CpAlsOptions::Init::kRandom;
   o.device = device;
   // Automatic: one layer per CPU, since this worker runs ATen single-threaded. The workers are
   // this thread's children, so they run at its idle priority and classification preempts them.
@@ -880,8 +957,11 @@ absl::Status JobManager::PublishAndLoad(Job& job, const v1::Job& spec, const std
   const repository::ServableId id{spec.model_name(), spec.version()};
   absl::Status published;
   RunAtServerPriority([&] { published = repo->Publish(dir, id, spec.activate()); });
-  if (!IsDir(util::JoinPath(util::JoinPath(repo->root(), id.model), absl::StrCat(id.version)))) {
-    return published.ok() ? absl::InternalError("publish reported success but the version is missing")
+  // Published means moved: the rename takes the staging directory away. Whether the version's
+  // directory exists says nothing, since another process (a replica on the same volume, a person)
+  // may have made that version, and Publish then refused (ALREADY_EXISTS) and moved nothing.
+  if (IsDir(dir)) {
+    return published.ok() ? absl::InternalError("publish reported success but moved nothing")
                           : published;
   }
   v1::JobEvent pe = Event(v1::JobEvent::PUBLISHED, absl::StrCat("published as ", id.DebugString()));
@@ -907,8 +987,22 @@ void JobManager::Finish(const std::shared_ptr<Job>& job, const absl::Status& sta
     if (Job::IsTerminal(job->job_.state()) || job->finishing_) return;
     job->finishing_ = true;
   }
-  // Staging goes first, so that whoever sees the job end also sees it cleaned up.
-  if (repository_() != nullptr) RemoveTree(StagingDir(*job));
+  // Staging goes first, so that whoever sees the job end also sees it cleaned up; its claim after.
+  int lock = -1;
+  {
+    absl::MutexLock l(&mu_);
+    if (auto it = staging_locks_.find(job->id()); it != staging_locks_.end()) {
+      lock = it->second;
+      staging_locks_.erase(it);
+    }
+  }
+  if (repository_() != nullptr) {
+    const std::string dir = StagingDir(*job);
+    RemoveTree(dir);
+    ReleaseStaging(dir, lock);
+  } else if (lock >= 0) {
+    ::close(lock);
+  }
   const int64_t now = NowMicros();
   int64_t created = 0;
   {

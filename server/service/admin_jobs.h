@@ -220,6 +220,8 @@ class JobManager {
   std::deque<Work> queue_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::vector<std::string>> probes_ ABSL_GUARDED_BY(mu_);  // job -> probes
   std::map<std::string, std::vector<std::string>> calibration_ ABSL_GUARDED_BY(mu_);  // job -> texts
+  // job -> the flock(2) descriptor of its staging claim (root/.staging/<job>.lock).
+  std::map<std::string, int> staging_locks_ ABSL_GUARDED_BY(mu_);
   std::vector<std::thread> workers_;
   absl::Mutex publish_mu_;
   bool publisher_stopping_ ABSL_GUARDED_BY(publish_mu_) = false;
@@ -227,6 +229,9 @@ class JobManager {
   std::thread publisher_;  // started before the workers, stopped after them
   absl::Mutex shutdown_mu_ ABSL_ACQUIRED_BEFORE(mu_);  // serializes Shutdown()
 };
+
+// CompressionSpec.max_iters above this is refused.
+inline constexpr int kMaxCpIterations = 10000;
 
 // Converts the proto compression request to the compressor's; INVALID_ARGUMENT naming the field.
 // Returns false in `*requested` (and OK) when no spec is set.

@@ -284,6 +284,12 @@ grpc::ServerUnaryReactor* AdminService::RunBlocking(grpc::CallbackServerContext*
                                                     std::function<absl::Status()> op) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   absl::MutexLock l(&mu_);
+  // Admitted before Shutdown began but here after it took the helper list: a helper started now
+  // would outlive Shutdown and run on a repository being torn down.
+  if (shut_down_) {
+    reactor->Finish(ToGrpcStatus(absl::UnavailableError("the admin service is shutting down")));
+    return reactor;
+  }
   // Join the helpers that are done (admin calls are rare: the list stays short).
   for (auto it = helpers_.begin(); it != helpers_.end();) {
     if (it->done->load()) {

@@ -500,6 +500,7 @@ absl::Status Server::LoadModels() {
     return reaper->Adopt(std::move(s));
   };
   ASSIGN_OR_RETURN(repository_, repository::ModelRepository::Create(ro, loader));
+  repository_view_.store(repository_.get(), std::memory_order_release);
   inference_->AttachRepository(repository_.get());
   versions_collectable_ = std::make_shared<ModelVersionsCollectable>();
   versions_collectable_->Attach(repository_.get());
@@ -615,6 +616,7 @@ void Server::Shutdown() {
   idle_watchdog_->Stop();
   if (repository_ != nullptr) repository_->StopPolling();
   if (versions_collectable_ != nullptr) versions_collectable_->Attach(nullptr);
+  repository_view_.store(nullptr, std::memory_order_release);
   repository_.reset();  // servables go to the reaper, which drains their schedulers
   // In-flight completions may still hold a servable for a moment; they must all be gone before
   // the metrics (which a servable's destructor updates) are.

@@ -3,6 +3,7 @@
 #ifndef COLLABSERVE_SERVER_SERVICE_SERVER_H_
 #define COLLABSERVE_SERVER_SERVICE_SERVER_H_
 
+#include <atomic>
 #include <functional>
 #include <map>
 #include <set>
@@ -147,8 +148,11 @@ class Server {
   int port() const { return port_; }
   int metrics_port() const { return metrics_port_; }
   metrics::Metrics& metrics() { return *metrics_; }
-  // Null before LoadModels().
-  repository::ModelRepository* repository() const { return repository_.get(); }
+  // Null before LoadModels() and once Shutdown() tears the repository down. Safe from any thread:
+  // admin calls on the serving port may arrive while LoadModels() runs.
+  repository::ModelRepository* repository() const {
+    return repository_view_.load(std::memory_order_acquire);
+  }
   InferenceService& inference_service() { return *inference_; }
   StreamIdleWatchdog& idle_watchdog() { return *idle_watchdog_; }
 
@@ -170,6 +174,7 @@ class Server {
   std::unique_ptr<StreamIdleWatchdog> idle_watchdog_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<repository::ModelRepository> repository_;
+  std::atomic<repository::ModelRepository*> repository_view_{nullptr};  // repository_.get()
   // collabserve_model_versions{model,state}, read from repository_ at each scrape.
   std::shared_ptr<ModelVersionsCollectable> versions_collectable_;
   int port_ = 0;

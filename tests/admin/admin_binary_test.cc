@@ -130,8 +130,11 @@ TEST_F(AdminBinaryTest, KillDuringUploadThenRestart) {
       c.mutable_chunk()->set_data(w.substr(off, 64 << 10));
       ASSERT_TRUE(writer->Write(c));
     }
-    // The partial upload is on disk, in staging only.
-    ASSERT_TRUE(Eventually([&] { return Entries(".staging").size() == 1; }));
+    // The partial upload is on disk, in staging only: the job's directory and its claim (the
+    // claim, held by the server, goes when the killed server's lock does, at the restart).
+    ASSERT_TRUE(Eventually([&] { return Entries(".staging").size() == 2; }));
+    const std::vector<std::string> staged = Entries(".staging");
+    EXPECT_EQ(staged[0] + ".lock", staged[1]);
     EXPECT_EQ(Entries("tiny"), std::vector<std::string>({"1"}));
     server->Kill();
     ctx.TryCancel();

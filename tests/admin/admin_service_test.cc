@@ -6,9 +6,11 @@
 #include <sys/resource.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cerrno>
 #include <atomic>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -29,6 +31,7 @@
 #include "server/model/checkpoint_maker.h"
 #include "server/model/device.h"
 #include "server/model/engine.h"
+#include "server/service/admin_jobs.h"
 #include "server/service/admin_server.h"
 #include "server/service/server.h"
 #include "tests/admin/admin_server_fixture.h"
@@ -345,6 +348,30 @@ TEST_F(AdminServiceTest, EveryRefusalIsInvalidArgumentAndLeavesNothing) {
     v1::UploadHeader h = Header("up");
     h.mutable_compression()->set_max_kl(-1);
     cases.push_back({"negative max_kl", h, files_, "compression.max_kl"});
+  }
+  // Values that would pass a plain comparison: refused before the upload, not failed in the job.
+  {
+    v1::UploadHeader h = Header("up");
+    h.mutable_compression()->set_ratio(std::numeric_limits<double>::infinity());
+    cases.push_back({"infinite ratio", h, files_, "compression.ratio must be a finite number >= 1"});
+  }
+  {
+    v1::UploadHeader h = Header("up");
+    h.mutable_compression()->set_rank(16);
+    h.mutable_compression()->set_tol(std::nan(""));
+    cases.push_back({"NaN tol", h, files_, "compression.tol must be a finite number >= 0"});
+  }
+  {
+    v1::UploadHeader h = Header("up");
+    h.mutable_compression()->set_rank(16);
+    h.mutable_compression()->set_max_iters(kMaxCpIterations + 1);
+    cases.push_back({"too many iterations", h, files_, "compression.max_iters must be in [0, 10000]"});
+  }
+  {
+    v1::UploadHeader h = Header("up");
+    h.mutable_compression()->set_rank(16);
+    h.mutable_compression()->set_init(static_cast<v1::CompressionSpec::Init>(7));
+    cases.push_back({"unknown init", h, files_, "compression.init: unknown value 7"});
   }
   // calibration.txt: only with a compression request, at most 16 MiB, text of >= 16 lines.
   auto with_calibration = [&](const std::string& what, const std::string& text, const std::string& message,
@@ -855,6 +882,83 @@ TEST_F(AdminServiceTest, ACancelAsAWorkerTakesTheJobEndsItForGood) {
   EXPECT_EQ(j.events(j.events_size() - 1).kind(), v1::JobEvent::CANCELLED);
   EXPECT_FALSE(j.published());
   EXPECT_TRUE(StagingEmpty());
+}
+
+// A version made by someone else while the job ran (another replica on the same volume, a person)
+// is not the job's: the job fails ALREADY_EXISTS, reports nothing published and leaves that
+// version as it is (it used to record PUBLISHED, since the version's directory existed).
+TEST_F(AdminServiceTest, AVersionMadeElsewhereWhileTheJobRanIsNotReportedAsPublished) {
+  absl::Notification taken, made;
+  AdminServerOptions ao;
+  ao.service.jobs.start_hook = [&](const std::string&) {
+    taken.Notify();
+    made.WaitForNotificationWithTimeout(absl::Seconds(60));
+  };
+  Start(ao);
+  grpc::ClientContext ctx;
+  Authorize(&ctx, kToken);
+  v1::CompressModelRequest req;
+  req.set_model_name("tiny");
+  req.mutable_compression()->set_rank(16);
+  v1::CompressModelResponse resp;
+  ASSERT_TRUE(admin_stub_->CompressModel(&ctx, req, &resp).ok());
+  ASSERT_TRUE(taken.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  const std::string other = repo_.path() + "/tiny/" + std::to_string(resp.version());
+  model::MakeOptions mo;
+  mo.seed = 11;
+  ASSERT_TRUE(model::MakeCheckpoint(other, mo).ok());
+  made.Notify();
+  const v1::Job j = WaitJob(resp.job_id());
+  EXPECT_EQ(j.state(), v1::Job::FAILED);
+  EXPECT_THAT(j.error(), HasSubstr("already exists"));
+  EXPECT_FALSE(j.published());
+  for (const v1::JobEvent& e : j.events()) EXPECT_NE(e.kind(), v1::JobEvent::PUBLISHED);
+  // The other version is untouched: still a standard checkpoint (no collaborative ranks).
+  auto config = util::ReadFile(other + "/config.json");
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->find("collaborative"), std::string::npos);
+  EXPECT_TRUE(Eventually([&] { return StagingEmpty(); }));
+}
+
+// The version a job compresses may be deleted while the job waits: the job keeps its own links
+// to the files and succeeds (it used to fail "the engine rejects the checkpoint", or with a target
+// search publish a version without its vocabulary).
+TEST_F(AdminServiceTest, DeletingTheSourceOfAQueuedJobDoesNotFailIt) {
+  absl::Notification taken, deleted;
+  AdminServerOptions ao;
+  ao.service.jobs.start_hook = [&](const std::string&) {
+    taken.Notify();
+    deleted.WaitForNotificationWithTimeout(absl::Seconds(60));
+  };
+  Start(ao);
+  grpc::ClientContext ctx;
+  Authorize(&ctx, kToken);
+  v1::CompressModelRequest req;
+  req.set_model_name("tiny");
+  req.mutable_compression()->set_rank(16);
+  req.set_activate(true);
+  v1::CompressModelResponse resp;
+  ASSERT_TRUE(admin_stub_->CompressModel(&ctx, req, &resp).ok());
+  ASSERT_TRUE(taken.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  {
+    grpc::ClientContext c;
+    Authorize(&c, kToken);
+    v1::DeleteVersionRequest r;
+    r.set_model_name("tiny");
+    r.set_version(1);
+    v1::DeleteVersionResponse out;
+    const grpc::Status s = admin_stub_->DeleteVersion(&c, r, &out);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+  }
+  EXPECT_TRUE(VersionDirs("tiny").empty());
+  deleted.Notify();
+  const v1::Job j = WaitJob(resp.job_id());
+  ASSERT_EQ(j.state(), v1::Job::SUCCEEDED) << j.error();
+  EXPECT_EQ(VersionDirs("tiny"), std::vector<std::string>({"2"}));
+  EXPECT_TRUE(std::filesystem::is_regular_file(repo_.path() + "/tiny/2/vocab.txt"));
+  v1::ClassifyResponse cr;
+  ASSERT_TRUE(Classify("tiny", 2, &cr).ok());
+  EXPECT_TRUE(Eventually([&] { return StagingEmpty(); }));
 }
 
 TEST_F(AdminServiceTest, CompressLoadUnloadDeleteOnOwnPort) {

@@ -1,5 +1,7 @@
 #include "server/repository/model_repository.h"
 
+#include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -717,6 +719,34 @@ TEST_F(ModelRepositoryTest, CreateRemovesCrashLeftoversOlderThanTheProcess) {
   EXPECT_FALSE(fs::exists(old_upload));
   EXPECT_FALSE(fs::exists(old_trash));
   EXPECT_TRUE(fs::exists(live_upload / "model.safetensors"));  // may belong to a live upload
+  EXPECT_EQ(Served("m"), 1);
+}
+
+// Replicas share the volume: a claimed staging entry (X.lock held with flock) is another
+// process's upload in progress and stays, however old; one whose claim nobody holds is a dead
+// process's and goes with its claim. (Judged by age alone, a replica starting removed the
+// uploads and compressions of the replicas already running.)
+TEST_F(ModelRepositoryTest, CreateKeepsClaimedStagingAndRemovesWhatADeadOwnerClaimed) {
+  MakeVersion("m", 1);
+  const fs::path staging = fs::path(root_) / ".staging";
+  const fs::path held = staging / "7-aaaaaa", dead = staging / "8-bbbbbb";
+  const auto an_hour_ago = fs::file_time_type::clock::now() - std::chrono::hours(1);
+  for (const auto& p : {held, dead}) {
+    fs::create_directories(p / "upload");
+    std::ofstream(p / "upload" / "model.safetensors") << "partial";
+    std::ofstream(p.string() + ModelRepository::kStagingClaimSuffix) << "";
+    fs::last_write_time(p, an_hour_ago);
+  }
+  // Another open file description: flock conflicts with it as with another process's.
+  const int lock = ::open((held.string() + ModelRepository::kStagingClaimSuffix).c_str(), O_RDWR);
+  ASSERT_GE(lock, 0);
+  ASSERT_EQ(::flock(lock, LOCK_EX | LOCK_NB), 0);
+  Open();
+  EXPECT_TRUE(fs::exists(held / "upload" / "model.safetensors"));
+  EXPECT_TRUE(fs::exists(held.string() + ModelRepository::kStagingClaimSuffix));
+  EXPECT_FALSE(fs::exists(dead));
+  EXPECT_FALSE(fs::exists(dead.string() + ModelRepository::kStagingClaimSuffix));
+  ::close(lock);
   EXPECT_EQ(Served("m"), 1);
 }
 
