@@ -416,7 +416,8 @@ std::string InferenceService::ModelLabel(const std::string& requested) const {
 
 void InferenceService::StartClassify(const v1::ClassifyRequest& request, absl::Time deadline,
                                      std::shared_ptr<std::atomic<bool>> cancelled,
-                                     FinishCallback finish) {
+                                     FinishCallback finish,
+                                     std::shared_ptr<ModelServable> servable) {
   const absl::Time arrival = absl::Now();
   inflight_.fetch_add(1, std::memory_order_acq_rel);
   metrics_->inflight_requests()->Increment();
@@ -437,10 +438,12 @@ void InferenceService::StartClassify(const v1::ClassifyRequest& request, absl::T
         absl::StrCat("options.top_k is ", request.options().top_k(), "; it must be >= 0"));
   }
   if (!valid.ok()) return reject(valid, ModelLabel(request.model_name()), "");
-  auto resolved = Resolve(repository_.load(std::memory_order_acquire), request.model_name(),
-                          OptionalVersion(request.has_model_version(), request.model_version()));
-  if (!resolved.ok()) return reject(resolved.status(), ModelLabel(request.model_name()), "");
-  std::shared_ptr<ModelServable> servable = std::move(resolved).value();
+  if (servable == nullptr) {
+    auto resolved = Resolve(repository_.load(std::memory_order_acquire), request.model_name(),
+                            OptionalVersion(request.has_model_version(), request.model_version()));
+    if (!resolved.ok()) return reject(resolved.status(), ModelLabel(request.model_name()), "");
+    servable = std::move(resolved).value();
+  }
   const std::string& model = servable->id().model;
   const std::string version = std::to_string(servable->id().version);
 

@@ -21,6 +21,8 @@
 
 namespace collabserve::service {
 
+class ModelServable;
+
 struct InferenceServiceOptions {
   // Most inputs in one ClassifyRequest / TokenizeRequest.
   int max_inputs_per_request = 64;
@@ -63,7 +65,8 @@ class InferenceService final : public v1::Inference::CallbackService {
   std::string ModelLabel(const std::string& requested) const;
   // Unary calls and stream requests being processed.
   int64_t inflight() const { return inflight_.load(std::memory_order_acquire); }
-  // Calls (unary or streams) whose client cancelled or whose deadline passed, as seen by OnCancel.
+  // This service's calls (Classify or ClassifyStream; not KServe's ModelInfer) whose client
+  // cancelled or whose deadline passed, as seen by OnCancel.
   int64_t cancellations() const { return cancellations_.load(std::memory_order_acquire); }
   // ClassifyStream calls open now (reactors not yet done).
   int64_t open_streams() const { return open_streams_.load(std::memory_order_acquire); }
@@ -79,10 +82,13 @@ class InferenceService final : public v1::Inference::CallbackService {
 
   // Used by the unary and the streaming handler: validates `request`, tokenizes it and queues its
   // inputs; `finish` is called exactly once, possibly before this returns, possibly on a batch
-  // thread, with the outcome. `cancelled` turns true when the client gives up.
+  // thread, with the outcome. `cancelled` turns true when the client gives up. `resolved`, when
+  // not null, is the version the caller already looked up for this request (KServe): used as it
+  // is, since a second lookup could miss a version that a swap retired in between.
   using FinishCallback = std::function<void(const grpc::Status&, v1::ClassifyResponse*)>;
   void StartClassify(const v1::ClassifyRequest& request, absl::Time deadline,
-                     std::shared_ptr<std::atomic<bool>> cancelled, FinishCallback finish);
+                     std::shared_ptr<std::atomic<bool>> cancelled, FinishCallback finish,
+                     std::shared_ptr<ModelServable> resolved = nullptr);
 
   grpc::ServerUnaryReactor* Classify(grpc::CallbackServerContext* context,
                                      const v1::ClassifyRequest* request,

@@ -567,7 +567,8 @@ grpc::ServerUnaryReactor* KServeService::ModelInfer(grpc::CallbackServerContext*
   auto parsed = ParseInfer(*request, a.inference->options().max_inputs_per_request);
   if (!parsed.ok()) return reject(ToGrpcStatus(parsed.status()), model, version);
 
-  // The resolved version is pinned so that the labels below describe the version that answers.
+  // The resolved version answers (StartClassify takes it as it is, so that a swap between two
+  // lookups cannot fail the call), and the labels below describe it.
   v1::ClassifyRequest classify;
   classify.set_model_name(model);
   classify.set_model_version(servable->id().version);
@@ -593,7 +594,8 @@ grpc::ServerUnaryReactor* KServeService::ModelInfer(grpc::CallbackServerContext*
         }
         absl::Status built = BuildResponse(*shared, servable->info(), *result, response);
         reactor->Finish(ToGrpcStatus(built));
-      });
+      },
+      servable);
   return reactor;
 }
 

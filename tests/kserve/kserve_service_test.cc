@@ -8,6 +8,7 @@
 #include <functional>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <thread>
@@ -16,6 +17,7 @@
 
 #include "absl/time/clock.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "collabserve/v1/inference.grpc.pb.h"
 #include "gmock/gmock.h"
@@ -601,6 +603,50 @@ TEST_F(KServeTest, ExplicitAndUnknownVersions) {
   s = Infer(req, &resp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
   EXPECT_THAT(s.error_message(), HasSubstr("nope"));
+}
+
+// A call without a version while the default version changes, the old one retired: it is answered
+// by the version it was resolved to or a newer one, never NOT_FOUND (ModelInfer looked the version
+// up twice, and the second lookup could miss one a swap had just retired).
+TEST_F(KServeTest, VersionSwapsUnderLoadFailNoCall) {
+  Start();
+  std::atomic<bool> stop{false};
+  std::atomic<int> failures{0}, answered{0};
+  std::string first_failure;
+  absl::Mutex mu;
+  std::vector<std::thread> clients;
+  for (int t = 0; t < 3; ++t) {
+    clients.emplace_back([&] {
+      InferRequest req;
+      req.set_model_name("tiny");
+      AddInput(&req, "text", {"swap"});
+      while (!stop.load()) {
+        InferResponse resp;
+        grpc::Status s = Infer(req, &resp);
+        if (!s.ok()) {
+          failures++;
+          absl::MutexLock lock(&mu);
+          if (first_failure.empty()) first_failure = s.error_message();
+        } else {
+          answered++;
+        }
+      }
+    });
+  }
+  // Each round makes a newest version the default, then deletes it: the default goes back, and
+  // the version that was answering is retired under the calls.
+  for (int v = 3; v < 8; ++v) {
+    const std::string staging = repo_.path() + "/.staging-v" + std::to_string(v);
+    MakeTinyModel(staging, v);
+    std::filesystem::rename(staging, repo_.path() + "/tiny/" + std::to_string(v));
+    ASSERT_TRUE(server_->repository()->Poll().ok());
+    const int before = answered.load();
+    ASSERT_TRUE(Eventually([&] { return answered.load() >= before + 5; }));
+    ASSERT_TRUE(server_->repository()->DeleteVersion({"tiny", v}).ok());
+  }
+  stop = true;
+  for (auto& c : clients) c.join();
+  EXPECT_EQ(failures.load(), 0) << first_failure;
 }
 
 TEST_F(KServeTest, BadInputsAreInvalidArgumentNamingTheProblem) {
