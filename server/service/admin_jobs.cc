@@ -161,7 +161,10 @@ int ClaimStaging(const std::string& dir) {
     LOG(WARNING) << "cannot claim " << path << " (" << std::strerror(errno)
                  << "): another process starting on this repository may remove " << dir
                  << " while the job uses it";
-    if (fd >= 0) ::close(fd);
+    if (fd >= 0) {
+      ::unlink(path.c_str());  // a claim nobody holds would have its entry removed at once
+      ::close(fd);
+    }
     return -1;
   }
   return fd;
