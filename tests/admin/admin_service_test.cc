@@ -152,6 +152,32 @@ class AdminServiceTest : public testing::AdminServerTest {
     return !std::filesystem::exists(dir) || std::filesystem::is_empty(dir);
   }
 
+  // CompressModel of "tiny" at rank 16: the job and its version.
+  v1::CompressModelResponse CompressTiny(bool activate = false) {
+    grpc::ClientContext ctx;
+    Authorize(&ctx, kToken);
+    v1::CompressModelRequest req;
+    req.set_model_name("tiny");
+    req.mutable_compression()->set_rank(16);
+    req.set_activate(activate);
+    v1::CompressModelResponse resp;
+    const grpc::Status s = admin_stub_->CompressModel(&ctx, req, &resp);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return resp;
+  }
+
+  // Options whose job worker, once it has taken the first job and before it starts it, notifies
+  // `taken` and waits for `release` (JobManagerOptions::start_hook).
+  static AdminServerOptions HoldFirstJob(absl::Notification* taken, absl::Notification* release) {
+    AdminServerOptions ao;
+    ao.service.jobs.start_hook = [taken, release](const std::string&) {
+      if (taken->HasBeenNotified()) return;
+      taken->Notify();
+      release->WaitForNotificationWithTimeout(absl::Seconds(60));
+    };
+    return ao;
+  }
+
 };
 
 TEST_F(AdminServiceTest, UploadCompressClassifyMatchesOfflineCompress) {
@@ -853,17 +879,7 @@ TEST_F(AdminServiceTest, ACancelAsAWorkerTakesTheJobEndsItForGood) {
     cancelled.WaitForNotificationWithTimeout(absl::Seconds(60));
   };
   Start(ao);
-  auto compress = [&]() {
-    grpc::ClientContext ctx;
-    Authorize(&ctx, kToken);
-    v1::CompressModelRequest req;
-    req.set_model_name("tiny");
-    req.mutable_compression()->set_rank(16);
-    v1::CompressModelResponse resp;
-    grpc::Status s = admin_stub_->CompressModel(&ctx, req, &resp);
-    EXPECT_TRUE(s.ok()) << s.error_message();
-    return resp.job_id();
-  };
+  auto compress = [&]() { return CompressTiny().job_id(); };
   const std::string id = compress();
   ASSERT_TRUE(taken.WaitForNotificationWithTimeout(absl::Seconds(60)));
   ASSERT_EQ(held, id);
@@ -889,19 +905,8 @@ TEST_F(AdminServiceTest, ACancelAsAWorkerTakesTheJobEndsItForGood) {
 // version as it is (it used to record PUBLISHED, since the version's directory existed).
 TEST_F(AdminServiceTest, AVersionMadeElsewhereWhileTheJobRanIsNotReportedAsPublished) {
   absl::Notification taken, made;
-  AdminServerOptions ao;
-  ao.service.jobs.start_hook = [&](const std::string&) {
-    taken.Notify();
-    made.WaitForNotificationWithTimeout(absl::Seconds(60));
-  };
-  Start(ao);
-  grpc::ClientContext ctx;
-  Authorize(&ctx, kToken);
-  v1::CompressModelRequest req;
-  req.set_model_name("tiny");
-  req.mutable_compression()->set_rank(16);
-  v1::CompressModelResponse resp;
-  ASSERT_TRUE(admin_stub_->CompressModel(&ctx, req, &resp).ok());
+  Start(HoldFirstJob(&taken, &made));
+  const v1::CompressModelResponse resp = CompressTiny();
   ASSERT_TRUE(taken.WaitForNotificationWithTimeout(absl::Seconds(60)));
   const std::string other = repo_.path() + "/tiny/" + std::to_string(resp.version());
   model::MakeOptions mo;
@@ -925,20 +930,8 @@ TEST_F(AdminServiceTest, AVersionMadeElsewhereWhileTheJobRanIsNotReportedAsPubli
 // search publish a version without its vocabulary).
 TEST_F(AdminServiceTest, DeletingTheSourceOfAQueuedJobDoesNotFailIt) {
   absl::Notification taken, deleted;
-  AdminServerOptions ao;
-  ao.service.jobs.start_hook = [&](const std::string&) {
-    taken.Notify();
-    deleted.WaitForNotificationWithTimeout(absl::Seconds(60));
-  };
-  Start(ao);
-  grpc::ClientContext ctx;
-  Authorize(&ctx, kToken);
-  v1::CompressModelRequest req;
-  req.set_model_name("tiny");
-  req.mutable_compression()->set_rank(16);
-  req.set_activate(true);
-  v1::CompressModelResponse resp;
-  ASSERT_TRUE(admin_stub_->CompressModel(&ctx, req, &resp).ok());
+  Start(HoldFirstJob(&taken, &deleted));
+  const v1::CompressModelResponse resp = CompressTiny(/*activate=*/true);
   ASSERT_TRUE(taken.WaitForNotificationWithTimeout(absl::Seconds(60)));
   {
     grpc::ClientContext c;
