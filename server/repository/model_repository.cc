@@ -1035,7 +1035,14 @@ absl::Status ModelRepository::CleanLeftovers() {
   auto remove_if_unclaimed = [&](const std::string& claim) {
     const int fd = ::open(claim.c_str(), O_RDWR | O_CLOEXEC);
     if (fd < 0) return;  // its owner just released it
-    if (::flock(fd, LOCK_EX | LOCK_NB) == 0) {
+    struct stat locked, named;
+    if (::flock(fd, LOCK_EX | LOCK_NB) == 0 && ::fstat(fd, &locked) == 0 &&
+        ::stat(claim.c_str(), &named) == 0 && locked.st_ino == named.st_ino &&
+        locked.st_dev == named.st_dev && MTime(named) < cutoff) {
+      // Unheld and made before this process started (with flock local to each node, as NFS's
+      // local_lock gives, every claim looks unheld from another node: the age rule still holds
+      // there). The claim goes first: its owner, if it is only now making it, makes it again.
+      ::unlink(claim.c_str());
       const std::string entry = claim.substr(0, claim.size() - std::strlen(kStagingClaimSuffix));
       absl::Status s = Stat(entry, /*follow=*/false) ? RemoveTree(entry) : absl::OkStatus();
       if (s.ok()) {
@@ -1044,7 +1051,6 @@ absl::Status ModelRepository::CleanLeftovers() {
         LOG(WARNING) << "model repository: " << s.message();
         first.Update(s);
       }
-      ::unlink(claim.c_str());
     }
     ::close(fd);
   };

@@ -202,12 +202,12 @@ class ModelRepository {
   // directory; FAILED_PRECONDITION if it is on another filesystem.
   absl::Status Publish(const std::string& staging_dir, const ServableId& id, bool load_now);
 
-  // Removes leftovers of a crashed process. An entry X of root/.staging/ with a claim X.lock (see
-  // kStagingClaimSuffix) goes with its claim when no process holds the claim's flock(2), and
-  // stays, whatever its age, while one does: replicas sharing the volume clean up after one
-  // another without removing each other's uploads in progress. Entries without a claim, and
-  // root/.trash-*, go when their mtime is older than the start of this process. Called by
-  // Create(). Failures are logged; the error returned is the first one.
+  // Removes leftovers of a crashed process: entries of root/.staging/ and root/.trash-* whose
+  // mtime is older than the start of this process. An entry X of root/.staging/ with a claim X.lock
+  // (see kStagingClaimSuffix) goes with its claim only when, besides, no process holds the claim's
+  // flock(2), and stays, whatever its age, while one does: replicas sharing the volume clean up
+  // after one another without removing each other's uploads in progress. Called by Create().
+  // Failures are logged; the error returned is the first one.
   absl::Status CleanLeftovers();
   // A process writing root/.staging/X holds an exclusive flock(2) on root/.staging/X + this for
   // as long as X is in use, takes it before creating X, and removes X before the claim.

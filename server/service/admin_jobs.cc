@@ -130,9 +130,21 @@ const char* Outcome(const absl::Status& s) {
 // in place, as before, and says so in the log.
 std::string SnapshotSource(const std::string& src, const std::string& dst) {
   std::error_code ec;
-  std::filesystem::create_directory(dst, ec);
+  if (!std::filesystem::create_directory(dst, ec)) {
+    LOG(WARNING) << "cannot create " << dst << " (" << ec.message() << "): the job reads " << src
+                 << " in place";
+    return src;
+  }
   for (std::filesystem::directory_iterator it(src, ec), end; !ec && it != end; it.increment(ec)) {
-    if (!it->is_regular_file(ec)) continue;  // follows links: a linked file is linked as its target
+    std::error_code tec;
+    if (it->is_directory(tec)) continue;  // nothing reads a version's subdirectories
+    if (!it->is_regular_file(tec)) {
+      // A dangling link, say: read in place, so that the loader names it as it would there.
+      LOG(WARNING) << it->path().string() << " is not a regular file: the job reads " << src
+                   << " in place, and deleting that version under it fails the job";
+      return src;
+    }
+    // Follows links: a linked file is linked as its target.
     const std::string name = it->path().filename().string();
     if (::linkat(AT_FDCWD, it->path().c_str(), AT_FDCWD, util::JoinPath(dst, name).c_str(),
                  AT_SYMLINK_FOLLOW) != 0) {
@@ -150,24 +162,43 @@ std::string SnapshotSource(const std::string& src, const std::string& dst) {
   return dst;
 }
 
-// Claims staging directory `dir` for this process: `dir`.lock, created and held with flock(2) until
-// ReleaseStaging (the kernel lets go if the process dies). ModelRepository::CleanLeftovers leaves
-// claimed entries alone. Returns the lock's descriptor, or -1 (logged) when it cannot be taken:
-// the directory is then judged by its age, as entries without a claim are.
+// Claims staging directory `dir` for this process: `dir`.lock, created here (O_EXCL) and held with
+// flock(2) until ReleaseStaging (the kernel lets go if the process dies). ModelRepository::
+// CleanLeftovers leaves claimed entries alone. Returns the lock's descriptor, or -1 (logged) when
+// no claim could be made: the directory is then judged by its age, as entries without a claim are.
 int ClaimStaging(const std::string& dir) {
   const std::string path = dir + repository::ModelRepository::kStagingClaimSuffix;
-  const int fd = ::open(path.c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0644);
-  if (fd < 0 || ::flock(fd, LOCK_EX | LOCK_NB) != 0) {
-    LOG(WARNING) << "cannot claim " << path << " (" << std::strerror(errno)
-                 << "): another process starting on this repository may remove " << dir
-                 << " while the job uses it";
-    if (fd >= 0) {
-      ::unlink(path.c_str());  // a claim nobody holds would have its entry removed at once
-      ::close(fd);
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    if (attempt > 0) absl::SleepFor(absl::Milliseconds(10));
+    const int fd = ::open(path.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0644);
+    // EEXIST: a process cleaning up holds a claim it took for a dead one's and is removing it.
+    if (fd < 0 && errno == EEXIST) continue;
+    if (fd < 0) break;
+    // That process may also have taken this fresh claim between open and flock, and unlinked it:
+    // then the lock held here has no name. Either way the claim is made again.
+    const bool locked = ::flock(fd, LOCK_EX | LOCK_NB) == 0;
+    const int lock_error = errno;
+    struct stat held, named;
+    if (locked && ::fstat(fd, &held) == 0 && ::stat(path.c_str(), &named) == 0 &&
+        held.st_ino == named.st_ino && held.st_dev == named.st_dev) {
+      return fd;
     }
-    return -1;
+    ::close(fd);
+    if (!locked && lock_error != EWOULDBLOCK) {  // no flock on this filesystem: no claim
+      ::unlink(path.c_str());  // made here: an unheld claim would have its entry removed at once
+      errno = lock_error;
+      break;
+    }
   }
-  return fd;
+  LOG(WARNING) << "cannot claim " << path << " (" << std::strerror(errno)
+               << "): another process starting on this repository may remove " << dir
+               << " while the job uses it";
+  return -1;
+}
+
+// root/.staging/<job id>: a job's private directory.
+std::string StagingPath(const std::string& root, const std::string& id) {
+  return util::JoinPath(util::JoinPath(root, ".staging"), id);
 }
 
 void ReleaseStaging(const std::string& dir, int lock) {
@@ -374,7 +405,7 @@ void JobManager::Shutdown() {
 
 std::string JobManager::StagingDir(const Job& job) const {
   repository::ModelRepository* repo = repository_();
-  return util::JoinPath(util::JoinPath(repo != nullptr ? repo->root() : "", ".staging"), job.id());
+  return StagingPath(repo != nullptr ? repo->root() : "", job.id());
 }
 
 absl::StatusOr<std::shared_ptr<Job>> JobManager::Create(const JobSpec& spec) {
@@ -450,6 +481,7 @@ absl::StatusOr<std::shared_ptr<Job>> JobManager::Create(const JobSpec& spec) {
   }
 
   std::shared_ptr<Job> job;
+  std::string input_dir;  // a COMPRESS job's: its snapshot of the source version
   {
     absl::MutexLock l(&mu_);
     if (stopping_) return absl::UnavailableError("the server is shutting down");
@@ -487,7 +519,7 @@ absl::StatusOr<std::shared_ptr<Job>> JobManager::Create(const JobSpec& spec) {
 
     const std::string staging_root = util::JoinPath(repo->root(), ".staging");
     mkdir(staging_root.c_str(), 0755);  // EEXIST is fine; the next mkdir reports real errors
-    const std::string dir = util::JoinPath(staging_root, id);
+    const std::string dir = StagingPath(repo->root(), id);
     // Claimed before it exists: another process sharing the volume (a replica starting) removes
     // staging entries whose claim it can take, and would otherwise judge this one by its age.
     const int lock = ClaimStaging(dir);
@@ -497,6 +529,11 @@ absl::StatusOr<std::shared_ptr<Job>> JobManager::Create(const JobSpec& spec) {
       return absl::InternalError(absl::StrCat("cannot create ", dir, ": ", strerror(err)));
     }
     if (lock >= 0) staging_locks_[id] = lock;
+    // Before the job is visible (a CancelJob's cleanup must not race the links).
+    if (spec.kind == v1::Job::COMPRESS) {
+      input_dir = SnapshotSource(util::JoinPath(model_dir, absl::StrCat(source_version)),
+                                 util::JoinPath(dir, "source"));
+    }
     reserved.insert(version);
     pending_.insert(id);
     jobs_[id] = job;
@@ -508,8 +545,7 @@ absl::StatusOr<std::shared_ptr<Job>> JobManager::Create(const JobSpec& spec) {
     job->Record(Event(v1::JobEvent::QUEUED, "queued"));
     Work w;
     w.job = job;
-    w.input_dir = SnapshotSource(util::JoinPath(model_dir, absl::StrCat(source_version)),
-                                 util::JoinPath(StagingDir(*job), "source"));
+    w.input_dir = std::move(input_dir);
     absl::MutexLock l(&mu_);
     queue_.push_back(std::move(w));
   }
@@ -959,11 +995,13 @@ absl::Status JobManager::PublishAndLoad(Job& job, const v1::Job& spec, const std
                                         repository::ModelRepository* repo) {
   const repository::ServableId id{spec.model_name(), spec.version()};
   absl::Status published;
-  RunAtServerPriority([&] { published = repo->Publish(dir, id, spec.activate()); });
   // Published means moved: the rename takes the staging directory away. Whether the version's
   // directory exists says nothing, since another process (a replica on the same volume, a person)
-  // may have made that version, and Publish then refused (ALREADY_EXISTS) and moved nothing.
-  if (IsDir(dir)) {
+  // may have made that version, and Publish then refused (ALREADY_EXISTS) and moved nothing; a
+  // staging directory gone before the call (NOT_FOUND) was not moved either.
+  const bool staged = IsDir(dir);
+  RunAtServerPriority([&] { published = repo->Publish(dir, id, spec.activate()); });
+  if (!staged || IsDir(dir)) {
     return published.ok() ? absl::InternalError("publish reported success but moved nothing")
                           : published;
   }
@@ -999,8 +1037,8 @@ void JobManager::Finish(const std::shared_ptr<Job>& job, const absl::Status& sta
       staging_locks_.erase(it);
     }
   }
-  if (repository_() != nullptr) {
-    const std::string dir = StagingDir(*job);
+  if (repository::ModelRepository* repo = repository_(); repo != nullptr) {
+    const std::string dir = StagingPath(repo->root(), job->id());
     RemoveTree(dir);
     ReleaseStaging(dir, lock);
   } else if (lock >= 0) {

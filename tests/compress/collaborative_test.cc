@@ -8,6 +8,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -612,13 +613,14 @@ TEST_F(CollaborativeTest, BadRequestsAreRefusedAndWriteNothing) {
   EXPECT_THAT(msg(no_time), HasSubstr("search_seconds must be >= 0 (0: no limit), got -5"));
   no_time.search_seconds = std::nan("");
   EXPECT_THAT(msg(no_time), HasSubstr("search_seconds must be >= 0"));
-  // Refused before the calibration pass (the first step), not after it.
+  // Refused before the calibration pass, not after it.
   CompressOptions calibrated = Rank(0);
   calibrated.calibration.assign(20, "a calibration text about films");
   std::vector<std::string> steps;
   calibrated.on_step = [&](const std::string& step) { steps.push_back(step); };
   EXPECT_THAT(msg(calibrated), HasSubstr("rank must be at least 1"));
-  EXPECT_TRUE(steps.empty()) << steps.front();
+  // (CompressModelDirectory reports "load" first; the calibration pass runs within "convert".)
+  EXPECT_EQ(std::count(steps.begin(), steps.end(), std::string("convert")), 0);
   EXPECT_FALSE(std::filesystem::exists(work_ / "out"));
 
   std::atomic<bool> cancelled{true};

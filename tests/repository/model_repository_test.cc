@@ -723,19 +723,21 @@ TEST_F(ModelRepositoryTest, CreateRemovesCrashLeftoversOlderThanTheProcess) {
 }
 
 // Replicas share the volume: a claimed staging entry (X.lock held with flock) is another
-// process's upload in progress and stays, however old; one whose claim nobody holds is a dead
-// process's and goes with its claim. (Judged by age alone, a replica starting removed the
+// process's upload in progress and stays, however old; one whose claim nobody holds and that is
+// older than this process is a dead process's and goes with its claim. (Judged by age alone, a replica starting removed the
 // uploads and compressions of the replicas already running.)
 TEST_F(ModelRepositoryTest, CreateKeepsClaimedStagingAndRemovesWhatADeadOwnerClaimed) {
   MakeVersion("m", 1);
   const fs::path staging = fs::path(root_) / ".staging";
-  const fs::path held = staging / "7-aaaaaa", dead = staging / "8-bbbbbb";
+  const fs::path held = staging / "7-aaaaaa", dead = staging / "8-bbbbbb", fresh = staging / "9-cccccc";
   const auto an_hour_ago = fs::file_time_type::clock::now() - std::chrono::hours(1);
-  for (const auto& p : {held, dead}) {
+  for (const auto& p : {held, dead, fresh}) {
     fs::create_directories(p / "upload");
     std::ofstream(p / "upload" / "model.safetensors") << "partial";
     std::ofstream(p.string() + ModelRepository::kStagingClaimSuffix) << "";
+    if (p == fresh) continue;  // unheld but newer than this process: its age keeps it
     fs::last_write_time(p, an_hour_ago);
+    fs::last_write_time(p.string() + ModelRepository::kStagingClaimSuffix, an_hour_ago);
   }
   // Another open file description: flock conflicts with it as with another process's.
   const int lock = ::open((held.string() + ModelRepository::kStagingClaimSuffix).c_str(), O_RDWR);
@@ -746,6 +748,7 @@ TEST_F(ModelRepositoryTest, CreateKeepsClaimedStagingAndRemovesWhatADeadOwnerCla
   EXPECT_TRUE(fs::exists(held.string() + ModelRepository::kStagingClaimSuffix));
   EXPECT_FALSE(fs::exists(dead));
   EXPECT_FALSE(fs::exists(dead.string() + ModelRepository::kStagingClaimSuffix));
+  EXPECT_TRUE(fs::exists(fresh / "upload" / "model.safetensors"));
   ::close(lock);
   EXPECT_EQ(Served("m"), 1);
 }
