@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
 #include "glog/logging.h"
 #include "server/metrics/process_metrics.h"
 #include "server/util/process_memory.h"
@@ -67,6 +68,14 @@ absl::Time MTime(const struct stat& st) {
 
 absl::Time CTime(const struct stat& st) {
   return absl::TimeFromTimespec(st.st_ctim);
+}
+
+// Whether `path` still names the file open as `fd`: a staging claim's lock is held under its name,
+// not on a file that another process has since unlinked.
+bool NamesFile(const std::string& path, int fd) {
+  struct stat held, named;
+  return ::fstat(fd, &held) == 0 && ::stat(path.c_str(), &named) == 0 &&
+         held.st_ino == named.st_ino && held.st_dev == named.st_dev;
 }
 
 struct DirState {
@@ -1017,6 +1026,38 @@ absl::Status ModelRepository::Publish(const std::string& staging_dir, const Serv
   return absl::OkStatus();
 }
 
+int ModelRepository::ClaimStaging(const std::string& dir) {
+  const std::string path = dir + kStagingClaimSuffix;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    if (attempt > 0) absl::SleepFor(absl::Milliseconds(10));
+    const int fd = ::open(path.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0644);
+    // EEXIST: a process cleaning up holds a claim it took for a dead one's and is removing it.
+    if (fd < 0 && errno == EEXIST) continue;
+    if (fd < 0) break;
+    // That process may also have taken this fresh claim between open and flock, and unlinked it:
+    // then the lock held here has no name. Either way the claim is made again.
+    const bool locked = ::flock(fd, LOCK_EX | LOCK_NB) == 0;
+    const int lock_error = errno;
+    if (locked && NamesFile(path, fd)) return fd;
+    ::close(fd);
+    if (!locked && lock_error != EWOULDBLOCK) {  // no flock on this filesystem: no claim
+      ::unlink(path.c_str());  // made here: an unheld claim would have its entry removed at once
+      errno = lock_error;
+      break;
+    }
+  }
+  LOG(WARNING) << "cannot claim " << path << " (" << std::strerror(errno)
+               << "): another process starting on this repository may remove " << dir
+               << " while the job uses it";
+  return -1;
+}
+
+void ModelRepository::ReleaseStaging(const std::string& dir, int lock) {
+  if (lock < 0) return;
+  ::unlink((dir + kStagingClaimSuffix).c_str());
+  ::close(lock);
+}
+
 absl::Status ModelRepository::CleanLeftovers() {
   const absl::Time cutoff = ProcessStartTime();
   absl::Status first;
@@ -1035,10 +1076,9 @@ absl::Status ModelRepository::CleanLeftovers() {
   auto remove_if_unclaimed = [&](const std::string& claim) {
     const int fd = ::open(claim.c_str(), O_RDWR | O_CLOEXEC);
     if (fd < 0) return;  // its owner just released it
-    struct stat locked, named;
-    if (::flock(fd, LOCK_EX | LOCK_NB) == 0 && ::fstat(fd, &locked) == 0 &&
-        ::stat(claim.c_str(), &named) == 0 && locked.st_ino == named.st_ino &&
-        locked.st_dev == named.st_dev && MTime(named) < cutoff) {
+    struct stat st;
+    if (::flock(fd, LOCK_EX | LOCK_NB) == 0 && NamesFile(claim, fd) && ::fstat(fd, &st) == 0 &&
+        MTime(st) < cutoff) {
       // Unheld and made before this process started (with flock local to each node, as NFS's
       // local_lock gives, every claim looks unheld from another node: the age rule still holds
       // there). The claim goes first: its owner, if it is only now making it, makes it again.

@@ -212,6 +212,13 @@ class ModelRepository {
   // A process writing root/.staging/X holds an exclusive flock(2) on root/.staging/X + this for
   // as long as X is in use, takes it before creating X, and removes X before the claim.
   static constexpr char kStagingClaimSuffix[] = ".lock";
+  // Claims staging directory `dir` (before creating it) for this process: `dir` +
+  // kStagingClaimSuffix, created here (O_EXCL) and held with flock(2) until ReleaseStaging (the
+  // kernel lets go if the process dies). Returns the lock's descriptor, or -1 (logged) when no
+  // claim could be made: the directory is then judged by its age, as entries without a claim are.
+  static int ClaimStaging(const std::string& dir);
+  // Removes the claim of `dir` (after `dir` itself) and closes `lock`; nothing for lock < 0.
+  static void ReleaseStaging(const std::string& dir, int lock);
 
   // The name rules above. Exposed for the upload path, which validates before writing anything.
   static absl::Status ValidateModelName(std::string_view model);

@@ -4,7 +4,6 @@
 #include <glog/logging.h>
 #include <fcntl.h>
 #include <sched.h>
-#include <sys/file.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -162,49 +161,9 @@ std::string SnapshotSource(const std::string& src, const std::string& dst) {
   return dst;
 }
 
-// Claims staging directory `dir` for this process: `dir`.lock, created here (O_EXCL) and held with
-// flock(2) until ReleaseStaging (the kernel lets go if the process dies). ModelRepository::
-// CleanLeftovers leaves claimed entries alone. Returns the lock's descriptor, or -1 (logged) when
-// no claim could be made: the directory is then judged by its age, as entries without a claim are.
-int ClaimStaging(const std::string& dir) {
-  const std::string path = dir + repository::ModelRepository::kStagingClaimSuffix;
-  for (int attempt = 0; attempt < 3; ++attempt) {
-    if (attempt > 0) absl::SleepFor(absl::Milliseconds(10));
-    const int fd = ::open(path.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0644);
-    // EEXIST: a process cleaning up holds a claim it took for a dead one's and is removing it.
-    if (fd < 0 && errno == EEXIST) continue;
-    if (fd < 0) break;
-    // That process may also have taken this fresh claim between open and flock, and unlinked it:
-    // then the lock held here has no name. Either way the claim is made again.
-    const bool locked = ::flock(fd, LOCK_EX | LOCK_NB) == 0;
-    const int lock_error = errno;
-    struct stat held, named;
-    if (locked && ::fstat(fd, &held) == 0 && ::stat(path.c_str(), &named) == 0 &&
-        held.st_ino == named.st_ino && held.st_dev == named.st_dev) {
-      return fd;
-    }
-    ::close(fd);
-    if (!locked && lock_error != EWOULDBLOCK) {  // no flock on this filesystem: no claim
-      ::unlink(path.c_str());  // made here: an unheld claim would have its entry removed at once
-      errno = lock_error;
-      break;
-    }
-  }
-  LOG(WARNING) << "cannot claim " << path << " (" << std::strerror(errno)
-               << "): another process starting on this repository may remove " << dir
-               << " while the job uses it";
-  return -1;
-}
-
 // root/.staging/<job id>: a job's private directory.
 std::string StagingPath(const std::string& root, const std::string& id) {
   return util::JoinPath(util::JoinPath(root, ".staging"), id);
-}
-
-void ReleaseStaging(const std::string& dir, int lock) {
-  if (lock < 0) return;
-  ::unlink((dir + repository::ModelRepository::kStagingClaimSuffix).c_str());
-  ::close(lock);
 }
 
 }  // namespace
@@ -522,10 +481,10 @@ absl::StatusOr<std::shared_ptr<Job>> JobManager::Create(const JobSpec& spec) {
     const std::string dir = StagingPath(repo->root(), id);
     // Claimed before it exists: another process sharing the volume (a replica starting) removes
     // staging entries whose claim it can take, and would otherwise judge this one by its age.
-    const int lock = ClaimStaging(dir);
+    const int lock = repository::ModelRepository::ClaimStaging(dir);
     if (mkdir(dir.c_str(), 0755) != 0) {
       const int err = errno;
-      ReleaseStaging(dir, lock);
+      repository::ModelRepository::ReleaseStaging(dir, lock);
       return absl::InternalError(absl::StrCat("cannot create ", dir, ": ", strerror(err)));
     }
     if (lock >= 0) staging_locks_[id] = lock;
@@ -1040,7 +999,7 @@ void JobManager::Finish(const std::shared_ptr<Job>& job, const absl::Status& sta
   if (repository::ModelRepository* repo = repository_(); repo != nullptr) {
     const std::string dir = StagingPath(repo->root(), job->id());
     RemoveTree(dir);
-    ReleaseStaging(dir, lock);
+    repository::ModelRepository::ReleaseStaging(dir, lock);
   } else if (lock >= 0) {
     ::close(lock);
   }
