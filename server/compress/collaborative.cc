@@ -783,6 +783,38 @@ absl::StatusOr<FidelityReport> MeasureFidelity(const model::BertClassifier& orig
   return internal::CompareLogits(*a, *b, tb.texts, original.config().output_function());
 }
 
+absl::StatusOr<FidelityReport> CompareLogitRows(const std::vector<std::vector<float>>& reference,
+                                                const std::vector<std::vector<float>>& candidate,
+                                                model::OutputFunction fn) {
+  if (reference.size() != candidate.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("logits to compare: ", reference.size(), " reference rows but ", candidate.size(), " others"));
+  }
+  const int64_t rows = static_cast<int64_t>(reference.size());
+  const int64_t width = rows == 0 ? 0 : static_cast<int64_t>(reference[0].size());
+  std::vector<double> a, b;
+  a.reserve(rows * width);
+  b.reserve(rows * width);
+  for (int64_t r = 0; r < rows; ++r) {
+    if (reference[r].empty() || static_cast<int64_t>(reference[r].size()) != width ||
+        candidate[r].size() != reference[r].size()) {
+      return absl::InvalidArgumentError(absl::StrCat("logits to compare: row ", r, " has ", reference[r].size(),
+                                                     " reference and ", candidate[r].size(),
+                                                     " other logits; every row needs the same number, at least one"));
+    }
+    a.insert(a.end(), reference[r].begin(), reference[r].end());
+    b.insert(b.end(), candidate[r].begin(), candidate[r].end());
+  }
+  if (rows == 0) return internal::CompareLogits({}, {}, 0, fn);
+  try {
+    const std::vector<at::Tensor> ta = {at::tensor(a, at::kDouble).view({rows, width})};
+    const std::vector<at::Tensor> tb = {at::tensor(b, at::kDouble).view({rows, width})};
+    return internal::CompareLogits(ta, tb, rows, fn);
+  } catch (const std::exception& e) {
+    return model::TorchErrorStatus("fidelity measurement failed", e);
+  }
+}
+
 std::string CompressReport::ToJson() const {
   nlohmann::json layers_j = nlohmann::json::array();
   for (const LayerReport& l : layers) {

@@ -18,6 +18,7 @@
 namespace collabserve::model {
 class BertClassifier;
 struct BertConfig;
+enum class OutputFunction;
 }  // namespace collabserve::model
 
 namespace collabserve::compress {
@@ -258,6 +259,14 @@ absl::StatusOr<FidelityReport> MeasureFidelity(const model::BertClassifier& orig
                                                const model::BertClassifier& compressed,
                                                const std::string& vocab_dir,
                                                const std::vector<std::string>& probes);
+
+// How closely `candidate`'s logits follow `reference`'s: one row per input, the same inputs in the
+// same order, compared as a model whose output function is `fn` serves them (FidelityReport says
+// what each figure means; `probes` is the number of rows). INVALID_ARGUMENT when the two differ in
+// rows or a row in width, or a row is empty.
+absl::StatusOr<FidelityReport> CompareLogitRows(const std::vector<std::vector<float>>& reference,
+                                                const std::vector<std::vector<float>>& candidate,
+                                                model::OutputFunction fn);
 
 // The whole pipeline: loads `in_dir`, converts, measures fidelity, and writes `out_dir` (which
 // must not exist) atomically: everything is written into a temporary sibling directory that is

@@ -6,8 +6,9 @@
 //   predict   --model DIR [--batch_size B] [--device D] [--dtype T]
 //             stdin {"text", "text_pair"} or {"input_ids", "token_type_ids"} → {"label", "logits", "probabilities"}
 //   evaluate  --model DIR --data FILE [--reference DIR] [--batch_size B] [--device D] [--dtype T]
-//             FILE: {"text", "text_pair"?, "label"?} lines → accuracy; with a reference model, top-1
-//             agreement, mean KL and max |Δ logit| against it
+//             FILE: {"text", "text_pair"?, "label"?} lines → accuracy; with a reference model, the
+//             agreement, mean KL and max |Δ logit| against it, as the compression measures them
+//             (FidelityReport: per-label decisions and Bernoulli KLs for sigmoid outputs; null for regression)
 //   inspect   --model DIR                          → parameter counts, layers, heads, ranks
 //   compress  --model IN --out OUT (--rank R | --ratio X | --ranks r1,... | --max_error E |
 //             --target_agreement A | --max_kl K) [--calibration FILE] ...
@@ -36,6 +37,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "server/compress/collaborative.h"
 #include "server/model/checkpoint_maker.h"
 #include "server/model/config.h"
 #include "server/model/engine.h"
@@ -354,20 +356,20 @@ absl::Status Evaluate(int argc, char** argv) {
       return absl::InvalidArgumentError("--reference has other labels than --model");
     }
     ASSIGN_OR_RETURN(std::vector<model::Prediction> rp, PredictAll(*ref, examples, batch_size));
-    int64_t agree = 0;
-    double kl_sum = 0, max_diff = 0;
+    // Compared as the reference serves its outputs (softmax, sigmoid per label, or regression), as
+    // the compression measures it.
+    ASSIGN_OR_RETURN(model::BertConfig ref_config,
+                     model::BertConfig::FromFile(util::JoinPath(f.Get("reference"), "config.json")));
+    std::vector<std::vector<float>> a(examples.size()), b(examples.size());
     for (size_t i = 0; i < examples.size(); ++i) {
-      agree += rp[i].label == preds[i].label;
-      for (size_t c = 0; c < rp[i].logits.size(); ++c) {
-        max_diff = std::max(max_diff, std::abs(double(rp[i].logits[c]) - preds[i].logits[c]));
-        const double p = rp[i].probabilities[c], q = preds[i].probabilities[c];
-        if (p > 0) kl_sum += p * (std::log(p) - std::log(std::max(q, 1e-30)));
-      }
+      a[i] = std::move(rp[i].logits);
+      b[i] = std::move(preds[i].logits);
     }
+    ASSIGN_OR_RETURN(compress::FidelityReport fid, compress::CompareLogitRows(a, b, ref_config.output_function()));
     out["reference"] = f.Get("reference");
-    out["top1_agreement"] = static_cast<double>(agree) / examples.size();
-    out["mean_kl"] = kl_sum / examples.size();
-    out["max_abs_logit_diff"] = max_diff;
+    out["top1_agreement"] = fid.top1_agreement;  // NaN (null) for a regression model
+    out["mean_kl"] = fid.mean_kl;
+    out["max_abs_logit_diff"] = fid.max_abs_logit_diff;
   }
   out["seconds"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::cout << out.dump() << std::endl;

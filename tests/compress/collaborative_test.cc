@@ -681,6 +681,31 @@ TEST(CompareLogitsTest, FollowsTheModelsOutputFunction) {
   EXPECT_DOUBLE_EQ(none->max_abs_logit_diff, 2.5);
 }
 
+// The row form the offline tool's `evaluate --reference` uses: the same figures as the batched
+// tensors, and rows that do not line up are refused by name.
+TEST(CompareLogitsTest, RowsGiveTheSameFiguresAndMustLineUp) {
+  const std::vector<std::vector<float>> a = {{1, 1, -1}, {1, -1, -1}}, b = {{2, 0.5, -3}, {1, 0.2, -1}};
+  auto rows = CompareLogitRows(a, b, model::OutputFunction::kSigmoid);
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  auto tensors = internal::CompareLogits({at::tensor({1., 1., -1., 1., -1., -1.}, at::kDouble).view({2, 3})},
+                                         {at::tensor({2., .5, -3., 1., .2, -1.}, at::kDouble).view({2, 3})}, 2,
+                                         model::OutputFunction::kSigmoid);
+  ASSERT_TRUE(tensors.ok());
+  EXPECT_EQ(rows->probes, 2);
+  EXPECT_DOUBLE_EQ(rows->top1_agreement, 0.5);
+  EXPECT_NEAR(rows->mean_kl, tensors->mean_kl, 1e-6);
+  EXPECT_NEAR(rows->max_abs_logit_diff, 2.0, 1e-6);
+  auto softmax = CompareLogitRows(a, b, model::OutputFunction::kSoftmax);
+  ASSERT_TRUE(softmax.ok());
+  EXPECT_DOUBLE_EQ(softmax->top1_agreement, 1.0);  // both rows' argmax is label 0 in both
+  EXPECT_THAT(std::string(CompareLogitRows(a, {b[0]}, model::OutputFunction::kSoftmax).status().message()),
+              HasSubstr("2 reference rows but 1 others"));
+  EXPECT_THAT(std::string(CompareLogitRows(a, {b[0], {1, 2}}, model::OutputFunction::kSoftmax).status().message()),
+              HasSubstr("row 1 has 3 reference and 2 other logits"));
+  EXPECT_THAT(std::string(CompareLogitRows({{}}, {{}}, model::OutputFunction::kSoftmax).status().message()),
+              HasSubstr("at least one"));
+}
+
 TEST(ResolveRanksTest, FidelityTargetsNeedAClassifier) {
   model::BertConfig regression;
   regression.num_hidden_layers = 2;

@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <algorithm>
@@ -357,6 +358,79 @@ TEST(CollabserveBinaryTest, TheOfflineToolNamesABadInputLine) {
                                           "{\"text\": \"x\", \"label\": \"neutral\"}\n")),
             1);
   EXPECT_THAT(out, HasSubstr("labels.jsonl:3: label 'neutral' is not one of the model's"));
+}
+
+// evaluate --reference compares two models as the reference serves its outputs, as the compression
+// measures fidelity: a multi-label model's texts agree when every label's decision (logit > 0)
+// does and its KL is the sum of Bernoulli KLs (it was argmax and sum p·log(p/q) over sigmoids,
+// which is no KL); a regression model has no agreement or KL (null), only max |Δ logit|.
+TEST(CollabserveBinaryTest, EvaluateComparesAsTheReferenceServesItsOutputs) {
+  TempDir work;
+  const std::string tool = Bin("collabserve-model");
+  const std::string data = work.path() + "/data.jsonl";
+  {
+    std::ofstream in(data);
+    for (const char* t : {"a fine film", "dreadful", "the plot, the cast and the score", "meh", "x y z",
+                          "an utterly forgettable afternoon", "best of the year"}) {
+      in << nlohmann::json{{"text", t}}.dump() << "\n";
+    }
+  }
+  std::string out;
+  auto make = [&](const std::string& dir, const std::string& problem, int labels, int seed) {
+    ASSERT_EQ(RunCommand(absl::StrCat(tool, " make --out ", dir, " --preset tiny --problem_type ", problem,
+                                      " --labels ", labels, " --seed ", seed, " 2>&1"),
+                         &out),
+              0)
+        << out;
+  };
+  auto logits = [&](const std::string& dir) {
+    std::vector<std::vector<double>> rows;
+    EXPECT_EQ(RunCommand(tool + " predict --model " + dir + " < " + data + " 2>/dev/null", &out), 0) << out;
+    for (absl::string_view line : absl::StrSplit(out, '\n', absl::SkipEmpty())) {
+      rows.push_back(nlohmann::json::parse(line)["logits"].get<std::vector<double>>());
+    }
+    return rows;
+  };
+  auto evaluate = [&](const std::string& m, const std::string& ref) {
+    EXPECT_EQ(RunCommand(tool + " evaluate --model " + m + " --reference " + ref + " --data " + data + " 2>/dev/null",
+                         &out),
+              0)
+        << out;
+    return nlohmann::json::parse(out);
+  };
+
+  const std::string a = work.path() + "/a", b = work.path() + "/b";
+  make(a, "multi_label_classification", 4, 1);
+  make(b, "multi_label_classification", 4, 2);
+  const auto la = logits(a), lb = logits(b);
+  ASSERT_EQ(la.size(), 7u);
+  ASSERT_EQ(lb.size(), 7u);
+  double agree = 0, kl = 0, diff = 0;
+  for (size_t i = 0; i < la.size(); ++i) {
+    bool all = true;
+    for (size_t c = 0; c < la[i].size(); ++c) {
+      all = all && ((la[i][c] > 0) == (lb[i][c] > 0));
+      const double p = 1 / (1 + std::exp(-la[i][c])), q = 1 / (1 + std::exp(-lb[i][c]));
+      kl += p * std::log(p / q) + (1 - p) * std::log((1 - p) / (1 - q));
+      diff = std::max(diff, std::abs(la[i][c] - lb[i][c]));
+    }
+    agree += all;
+  }
+  nlohmann::json r = evaluate(b, a);
+  EXPECT_DOUBLE_EQ(r["top1_agreement"].get<double>(), agree / 7) << r;
+  EXPECT_NEAR(r["mean_kl"].get<double>(), kl / 7, 1e-5) << r;
+  EXPECT_NEAR(r["max_abs_logit_diff"].get<double>(), diff, 1e-5) << r;
+  r = evaluate(a, a);
+  EXPECT_DOUBLE_EQ(r["top1_agreement"].get<double>(), 1.0) << r;
+  EXPECT_DOUBLE_EQ(r["mean_kl"].get<double>(), 0.0) << r;
+
+  const std::string ra = work.path() + "/ra", rb = work.path() + "/rb";
+  make(ra, "regression", 1, 1);
+  make(rb, "regression", 1, 2);
+  r = evaluate(rb, ra);
+  EXPECT_TRUE(r["top1_agreement"].is_null()) << r;
+  EXPECT_TRUE(r["mean_kl"].is_null()) << r;
+  EXPECT_GT(r["max_abs_logit_diff"].get<double>(), 0) << r;
 }
 
 // collabserve-model's flags: a flag without its value, a value past 32 bits, a bad label list or
