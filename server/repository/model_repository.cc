@@ -23,6 +23,7 @@
 #include "absl/time/clock.h"
 #include "glog/logging.h"
 #include "server/metrics/process_metrics.h"
+#include "server/util/files.h"
 #include "server/util/process_memory.h"
 #include "server/util/status_macros.h"
 
@@ -49,6 +50,23 @@ std::optional<int64_t> ParseVersion(std::string_view name) {
   int64_t v = 0;
   if (!absl::SimpleAtoi(Sv(name), &v) || v <= 0) return std::nullopt;
   return v;
+}
+
+// The number in `model_dir`'s kDeletedVersionMark; 0 when there is none. A mark that cannot be
+// read or does not hold a version is logged and read as 0 (the numbers on disk still count).
+int64_t HighestDeletedVersion(const std::string& model_dir) {
+  const std::string path = model_dir + "/" + ModelRepository::kDeletedVersionMark;
+  if (!util::FileExists(path)) return 0;
+  absl::StatusOr<std::string> text = util::ReadFile(path, 64);
+  std::optional<int64_t> v =
+      text.ok() ? ParseVersion(std::string(absl::StripAsciiWhitespace(*text))) : std::nullopt;
+  if (!v) {
+    LOG(WARNING) << "model repository: " << path << " does not hold a version number"
+                 << (text.ok() ? "" : absl::StrCat(" (", text.status().message(), ")"))
+                 << "; deleted version numbers may be given out again";
+    return 0;
+  }
+  return *v;
 }
 
 std::optional<struct stat> Stat(const std::string& path, bool follow) {
@@ -908,6 +926,16 @@ absl::Status ModelRepository::DeleteVersion(const ServableId& id) {
     return absl::NotFoundError(absl::StrCat("version ", id.version, " of model \"", id.model,
                                             "\" does not exist (no directory ", path, ")"));
   }
+  // Its number is recorded before it goes, so that a crash after the move still keeps it from
+  // being given out again.
+  const std::string model_dir = Join(options_.root, id.model);
+  if (on_disk && id.version > HighestDeletedVersion(model_dir)) {
+    absl::Status marked = util::WriteFileAtomic(Join(model_dir, kDeletedVersionMark), absl::StrCat(id.version, "\n"));
+    if (!marked.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat("cannot record the deleted version number in ", model_dir,
+                                                        " (nothing was deleted): ", marked.message()));
+    }
+  }
   if (on_disk) {
     // The rename makes the version vanish from the tree at once; the slow removal happens in a
     // dot-directory that scans ignore and CleanLeftovers() finishes after a crash.
@@ -939,9 +967,10 @@ absl::Status ModelRepository::DeleteVersion(const ServableId& id) {
 }
 
 int64_t ModelRepository::NextVersion(std::string_view model) const {
-  int64_t highest = 0;
+  const std::string model_dir = Join(options_.root, model);
+  int64_t highest = HighestDeletedVersion(model_dir);
   std::error_code ec;
-  for (fs::directory_iterator it(Join(options_.root, model), ec), end; !ec && it != end;
+  for (fs::directory_iterator it(model_dir, ec), end; !ec && it != end;
        it.increment(ec)) {
     if (auto v = ParseVersion(it->path().filename().string())) highest = std::max(highest, *v);
   }

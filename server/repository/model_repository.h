@@ -184,12 +184,17 @@ class ModelRepository {
 
   // Unloads a version and removes its directory: renamed to root/.trash-<...> first (so a crash
   // never leaves half a version visible), then removed. Loads the replacement the policy picks
-  // before the deleted version stops serving. NOT_FOUND if neither on disk nor known.
+  // before the deleted version stops serving. Its number is recorded first (kDeletedVersionMark)
+  // so NextVersion never gives it out again. NOT_FOUND if neither on disk nor known;
+  // FAILED_PRECONDITION, with nothing removed, if the mark or the move fails.
   absl::Status DeleteVersion(const ServableId& id);
 
-  // 1 + the highest version of `model` on disk (or known), 1 for a new model. For uploads; two
-  // concurrent uploads may get the same number, and the second Publish() then fails.
+  // 1 + the highest version of `model` on disk, known, or ever removed by DeleteVersion (its mark,
+  // below), 1 for a new model: a number once served never names another checkpoint. For uploads;
+  // two concurrent uploads may get the same number, and the second Publish() then fails.
   int64_t NextVersion(std::string_view model) const;
+  // root/<model>/ + this: the highest version number DeleteVersion has removed, in decimal.
+  static constexpr char kDeletedVersionMark[] = ".highest_deleted_version";
 
   const std::string& root() const { return options_.root; }
 

@@ -141,6 +141,8 @@ class AdminServiceTest : public testing::AdminServerTest {
     const std::string dir = repo_.path() + "/" + model;
     if (!std::filesystem::exists(dir)) return out;
     for (const auto& e : std::filesystem::directory_iterator(dir)) {
+      // Beside the versions, only the mark of deleted version numbers.
+      if (e.path().filename() == ".highest_deleted_version" && e.is_regular_file()) continue;
       out.push_back(e.path().filename().string());
     }
     std::sort(out.begin(), out.end());
@@ -1051,6 +1053,13 @@ TEST_F(AdminServiceTest, CompressLoadUnloadDeleteOnOwnPort) {
                  "collabserve_model_fidelity_agreement{model=\"tiny\",version=\"2\"}") ==
              std::string::npos;
     }));
+    // The next job's version is 3: the deleted 2 names another checkpoint to whoever knew it.
+    grpc::ClientContext c3;
+    Authorize(&c3, kToken);
+    v1::CompressModelResponse again;
+    ASSERT_TRUE(admin_stub_->CompressModel(&c3, req, &again).ok());
+    EXPECT_EQ(again.version(), 3);
+    EXPECT_EQ(WaitJob(again.job_id()).state(), v1::Job::SUCCEEDED);
   }
   {  // Unknown things.
     grpc::ClientContext c;

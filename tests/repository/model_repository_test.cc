@@ -531,6 +531,46 @@ TEST_F(ModelRepositoryTest, DeleteVersionRemovesItFromDiskAndServesTheNext) {
   EXPECT_EQ(repo_->DeleteVersion({"nope", 3}).code(), absl::StatusCode::kNotFound);
 }
 
+// A deleted version's number is never given out again, across restarts and when the model has no
+// version left: a client pinned to "m:3", a cache keyed by it or a dashboard's history would
+// otherwise meet another checkpoint under the same name. An explicit number may still reuse it.
+TEST_F(ModelRepositoryTest, DeletedVersionNumbersAreNotGivenOutAgain) {
+  MakeVersion("m", 1);
+  MakeVersion("m", 2);
+  MakeVersion("m", 3);
+  Open();
+  ASSERT_TRUE(repo_->DeleteVersion({"m", 3}).ok());
+  EXPECT_EQ(repo_->NextVersion("m"), 4);
+  ASSERT_TRUE(repo_->DeleteVersion({"m", 1}).ok());  // a lower one does not lower the mark
+  EXPECT_EQ(repo_->NextVersion("m"), 4);
+  ASSERT_TRUE(repo_->DeleteVersion({"m", 2}).ok());
+  EXPECT_EQ(repo_->NextVersion("m"), 4);
+  EXPECT_FALSE(repo_->Knows("m"));  // the mark alone is no model
+  Open();                           // a restart reads the mark
+  EXPECT_EQ(repo_->NextVersion("m"), 4);
+  EXPECT_FALSE(repo_->Knows("m"));
+  MakeVersion("m", 3);  // an operator (or an upload naming its version) may put one back
+  Open();
+  EXPECT_EQ(Served("m"), 3);
+  EXPECT_EQ(repo_->NextVersion("m"), 4);
+
+  // A mark that holds no number is logged and read as none; the numbers on disk still count.
+  std::ofstream(fs::path(root_) / "m" / ModelRepository::kDeletedVersionMark) << "x\n";
+  EXPECT_EQ(repo_->NextVersion("m"), 4);
+  ASSERT_TRUE(repo_->DeleteVersion({"m", 3}).ok());  // and is rewritten by the next delete
+  EXPECT_EQ(repo_->NextVersion("m"), 4);
+
+  // Where the mark cannot be written (here a directory is in its way), nothing is deleted.
+  MakeVersion("ro", 1);
+  fs::create_directories(fs::path(root_) / "ro" / ModelRepository::kDeletedVersionMark);
+  Open();
+  absl::Status s = repo_->DeleteVersion({"ro", 1});
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_THAT(s.message(), HasSubstr("cannot record the deleted version number"));
+  EXPECT_TRUE(fs::exists(VersionDir("ro", 1)));
+  EXPECT_EQ(Served("ro"), 1);
+}
+
 TEST_F(ModelRepositoryTest, PublishMovesAStagingDirectoryAtomicallyAndLoadsIt) {
   MakeVersion("m", 1);
   MakeVersion("m", 2);
