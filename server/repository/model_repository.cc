@@ -656,7 +656,7 @@ void ModelRepository::FireEvents(std::vector<Event>* events) const {
 
 void ModelRepository::Reconcile(const std::set<std::string>& models) {
   std::vector<Event> events;
-  std::vector<std::shared_ptr<Servable>> garbage;  // released after the lock
+  std::vector<std::shared_ptr<Servable>> garbage;  // released after the lock, every round
   std::vector<LoadResult> results;
   for (bool done = false; !done;) {
     std::vector<LoadJob> jobs;
@@ -664,40 +664,42 @@ void ModelRepository::Reconcile(const std::set<std::string>& models) {
       absl::MutexLock l(&mu_);
       InstallLocked(&results, &events, &garbage);
       const absl::Time now = absl::Now();
-      std::map<std::string, std::set<int64_t>> desired;
+      // Per model, what it wants loaded and what it serves that it no longer wants. A model whose
+      // wanted versions have all settled (loaded or failed; a failure makes the next older version
+      // wanted on the next round) unloads the rest at once. Of the models that replace a version
+      // they serve, one loads per round: each holds its old and new versions together only while
+      // its own swap runs, not while the others' do. Models with nothing to replace (a start,
+      // a new model) load in the same round, num_load_threads at a time.
+      bool swap_admitted = false;
+      done = true;
       for (const std::string& name : models) {
         auto m = models_.find(name);
         if (m == models_.end()) continue;
-        std::set<int64_t>& want = desired[name] = DesiredLocked(m->second);
-        for (int64_t version : want) {
+        const std::set<int64_t> want = DesiredLocked(m->second);
+        std::vector<int64_t> to_load;
+        bool replaces = false;
+        for (const auto& [version, e] : m->second) {
+          if (want.count(version) > 0 && e.state != State::kAvailable) to_load.push_back(version);
+          if (want.count(version) == 0 && e.state == State::kAvailable) replaces = true;
+        }
+        if (to_load.empty()) {
+          UnloadUnwantedLocked(name, want, now, &events, &garbage);
+          continue;
+        }
+        done = false;
+        if (replaces) {
+          if (swap_admitted) continue;  // its turn comes in a later round
+          swap_admitted = true;
+        }
+        for (int64_t version : to_load) {
           Entry& e = m->second[version];
-          if (e.state == State::kAvailable) continue;
           e.state = State::kLoading;
           e.since = now;
           jobs.push_back(LoadJob{ServableId{name, version}, e.path, e.fingerprint});
           events.push_back(Event{jobs.back().id, VersionEvent::kLoading, absl::OkStatus()});
         }
       }
-      // Everything wanted has settled (loaded or failed; a failure makes the next older version
-      // wanted on the next round): now unload what is no longer wanted.
-      if (jobs.empty()) {
-        done = true;
-        for (auto& [name, want] : desired) {
-          ModelEntry& model = models_[name];
-          for (auto it = model.begin(); it != model.end();) {
-            Entry& e = it->second;
-            if (e.state == State::kAvailable && !want.count(it->first)) {
-              garbage.push_back(std::move(e.servable));
-              e.state = State::kUnloaded;
-              e.since = now;
-              events.push_back(Event{ServableId{name, it->first}, VersionEvent::kUnloaded,
-                                     absl::OkStatus()});
-              LOG(INFO) << "model repository: unloaded " << name << ":" << it->first
-                        << (e.on_disk ? "" : " (its directory is gone)");
-            }
-            it = e.on_disk ? std::next(it) : model.erase(it);
-          }
-        }
+      if (done) {
         for (const std::string& name : models) {
           auto m = models_.find(name);
           if (m != models_.end() && m->second.empty()) models_.erase(m);
@@ -705,9 +707,27 @@ void ModelRepository::Reconcile(const std::set<std::string>& models) {
       }
     }
     FireEvents(&events);
+    garbage.clear();  // an in-flight request keeps its servable alive until it finishes
     if (!done) results = RunLoads(std::move(jobs));
   }
-  garbage.clear();
+}
+
+void ModelRepository::UnloadUnwantedLocked(const std::string& name, const std::set<int64_t>& want,
+                                           absl::Time now, std::vector<Event>* events,
+                                           std::vector<std::shared_ptr<Servable>>* garbage) {
+  ModelEntry& model = models_[name];
+  for (auto it = model.begin(); it != model.end();) {
+    Entry& e = it->second;
+    if (e.state == State::kAvailable && !want.count(it->first)) {
+      garbage->push_back(std::move(e.servable));
+      e.state = State::kUnloaded;
+      e.since = now;
+      events->push_back(Event{ServableId{name, it->first}, VersionEvent::kUnloaded, absl::OkStatus()});
+      LOG(INFO) << "model repository: unloaded " << name << ":" << it->first
+                << (e.on_disk ? "" : " (its directory is gone)");
+    }
+    it = e.on_disk ? std::next(it) : model.erase(it);
+  }
 }
 
 void ModelRepository::RescanAndReconcile(const std::string& model) {

@@ -76,7 +76,8 @@ struct RepositoryOptions {
   int versions_to_keep = 1;
   // How often a background thread calls Poll(). Zero: only at Create() and on explicit Poll().
   absl::Duration poll_interval = absl::ZeroDuration();
-  // How many versions load in parallel within one Poll().
+  // How many versions load in parallel within one Poll(): the versions of models that serve
+  // nothing yet, and those of the one model swapping at a time.
   int num_load_threads = 1;
   // A version directory that may still be being written is "settling": the policy ignores it
   // (what is served keeps serving) until it has stopped changing, so a version copied in file by
@@ -314,12 +315,18 @@ class ModelRepository {
   absl::Time NextWantedSettle() const;
   // Scans one model and reconciles it (after an admin change).
   void RescanAndReconcile(const std::string& model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(ops_mu_);
-  // Loads what the policy wants for `models`, installs it, then unloads what it no longer wants.
+  // Loads what the policy wants for `models`, installs it, and unloads what each model no longer
+  // wants as soon as that model's loads have settled. Models that replace a served version swap
+  // one at a time (a poll that finds new versions of several models never holds all of them twice).
   void Reconcile(const std::set<std::string>& models) ABSL_EXCLUSIVE_LOCKS_REQUIRED(ops_mu_);
   // The versions of `model` that should be served; with `as_if_settled`, those that would be
   // if every settling version had settled.
   std::set<int64_t> DesiredLocked(const ModelEntry& model, bool as_if_settled = false) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Unloads `name`'s available versions not in `want`, and forgets those no longer on disk.
+  void UnloadUnwantedLocked(const std::string& name, const std::set<int64_t>& want, absl::Time now,
+                            std::vector<Event>* events, std::vector<std::shared_ptr<Servable>>* garbage)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void InstallLocked(std::vector<LoadResult>* results, std::vector<Event>* events,
                      std::vector<std::shared_ptr<Servable>>* garbage)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -87,7 +87,18 @@ class FakeLoader {
       return absl::DataLossError("config.json: unexpected end of input");
     }
     if (fs::exists(fs::path(path) / "throw")) throw std::runtime_error("bad_alloc in warm-up");
+    {
+      absl::MutexLock l(&mu_);
+      live_at_load_[id.DebugString()] = created - destroyed.load();
+      ++created;
+    }
     return std::make_shared<FakeServable>(id, path, &destroyed);
+  }
+
+  // How many servables were alive when `id` was last loaded (the new one not counted).
+  int live_at_load(const std::string& model, int64_t version) {
+    absl::MutexLock l(&mu_);
+    return live_at_load_[absl::StrCat(model, ":", version)];
   }
 
   // The next load of `id` notifies `started`, then waits for `gate`.
@@ -113,6 +124,8 @@ class FakeLoader {
   absl::Mutex mu_;
   std::map<std::string, int> loads_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::vector<std::string>> files_ ABSL_GUARDED_BY(mu_);
+  int created ABSL_GUARDED_BY(mu_) = 0;
+  std::map<std::string, int> live_at_load_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::pair<absl::Notification*, absl::Notification*>> blocked_
       ABSL_GUARDED_BY(mu_);
 };
@@ -267,6 +280,45 @@ TEST_F(ModelRepositoryTest, NewVersionIsServedAfterPollAndTheOldOneUnloaded) {
   ASSERT_TRUE(repo_->Poll().ok());
   EXPECT_EQ(loader_.loads("m", 2), 1);
   EXPECT_THAT(TakeEvents(), IsEmpty());
+}
+
+// A poll that finds new versions of several served models swaps them one at a time: each old
+// version goes as soon as its replacement serves, so memory holds one model twice, not all of them
+// (it held every old and new version until the last load ended).
+TEST_F(ModelRepositoryTest, ModelsSwapOneAtATimeAndUnloadAsSoonAsTheirReplacementServes) {
+  for (const char* m : {"a", "b", "c"}) MakeVersion(m, 1);
+  Open();
+  for (const char* m : {"a", "b", "c"}) MakeVersion(m, 2);
+  TakeEvents();
+  ASSERT_TRUE(repo_->Poll().ok());
+  for (const char* m : {"a", "b", "c"}) EXPECT_EQ(Served(m), 2) << m;
+  // Each swap loads beside the two other models and nothing else (it was 3, 4, 5).
+  for (const char* m : {"a", "b", "c"}) EXPECT_EQ(loader_.live_at_load(m, 2), 3) << m;
+  EXPECT_EQ(loader_.destroyed.load(), 3);
+  std::vector<std::string> events = TakeEvents();
+  const auto at = [&](const std::string& e) {
+    return std::find(events.begin(), events.end(), e) - events.begin();
+  };
+  EXPECT_LT(at("a:1 unloaded"), at("b:2 loading"));
+  EXPECT_LT(at("b:1 unloaded"), at("c:2 loading"));
+
+  // Models with nothing to replace load beside the first swap, in parallel.
+  RepositoryOptions o = Options();
+  o.num_load_threads = 3;
+  Open(o);
+  MakeVersion("a", 3);
+  MakeVersion("b", 3);
+  MakeVersion("fresh", 1);
+  MakeVersion("fresh2", 1);
+  TakeEvents();
+  ASSERT_TRUE(repo_->Poll().ok());
+  events = TakeEvents();
+  EXPECT_LT(at("fresh:1 loading"), at("a:3 available"));
+  EXPECT_LT(at("fresh2:1 loading"), at("a:3 available"));
+  EXPECT_LT(at("a:2 unloaded"), at("b:3 loading"));
+  EXPECT_LT(at("b:3 available"), events.size());
+  EXPECT_EQ(Served("fresh"), 1);
+  EXPECT_EQ(Served("fresh2"), 1);
 }
 
 TEST_F(ModelRepositoryTest, RemovedVersionIsUnloadedAndTheNextNewestServes) {
