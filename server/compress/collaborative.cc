@@ -685,9 +685,11 @@ absl::StatusOr<FidelityReport> CompareLogits(const std::vector<at::Tensor>& a, c
   if (fn == model::OutputFunction::kNone) {
     f.top1_agreement = std::numeric_limits<double>::quiet_NaN();
     f.mean_kl = std::numeric_limits<double>::quiet_NaN();
+    f.agreement_lower95 = std::numeric_limits<double>::quiet_NaN();
     return f;
   }
   f.top1_agreement = texts == 0 ? 1.0 : static_cast<double>(agree) / texts;
+  f.agreement_lower95 = WilsonLower95(agree, texts);
   f.mean_kl = texts == 0 ? 0.0 : kl_sum / texts;
   return f;
 }
@@ -783,6 +785,15 @@ absl::StatusOr<FidelityReport> MeasureFidelity(const model::BertClassifier& orig
   return internal::CompareLogits(*a, *b, tb.texts, original.config().output_function());
 }
 
+double WilsonLower95(int64_t hits, int64_t n) {
+  if (n <= 0) return 0.0;
+  constexpr double z = 1.6448536269514722;  // the standard normal's 95th percentile
+  const double nn = static_cast<double>(n), p = static_cast<double>(hits) / nn;
+  const double center = p + z * z / (2 * nn);
+  const double margin = z * std::sqrt(p * (1 - p) / nn + z * z / (4 * nn * nn));
+  return std::max(0.0, (center - margin) / (1 + z * z / nn));
+}
+
 absl::StatusOr<FidelityReport> CompareLogitRows(const std::vector<std::vector<float>>& reference,
                                                 const std::vector<std::vector<float>>& candidate,
                                                 model::OutputFunction fn) {
@@ -842,6 +853,7 @@ std::string CompressReport::ToJson() const {
       {"fidelity",
        {{"probes", fidelity.probes},
         {"top1_agreement", fidelity.top1_agreement},
+        {"agreement_lower95", fidelity.agreement_lower95},
         {"max_abs_logit_diff", fidelity.max_abs_logit_diff},
         {"mean_kl", fidelity.mean_kl}}},
       {"decompose_seconds", decompose_seconds},
@@ -864,6 +876,7 @@ std::string CompressReport::ToJson() const {
     auto fidelity_json = [](const FidelityReport& f) {
       return nlohmann::json{{"probes", f.probes},
                             {"top1_agreement", f.top1_agreement},
+                            {"agreement_lower95", f.agreement_lower95},
                             {"max_abs_logit_diff", f.max_abs_logit_diff},
                             {"mean_kl", f.mean_kl}};
     };

@@ -818,6 +818,7 @@ v1::CompressionReport ReportProto(const compress::CompressReport& report) {
   f->set_top1_agreement(report.fidelity.top1_agreement);
   f->set_max_abs_logit_diff(report.fidelity.max_abs_logit_diff);
   f->set_mean_kl(report.fidelity.mean_kl);
+  f->set_top1_agreement_lower95(report.fidelity.agreement_lower95);
   out.set_seconds(report.seconds);
   out.set_json(report.ToJson());
   return out;
@@ -865,11 +866,23 @@ absl::Status CompressInto(Job& job, const v1::Job& spec, compress::CompressOptio
   if (!report.ok()) return job.cancel_requested() ? Cancelled(job) : report.status();
   const v1::CompressionReport proto = ReportProto(*report);
   const v1::FidelityResult& f = proto.fidelity();
-  v1::JobEvent e = Event(v1::JobEvent::FIDELITY_MEASURED,
-                         absl::StrFormat("fidelity on %d %s: top-1 agreement %.4f, max |logit diff| %.4g, "
-                                         "mean KL %.4g",
-                                         f.probes(), report->fidelity_texts,
-                                         f.top1_agreement(), f.max_abs_logit_diff(), f.mean_kl()));
+  std::string message = absl::StrFormat(
+      "fidelity on %d %s: top-1 agreement %.4f (95%% lower bound %.4f), max |logit diff| %.4g, mean KL %.4g",
+      f.probes(), report->fidelity_texts, f.top1_agreement(), f.top1_agreement_lower95(), f.max_abs_logit_diff(),
+      f.mean_kl());
+  // An agreement that meets the gate or target on too few probes to say so of other texts.
+  const double asked = spec.has_min_agreement() ? spec.min_agreement()
+                       : spec.compression().spec_case() == v1::CompressionSpec::kTargetAgreement
+                           ? spec.compression().target_agreement()
+                           : -1;
+  if (asked > 0 && f.top1_agreement() >= asked && f.top1_agreement_lower95() < asked) {
+    absl::StrAppendFormat(&message,
+                          "; on %d texts that does not show %.4f of texts like them agree (give more probes "
+                          "or calibration text)",
+                          f.probes(), asked);
+    LOG(WARNING) << "admin job " << spec.id() << ": " << message;
+  }
+  v1::JobEvent e = Event(v1::JobEvent::FIDELITY_MEASURED, message);
   *e.mutable_fidelity() = f;
   job.Record(e, [&](v1::Job* j) { *j->mutable_report() = proto; });
   if (spec.has_min_agreement() && f.top1_agreement() < spec.min_agreement()) {

@@ -506,6 +506,13 @@ TEST_F(AdminServiceTest, UploadWithCalibrationAndATargetSearchesWhitenedRanks) {
   EXPECT_EQ(report["search"]["trials"].size(), trials.size());
   EXPECT_EQ(job.report().fidelity().probes(), 12);  // measured on the held-out part
   EXPECT_GE(job.report().fidelity().top1_agreement(), 0.9);
+  // 12 texts cannot show that 90 % of texts like them agree: the bound is reported and the event
+  // says so (at most 0.816, what 12 of 12 gives).
+  EXPECT_LE(job.report().fidelity().top1_agreement_lower95(), 0.8165);
+  EXPECT_NEAR(job.report().fidelity().top1_agreement_lower95(),
+              compress::WilsonLower95(std::lround(job.report().fidelity().top1_agreement() * 12), 12), 1e-9);
+  EXPECT_THAT(measured[0], HasSubstr("(95% lower bound 0."));
+  EXPECT_THAT(measured[0], HasSubstr("on 12 texts that does not show 0.9000 of texts like them agree"));
   for (const auto& l : job.report().layers()) {
     if (l.rank() > 0) {
       EXPECT_TRUE(l.has_activation_error());

@@ -706,6 +706,25 @@ TEST(CompareLogitsTest, RowsGiveTheSameFiguresAndMustLineUp) {
               HasSubstr("at least one"));
 }
 
+// What an agreement is worth on few probes: the Wilson lower bound, checked against values worked
+// by hand (p = 1: 1 / (1 + z²/n)) and a textbook case.
+TEST(CompareLogitsTest, ReportsTheAgreementsLowerBound) {
+  const double z2 = 1.6448536269514722 * 1.6448536269514722;
+  EXPECT_NEAR(WilsonLower95(3, 3), 1 / (1 + z2 / 3), 1e-12);  // 0.526
+  EXPECT_NEAR(WilsonLower95(300, 300), 1 / (1 + z2 / 300), 1e-12);  // 0.991
+  EXPECT_NEAR(WilsonLower95(50, 100), 0.41885, 1e-4);  // statsmodels proportion_confint(50, 100, 0.1, "wilson")
+  EXPECT_EQ(WilsonLower95(0, 10), 0.0);
+  EXPECT_EQ(WilsonLower95(0, 0), 0.0);
+  for (int64_t n : {1, 7, 40}) {
+    for (int64_t k = 0; k <= n; ++k) EXPECT_LE(WilsonLower95(k, n), double(k) / n) << k << "/" << n;
+  }
+  const std::vector<std::vector<float>> a = {{1, 0}, {0, 1}, {1, 0}}, b = {{1, 0}, {0, 1}, {0, 1}};
+  auto f = CompareLogitRows(a, b, model::OutputFunction::kSoftmax);
+  ASSERT_TRUE(f.ok());
+  EXPECT_DOUBLE_EQ(f->agreement_lower95, WilsonLower95(2, 3));
+  EXPECT_TRUE(std::isnan(CompareLogitRows(a, b, model::OutputFunction::kNone)->agreement_lower95));
+}
+
 TEST(ResolveRanksTest, FidelityTargetsNeedAClassifier) {
   model::BertConfig regression;
   regression.num_hidden_layers = 2;
