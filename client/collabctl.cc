@@ -116,15 +116,19 @@ int Models(const Client& client) {
     return 0;
   }
   // One line per model with its served versions, then one indented line per version on disk that
-  // is not served (loading, settling, failed with its error, unloaded), as Triton's index lists them.
+  // is not served (loading, settling, failed with its error, unloaded), as Triton's index lists them,
+  // and per version an admin pinned or unloaded.
   for (const auto& m : r->models()) {
     std::vector<std::string> v;
     for (auto x : m.versions()) v.push_back(std::to_string(x));
     std::printf("%s\tversions %s\n", m.name().c_str(), absl::StrJoin(v, ",").c_str());
     for (const auto& status : m.version_status()) {
-      if (status.state() == "available") continue;
-      std::printf("\tversion %lld %s%s%s\n", static_cast<long long>(status.version()),
-                  status.state().c_str(), status.error().empty() ? "" : ": ",
+      if (status.state() == "available" && !status.pinned()) continue;
+      const char* admin = status.pinned()              ? " (pinned by LoadModel)"
+                          : status.unloaded_by_admin() ? " (by UnloadModel: LoadModel serves it again)"
+                                                       : "";
+      std::printf("\tversion %lld %s%s%s%s\n", static_cast<long long>(status.version()),
+                  status.state().c_str(), admin, status.error().empty() ? "" : ": ",
                   status.error().c_str());
     }
   }

@@ -613,6 +613,8 @@ grpc::ServerUnaryReactor* InferenceService::ListModels(grpc::CallbackServerConte
         s->set_version(v.version);
         s->set_state(repository::ModelRepository::StateName(v));
         if (!v.error.ok()) s->set_error(v.error.ToString());
+        s->set_pinned(v.pinned);
+        s->set_unloaded_by_admin(v.disabled);
       }
     }
     return grpc::Status::OK;

@@ -136,6 +136,19 @@ class AdminServiceTest : public testing::AdminServerTest {
     return inference_->Classify(&ctx, req, resp);
   }
 
+  // ListModels' status of `model`:`version` (default-constructed when not listed).
+  v1::ModelVersionStatus StatusOf(const std::string& model, int64_t version) {
+    grpc::ClientContext ctx;
+    v1::ListModelsResponse resp;
+    EXPECT_TRUE(inference_->ListModels(&ctx, v1::ListModelsRequest(), &resp).ok());
+    for (const auto& m : resp.models()) {
+      for (const auto& s : m.version_status()) {
+        if (m.name() == model && s.version() == version) return s;
+      }
+    }
+    return {};
+  }
+
   std::vector<std::string> VersionDirs(const std::string& model) {
     std::vector<std::string> out;
     const std::string dir = repo_.path() + "/" + model;
@@ -1031,6 +1044,12 @@ TEST_F(AdminServiceTest, CompressLoadUnloadDeleteOnOwnPort) {
     ASSERT_TRUE(admin_stub_->UnloadModel(&c, r, &out).ok());
     ASSERT_TRUE(Classify("tiny", std::nullopt, &cr).ok());
     EXPECT_EQ(cr.model_version(), 1);
+    // ListModels says why 2 is not served, and that nothing else holds 1.
+    const v1::ModelVersionStatus two = StatusOf("tiny", 2), one = StatusOf("tiny", 1);
+    EXPECT_EQ(two.state(), "unloaded");
+    EXPECT_TRUE(two.unloaded_by_admin());
+    EXPECT_FALSE(two.pinned());
+    EXPECT_FALSE(one.pinned() || one.unloaded_by_admin());
   }
   {  // Load 2 again.
     grpc::ClientContext c;
@@ -1041,6 +1060,10 @@ TEST_F(AdminServiceTest, CompressLoadUnloadDeleteOnOwnPort) {
     v1::LoadModelResponse out;
     ASSERT_TRUE(admin_stub_->LoadModel(&c, r, &out).ok());
     ASSERT_TRUE(Classify("tiny", 2, &cr).ok());
+    const v1::ModelVersionStatus two = StatusOf("tiny", 2);
+    EXPECT_EQ(two.state(), "available");
+    EXPECT_TRUE(two.pinned());
+    EXPECT_FALSE(two.unloaded_by_admin());
   }
   EXPECT_THAT(server_->metrics().TextFormat(),
               HasSubstr("collabserve_model_fidelity_agreement{model=\"tiny\",version=\"2\"}"));
