@@ -504,10 +504,12 @@ absl::StatusOr<std::vector<std::string>> ParseCalibrationText(std::string_view b
 namespace internal {
 // (Padding the probes to the longest of all wasted a third of the fidelity step.)
 absl::StatusOr<TextBatches> TokenizeInBatches(const model::BertClassifier& model, const std::string& vocab_dir,
-                                              const std::vector<std::string>& texts, const char* what) {
+                                              const std::vector<std::string>& texts, const char* what,
+                                              const std::atomic<bool>* cancelled) {
   ASSIGN_OR_RETURN(auto tok, text::BertTokenizer::FromDirectory(vocab_dir));
   const int max_len = std::min(128, model.config().max_position_embeddings);
   TextBatches out;
+  out.cancelled = cancelled;
   out.texts = static_cast<int64_t>(texts.size());
   std::vector<text::Encoding> enc;
   enc.reserve(texts.size());
@@ -549,10 +551,11 @@ absl::StatusOr<TextBatches> TokenizeInBatches(const model::BertClassifier& model
   return out;
 }
 
-absl::Status ForEachBatch(size_t n, int workers, const std::function<void(int, size_t)>& fn) {
+absl::Status ForEachBatch(size_t n, int workers, const std::function<void(int, size_t)>& fn,
+                          const std::atomic<bool>* cancelled) {
   const int W = std::max(1, std::min<int>(workers, static_cast<int>(n)));
   const int intra_op = at::get_num_threads();
-  std::atomic<bool> failed{false};
+  std::atomic<bool> failed{false}, saw_cancel{false};
   std::mutex mu;
   absl::Status status;
   auto work = [&](int w) {
@@ -561,7 +564,13 @@ absl::Status ForEachBatch(size_t n, int workers, const std::function<void(int, s
       model::SetThisThreadIntraOpThreads(intra_op);
       // Passes as Engine::Run's: on the arena that keeps their pages (this thread for its life).
       const model::PassArena::Pass pass = model::PassArena::Shared().BeginPass();
-      for (size_t i = w; i < n && !failed; i += W) fn(w, i);
+      for (size_t i = w; i < n && !failed; i += W) {
+        if (cancelled != nullptr && cancelled->load()) {
+          saw_cancel = failed = true;
+          break;
+        }
+        fn(w, i);
+      }
     } catch (const std::exception& e) {
       failed = true;  // the other workers stop at their next batch
       std::lock_guard<std::mutex> lock(mu);
@@ -572,6 +581,7 @@ absl::Status ForEachBatch(size_t n, int workers, const std::function<void(int, s
   for (int w = 1; w < W; ++w) threads.emplace_back(work, w);
   work(0);
   for (auto& t : threads) t.join();
+  if (status.ok() && saw_cancel) return absl::CancelledError("compression cancelled");
   return status;
 }
 
@@ -627,7 +637,7 @@ absl::StatusOr<std::vector<at::Tensor>> EmbedBatches(const model::BertClassifier
   std::vector<at::Tensor> hidden(tb.batches.size());
   RETURN_IF_ERROR(ForEachBatch(tb.batches.size(), workers, [&](int, size_t b) {
     hidden[b] = model.Embeddings(tb.batches[b].ids, tb.batches[b].types);
-  }));
+  }, tb.cancelled));
   return hidden;
 }
 
@@ -635,7 +645,7 @@ absl::Status AdvanceBatches(const model::BertClassifier& model, size_t layer, co
                             std::vector<at::Tensor>* hidden) {
   return ForEachBatch(tb.batches.size(), workers, [&](int, size_t b) {
     (*hidden)[b] = model.RunLayers(layer, layer + 1, (*hidden)[b], tb.batches[b].mask);
-  });
+  }, tb.cancelled);
 }
 
 absl::StatusOr<std::vector<at::Tensor>> BatchLogits(const model::BertClassifier& m, const TextBatches& tb,
@@ -644,7 +654,7 @@ absl::StatusOr<std::vector<at::Tensor>> BatchLogits(const model::BertClassifier&
   RETURN_IF_ERROR(ForEachBatch(tb.batches.size(), workers, [&](int, size_t i) {
     const TextBatch& b = tb.batches[i];
     out[i] = m.Forward(b.ids, b.types, b.mask).to(at::kDouble);
-  }));
+  }, tb.cancelled));
   return out;
 }
 
@@ -698,10 +708,12 @@ absl::StatusOr<FidelityReport> CompareLogits(const std::vector<at::Tensor>& a, c
 
 absl::StatusOr<CalibrationStats> CollectCalibrationStats(const model::BertClassifier& model,
                                                          const std::string& vocab_dir,
-                                                         const std::vector<std::string>& texts) {
+                                                         const std::vector<std::string>& texts,
+                                                         const std::atomic<bool>* cancelled) {
   if (texts.empty()) return absl::InvalidArgumentError("calibration: no texts");
   const auto start = Clock::now();
-  ASSIGN_OR_RETURN(internal::TextBatches tb, internal::TokenizeInBatches(model, vocab_dir, texts, "calibration text"));
+  ASSIGN_OR_RETURN(internal::TextBatches tb,
+                   internal::TokenizeInBatches(model, vocab_dir, texts, "calibration text", cancelled));
   CalibrationStats st;
   st.truncated = tb.truncated;
   const size_t L = model.layers().size();
@@ -715,7 +727,8 @@ absl::StatusOr<CalibrationStats> CollectCalibrationStats(const model::BertClassi
       std::vector<at::Tensor> inputs = model.LayerInputs(b.ids, b.types, b.mask);
       const at::Tensor rows = internal::LayerInputSums::Rows(b.mask, model.device());
       for (size_t l = 0; l < L; ++l) sums.Add(w, l, inputs[l], rows);
-    });
+    }, tb.cancelled);
+    if (absl::IsCancelled(pass)) return pass;
     if (!pass.ok()) return absl::InternalError(absl::StrCat("calibration pass failed: ", pass.message()));
     c10::InferenceMode guard;
     sums.Finish(&st);
@@ -765,9 +778,11 @@ absl::StatusOr<std::vector<LayerWhitening>> WhiteningFromStats(const Calibration
 absl::StatusOr<FidelityReport> MeasureFidelity(const model::BertClassifier& original,
                                                const model::BertClassifier& compressed,
                                                const std::string& vocab_dir,
-                                               const std::vector<std::string>& probes_in) {
+                                               const std::vector<std::string>& probes_in,
+                                               const std::atomic<bool>* cancelled) {
   const std::vector<std::string>& probes = probes_in.empty() ? model::BuiltinProbeSentences() : probes_in;
-  ASSIGN_OR_RETURN(internal::TextBatches tb, internal::TokenizeInBatches(original, vocab_dir, probes, "probe"));
+  ASSIGN_OR_RETURN(internal::TextBatches tb,
+                   internal::TokenizeInBatches(original, vocab_dir, probes, "probe", cancelled));
   // Both models' logits for every batch. When the caller's passes leave CPUs idle (an admin job
   // runs ATen and OpenBLAS single-threaded), the compressed model runs on a second thread at the
   // same time as the original, so the step costs one model's passes instead of two. The thread
@@ -958,7 +973,7 @@ absl::Status PrepareWhitening(const model::BertClassifier& passes, const std::st
   report->calibration_heldout_texts = n - fit;
   if (statistics) {
     auto t = Clock::now();
-    ASSIGN_OR_RETURN(CalibrationStats stats, CollectCalibrationStats(passes, vocab_dir, fit_texts));
+    ASSIGN_OR_RETURN(CalibrationStats stats, CollectCalibrationStats(passes, vocab_dir, fit_texts, o->cancelled));
     ASSIGN_OR_RETURN(o->whitening, WhiteningFromStats(stats, o->whiten_damping));
     report->calibration_tokens = stats.tokens;
     report->calibration_truncated = stats.truncated;
@@ -1006,7 +1021,8 @@ absl::StatusOr<std::unique_ptr<model::BertClassifier>> ConvertOnCompressedInputs
     return m;
   };
   auto t = Clock::now();
-  ASSIGN_OR_RETURN(internal::TextBatches tb, internal::TokenizeInBatches(source, vocab_dir, fit_texts, "calibration text"));
+  ASSIGN_OR_RETURN(internal::TextBatches tb,
+                   internal::TokenizeInBatches(source, vocab_dir, fit_texts, "calibration text", o.cancelled));
   const size_t n = tb.batches.size();
   report->calibration_truncated = tb.truncated;
   report->calibration_tokens = tb.tokens;
@@ -1033,7 +1049,7 @@ absl::StatusOr<std::unique_ptr<model::BertClassifier>> ConvertOnCompressedInputs
         internal::LayerInputSums sums(workers, 1, source.config().hidden_size, passes.device());
         RETURN_IF_ERROR(internal::ForEachBatch(n, workers, [&](int w, size_t b) {
           sums.Add(w, 0, hidden[b], rows[b]);
-        }));
+        }, tb.cancelled));
         c10::InferenceMode guard;
         sums.Finish(&st);
       } catch (const std::exception& e) {
@@ -1204,7 +1220,7 @@ absl::StatusOr<CompressReport> CompressLoadedModel(const model::BertClassifier& 
   } else if (!compressed_passes.ok()) {
     fidelity = compressed_passes.status();
   } else {
-    fidelity = MeasureFidelity(source_passes.get(), compressed_passes->get(), in_dir, o.probes);
+    fidelity = MeasureFidelity(source_passes.get(), compressed_passes->get(), in_dir, o.probes, o.cancelled);
   }
   report.fidelity_seconds = SecondsSince(step_start);
   if (writer.joinable()) {

@@ -133,10 +133,12 @@ struct CalibrationStats {
 
 // Runs `texts` (tokenized with `vocab_dir`'s tokenizer, truncated at min(128, max positions)) through
 // `model` once, on its device, and accumulates, per layer, the second moment and mean of the hidden
-// states entering it, in float64 (returned on the CPU). INVALID_ARGUMENT for no texts, or a text that is not valid UTF-8 (naming it).
+// states entering it, in float64 (returned on the CPU). INVALID_ARGUMENT for no texts, or a text that is not valid UTF-8 (naming it);
+// CANCELLED when `cancelled` reads true between two batches.
 absl::StatusOr<CalibrationStats> CollectCalibrationStats(const model::BertClassifier& model,
                                                          const std::string& vocab_dir,
-                                                         const std::vector<std::string>& texts);
+                                                         const std::vector<std::string>& texts,
+                                                         const std::atomic<bool>* cancelled = nullptr);
 
 // Damped Cholesky factors per layer: L_q of E[xxᵀ] + λ·tr/D·I, L_k of Cov(y) + λ·tr/D·I, with
 // λ = `damping` (> 0 keeps them invertible when the inputs span fewer than D directions).
@@ -261,11 +263,13 @@ absl::StatusOr<std::unique_ptr<model::BertClassifier>> ConvertToCollaborative(
     const model::BertClassifier& source, const CompressOptions& options, CompressReport* report);
 
 // Measures how closely `compressed` follows `original` on `probes` (tokenized with the vocabulary
-// in `vocab_dir`), each model's passes on its own device.
+// in `vocab_dir`), each model's passes on its own device. CANCELLED when `cancelled` reads true
+// between two batches.
 absl::StatusOr<FidelityReport> MeasureFidelity(const model::BertClassifier& original,
                                                const model::BertClassifier& compressed,
                                                const std::string& vocab_dir,
-                                               const std::vector<std::string>& probes);
+                                               const std::vector<std::string>& probes,
+                                               const std::atomic<bool>* cancelled = nullptr);
 
 // How closely `candidate`'s logits follow `reference`'s: one row per input, the same inputs in the
 // same order, compared as a model whose output function is `fn` serves them (FidelityReport says

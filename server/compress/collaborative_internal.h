@@ -88,14 +88,20 @@ struct TextBatches {
   int64_t texts = 0;
   int64_t tokens = 0;  // non-padding tokens
   int64_t truncated = 0;
+  // The job's cancel flag (nullptr: none): the passes over these batches stop between batches
+  // when it reads true (ForEachBatch).
+  const std::atomic<bool>* cancelled = nullptr;
 };
 absl::StatusOr<TextBatches> TokenizeInBatches(const model::BertClassifier& model, const std::string& vocab_dir,
-                                              const std::vector<std::string>& texts, const char* what);
+                                              const std::vector<std::string>& texts, const char* what,
+                                              const std::atomic<bool>* cancelled = nullptr);
 
 // Runs fn(w, i) for i = 0, ..., n - 1 on W = min(workers, n) threads (the calling thread one of
 // them), worker w taking i = w, w + W, ..., each under InferenceMode with the calling thread's ATen
-// thread count, on the pass arena. INTERNAL on an exception (the workers then stop).
-absl::Status ForEachBatch(size_t n, int workers, const std::function<void(int, size_t)>& fn);
+// thread count, on the pass arena. INTERNAL on an exception, CANCELLED when `cancelled` reads true
+// before a batch (the workers then stop; a batch running finishes).
+absl::Status ForEachBatch(size_t n, int workers, const std::function<void(int, size_t)>& fn,
+                          const std::atomic<bool>* cancelled = nullptr);
 
 // Layer `layer`'s whitening (WhiteningFromStats) from its inputs' E[x xᵀ] `m2` and E[x] `mu`.
 absl::StatusOr<LayerWhitening> WhitenLayer(const at::Tensor& m2, const at::Tensor& mu, double damping, size_t layer);

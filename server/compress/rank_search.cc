@@ -146,7 +146,7 @@ absl::StatusOr<std::vector<LayerDecomposition>> SearchRanks(const model::BertCla
 
   // The held-out texts and the original's answers on them.
   const std::vector<std::string>& texts = texts_in.empty() ? model::BuiltinProbeSentences() : texts_in;
-  ASSIGN_OR_RETURN(TextBatches tb, TokenizeInBatches(source, vocab_dir, texts, "held-out text"));
+  ASSIGN_OR_RETURN(TextBatches tb, TokenizeInBatches(source, vocab_dir, texts, "held-out text", o.cancelled));
   rep.texts = static_cast<int>(tb.texts);
   const int eval_workers = PassWorkers(passes, tb.batches.size());
   ASSIGN_OR_RETURN(std::vector<at::Tensor> reference, BatchLogits(passes, tb, eval_workers));
@@ -219,7 +219,7 @@ absl::StatusOr<std::vector<LayerDecomposition>> SearchRanks(const model::BertCla
       std::vector<at::Tensor> logits(n_batches);
       RETURN_IF_ERROR(ForEachBatch(n_batches, eval_workers, [&](int, size_t b) {
         logits[b] = m->LogitsFrom(i, hidden[b], tb.batches[b].mask).to(at::kDouble);
-      }));
+      }, tb.cancelled));
       ASSIGN_OR_RETURN(FidelityReport f, CompareLogits(reference, logits, tb.texts, cfg.output_function()));
       kl.push_back(f.mean_kl);
     }

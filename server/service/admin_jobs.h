@@ -176,7 +176,7 @@ class JobManager {
   std::vector<std::shared_ptr<Job>> List() const;  // newest first
 
   // Requests cancellation: a RECEIVING or QUEUED job ends at once, a RUNNING one at the next
-  // check (between layers). NOT_FOUND for an unknown id; FAILED_PRECONDITION once it has ended
+  // check (between layers, CP-ALS sweeps, and batches of the calibration, search and fidelity passes). NOT_FOUND for an unknown id; FAILED_PRECONDITION once it has ended
   // or is publishing.
   absl::StatusOr<v1::Job> Cancel(const std::string& id);
 

@@ -6,10 +6,12 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <string>
 #include <vector>
 
 #include "server/compress/collaborative.h"
+#include "server/compress/collaborative_internal.h"
 #include "server/model/bert.h"
 #include "server/model/checkpoint_maker.h"
 #include "server/model/config.h"
@@ -127,6 +129,28 @@ TEST_F(FidelityTest, AModelAgainstItselfIsExact) {
   EXPECT_DOUBLE_EQ(got->top1_agreement, 1.0);
   EXPECT_DOUBLE_EQ(got->max_abs_logit_diff, 0.0);
   EXPECT_NEAR(got->mean_kl, 0.0, 1e-12);
+}
+
+// A cancelled job's passes stop between batches: the fidelity pass (two models), the calibration
+// pass, and any ForEachBatch, whose running batch finishes and whose later ones do not start.
+TEST_F(FidelityTest, PassesStopBetweenBatchesWhenTheJobIsCancelled) {
+  std::atomic<bool> cancelled{true};
+  auto fidelity = MeasureFidelity(*source_, *compressed_, dir_.path(), Probes(), &cancelled);
+  EXPECT_EQ(fidelity.status().code(), absl::StatusCode::kCancelled) << fidelity.status();
+  auto stats = CollectCalibrationStats(*source_, dir_.path(), Probes(), &cancelled);
+  EXPECT_EQ(stats.status().code(), absl::StatusCode::kCancelled) << stats.status();
+  cancelled = false;
+  EXPECT_TRUE(MeasureFidelity(*source_, *compressed_, dir_.path(), Probes(), &cancelled).ok());
+  for (int workers : {1, 2}) {
+    std::atomic<int> ran{0};
+    absl::Status s = internal::ForEachBatch(8, workers, [&](int, size_t) {
+      cancelled = true;  // cancelled during every worker's first batch
+      ran.fetch_add(1);
+    }, &cancelled);
+    EXPECT_EQ(s.code(), absl::StatusCode::kCancelled) << s;
+    EXPECT_LE(ran.load(), workers) << workers;  // no worker started a batch after its first
+    cancelled = false;
+  }
 }
 
 TEST_F(FidelityTest, BuiltInProbesWhenNoneAreGiven) {
