@@ -179,6 +179,10 @@ class Client:
                 row = {"version": v.version, "state": v.state}
                 if v.error:
                     row["error"] = v.error
+                if v.pinned:
+                    row["pinned"] = True  # by an admin's LoadModel
+                if v.unloaded_by_admin:
+                    row["unloaded_by_admin"] = True
                 status.append(row)
             out.append({"name": m.name, "versions": list(m.versions), "version_status": status})
         return out

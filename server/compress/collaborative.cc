@@ -868,7 +868,7 @@ std::string CompressReport::ToJson() const {
       {"fidelity",
        {{"probes", fidelity.probes},
         {"top1_agreement", fidelity.top1_agreement},
-        {"agreement_lower95", fidelity.agreement_lower95},
+        {"top1_agreement_lower95", fidelity.agreement_lower95},
         {"max_abs_logit_diff", fidelity.max_abs_logit_diff},
         {"mean_kl", fidelity.mean_kl}}},
       {"decompose_seconds", decompose_seconds},
@@ -891,7 +891,7 @@ std::string CompressReport::ToJson() const {
     auto fidelity_json = [](const FidelityReport& f) {
       return nlohmann::json{{"probes", f.probes},
                             {"top1_agreement", f.top1_agreement},
-                            {"agreement_lower95", f.agreement_lower95},
+                            {"top1_agreement_lower95", f.agreement_lower95},
                             {"max_abs_logit_diff", f.max_abs_logit_diff},
                             {"mean_kl", f.mean_kl}};
     };

@@ -136,7 +136,7 @@ absl::Status AdvanceBatches(const model::BertClassifier& model, size_t layer, co
                             int workers, std::vector<at::Tensor>* hidden);
 
 // `model`'s float64 logits for every batch, in order, computed by `workers` threads taking batches
-// in turn (ForEachBatch). INTERNAL on a LibTorch error.
+// in turn (ForEachBatch). INTERNAL on a LibTorch error; CANCELLED when the batches' flag is set.
 absl::StatusOr<std::vector<at::Tensor>> BatchLogits(const model::BertClassifier& model, const TextBatches& batches,
                                                     int workers);
 

@@ -69,6 +69,33 @@ int64_t HighestDeletedVersion(const std::string& model_dir) {
   return *v;
 }
 
+// Raises `model_dir`'s kDeletedVersionMark to `version` (creating the directory if it is gone) and
+// makes it durable. Under an flock(2) of the mark's lock file, so that replicas deleting versions
+// of one model at once do not lower each other's mark (where flock is node-local, best effort).
+absl::Status RecordDeletedVersion(const std::string& model_dir, int64_t version) {
+  if (::mkdir(model_dir.c_str(), 0755) != 0 && errno != EEXIST) {
+    return absl::FailedPreconditionError(absl::StrCat("cannot create ", model_dir, ": ", std::strerror(errno)));
+  }
+  const std::string lock_path = model_dir + "/" + ModelRepository::kDeletedVersionMark + ".lock";
+  const int lock = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (lock >= 0) {
+    while (::flock(lock, LOCK_EX) != 0 && errno == EINTR) {
+    }
+  }
+  absl::Status s;
+  if (version > HighestDeletedVersion(model_dir)) {
+    s = util::WriteFileAtomic(model_dir + "/" + ModelRepository::kDeletedVersionMark, absl::StrCat(version, "\n"));
+    if (s.ok()) {
+      if (int fd = ::open(model_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC); fd >= 0) {
+        ::fsync(fd);  // the mark's rename, before the version's
+        ::close(fd);
+      }
+    }
+  }
+  if (lock >= 0) ::close(lock);  // and with it the flock
+  return s;
+}
+
 std::optional<struct stat> Stat(const std::string& path, bool follow) {
   struct stat st;
   if ((follow ? ::stat(path.c_str(), &st) : ::lstat(path.c_str(), &st)) != 0) return std::nullopt;
@@ -946,15 +973,12 @@ absl::Status ModelRepository::DeleteVersion(const ServableId& id) {
     return absl::NotFoundError(absl::StrCat("version ", id.version, " of model \"", id.model,
                                             "\" does not exist (no directory ", path, ")"));
   }
-  // Its number is recorded before it goes, so that a crash after the move still keeps it from
-  // being given out again.
+  // Its number is recorded before it goes (a known version whose directory is already gone too),
+  // so that a crash after the move still keeps it from being given out again.
   const std::string model_dir = Join(options_.root, id.model);
-  if (on_disk && id.version > HighestDeletedVersion(model_dir)) {
-    absl::Status marked = util::WriteFileAtomic(Join(model_dir, kDeletedVersionMark), absl::StrCat(id.version, "\n"));
-    if (!marked.ok()) {
-      return absl::FailedPreconditionError(absl::StrCat("cannot record the deleted version number in ", model_dir,
-                                                        " (nothing was deleted): ", marked.message()));
-    }
+  if (absl::Status marked = RecordDeletedVersion(model_dir, id.version); !marked.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat("cannot record the deleted version number in ", model_dir,
+                                                      " (nothing was deleted): ", marked.message()));
   }
   if (on_disk) {
     // The rename makes the version vanish from the tree at once; the slow removal happens in a

@@ -4,8 +4,8 @@
 //
 // Layout: `root/<model>/<version>/` where <model> matches [A-Za-z0-9_.-]+ without a leading '.',
 // and <version> is a positive decimal integer without leading zeros, of at most 18 digits. Names
-// starting with '.' (`root/.staging/`, `root/.trash-*`) are the repository's own and are never
-// served; files at the root (a README) are skipped; any other name that is not a valid model or
+// starting with '.' (`root/.staging/`, `root/.trash-*`, `root/<model>/.highest_deleted_version`
+// and its `.lock`) are the repository's own and are never served; files at the root (a README) are skipped; any other name that is not a valid model or
 // version is ignored and logged once.
 #ifndef COLLABSERVE_SERVER_REPOSITORY_MODEL_REPOSITORY_H_
 #define COLLABSERVE_SERVER_REPOSITORY_MODEL_REPOSITORY_H_
@@ -76,8 +76,8 @@ struct RepositoryOptions {
   int versions_to_keep = 1;
   // How often a background thread calls Poll(). Zero: only at Create() and on explicit Poll().
   absl::Duration poll_interval = absl::ZeroDuration();
-  // How many versions load in parallel within one Poll(): the versions of models that serve
-  // nothing yet, and those of the one model swapping at a time.
+  // How many versions load in parallel within one Poll(): those of models that unload nothing
+  // meanwhile (a start, a new model, a pin), and those of the one model swapping at a time.
   int num_load_threads = 1;
   // A version directory that may still be being written is "settling": the policy ignores it
   // (what is served keeps serving) until it has stopped changing, so a version copied in file by
@@ -191,10 +191,12 @@ class ModelRepository {
   absl::Status DeleteVersion(const ServableId& id);
 
   // 1 + the highest version of `model` on disk, known, or ever removed by DeleteVersion (its mark,
-  // below), 1 for a new model: a number once served never names another checkpoint. For uploads;
-  // two concurrent uploads may get the same number, and the second Publish() then fails.
+  // below), 1 for a new model: NextVersion never gives a deleted number out again (a caller naming
+  // its version explicitly may; a directory removed by hand leaves no mark). For uploads; two
+  // concurrent uploads may get the same number, and the second Publish() then fails.
   int64_t NextVersion(std::string_view model) const;
-  // root/<model>/ + this: the highest version number DeleteVersion has removed, in decimal.
+  // root/<model>/ + this: the highest version number DeleteVersion has removed, in decimal; written
+  // under an flock of the same name + ".lock".
   static constexpr char kDeletedVersionMark[] = ".highest_deleted_version";
 
   const std::string& root() const { return options_.root; }

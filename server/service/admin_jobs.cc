@@ -870,18 +870,23 @@ absl::Status CompressInto(Job& job, const v1::Job& spec, compress::CompressOptio
       "fidelity on %d %s: top-1 agreement %.4f (95%% lower bound %.4f), max |logit diff| %.4g, mean KL %.4g",
       f.probes(), report->fidelity_texts, f.top1_agreement(), f.top1_agreement_lower95(), f.max_abs_logit_diff(),
       f.mean_kl());
-  // An agreement that meets the gate or target on too few probes to say so of other texts.
-  const double asked = spec.has_min_agreement() ? spec.min_agreement()
-                       : spec.compression().spec_case() == v1::CompressionSpec::kTargetAgreement
-                           ? spec.compression().target_agreement()
-                           : -1;
-  if (asked > 0 && f.top1_agreement() >= asked && f.top1_agreement_lower95() < asked) {
-    absl::StrAppendFormat(&message,
-                          "; on %d texts that does not show %.4f of texts like them agree (give more probes "
-                          "or calibration text)",
-                          f.probes(), asked);
-    LOG(WARNING) << "admin job " << spec.id() << ": " << message;
+  // An agreement that meets the gate or the target on too few probes to say so of other texts.
+  std::vector<std::pair<const char*, double>> asked;
+  if (spec.has_min_agreement()) asked.emplace_back("min_agreement", spec.min_agreement());
+  if (spec.compression().spec_case() == v1::CompressionSpec::kTargetAgreement) {
+    asked.emplace_back("target_agreement", spec.compression().target_agreement());
   }
+  bool warned = false;
+  for (const auto& [name, value] : asked) {
+    if (value > 0 && f.top1_agreement() >= value && f.top1_agreement_lower95() < value) {
+      absl::StrAppendFormat(&message,
+                            "; %s %.4f is met, but %d texts do not show that %.4f of texts like them agree "
+                            "(give more probes or calibration text)",
+                            name, value, f.probes(), value);
+      warned = true;
+    }
+  }
+  if (warned) LOG(WARNING) << "admin job " << spec.id() << ": " << message;
   v1::JobEvent e = Event(v1::JobEvent::FIDELITY_MEASURED, message);
   *e.mutable_fidelity() = f;
   job.Record(e, [&](v1::Job* j) { *j->mutable_report() = proto; });

@@ -49,7 +49,9 @@ ABSL_FLAG(double, version_settle_s, 2,
           "a version directory loads once it has not changed for this long, so one copied in file "
           "by file is not loaded half-copied (0 = load at once; uploads are never delayed)");
 ABSL_FLAG(int, versions_to_keep, 1, "newest versions of each model to serve");
-ABSL_FLAG(int, num_load_threads, 1, "versions loaded in parallel");
+ABSL_FLAG(int, num_load_threads, 1,
+          "versions loaded in parallel: of models that unload nothing meanwhile, and of the one model swapping "
+          "versions at a time");
 ABSL_FLAG(std::string, device, "cpu", "cpu, cuda or cuda:N");
 ABSL_FLAG(std::string, dtype, "float32", "float32; float16/bfloat16 on CUDA");
 ABSL_FLAG(int64_t, cuda_graph_max_tokens, 4096,

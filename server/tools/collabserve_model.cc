@@ -368,7 +368,7 @@ absl::Status Evaluate(int argc, char** argv) {
     ASSIGN_OR_RETURN(compress::FidelityReport fid, compress::CompareLogitRows(a, b, ref_config.output_function()));
     out["reference"] = f.Get("reference");
     out["top1_agreement"] = fid.top1_agreement;  // NaN (null) for a regression model
-    out["agreement_lower95"] = fid.agreement_lower95;
+    out["top1_agreement_lower95"] = fid.agreement_lower95;
     out["mean_kl"] = fid.mean_kl;
     out["max_abs_logit_diff"] = fid.max_abs_logit_diff;
   }

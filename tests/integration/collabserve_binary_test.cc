@@ -399,9 +399,10 @@ TEST(CollabserveBinaryTest, EvaluateComparesAsTheReferenceServesItsOutputs) {
     return nlohmann::json::parse(out);
   };
 
+  // b is single-label (softmax) with a's labels: compared as the reference a serves (sigmoid).
   const std::string a = work.path() + "/a", b = work.path() + "/b";
   make(a, "multi_label_classification", 4, 1);
-  make(b, "multi_label_classification", 4, 2);
+  make(b, "single_label_classification", 4, 2);
   const auto la = logits(a), lb = logits(b);
   ASSERT_EQ(la.size(), 7u);
   ASSERT_EQ(lb.size(), 7u);
@@ -420,6 +421,7 @@ TEST(CollabserveBinaryTest, EvaluateComparesAsTheReferenceServesItsOutputs) {
   EXPECT_DOUBLE_EQ(r["top1_agreement"].get<double>(), agree / 7) << r;
   EXPECT_NEAR(r["mean_kl"].get<double>(), kl / 7, 1e-5) << r;
   EXPECT_NEAR(r["max_abs_logit_diff"].get<double>(), diff, 1e-5) << r;
+  EXPECT_LE(r["top1_agreement_lower95"].get<double>(), agree / 7) << r;
   r = evaluate(a, a);
   EXPECT_DOUBLE_EQ(r["top1_agreement"].get<double>(), 1.0) << r;
   EXPECT_DOUBLE_EQ(r["mean_kl"].get<double>(), 0.0) << r;

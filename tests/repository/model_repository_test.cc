@@ -297,7 +297,7 @@ TEST_F(ModelRepositoryTest, ModelsSwapOneAtATimeAndUnloadAsSoonAsTheirReplacemen
   EXPECT_EQ(loader_.destroyed.load(), 3);
   std::vector<std::string> events = TakeEvents();
   const auto at = [&](const std::string& e) {
-    return std::find(events.begin(), events.end(), e) - events.begin();
+    return static_cast<size_t>(std::find(events.begin(), events.end(), e) - events.begin());
   };
   EXPECT_LT(at("a:1 unloaded"), at("b:2 loading"));
   EXPECT_LT(at("b:1 unloaded"), at("c:2 loading"));
@@ -319,6 +319,17 @@ TEST_F(ModelRepositoryTest, ModelsSwapOneAtATimeAndUnloadAsSoonAsTheirReplacemen
   EXPECT_LT(at("b:3 available"), events.size());
   EXPECT_EQ(Served("fresh"), 1);
   EXPECT_EQ(Served("fresh2"), 1);
+
+  // A swap whose new version fails keeps its old one serving, and the next model's swap follows.
+  MakeVersion("a", 4, /*broken=*/true);
+  MakeVersion("b", 4);
+  TakeEvents();
+  ASSERT_TRUE(repo_->Poll().ok());
+  events = TakeEvents();
+  EXPECT_LT(at("a:4 load_failed"), at("b:4 loading"));
+  EXPECT_EQ(at("a:3 unloaded"), events.size());  // never
+  EXPECT_EQ(Served("a"), 3);
+  EXPECT_EQ(Served("b"), 4);
 }
 
 TEST_F(ModelRepositoryTest, RemovedVersionIsUnloadedAndTheNextNewestServes) {
@@ -611,6 +622,21 @@ TEST_F(ModelRepositoryTest, DeletedVersionNumbersAreNotGivenOutAgain) {
   EXPECT_EQ(repo_->NextVersion("m"), 4);
   ASSERT_TRUE(repo_->DeleteVersion({"m", 3}).ok());  // and is rewritten by the next delete
   EXPECT_EQ(repo_->NextVersion("m"), 4);
+
+  // A known version whose directory went by hand is marked when it is deleted (it served).
+  MakeVersion("gone", 7);
+  Open();
+  fs::remove_all(VersionDir("gone", 7));
+  ASSERT_EQ(Served("gone"), 7);  // still served: the repository has not scanned since
+  ASSERT_TRUE(repo_->DeleteVersion({"gone", 7}).ok());
+  EXPECT_EQ(repo_->NextVersion("gone"), 8);
+  fs::remove_all(fs::path(root_) / "gone");  // and where the model's directory went too
+  MakeVersion("gone2", 4);
+  Open();
+  fs::remove_all(fs::path(root_) / "gone2");
+  ASSERT_TRUE(repo_->DeleteVersion({"gone2", 4}).ok());
+  EXPECT_EQ(repo_->NextVersion("gone2"), 5);
+  EXPECT_FALSE(repo_->Knows("gone2"));
 
   // Where the mark cannot be written (here a directory is in its way), nothing is deleted.
   MakeVersion("ro", 1);
