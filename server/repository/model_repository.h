@@ -5,8 +5,8 @@
 // Layout: `root/<model>/<version>/` where <model> matches [A-Za-z0-9_.-]+ without a leading '.',
 // and <version> is a positive decimal integer without leading zeros, of at most 18 digits. Names
 // starting with '.' (`root/.staging/`, `root/.trash-*`, `root/<model>/.highest_deleted_version`
-// and its `.lock`) are the repository's own and are never served; files at the root (a README) are skipped; any other name that is not a valid model or
-// version is ignored and logged once.
+// and its `.lock`) are the repository's own and are never served; files at the root (a README)
+// are skipped; any other name that is not a valid model or version is ignored and logged once.
 #ifndef COLLABSERVE_SERVER_REPOSITORY_MODEL_REPOSITORY_H_
 #define COLLABSERVE_SERVER_REPOSITORY_MODEL_REPOSITORY_H_
 
