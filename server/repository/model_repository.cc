@@ -55,7 +55,7 @@ std::optional<int64_t> ParseVersion(std::string_view name) {
 // The number in `model_dir`'s kDeletedVersionMark; 0 when there is none. A mark that cannot be
 // read or does not hold a version is logged and read as 0 (the numbers on disk still count).
 int64_t HighestDeletedVersion(const std::string& model_dir) {
-  const std::string path = model_dir + "/" + ModelRepository::kDeletedVersionMark;
+  const std::string path = Join(model_dir, ModelRepository::kDeletedVersionMark);
   if (!util::FileExists(path)) return 0;
   absl::StatusOr<std::string> text = util::ReadFile(path, 64);
   std::optional<int64_t> v =
@@ -69,6 +69,14 @@ int64_t HighestDeletedVersion(const std::string& model_dir) {
   return *v;
 }
 
+// Makes the renames in directory `dir` durable (best effort: a failure to open it is ignored).
+void SyncDirectory(const std::string& dir) {
+  if (int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC); fd >= 0) {
+    ::fsync(fd);
+    ::close(fd);
+  }
+}
+
 // Raises `model_dir`'s kDeletedVersionMark to `version` (creating the directory if it is gone) and
 // makes it durable. Under an flock(2) of the mark's lock file, so that replicas deleting versions
 // of one model at once do not lower each other's mark (where flock is node-local, best effort).
@@ -76,7 +84,7 @@ absl::Status RecordDeletedVersion(const std::string& model_dir, int64_t version)
   if (::mkdir(model_dir.c_str(), 0755) != 0 && errno != EEXIST) {
     return absl::FailedPreconditionError(absl::StrCat("cannot create ", model_dir, ": ", std::strerror(errno)));
   }
-  const std::string lock_path = model_dir + "/" + ModelRepository::kDeletedVersionMark + ".lock";
+  const std::string lock_path = Join(model_dir, absl::StrCat(ModelRepository::kDeletedVersionMark, ".lock"));
   const int lock = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   if (lock >= 0) {
     while (::flock(lock, LOCK_EX) != 0 && errno == EINTR) {
@@ -84,13 +92,8 @@ absl::Status RecordDeletedVersion(const std::string& model_dir, int64_t version)
   }
   absl::Status s;
   if (version > HighestDeletedVersion(model_dir)) {
-    s = util::WriteFileAtomic(model_dir + "/" + ModelRepository::kDeletedVersionMark, absl::StrCat(version, "\n"));
-    if (s.ok()) {
-      if (int fd = ::open(model_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC); fd >= 0) {
-        ::fsync(fd);  // the mark's rename, before the version's
-        ::close(fd);
-      }
-    }
+    s = util::WriteFileAtomic(Join(model_dir, ModelRepository::kDeletedVersionMark), absl::StrCat(version, "\n"));
+    if (s.ok()) SyncDirectory(model_dir);  // the mark's rename, before the version's
   }
   if (lock >= 0) ::close(lock);  // and with it the flock
   return s;
@@ -1077,10 +1080,7 @@ absl::Status ModelRepository::Publish(const std::string& staging_dir, const Serv
         absl::StrCat("cannot move ", staging_dir, " to ", target, ": ", ErrnoText(err)));
   }
   // Make the rename durable before anyone is told the version exists.
-  if (int fd = ::open(model_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC); fd >= 0) {
-    ::fsync(fd);
-    ::close(fd);
-  }
+  SyncDirectory(model_dir);
   LOG(INFO) << "model repository: published " << id.DebugString() << " at " << target;
   // It appeared whole: the policy need not wait for it to settle. (This scans the model.)
   const bool scanned = DeclareComplete(id).ok();

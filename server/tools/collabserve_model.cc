@@ -38,6 +38,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "server/compress/collaborative.h"
+#include "server/model/bert.h"
 #include "server/model/checkpoint_maker.h"
 #include "server/model/config.h"
 #include "server/model/engine.h"
@@ -358,14 +359,13 @@ absl::Status Evaluate(int argc, char** argv) {
     ASSIGN_OR_RETURN(std::vector<model::Prediction> rp, PredictAll(*ref, examples, batch_size));
     // Compared as the reference serves its outputs (softmax, sigmoid per label, or regression), as
     // the compression measures it.
-    ASSIGN_OR_RETURN(model::BertConfig ref_config,
-                     model::BertConfig::FromFile(util::JoinPath(f.Get("reference"), "config.json")));
+    const model::OutputFunction fn = ref->classifier().config().output_function();
     std::vector<std::vector<float>> a(examples.size()), b(examples.size());
     for (size_t i = 0; i < examples.size(); ++i) {
       a[i] = std::move(rp[i].logits);
       b[i] = std::move(preds[i].logits);
     }
-    ASSIGN_OR_RETURN(compress::FidelityReport fid, compress::CompareLogitRows(a, b, ref_config.output_function()));
+    ASSIGN_OR_RETURN(compress::FidelityReport fid, compress::CompareLogitRows(a, b, fn));
     out["reference"] = f.Get("reference");
     out["top1_agreement"] = fid.top1_agreement;  // NaN (null) for a regression model
     out["top1_agreement_lower95"] = fid.agreement_lower95;
