@@ -507,7 +507,10 @@ absl::StatusOr<TextBatches> TokenizeInBatches(const model::BertClassifier& model
                                               const std::vector<std::string>& texts, const char* what,
                                               const std::atomic<bool>* cancelled) {
   ASSIGN_OR_RETURN(auto tok, text::BertTokenizer::FromDirectory(vocab_dir));
-  const int max_len = std::min(128, model.config().max_position_embeddings);
+  // Cut where the engine cuts them when it serves the model (ModelInfo::max_length; Classify's
+  // default is to truncate), so that the fidelity figures and the whitening describe the texts the
+  // model answers.
+  const int max_len = std::min(model.config().max_position_embeddings, tok->options().model_max_length);
   TextBatches out;
   out.cancelled = cancelled;
   out.texts = static_cast<int64_t>(texts.size());
@@ -797,7 +800,10 @@ absl::StatusOr<FidelityReport> MeasureFidelity(const model::BertClassifier& orig
   if (!concurrent && a.ok()) b = internal::BatchLogits(compressed, tb, 1);
   RETURN_IF_ERROR(a.status());
   RETURN_IF_ERROR(b.status());
-  return internal::CompareLogits(*a, *b, tb.texts, original.config().output_function());
+  ASSIGN_OR_RETURN(FidelityReport report,
+                   internal::CompareLogits(*a, *b, tb.texts, original.config().output_function()));
+  report.truncated = tb.truncated;
+  return report;
 }
 
 double WilsonLower95(int64_t hits, int64_t n) {
@@ -856,6 +862,14 @@ std::string CompressReport::ToJson() const {
                         {"ranks_tried", l.ranks_tried}});
     if (l.activation_error >= 0) layers_j.back()["activation_error"] = l.activation_error;
   }
+  auto fidelity_json = [](const FidelityReport& f) {
+    return nlohmann::json{{"probes", f.probes},
+                          {"truncated_probes", f.truncated},
+                          {"top1_agreement", f.top1_agreement},
+                          {"top1_agreement_lower95", f.agreement_lower95},
+                          {"max_abs_logit_diff", f.max_abs_logit_diff},
+                          {"mean_kl", f.mean_kl}};
+  };
   nlohmann::json j{
       {"layers", layers_j},
       {"parameters",
@@ -865,12 +879,7 @@ std::string CompressReport::ToJson() const {
         {"total_before", total_params_before},
         {"total_after", total_params_after},
         {"total_ratio", total_params_after ? double(total_params_before) / total_params_after : 0.0}}},
-      {"fidelity",
-       {{"probes", fidelity.probes},
-        {"top1_agreement", fidelity.top1_agreement},
-        {"top1_agreement_lower95", fidelity.agreement_lower95},
-        {"max_abs_logit_diff", fidelity.max_abs_logit_diff},
-        {"mean_kl", fidelity.mean_kl}}},
+      {"fidelity", fidelity_json(fidelity)},
       {"decompose_seconds", decompose_seconds},
       {"steps",
        {{"load_seconds", load_seconds},
@@ -888,13 +897,6 @@ std::string CompressReport::ToJson() const {
         {"seconds", calibration_seconds}}},
       {"seconds", seconds}};
   if (search.ran) {
-    auto fidelity_json = [](const FidelityReport& f) {
-      return nlohmann::json{{"probes", f.probes},
-                            {"top1_agreement", f.top1_agreement},
-                            {"top1_agreement_lower95", f.agreement_lower95},
-                            {"max_abs_logit_diff", f.max_abs_logit_diff},
-                            {"mean_kl", f.mean_kl}};
-    };
     nlohmann::json trials = nlohmann::json::array();
     for (const RankSearchReport::Trial& t : search.trials) {
       trials.push_back({{"ranks", t.ranks},

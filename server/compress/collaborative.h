@@ -70,6 +70,9 @@ struct FidelityReport {
   // bound on the rate, 0 without probes, NaN for regression. 1.0 on 3 probes bounds it only at 0.53;
   // on 300, at 0.991.
   double agreement_lower95 = 0;
+  // Probes longer than the model's maximum length, cut there as the engine cuts them when it
+  // serves the model (MeasureFidelity; 0 from CompareLogitRows, which gets logits).
+  int64_t truncated = 0;
 };
 
 // The one-sided 95 % Wilson score lower bound on a rate seen `hits` times in `n` trials (0 if n is 0).
@@ -131,8 +134,8 @@ struct CalibrationStats {
   double seconds = 0;
 };
 
-// Runs `texts` (tokenized with `vocab_dir`'s tokenizer, truncated at min(128, max positions)) through
-// `model` once, on its device, and accumulates, per layer, the second moment and mean of the hidden
+// Runs `texts` (tokenized with `vocab_dir`'s tokenizer and cut at the model's maximum length as
+// the engine serves it: min(max_position_embeddings, model_max_length)) through `model` once, on its device, and accumulates, per layer, the second moment and mean of the hidden
 // states entering it, in float64 (returned on the CPU). INVALID_ARGUMENT for no texts, or a text that is not valid UTF-8 (naming it);
 // CANCELLED when `cancelled` reads true between two batches.
 absl::StatusOr<CalibrationStats> CollectCalibrationStats(const model::BertClassifier& model,
@@ -263,7 +266,8 @@ absl::StatusOr<std::unique_ptr<model::BertClassifier>> ConvertToCollaborative(
     const model::BertClassifier& source, const CompressOptions& options, CompressReport* report);
 
 // Measures how closely `compressed` follows `original` on `probes` (tokenized with the vocabulary
-// in `vocab_dir`), each model's passes on its own device. CANCELLED when `cancelled` reads true
+// in `vocab_dir` and cut where the engine cuts them, as CollectCalibrationStats), each model's
+// passes on its own device. CANCELLED when `cancelled` reads true
 // between two batches.
 absl::StatusOr<FidelityReport> MeasureFidelity(const model::BertClassifier& original,
                                                const model::BertClassifier& compressed,

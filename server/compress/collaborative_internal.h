@@ -78,8 +78,8 @@ class PassModel {
 // per batch, at least one.
 int PassWorkers(const model::BertClassifier& m, size_t batches);
 
-// Texts tokenized once (truncated at min(128, max positions)) and batched in order of length, so
-// each batch pads only to its own longest input.
+// Texts tokenized once (cut at the model's maximum length, as served) and batched in order of
+// length, so each batch pads only to its own longest input.
 struct TextBatch {
   at::Tensor ids, types, mask;  // int64 [n, S]
 };

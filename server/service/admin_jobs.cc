@@ -819,6 +819,7 @@ v1::CompressionReport ReportProto(const compress::CompressReport& report) {
   f->set_max_abs_logit_diff(report.fidelity.max_abs_logit_diff);
   f->set_mean_kl(report.fidelity.mean_kl);
   f->set_top1_agreement_lower95(report.fidelity.agreement_lower95);
+  f->set_truncated_probes(static_cast<int32_t>(report.fidelity.truncated));
   out.set_seconds(report.seconds);
   out.set_json(report.ToJson());
   return out;
@@ -857,6 +858,7 @@ absl::Status CompressInto(Job& job, const v1::Job& spec, compress::CompressOptio
   };
   o.cancelled = job.cancel_flag();
   o.on_step = [&memory](const std::string& step) { memory.Begin(step); };
+  const int engine_max_length = engine->info().max_length;
   absl::StatusOr<compress::CompressReport> report =
       compress::CompressLoadedModel(engine->classifier(), input_dir, out, o);
   // The original and the compressed model are gone once the engine is: give their pages back
@@ -870,6 +872,10 @@ absl::Status CompressInto(Job& job, const v1::Job& spec, compress::CompressOptio
       "fidelity on %d %s: top-1 agreement %.4f (95%% lower bound %.4f), max |logit diff| %.4g, mean KL %.4g",
       f.probes(), report->fidelity_texts, f.top1_agreement(), f.top1_agreement_lower95(), f.max_abs_logit_diff(),
       f.mean_kl());
+  if (f.truncated_probes() > 0) {
+    absl::StrAppendFormat(&message, "; %d of them longer than the model's %d tokens, measured cut there as served",
+                          f.truncated_probes(), engine_max_length);
+  }
   // An agreement that meets the gate or the target on too few probes to say so of other texts.
   std::vector<std::pair<const char*, double>> asked;
   if (spec.has_min_agreement()) asked.emplace_back("min_agreement", spec.min_agreement());

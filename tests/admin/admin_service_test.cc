@@ -591,19 +591,25 @@ TEST_F(AdminServiceTest, CompressModelTakesCalibrationTextsAndRefusesBadOnes) {
   EXPECT_TRUE(nlohmann::json::parse(j.report().json())["whitening"]["on"].get<bool>());
   EXPECT_EQ(j.report().fidelity().probes(), 4);
   // Probes given: the fidelity runs on them, not on the held-out calibration texts, and the job's
-  // events say so.
-  s = compress(texts, &resp, {"probe one", "probe two", "probe three"});
+  // events say so. One is longer than the model's 512 tokens: measured cut there, as served.
+  std::string long_probe = "probe";
+  for (int i = 0; i < 600; ++i) long_probe += " three";
+  s = compress(texts, &resp, {"probe one", "probe two", long_probe});
   ASSERT_TRUE(s.ok()) << s.error_message();
   j = WaitJob(resp.job_id());
   ASSERT_EQ(j.state(), v1::Job::SUCCEEDED) << j.error();
   EXPECT_EQ(j.report().fidelity().probes(), 3);
+  EXPECT_EQ(j.report().fidelity().truncated_probes(), 1);
   EXPECT_EQ(j.source_version(), 1) << "the newest standard version; 2 is collaborative";
   int said = 0;
   for (const auto& e : j.events()) {
     if (e.kind() == v1::JobEvent::CALIBRATED) said += absl::StrContains(e.message(), "fidelity measured on the given probes");
-    if (e.kind() == v1::JobEvent::FIDELITY_MEASURED) said += absl::StrContains(e.message(), "fidelity on 3 given probes");
+    if (e.kind() == v1::JobEvent::FIDELITY_MEASURED) {
+      said += absl::StrContains(e.message(), "fidelity on 3 given probes");
+      said += absl::StrContains(e.message(), "1 of them longer than the model's 512 tokens, measured cut there");
+    }
   }
-  EXPECT_EQ(said, 2);
+  EXPECT_EQ(said, 3);
 
   auto refused = [&](std::vector<std::string> bad, const std::string& message) {
     v1::CompressModelResponse r;

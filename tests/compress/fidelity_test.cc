@@ -27,33 +27,35 @@ namespace {
 
 using testing::TempDir;
 
+// `n` words, from the `first`th of a short sentence over and over.
+std::string Words(int n, int first) {
+  const std::vector<std::string> words = {"the", "service", "was", "slow", "but", "the", "food",
+                                          "excellent", "and", "we", "would", "come", "back"};
+  std::string s;
+  for (int w = 0; w < n; ++w) s += (w ? " " : "") + words[(first + w) % words.size()];
+  return s;
+}
+
 // 37 probes of 1 to ~40 words: three batches of unequal lengths, in no particular order.
 std::vector<std::string> Probes() {
   std::vector<std::string> out;
-  const std::vector<std::string> words = {"the", "service", "was", "slow", "but", "the", "food",
-                                          "excellent", "and", "we", "would", "come", "back"};
-  for (int i = 0; i < 37; ++i) {
-    std::string s;
-    const int n = 1 + (i * 11) % 40;
-    for (int w = 0; w < n; ++w) s += (w ? " " : "") + words[(i + w) % words.size()];
-    out.push_back(s);
-  }
+  for (int i = 0; i < 37; ++i) out.push_back(Words(1 + (i * 11) % 40, i));
   return out;
 }
 
-// The definition, one probe at a time.
+// The definition, one probe at a time, each cut at `max_len` tokens.
 FidelityReport Reference(const model::BertClassifier& a, const model::BertClassifier& b,
-                         const std::string& dir, const std::vector<std::string>& probes) {
+                         const std::string& dir, const std::vector<std::string>& probes, int max_len) {
   auto tok = text::BertTokenizer::FromDirectory(dir);
   EXPECT_TRUE(tok.ok());
   c10::InferenceMode guard;
   FidelityReport f;
   double kl = 0;
   int agree = 0;
-  const int max_len = std::min(128, a.config().max_position_embeddings);
   for (const std::string& p : probes) {
     auto e = (*tok)->Encode(p, std::nullopt, max_len, true);
     EXPECT_TRUE(e.ok());
+    f.truncated += e->truncated;
     std::vector<int64_t> ids(e->input_ids.begin(), e->input_ids.end());
     at::Tensor t = at::tensor(ids, at::kLong).unsqueeze(0);
     at::Tensor la = a.Forward(t, at::zeros_like(t), at::ones_like(t)).to(at::kDouble);
@@ -92,8 +94,16 @@ class FidelityTest : public ::testing::Test {
     compressed_->Prepare(c10::Device(c10::kCPU), c10::kFloat, /*pack_weights=*/false);
   }
 
+  // The length the engine serves the model's inputs at (ModelInfo::max_length).
+  int ServedMaxLength() {
+    auto engine = model::Engine::Load(dir_.path());
+    EXPECT_TRUE(engine.ok()) << engine.status();
+    return engine.ok() ? (*engine)->info().max_length : 0;
+  }
+
   void ExpectMatchesReference(const FidelityReport& got, const FidelityReport& want) {
     EXPECT_EQ(got.probes, want.probes);
+    EXPECT_EQ(got.truncated, want.truncated);
     EXPECT_DOUBLE_EQ(got.top1_agreement, want.top1_agreement);
     EXPECT_NEAR(got.max_abs_logit_diff, want.max_abs_logit_diff, 1e-4);
     EXPECT_NEAR(got.mean_kl, want.mean_kl, 1e-6 + 1e-4 * want.mean_kl);
@@ -105,7 +115,7 @@ class FidelityTest : public ::testing::Test {
 
 TEST_F(FidelityTest, BatchedEqualsOneProbeAtATimeOnEitherPath) {
   const std::vector<std::string> probes = Probes();
-  const FidelityReport want = Reference(*source_, *compressed_, dir_.path(), probes);
+  const FidelityReport want = Reference(*source_, *compressed_, dir_.path(), probes, ServedMaxLength());
   ASSERT_GT(want.max_abs_logit_diff, 0);
   const int threads = at::get_num_threads(), blas = util::BlasThreads();
   // Single-threaded caller with OpenBLAS pinned to one thread (an admin job's worker): the models
@@ -120,6 +130,38 @@ TEST_F(FidelityTest, BatchedEqualsOneProbeAtATimeOnEitherPath) {
   }
   at::set_num_threads(threads);
   if (blas > 0) util::SetBlasThreads(blas);
+}
+
+// Probes and calibration texts are cut where the engine cuts them when it serves the model (here
+// 512 tokens), not shorter: a probe of 200 words is measured whole, one of 700 cut at 512.
+TEST_F(FidelityTest, TextsAreCutWhereTheModelIsServed) {
+  const int served = ServedMaxLength();
+  ASSERT_EQ(served, 512);
+  const std::vector<std::string> texts = {Words(200, 0), Words(700, 3), Words(30, 5), Words(140, 7)};
+  auto tok = text::BertTokenizer::FromDirectory(dir_.path());
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  int64_t want_tokens = 0;
+  for (const std::string& t : texts) {
+    auto e = (*tok)->Encode(t, std::nullopt, served, true);
+    ASSERT_TRUE(e.ok()) << e.status();
+    want_tokens += static_cast<int64_t>(e->input_ids.size());
+  }
+  ASSERT_EQ(want_tokens, 202 + 512 + 32 + 142);
+
+  const FidelityReport want = Reference(*source_, *compressed_, dir_.path(), texts, served);
+  ASSERT_EQ(want.truncated, 1);
+  auto got = MeasureFidelity(*source_, *compressed_, dir_.path(), texts);
+  ASSERT_TRUE(got.ok()) << got.status();
+  ExpectMatchesReference(*got, want);
+
+  auto stats = CollectCalibrationStats(*source_, dir_.path(), texts);
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->tokens, want_tokens);
+  EXPECT_EQ(stats->truncated, 1);
+
+  CompressReport report;
+  report.fidelity = *got;
+  EXPECT_NE(report.ToJson().find("\"truncated_probes\":1"), std::string::npos) << report.ToJson();
 }
 
 TEST_F(FidelityTest, AModelAgainstItselfIsExact) {
