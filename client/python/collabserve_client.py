@@ -247,7 +247,7 @@ class Client:
             "ready": self._call(self.kserve.ServerReady, pb.ServerReadyRequest()).ready,
         }
         meta = self._call(self.kserve.ServerMetadata, pb.ServerMetadataRequest())
-        out["server"] = {"name": meta.name, "version": meta.version}
+        out["server"] = {"name": meta.name, "version": meta.version, "extensions": list(meta.extensions)}
         if model:
             out["model_ready"] = self._call(self.kserve.ModelReady,
                                             pb.ModelReadyRequest(name=model)).ready
@@ -256,6 +256,14 @@ class Client:
                 "name": m.name, "platform": m.platform, "versions": list(m.versions),
                 "inputs": [[t.name, t.datatype, list(t.shape)] for t in m.inputs],
                 "outputs": [[t.name, t.datatype, list(t.shape)] for t in m.outputs]}
+            # Triton's model_configuration extension: how the newest version is served.
+            c = self._call(self.kserve.ModelConfig, pb.ModelConfigRequest(name=model)).config
+            out["model"]["config"] = {
+                "max_batch_size": c.max_batch_size,
+                "preferred_batch_size": list(c.dynamic_batching.preferred_batch_size),
+                "max_queue_delay_us": c.dynamic_batching.max_queue_delay_microseconds,
+                "instances": [[pb.ModelInstanceGroup.Kind.Name(g.kind), g.count] for g in c.instance_group],
+                "parameters": {k: v.string_value for k, v in sorted(c.parameters.items())}}
         return out
 
     def _need_admin(self):

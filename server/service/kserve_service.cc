@@ -17,6 +17,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -500,6 +501,7 @@ grpc::ServerUnaryReactor* KServeService::ServerMetadata(
     response->set_name(options_.server_name);
     response->set_version(options_.server_version);
     response->add_extensions("classification");
+    response->add_extensions("model_configuration");
     return grpc::Status::OK;
   });
 }
@@ -536,6 +538,74 @@ grpc::ServerUnaryReactor* KServeService::ModelMetadata(
     add(response->mutable_outputs(), kLogits, "FP32", {-1, c});
     add(response->mutable_outputs(), kProbabilities, "FP32", {-1, c});
     add(response->mutable_outputs(), kLabel, "BYTES", {-1});
+    return grpc::Status::OK;
+  });
+}
+
+grpc::ServerUnaryReactor* KServeService::ModelConfig(grpc::CallbackServerContext* context,
+                                                     const inference::ModelConfigRequest* request,
+                                                     inference::ModelConfigResponse* response) {
+  return FinishUnary(context, [&]() -> grpc::Status {
+    const Attached a = attached();
+    if (grpc::Status serving = CheckServing(a); !serving.ok()) return serving;
+    auto servable = Resolve(a.repository, request->name(), request->version());
+    if (!servable.ok()) return ToGrpcStatus(servable.status());
+    const model::ModelInfo& info = (*servable)->info();
+    const batching::SchedulerOptions& batching = (*servable)->batching_options();
+    const int64_t c = static_cast<int64_t>(info.labels.size());
+    inference::ModelConfig* config = response->mutable_config();
+    config->set_name((*servable)->id().model);
+    config->set_platform(kPlatform);
+    config->set_backend(kPlatform);
+    config->set_max_batch_size(a.inference->options().max_inputs_per_request);
+    // One string per input: Triton writes a scalar per batch element as dims [1] reshaped to [].
+    auto one_string = [](auto* tensor) {
+      tensor->set_data_type(inference::TYPE_STRING);
+      tensor->add_dims(1);
+      tensor->mutable_reshape();
+    };
+    for (const char* name : {kText, kTextPair}) {
+      inference::ModelInput* in = config->add_input();
+      in->set_name(name);
+      one_string(in);
+      in->set_optional(name == kTextPair);
+    }
+    for (const char* name : {kLogits, kProbabilities}) {
+      inference::ModelOutput* out = config->add_output();
+      out->set_name(name);
+      out->set_data_type(inference::TYPE_FP32);
+      out->add_dims(c);
+    }
+    inference::ModelOutput* label = config->add_output();
+    label->set_name(kLabel);
+    one_string(label);
+    inference::ModelDynamicBatching* dynamic = config->mutable_dynamic_batching();
+    dynamic->add_preferred_batch_size(static_cast<int32_t>(batching.max_batch_size));
+    dynamic->set_max_queue_delay_microseconds(static_cast<uint64_t>(batching.max_queue_delay_micros));
+    dynamic->set_preserve_ordering(false);
+    dynamic->mutable_default_queue_policy()->set_max_queue_size(
+        static_cast<uint32_t>(std::min<int64_t>(batching.max_queue_size, std::numeric_limits<uint32_t>::max())));
+    inference::ModelInstanceGroup* group = config->add_instance_group();
+    group->set_name((*servable)->id().model);
+    group->set_count(batching.num_batch_threads);
+    if (absl::StartsWith(info.device, "cuda")) {  // "cuda:N" (the engine names its device with the index)
+      group->set_kind(inference::ModelInstanceGroup::KIND_GPU);
+      int index = 0;
+      const size_t colon = info.device.find(':');
+      if (colon != std::string::npos) (void)absl::SimpleAtoi(info.device.substr(colon + 1), &index);
+      group->add_gpus(index);
+    } else {
+      group->set_kind(inference::ModelInstanceGroup::KIND_CPU);
+    }
+    auto& parameters = *config->mutable_parameters();
+    parameters["problem_type"].set_string_value(info.problem_type);
+    parameters["max_length"].set_string_value(std::to_string(info.max_length));
+    parameters["dtype"].set_string_value(info.dtype);
+    parameters["device"].set_string_value(info.device);
+    if (!info.collaborative_ranks.empty()) {
+      parameters["collaborative_ranks"].set_string_value(absl::StrJoin(info.collaborative_ranks, ","));
+    }
+    config->mutable_model_transaction_policy()->set_decoupled(false);
     return grpc::Status::OK;
   });
 }

@@ -34,7 +34,14 @@
 // the server drains; the rest as Classify.
 //
 // ModelMetadata reports platform "collabserve", the served versions, and the tensors above with -1
-// for variable dimensions (`text` as [-1]). ServerLive is true until the server's GPU fails for good
+// for variable dimensions (`text` as [-1]). ModelConfig (Triton's model_configuration extension,
+// listed in ServerMetadata) describes the resolved version in Triton's terms: max_batch_size is
+// --max_inputs_per_request (the most inputs one request carries), the tensors without their batch
+// dimension (`text`, `text_pair` and `label` TYPE_STRING dims [1] reshaped to [], one per input;
+// `text_pair` optional), dynamic_batching the batcher's batch size, delay and queue size, one
+// instance group of the version's batch threads on its device (KIND_CPU, or KIND_GPU with the GPU's
+// index), and the parameters problem_type, max_length, dtype, device and, for a collaborative model,
+// collaborative_ranks (comma-separated). Errors as ModelMetadata. ServerLive is true until the server's GPU fails for good
 // (then a restart is the cure, as with grpc.health.v1); ServerReady is true once the
 // service is attached (models loaded) until the server starts draining; ModelReady is true when the
 // model (version) is served and the server is ready; an unknown model is not ready (OK status).
@@ -88,6 +95,9 @@ class KServeService final : public inference::GRPCInferenceService::CallbackServ
   grpc::ServerUnaryReactor* ModelInfer(grpc::CallbackServerContext* context,
                                        const inference::ModelInferRequest* request,
                                        inference::ModelInferResponse* response) override;
+  grpc::ServerUnaryReactor* ModelConfig(grpc::CallbackServerContext* context,
+                                        const inference::ModelConfigRequest* request,
+                                        inference::ModelConfigResponse* response) override;
 
  private:
   class InferReactor;

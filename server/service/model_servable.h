@@ -68,6 +68,8 @@ class ModelServable final : public repository::Servable {
   absl::Status Schedule(std::vector<std::unique_ptr<InferenceTask>>* tasks);
 
   batching::SchedulerStats scheduler_stats() const { return scheduler_->stats(); }
+  // The batching this version is served with (its batch size, delay, queue and threads).
+  const batching::SchedulerOptions& batching_options() const { return options_.batching; }
 
  private:
   ModelServable(repository::ServableId id, const ServableOptions& options,

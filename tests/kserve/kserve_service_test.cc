@@ -25,6 +25,7 @@
 #include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
 #include "kserve/grpc_predict_v2.grpc.pb.h"
+#include "server/compress/collaborative.h"
 #include "server/model/checkpoint_maker.h"
 #include "server/model/device.h"
 #include "server/model/engine.h"
@@ -847,7 +848,7 @@ TEST_F(KServeTest, Metadata) {
   inference::ServerMetadataResponse server;
   ASSERT_TRUE(stub_->ServerMetadata(Context().get(), {}, &server).ok());
   EXPECT_EQ(server.name(), "collabserve");
-  EXPECT_THAT(server.extensions(), ElementsAre("classification"));
+  EXPECT_THAT(server.extensions(), ElementsAre("classification", "model_configuration"));
   EXPECT_FALSE(server.version().empty());
 
   inference::ModelMetadataRequest req;
@@ -882,6 +883,94 @@ TEST_F(KServeTest, Metadata) {
   req.set_name("nope");
   req.set_version("");
   s = stub_->ModelMetadata(Context().get(), req, &meta);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(s.error_message(), HasSubstr("nope"));
+}
+
+// Triton's model_configuration extension, as perf_analyzer reads it: the batch dimension is the
+// inputs one request may carry, every config tensor is a metadata tensor, one string per input.
+TEST_F(KServeTest, ModelConfigDescribesTheServedVersionInTritonsTerms) {
+  compress::CompressOptions co;
+  co.spec.kind = compress::RankSpec::Kind::kPerLayer;
+  co.spec.ranks = {8, 0};
+  co.max_iters = 5;
+  auto compressed = compress::CompressModelDirectory(repo_.path() + "/three/1", repo_.path() + "/three/2", co);
+  ASSERT_TRUE(compressed.ok()) << compressed.status();
+  Start();
+  inference::ModelConfigRequest req;
+  req.set_name("three");
+  inference::ModelConfigResponse resp;
+  grpc::Status s = stub_->ModelConfig(Context().get(), req, &resp);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  const inference::ModelConfig& c = resp.config();
+  EXPECT_EQ(c.name(), "three");
+  EXPECT_EQ(c.platform(), "collabserve");
+  EXPECT_EQ(c.backend(), "collabserve");
+  EXPECT_EQ(c.max_batch_size(), server_->inference_service().options().max_inputs_per_request);
+  ASSERT_EQ(c.input_size(), 2);
+  EXPECT_EQ(c.input(0).name(), "text");
+  EXPECT_EQ(c.input(0).data_type(), inference::TYPE_STRING);
+  EXPECT_THAT(c.input(0).dims(), ElementsAre(1));
+  EXPECT_TRUE(c.input(0).has_reshape());
+  EXPECT_EQ(c.input(0).reshape().shape_size(), 0);
+  EXPECT_FALSE(c.input(0).optional());
+  EXPECT_EQ(c.input(1).name(), "text_pair");
+  EXPECT_TRUE(c.input(1).optional());
+  ASSERT_EQ(c.output_size(), 3);
+  EXPECT_EQ(c.output(0).name(), "logits");
+  EXPECT_EQ(c.output(0).data_type(), inference::TYPE_FP32);
+  EXPECT_THAT(c.output(0).dims(), ElementsAre(3));
+  EXPECT_EQ(c.output(1).name(), "probabilities");
+  EXPECT_THAT(c.output(1).dims(), ElementsAre(3));
+  EXPECT_EQ(c.output(2).name(), "label");
+  EXPECT_EQ(c.output(2).data_type(), inference::TYPE_STRING);
+  EXPECT_THAT(c.output(2).dims(), ElementsAre(1));
+  const ServerOptions o = Options();
+  ASSERT_TRUE(c.has_dynamic_batching());
+  EXPECT_THAT(c.dynamic_batching().preferred_batch_size(), ElementsAre(o.servable.batching.max_batch_size));
+  EXPECT_EQ(c.dynamic_batching().max_queue_delay_microseconds(), 500u);
+  EXPECT_EQ(c.dynamic_batching().default_queue_policy().max_queue_size(),
+            static_cast<uint32_t>(o.servable.batching.max_queue_size));
+  ASSERT_EQ(c.instance_group_size(), 1);
+  EXPECT_EQ(c.instance_group(0).kind(), inference::ModelInstanceGroup::KIND_CPU);
+  EXPECT_EQ(c.instance_group(0).count(), o.servable.batching.num_batch_threads);
+  EXPECT_TRUE(c.has_model_transaction_policy());
+  EXPECT_FALSE(c.model_transaction_policy().decoupled());
+  // The newest version is the compressed one, and says so.
+  EXPECT_EQ(c.parameters().at("problem_type").string_value(), "single_label_classification");
+  EXPECT_EQ(c.parameters().at("max_length").string_value(), "512");
+  EXPECT_EQ(c.parameters().at("dtype").string_value(), "float32");
+  EXPECT_EQ(c.parameters().at("device").string_value(), "cpu");
+  ASSERT_EQ(c.parameters().count("collaborative_ranks"), 1u);
+  EXPECT_EQ(c.parameters().at("collaborative_ranks").string_value(), "8,0");
+  // Version 1 is standard.
+  req.set_version("1");
+  ASSERT_TRUE(stub_->ModelConfig(Context().get(), req, &resp).ok());
+  EXPECT_EQ(resp.config().parameters().count("collaborative_ranks"), 0u);
+
+  // Every tensor the config names is one ModelMetadata lists (perf_analyzer refuses a config
+  // tensor the metadata lacks).
+  inference::ModelMetadataRequest mreq;
+  mreq.set_name("three");
+  inference::ModelMetadataResponse meta;
+  ASSERT_TRUE(stub_->ModelMetadata(Context().get(), mreq, &meta).ok());
+  for (const auto& in : c.input()) {
+    EXPECT_TRUE(std::any_of(meta.inputs().begin(), meta.inputs().end(),
+                            [&](const auto& t) { return t.name() == in.name(); })) << in.name();
+  }
+  for (const auto& out : c.output()) {
+    EXPECT_TRUE(std::any_of(meta.outputs().begin(), meta.outputs().end(),
+                            [&](const auto& t) { return t.name() == out.name(); })) << out.name();
+  }
+
+  // Errors as ModelMetadata's.
+  req.set_version("7");
+  EXPECT_EQ(stub_->ModelConfig(Context().get(), req, &resp).error_code(), grpc::StatusCode::NOT_FOUND);
+  req.set_version("x");
+  EXPECT_EQ(stub_->ModelConfig(Context().get(), req, &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  req.set_name("nope");
+  req.set_version("");
+  s = stub_->ModelConfig(Context().get(), req, &resp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
   EXPECT_THAT(s.error_message(), HasSubstr("nope"));
 }
