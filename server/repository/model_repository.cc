@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -20,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "glog/logging.h"
 #include "server/metrics/process_metrics.h"
@@ -53,7 +55,8 @@ std::optional<int64_t> ParseVersion(std::string_view name) {
 }
 
 // The number in `model_dir`'s kDeletedVersionMark; 0 when there is none. A mark that cannot be
-// read or does not hold a version is logged and read as 0 (the numbers on disk still count).
+// read or does not hold a version is read as 0 (the numbers on disk still count) and logged once
+// for each path and content (NextVersion reads it on every upload).
 int64_t HighestDeletedVersion(const std::string& model_dir) {
   const std::string path = Join(model_dir, ModelRepository::kDeletedVersionMark);
   if (!util::FileExists(path)) return 0;
@@ -61,12 +64,37 @@ int64_t HighestDeletedVersion(const std::string& model_dir) {
   std::optional<int64_t> v =
       text.ok() ? ParseVersion(std::string(absl::StripAsciiWhitespace(*text))) : std::nullopt;
   if (!v) {
-    LOG(WARNING) << "model repository: " << path << " does not hold a version number"
-                 << (text.ok() ? "" : absl::StrCat(" (", text.status().message(), ")"))
-                 << "; deleted version numbers may be given out again";
+    static absl::Mutex mu(absl::kConstInit);
+    static auto* warned = new std::set<std::string>();
+    const std::string what = absl::StrCat(path, "\n", text.ok() ? *text : text.status().ToString());
+    bool first;
+    {
+      absl::MutexLock l(&mu);
+      first = warned->insert(what).second;
+    }
+    LOG_IF(WARNING, first) << "model repository: " << path << " does not hold a version number"
+                           << (text.ok() ? "" : absl::StrCat(" (", text.status().message(), ")"))
+                           << "; deleted version numbers may be given out again";
     return 0;
   }
   return *v;
+}
+
+// Removes the temporary files of kDeletedVersionMark writes that died before their rename (older
+// than a minute: a write takes milliseconds, and one in flight on another node is left alone).
+// Called under the mark's lock.
+void RemoveStaleMarkTemporaries(const std::string& model_dir) {
+  const std::string prefix = absl::StrCat(ModelRepository::kDeletedVersionMark, ".tmp.");
+  const auto cutoff = fs::file_time_type::clock::now() - std::chrono::minutes(1);
+  std::error_code ec;
+  for (fs::directory_iterator it(model_dir, ec), end; !ec && it != end; it.increment(ec)) {
+    if (!absl::StartsWith(it->path().filename().string(), prefix)) continue;
+    std::error_code e;
+    if (it->is_regular_file(e) && fs::last_write_time(it->path(), e) < cutoff && !e) {
+      fs::remove(it->path(), e);
+      if (e) LOG(WARNING) << "model repository: cannot remove " << it->path() << ": " << e.message();
+    }
+  }
 }
 
 // Makes the renames in directory `dir` durable (best effort: a failure to open it is ignored).
@@ -91,6 +119,7 @@ absl::Status RecordDeletedVersion(const std::string& model_dir, int64_t version)
     }
   }
   absl::Status s;
+  RemoveStaleMarkTemporaries(model_dir);
   if (version > HighestDeletedVersion(model_dir)) {
     s = util::WriteFileAtomic(Join(model_dir, ModelRepository::kDeletedVersionMark), absl::StrCat(version, "\n"));
     if (s.ok()) SyncDirectory(model_dir);  // the mark's rename, before the version's

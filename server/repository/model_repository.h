@@ -196,7 +196,8 @@ class ModelRepository {
   // concurrent uploads may get the same number, and the second Publish() then fails.
   int64_t NextVersion(std::string_view model) const;
   // root/<model>/ + this: the highest version number DeleteVersion has removed, in decimal; written
-  // under an flock of the same name + ".lock".
+  // under an flock of the same name + ".lock" (which also removes the ".tmp.*" files of writes that
+  // died over a minute before). One that holds no number is read as none, and logged once.
   static constexpr char kDeletedVersionMark[] = ".highest_deleted_version";
 
   const std::string& root() const { return options_.root; }

@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "glog/logging.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/metrics/metrics.h"
@@ -33,6 +34,22 @@ using ::testing::IsEmpty;
 using ::testing::Not;
 using ::testing::Pair;
 using State = ModelRepository::VersionStatus::State;
+
+// Counts the log messages that contain `text` while it is registered.
+class CountingLogSink : public google::LogSink {
+ public:
+  explicit CountingLogSink(std::string text) : text_(std::move(text)) { google::AddLogSink(this); }
+  ~CountingLogSink() override { google::RemoveLogSink(this); }
+  void send(google::LogSeverity, const char*, const char*, int, const struct ::tm*, const char* message,
+            size_t length) override {
+    if (std::string(message, length).find(text_) != std::string::npos) count_.fetch_add(1);
+  }
+  int count() const { return count_.load(); }
+
+ private:
+  const std::string text_;
+  std::atomic<int> count_{0};
+};
 
 // What the fake loader hands out: remembers which version it is and counts its destruction.
 class FakeServable : public Servable {
@@ -617,11 +634,29 @@ TEST_F(ModelRepositoryTest, DeletedVersionNumbersAreNotGivenOutAgain) {
   EXPECT_EQ(Served("m"), 3);
   EXPECT_EQ(repo_->NextVersion("m"), 4);
 
-  // A mark that holds no number is logged and read as none; the numbers on disk still count.
-  std::ofstream(fs::path(root_) / "m" / ModelRepository::kDeletedVersionMark) << "x\n";
+  // A mark that holds no number is read as none, and logged once for each content; the numbers
+  // on disk still count.
+  {
+    CountingLogSink warnings("does not hold a version number");
+    std::ofstream(fs::path(root_) / "m" / ModelRepository::kDeletedVersionMark) << "x\n";
+    for (int i = 0; i < 3; ++i) EXPECT_EQ(repo_->NextVersion("m"), 4);
+    EXPECT_EQ(warnings.count(), 1);
+    std::ofstream(fs::path(root_) / "m" / ModelRepository::kDeletedVersionMark) << "y\n";
+    for (int i = 0; i < 3; ++i) EXPECT_EQ(repo_->NextVersion("m"), 4);
+    EXPECT_EQ(warnings.count(), 2);
+  }
+  // The next delete rewrites it, and removes what writes of it that died left behind (not one
+  // that may be in flight).
+  const fs::path stale = fs::path(root_) / "m" / absl::StrCat(ModelRepository::kDeletedVersionMark, ".tmp.1.2");
+  const fs::path fresh = fs::path(root_) / "m" / absl::StrCat(ModelRepository::kDeletedVersionMark, ".tmp.3.4");
+  std::ofstream(stale) << "9\n";
+  std::ofstream(fresh) << "9\n";
+  fs::last_write_time(stale, fs::file_time_type::clock::now() - std::chrono::hours(1));
+  ASSERT_TRUE(repo_->DeleteVersion({"m", 3}).ok());
   EXPECT_EQ(repo_->NextVersion("m"), 4);
-  ASSERT_TRUE(repo_->DeleteVersion({"m", 3}).ok());  // and is rewritten by the next delete
-  EXPECT_EQ(repo_->NextVersion("m"), 4);
+  EXPECT_FALSE(fs::exists(stale));
+  EXPECT_TRUE(fs::exists(fresh));
+  fs::remove(fresh);
 
   // A known version whose directory went by hand is marked when it is deleted (it served).
   MakeVersion("gone", 7);
