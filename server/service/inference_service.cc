@@ -425,6 +425,7 @@ void InferenceService::StartClassify(const v1::ClassifyRequest& request, absl::T
                     const std::string& version) {
     const grpc::Status g = ToGrpcStatus(status);
     VLOG(1) << "Classify(" << request.model_name() << ") rejected: " << status;
+    if (servable != nullptr) servable->statistics().RecordFailure(absl::Now() - arrival);
     EndCall(model, version, g, arrival);
     finish(g, nullptr);
     LeaveInflight();
@@ -483,6 +484,7 @@ void InferenceService::StartClassify(const v1::ClassifyRequest& request, absl::T
         const std::string version = std::to_string(servable->id().version);
         if (!results.ok()) {
           const grpc::Status g = ToGrpcStatus(results.status());
+          servable->statistics().RecordFailure(absl::Now() - arrival);
           EndCall(model, version, g, arrival);
           finish(g, nullptr);
           LeaveInflight();
@@ -490,6 +492,7 @@ void InferenceService::StartClassify(const v1::ClassifyRequest& request, absl::T
         }
         v1::ClassifyResponse response;
         absl::Duration queue = absl::ZeroDuration(), inference = absl::ZeroDuration();
+        const absl::Time output_start = absl::Now();
         for (size_t i = 0; i < results->size(); ++i) {
           const InputResult& r = (*results)[i];
           v1::Result* out = response.add_results();
@@ -506,7 +509,11 @@ void InferenceService::StartClassify(const v1::ClassifyRequest& request, absl::T
         t->set_queue_us(Micros(queue));
         t->set_tokenization_us(Micros(tokenization));
         t->set_inference_us(Micros(inference));
-        t->set_total_us(Micros(absl::Now() - arrival));
+        const absl::Time end = absl::Now();
+        t->set_total_us(Micros(end - arrival));
+        servable->statistics().RecordSuccess({static_cast<int64_t>(results->size()), end - arrival, queue,
+                                              tokenization, inference, end - output_start},
+                                             end);
         EndCall(model, version, grpc::Status::OK, arrival);
         finish(grpc::Status::OK, &response);
         // Only now: the drain (Server::Shutdown) waits for this count, and the response must have

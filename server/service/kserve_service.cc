@@ -21,6 +21,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "server/service/model_servable.h"
 #include "server/service/status_mapping.h"
 #include "server/util/status_macros.h"
@@ -502,6 +504,7 @@ grpc::ServerUnaryReactor* KServeService::ServerMetadata(
     response->set_version(options_.server_version);
     response->add_extensions("classification");
     response->add_extensions("model_configuration");
+    response->add_extensions("statistics");
     return grpc::Status::OK;
   });
 }
@@ -610,9 +613,70 @@ grpc::ServerUnaryReactor* KServeService::ModelConfig(grpc::CallbackServerContext
   });
 }
 
+grpc::ServerUnaryReactor* KServeService::ModelStatistics(grpc::CallbackServerContext* context,
+                                                         const inference::ModelStatisticsRequest* request,
+                                                         inference::ModelStatisticsResponse* response) {
+  return FinishUnary(context, [&]() -> grpc::Status {
+    const Attached a = attached();
+    if (grpc::Status serving = CheckServing(a); !serving.ok()) return serving;
+    std::vector<std::shared_ptr<ModelServable>> servables;
+    if (!request->version().empty()) {
+      if (request->name().empty()) {
+        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "a version needs a model name");
+      }
+      auto servable = Resolve(a.repository, request->name(), request->version());
+      if (!servable.ok()) return ToGrpcStatus(servable.status());
+      servables.push_back(std::move(servable).value());
+    } else {
+      if (!request->name().empty()) {
+        // NOT_FOUND (naming the model and what is served) when it serves no version.
+        auto newest = Resolve(a.repository, request->name(), "");
+        if (!newest.ok()) return ToGrpcStatus(newest.status());
+      }
+      for (const auto& [model, versions] : a.repository->List()) {
+        if (!request->name().empty() && model != request->name()) continue;
+        for (const auto& v : versions) {
+          if (v.state != repository::ModelRepository::VersionStatus::State::kAvailable) continue;
+          // A version unloaded since List() is left out.
+          if (auto s = a.repository->Get(model, v.version); s.ok()) {
+            servables.push_back(std::static_pointer_cast<ModelServable>(std::move(s).value()));
+          }
+        }
+      }
+    }
+    auto fill = [](const ServableStatistics::Duration& d, inference::StatisticDuration* out) {
+      out->set_count(d.count);
+      out->set_ns(d.ns);
+    };
+    for (const auto& servable : servables) {
+      const ServableStatistics::Snapshot s = servable->statistics().Get();
+      inference::ModelStatistics* out = response->add_model_stats();
+      out->set_name(servable->id().model);
+      out->set_version(std::to_string(servable->id().version));
+      out->set_last_inference(static_cast<uint64_t>(s.last_inference_ms));
+      out->set_inference_count(s.inference_count);
+      out->set_execution_count(s.execution_count);
+      inference::InferStatistics* is = out->mutable_inference_stats();
+      fill(s.success, is->mutable_success());
+      fill(s.fail, is->mutable_fail());
+      fill(s.queue, is->mutable_queue());
+      fill(s.compute_input, is->mutable_compute_input());
+      fill(s.compute_infer, is->mutable_compute_infer());
+      fill(s.compute_output, is->mutable_compute_output());
+      for (const auto& [size, d] : s.batches) {
+        inference::InferBatchStatistics* b = out->add_batch_stats();
+        b->set_batch_size(static_cast<uint64_t>(size));
+        fill(d, b->mutable_compute_infer());
+      }
+    }
+    return grpc::Status::OK;
+  });
+}
+
 grpc::ServerUnaryReactor* KServeService::ModelInfer(grpc::CallbackServerContext* context,
                                                     const inference::ModelInferRequest* request,
                                                     inference::ModelInferResponse* response) {
+  const absl::Time arrival = absl::Now();
   auto* reactor = new InferReactor();
   const Attached a = attached();
   // Failures found here never reach StartClassify; count them as it counts its own.
@@ -635,7 +699,10 @@ grpc::ServerUnaryReactor* KServeService::ModelInfer(grpc::CallbackServerContext*
   const std::string& model = servable->id().model;
   const std::string version = std::to_string(servable->id().version);
   auto parsed = ParseInfer(*request, a.inference->options().max_inputs_per_request);
-  if (!parsed.ok()) return reject(ToGrpcStatus(parsed.status()), model, version);
+  if (!parsed.ok()) {
+    servable->statistics().RecordFailure(absl::Now() - arrival);
+    return reject(ToGrpcStatus(parsed.status()), model, version);
+  }
 
   // The resolved version answers (StartClassify takes it as it is, so that a swap between two
   // lookups cannot fail the call), and the labels below describe it.

@@ -41,7 +41,16 @@
 // `text_pair` optional), dynamic_batching the batcher's batch size, delay and queue size, one
 // instance group of the version's batch threads on its device (KIND_CPU, or KIND_GPU with the GPU's
 // index), and the parameters problem_type, max_length, dtype, device and, for a collaborative model,
-// collaborative_ranks (comma-separated). Errors as ModelMetadata. ServerLive is true until the server's GPU fails for good
+// collaborative_ranks (comma-separated). Errors as ModelMetadata.
+//
+// ModelStatistics (Triton's statistics extension, also listed) answers, for every served version
+// of the named model (empty name: of every model; a version: that one), what it has done since it
+// loaded (servable_statistics.h): calls that succeeded or failed after naming it, per call its
+// queue wait, tokenization (compute_input), forward pass (compute_infer) and response building
+// (compute_output), inputs answered (inference_count), forward passes run (execution_count), and
+// those passes by batch size (compute_infer only), ordered by model and version. NOT_FOUND for an
+// unknown model or a version not served; INVALID_ARGUMENT for a malformed version or a version
+// without a model. ServerLive is true until the server's GPU fails for good
 // (then a restart is the cure, as with grpc.health.v1); ServerReady is true once the
 // service is attached (models loaded) until the server starts draining; ModelReady is true when the
 // model (version) is served and the server is ready; an unknown model is not ready (OK status).
@@ -98,6 +107,9 @@ class KServeService final : public inference::GRPCInferenceService::CallbackServ
   grpc::ServerUnaryReactor* ModelConfig(grpc::CallbackServerContext* context,
                                         const inference::ModelConfigRequest* request,
                                         inference::ModelConfigResponse* response) override;
+  grpc::ServerUnaryReactor* ModelStatistics(grpc::CallbackServerContext* context,
+                                            const inference::ModelStatisticsRequest* request,
+                                            inference::ModelStatisticsResponse* response) override;
 
  private:
   class InferReactor;

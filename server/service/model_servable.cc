@@ -216,6 +216,7 @@ void ModelServable::ProcessBatch(std::unique_ptr<batching::Batch<InferenceTask>>
   m.batch_size->Observe(static_cast<double>(live.size()));
   m.batch_tokens->Observe(static_cast<double>(tokens));
   m.batch_padding_ratio->Observe(padded == 0 ? 0.0 : static_cast<double>(padded - tokens) / padded);
+  statistics_.RecordExecution(static_cast<int64_t>(live.size()), inference);
 
   if (!predictions.ok() || predictions->size() != live.size()) {
     // Failed tells the Server of a device failure before the calls end: a client that sees this

@@ -18,6 +18,7 @@
 #include "server/model/engine.h"
 #include "server/repository/model_repository.h"
 #include "server/service/inference_task.h"
+#include "server/service/servable_statistics.h"
 
 namespace collabserve::service {
 
@@ -70,6 +71,9 @@ class ModelServable final : public repository::Servable {
   batching::SchedulerStats scheduler_stats() const { return scheduler_->stats(); }
   // The batching this version is served with (its batch size, delay, queue and threads).
   const batching::SchedulerOptions& batching_options() const { return options_.batching; }
+  // What this version has done since it loaded (Triton's ModelStatistics): its forward passes are
+  // counted here, its calls by InferenceService.
+  ServableStatistics& statistics() const { return statistics_; }
 
  private:
   ModelServable(repository::ServableId id, const ServableOptions& options,
@@ -87,6 +91,7 @@ class ModelServable final : public repository::Servable {
   metrics::ModelMetrics model_metrics_;
   // Set once loaded; read by the scheduler's on_queue_size (batch threads).
   std::atomic<prometheus::Gauge*> queue_depth_{nullptr};
+  mutable ServableStatistics statistics_;
   bool facts_published_ = false;
   double load_seconds_ = 0;
   double compression_ratio_ = 1;

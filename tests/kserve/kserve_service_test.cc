@@ -848,7 +848,7 @@ TEST_F(KServeTest, Metadata) {
   inference::ServerMetadataResponse server;
   ASSERT_TRUE(stub_->ServerMetadata(Context().get(), {}, &server).ok());
   EXPECT_EQ(server.name(), "collabserve");
-  EXPECT_THAT(server.extensions(), ElementsAre("classification", "model_configuration"));
+  EXPECT_THAT(server.extensions(), ElementsAre("classification", "model_configuration", "statistics"));
   EXPECT_FALSE(server.version().empty());
 
   inference::ModelMetadataRequest req;
@@ -971,6 +971,92 @@ TEST_F(KServeTest, ModelConfigDescribesTheServedVersionInTritonsTerms) {
   req.set_name("nope");
   req.set_version("");
   s = stub_->ModelConfig(Context().get(), req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(s.error_message(), HasSubstr("nope"));
+}
+
+// Triton's statistics extension: per served version, what its calls and passes did.
+TEST_F(KServeTest, ModelStatisticsCountWhatEachVersionDid) {
+  Start();
+  const uint64_t before_ms = static_cast<uint64_t>(absl::ToUnixMillis(absl::Now()));
+  for (int i = 0; i < 3; ++i) {  // three calls of two inputs, and one Classify of three
+    InferRequest req;
+    req.set_model_name("tiny");
+    AddInput(&req, "text", {absl::StrCat("call ", i), "a second input"});
+    InferResponse resp;
+    ASSERT_TRUE(Infer(req, &resp).ok());
+  }
+  Classify("tiny", {"one", "two words", "and three words"});
+  InferRequest bad;  // fails after naming the version
+  bad.set_model_name("tiny");
+  AddInput(&bad, "txt", {"x"});
+  InferResponse resp;
+  ASSERT_EQ(Infer(bad, &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  const uint64_t after_ms = static_cast<uint64_t>(absl::ToUnixMillis(absl::Now()));
+
+  inference::ModelStatisticsRequest req;
+  req.set_name("tiny");
+  inference::ModelStatisticsResponse stats;
+  grpc::Status s = stub_->ModelStatistics(Context().get(), req, &stats);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  ASSERT_EQ(stats.model_stats_size(), 2);
+  const inference::ModelStatistics& old = stats.model_stats(0);
+  EXPECT_EQ(old.name(), "tiny");
+  EXPECT_EQ(old.version(), "1");
+  EXPECT_EQ(old.inference_count(), 0u);
+  EXPECT_EQ(old.execution_count(), 0u);  // warm-up passes are not calls' passes
+  EXPECT_EQ(old.last_inference(), 0u);
+  EXPECT_EQ(old.inference_stats().success().count(), 0u);
+
+  const inference::ModelStatistics& st = stats.model_stats(1);
+  EXPECT_EQ(st.version(), "2");
+  EXPECT_EQ(st.inference_count(), 9u);
+  const inference::InferStatistics& is = st.inference_stats();
+  for (const auto* d : {&is.success(), &is.queue(), &is.compute_input(), &is.compute_infer(), &is.compute_output()}) {
+    EXPECT_EQ(d->count(), 4u);
+  }
+  EXPECT_EQ(is.fail().count(), 1u);
+  EXPECT_GT(is.compute_infer().ns(), 0u);
+  EXPECT_GE(is.success().ns(), is.compute_infer().ns());
+  EXPECT_GE(is.success().ns(), is.queue().ns());
+  EXPECT_GE(st.last_inference(), before_ms);
+  EXPECT_LE(st.last_inference(), after_ms);
+  // Every pass is in one batch size's row, and together they answered every input.
+  uint64_t passes = 0, inputs = 0, pass_ns = 0;
+  for (const auto& b : st.batch_stats()) {
+    passes += b.compute_infer().count();
+    inputs += b.batch_size() * b.compute_infer().count();
+    pass_ns += b.compute_infer().ns();
+  }
+  EXPECT_GE(st.execution_count(), 4u);  // one call after another
+  EXPECT_EQ(passes, st.execution_count());
+  EXPECT_EQ(inputs, 9u);
+  EXPECT_GT(pass_ns, 0u);
+
+  // Every served version of every model, by model and version; or one version.
+  req.set_name("");
+  ASSERT_TRUE(stub_->ModelStatistics(Context().get(), req, &stats).ok());
+  std::vector<std::string> ids;
+  for (const auto& m : stats.model_stats()) ids.push_back(m.name() + "/" + m.version());
+  EXPECT_THAT(ids, ElementsAre("multi/1", "three/1", "tiny/1", "tiny/2"));
+  req.set_name("tiny");
+  req.set_version("2");
+  ASSERT_TRUE(stub_->ModelStatistics(Context().get(), req, &stats).ok());
+  ASSERT_EQ(stats.model_stats_size(), 1);
+  EXPECT_EQ(stats.model_stats(0).inference_count(), 9u);
+
+  req.set_version("7");
+  EXPECT_EQ(stub_->ModelStatistics(Context().get(), req, &stats).error_code(), grpc::StatusCode::NOT_FOUND);
+  req.set_version("x");
+  EXPECT_EQ(stub_->ModelStatistics(Context().get(), req, &stats).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  req.set_name("");
+  req.set_version("1");
+  s = stub_->ModelStatistics(Context().get(), req, &stats);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("needs a model name"));
+  req.set_name("nope");
+  req.set_version("");
+  s = stub_->ModelStatistics(Context().get(), req, &stats);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
   EXPECT_THAT(s.error_message(), HasSubstr("nope"));
 }
