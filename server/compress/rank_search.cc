@@ -184,7 +184,9 @@ absl::StatusOr<std::vector<LayerDecomposition>> SearchRanks(const model::BertCla
   auto measure = [&](const std::vector<int>& alloc) -> absl::StatusOr<FidelityReport> {
     ASSIGN_OR_RETURN(auto m, candidate(alloc));
     ASSIGN_OR_RETURN(std::vector<at::Tensor> logits, BatchLogits(*m, tb, eval_workers));
-    return CompareLogits(reference, logits, tb.texts, cfg.output_function());
+    ASSIGN_OR_RETURN(FidelityReport f, CompareLogits(reference, logits, tb.texts, cfg.output_function()));
+    f.truncated = tb.truncated;  // the texts cut at the model's maximum length, as MeasureFidelity
+    return f;
   };
 
   // 2. Each layer's KL curve from two measurements (one when the grid has a single rank near both).

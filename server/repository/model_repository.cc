@@ -12,6 +12,7 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <set>
 #include <utility>
 
@@ -65,8 +66,9 @@ int64_t HighestDeletedVersion(const std::string& model_dir) {
       text.ok() ? ParseVersion(std::string(absl::StripAsciiWhitespace(*text))) : std::nullopt;
   if (!v) {
     static absl::Mutex mu(absl::kConstInit);
-    static auto* warned = new std::set<std::string>();
-    const std::string what = absl::StrCat(path, "\n", text.ok() ? *text : text.status().ToString());
+    static auto* warned = new std::set<std::pair<std::string, size_t>>();  // path, content's hash
+    const std::pair<std::string, size_t> what = {
+        path, std::hash<std::string>()(text.ok() ? *text : text.status().ToString())};
     bool first;
     {
       absl::MutexLock l(&mu);

@@ -438,7 +438,15 @@ void InferenceService::StartClassify(const v1::ClassifyRequest& request, absl::T
     valid = absl::InvalidArgumentError(
         absl::StrCat("options.top_k is ", request.options().top_k(), "; it must be >= 0"));
   }
-  if (!valid.ok()) return reject(valid, ModelLabel(request.model_name()), "");
+  if (!valid.ok()) {
+    // Counted as a failure of the version it names, as ModelInfer's (which resolves first).
+    if (servable == nullptr) {
+      auto named = Resolve(repository_.load(std::memory_order_acquire), request.model_name(),
+                           OptionalVersion(request.has_model_version(), request.model_version()));
+      if (named.ok()) servable = std::move(named).value();
+    }
+    return reject(valid, ModelLabel(request.model_name()), "");
+  }
   if (servable == nullptr) {
     auto resolved = Resolve(repository_.load(std::memory_order_acquire), request.model_name(),
                             OptionalVersion(request.has_model_version(), request.model_version()));

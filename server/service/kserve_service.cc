@@ -545,6 +545,18 @@ grpc::ServerUnaryReactor* KServeService::ModelMetadata(
   });
 }
 
+void DescribeDevice(const std::string& device, inference::ModelInstanceGroup* group) {
+  if (!absl::StartsWith(device, "cuda")) {
+    group->set_kind(inference::ModelInstanceGroup::KIND_CPU);
+    return;
+  }
+  group->set_kind(inference::ModelInstanceGroup::KIND_GPU);
+  int index = 0;
+  const size_t colon = device.find(':');
+  if (colon != std::string::npos && !absl::SimpleAtoi(device.substr(colon + 1), &index)) index = 0;
+  group->add_gpus(index);
+}
+
 grpc::ServerUnaryReactor* KServeService::ModelConfig(grpc::CallbackServerContext* context,
                                                      const inference::ModelConfigRequest* request,
                                                      inference::ModelConfigResponse* response) {
@@ -583,7 +595,9 @@ grpc::ServerUnaryReactor* KServeService::ModelConfig(grpc::CallbackServerContext
     label->set_name(kLabel);
     one_string(label);
     inference::ModelDynamicBatching* dynamic = config->mutable_dynamic_batching();
-    dynamic->add_preferred_batch_size(static_cast<int32_t>(batching.max_batch_size));
+    // (Triton refuses a preferred size above max_batch_size.)
+    dynamic->add_preferred_batch_size(static_cast<int32_t>(
+        std::min<int64_t>(batching.max_batch_size, config->max_batch_size())));
     dynamic->set_max_queue_delay_microseconds(static_cast<uint64_t>(batching.max_queue_delay_micros));
     dynamic->set_preserve_ordering(false);
     dynamic->mutable_default_queue_policy()->set_max_queue_size(
@@ -591,15 +605,7 @@ grpc::ServerUnaryReactor* KServeService::ModelConfig(grpc::CallbackServerContext
     inference::ModelInstanceGroup* group = config->add_instance_group();
     group->set_name((*servable)->id().model);
     group->set_count(batching.num_batch_threads);
-    if (absl::StartsWith(info.device, "cuda")) {  // "cuda:N" (the engine names its device with the index)
-      group->set_kind(inference::ModelInstanceGroup::KIND_GPU);
-      int index = 0;
-      const size_t colon = info.device.find(':');
-      if (colon != std::string::npos) (void)absl::SimpleAtoi(info.device.substr(colon + 1), &index);
-      group->add_gpus(index);
-    } else {
-      group->set_kind(inference::ModelInstanceGroup::KIND_CPU);
-    }
+    DescribeDevice(info.device, group);
     auto& parameters = *config->mutable_parameters();
     parameters["problem_type"].set_string_value(info.problem_type);
     parameters["max_length"].set_string_value(std::to_string(info.max_length));
@@ -617,8 +623,11 @@ grpc::ServerUnaryReactor* KServeService::ModelStatistics(grpc::CallbackServerCon
                                                          const inference::ModelStatisticsRequest* request,
                                                          inference::ModelStatisticsResponse* response) {
   return FinishUnary(context, [&]() -> grpc::Status {
+    // Answered while the server drains or after its GPU failed too, when an operator wants them.
     const Attached a = attached();
-    if (grpc::Status serving = CheckServing(a); !serving.ok()) return serving;
+    if (a.repository == nullptr) {
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "collabserve is still loading its models");
+    }
     std::vector<std::shared_ptr<ModelServable>> servables;
     if (!request->version().empty()) {
       if (request->name().empty()) {

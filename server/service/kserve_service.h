@@ -48,9 +48,11 @@
 // loaded (servable_statistics.h): calls that succeeded or failed after naming it, per call its
 // queue wait, tokenization (compute_input), forward pass (compute_infer) and response building
 // (compute_output), inputs answered (inference_count), forward passes run (execution_count), and
-// those passes by batch size (compute_infer only), ordered by model and version. NOT_FOUND for an
-// unknown model or a version not served; INVALID_ARGUMENT for a malformed version or a version
-// without a model. ServerLive is true until the server's GPU fails for good
+// those passes by batch size (compute_infer only), ordered by model and version. A call counts as
+// a success once its results are in, before ModelInfer builds its tensors (which fails only on an
+// internal error). Answered while the server drains and after its GPU failed; UNAVAILABLE only
+// until the models have loaded. NOT_FOUND for an unknown model or a version not served;
+// INVALID_ARGUMENT for a malformed version or a version without a model. ServerLive is true until the server's GPU fails for good
 // (then a restart is the cure, as with grpc.health.v1); ServerReady is true once the
 // service is attached (models loaded) until the server starts draining; ModelReady is true when the
 // model (version) is served and the server is ready; an unknown model is not ready (OK status).
@@ -77,6 +79,10 @@ struct KServeServiceOptions {
 // Thread-safe. Register it in ServerOptions::extra_services before the Server starts, then
 // Attach() once Server::LoadModels() has succeeded; until then ModelInfer and ModelMetadata answer
 // UNAVAILABLE and the readiness calls answer false. Must outlive the Server.
+// ModelConfig's instance kind for a version served on `device` (the engine's device string:
+// "cpu", "cuda" or "cuda:N"): KIND_GPU with the GPU's index in `gpus` (0 for "cuda"), else KIND_CPU.
+void DescribeDevice(const std::string& device, inference::ModelInstanceGroup* group);
+
 class KServeService final : public inference::GRPCInferenceService::CallbackService {
  public:
   explicit KServeService(KServeServiceOptions options = {});

@@ -1,10 +1,12 @@
 #include "server/service/servable_statistics.h"
 
+#include <algorithm>
+
 namespace collabserve::service {
 
 void ServableStatistics::RecordSuccess(const Call& call, absl::Time end) {
   absl::MutexLock l(&mu_);
-  s_.last_inference_ms = absl::ToUnixMillis(end);
+  s_.last_inference_ms = std::max(s_.last_inference_ms, absl::ToUnixMillis(end));  // calls end out of order
   s_.inference_count += static_cast<uint64_t>(std::max<int64_t>(0, call.inputs));
   s_.success.Add(call.total);
   s_.queue.Add(call.queue);

@@ -5,6 +5,7 @@
 #ifndef COLLABSERVE_SERVER_SERVICE_SERVABLE_STATISTICS_H_
 #define COLLABSERVE_SERVER_SERVICE_SERVABLE_STATISTICS_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 

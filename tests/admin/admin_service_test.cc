@@ -488,7 +488,10 @@ TEST_F(AdminServiceTest, EveryRefusalIsInvalidArgumentAndLeavesNothing) {
 TEST_F(AdminServiceTest, UploadWithCalibrationAndATargetSearchesWhitenedRanks) {
   Start();
   auto files = files_;
-  files["calibration.txt"] = CalibrationFile(60);
+  // The last text, held out, is longer than the model's 512 tokens: measured cut there.
+  files["calibration.txt"] = CalibrationFile(59);
+  for (int i = 0; i < 600; ++i) files["calibration.txt"] += i ? " weather" : "long";
+  files["calibration.txt"] += "\n";
   v1::UploadHeader h = HeaderFor("cal", files);
   h.mutable_compression()->set_target_agreement(0.9);
   h.set_activate(true);
@@ -521,6 +524,9 @@ TEST_F(AdminServiceTest, UploadWithCalibrationAndATargetSearchesWhitenedRanks) {
   EXPECT_EQ(report["search"]["texts"], 12);
   EXPECT_EQ(report["search"]["trials"].size(), trials.size());
   EXPECT_EQ(job.report().fidelity().probes(), 12);  // measured on the held-out part
+  EXPECT_EQ(job.report().fidelity().truncated_probes(), 1);
+  EXPECT_THAT(measured[0], HasSubstr("1 of them longer than the model's 512 tokens"));
+  for (const auto& t : report["search"]["trials"]) EXPECT_EQ(t["fidelity"]["truncated_probes"], 1);
   EXPECT_GE(job.report().fidelity().top1_agreement(), 0.9);
   // 12 texts cannot show that 90 % of texts like them agree: the bound is reported and the event
   // says so (at most 0.816, what 12 of 12 gives).

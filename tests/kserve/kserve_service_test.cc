@@ -975,6 +975,23 @@ TEST_F(KServeTest, ModelConfigDescribesTheServedVersionInTritonsTerms) {
   EXPECT_THAT(s.error_message(), HasSubstr("nope"));
 }
 
+TEST(KServeDescribeDeviceTest, GpusByIndexAndTheCpu) {
+  struct Case {
+    std::string device;
+    inference::ModelInstanceGroup::Kind kind;
+    std::vector<int> gpus;
+  };
+  for (const Case& c : std::vector<Case>{{"cuda:3", inference::ModelInstanceGroup::KIND_GPU, {3}},
+                                         {"cuda", inference::ModelInstanceGroup::KIND_GPU, {0}},
+                                         {"cuda:x", inference::ModelInstanceGroup::KIND_GPU, {0}},
+                                         {"cpu", inference::ModelInstanceGroup::KIND_CPU, {}}}) {
+    inference::ModelInstanceGroup g;
+    DescribeDevice(c.device, &g);
+    EXPECT_EQ(g.kind(), c.kind) << c.device;
+    EXPECT_EQ(std::vector<int>(g.gpus().begin(), g.gpus().end()), c.gpus) << c.device;
+  }
+}
+
 // Triton's statistics extension: per served version, what its calls and passes did.
 TEST_F(KServeTest, ModelStatisticsCountWhatEachVersionDid) {
   Start();
@@ -987,11 +1004,25 @@ TEST_F(KServeTest, ModelStatisticsCountWhatEachVersionDid) {
     ASSERT_TRUE(Infer(req, &resp).ok());
   }
   Classify("tiny", {"one", "two words", "and three words"});
-  InferRequest bad;  // fails after naming the version
+  // Three calls that fail after naming the version: a bad input name, an input past its deadline
+  // (1 µs) before it reached a batch, and a Classify with an empty text.
+  InferRequest bad;
   bad.set_model_name("tiny");
   AddInput(&bad, "txt", {"x"});
   InferResponse resp;
   ASSERT_EQ(Infer(bad, &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  InferRequest late;
+  late.set_model_name("tiny");
+  AddInput(&late, "text", {"too late"});
+  (*late.mutable_parameters())["timeout"].set_int64_param(1);
+  ASSERT_EQ(Infer(late, &resp).error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  {
+    v1::ClassifyRequest empty;
+    empty.set_model_name("tiny");
+    empty.add_inputs()->set_text("");
+    v1::ClassifyResponse cr;
+    ASSERT_EQ(classify_->Classify(Context().get(), empty, &cr).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  }
   const uint64_t after_ms = static_cast<uint64_t>(absl::ToUnixMillis(absl::Now()));
 
   inference::ModelStatisticsRequest req;
@@ -1015,7 +1046,7 @@ TEST_F(KServeTest, ModelStatisticsCountWhatEachVersionDid) {
   for (const auto* d : {&is.success(), &is.queue(), &is.compute_input(), &is.compute_infer(), &is.compute_output()}) {
     EXPECT_EQ(d->count(), 4u);
   }
-  EXPECT_EQ(is.fail().count(), 1u);
+  EXPECT_EQ(is.fail().count(), 3u);
   EXPECT_GT(is.compute_infer().ns(), 0u);
   EXPECT_GE(is.success().ns(), is.compute_infer().ns());
   EXPECT_GE(is.success().ns(), is.queue().ns());
@@ -1074,6 +1105,11 @@ TEST_F(KServeTest, ReadinessFollowsLoadingAndDraining) {
   grpc::Status s = Infer(req, &resp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_THAT(s.error_message(), HasSubstr("loading"));
+  inference::ModelStatisticsRequest stats_req;
+  stats_req.set_name("tiny");
+  inference::ModelStatisticsResponse stats;
+  EXPECT_EQ(stub_->ModelStatistics(Context().get(), stats_req, &stats).error_code(),
+            grpc::StatusCode::UNAVAILABLE);
 
   LoadModels();
   EXPECT_TRUE(Ready());
@@ -1105,6 +1141,10 @@ TEST_F(KServeTest, ReadinessFollowsLoadingAndDraining) {
   s = Infer(req, &resp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_THAT(s.error_message(), HasSubstr("shutting down"));
+  // The statistics still answer while the server drains.
+  s = stub_->ModelStatistics(Context().get(), stats_req, &stats);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(stats.model_stats_size(), 2);
   gate_.Open();
   held_done.WaitForNotification();
   EXPECT_TRUE(held_status.ok()) << held_status.error_message();  // drained, not dropped

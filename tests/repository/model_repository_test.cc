@@ -40,7 +40,8 @@ class CountingLogSink : public google::LogSink {
  public:
   explicit CountingLogSink(std::string text) : text_(std::move(text)) { google::AddLogSink(this); }
   ~CountingLogSink() override { google::RemoveLogSink(this); }
-  void send(google::LogSeverity, const char*, const char*, int, const struct ::tm*, const char* message,
+  using google::LogSink::send;
+  void send(google::LogSeverity, const char*, const char*, int, const google::LogMessageTime&, const char* message,
             size_t length) override {
     if (std::string(message, length).find(text_) != std::string::npos) count_.fetch_add(1);
   }
