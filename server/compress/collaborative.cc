@@ -171,10 +171,18 @@ absl::Status NoClassesError(absl::string_view what) {
 
 absl::StatusOr<std::vector<int>> ResolveRanks(const RankSpec& spec, const model::BertConfig& c) {
   const int L = c.num_hidden_layers, full = c.hidden_size;  // N_h · d_k
+  // A rank above N_h·d_k: the conversion is exact at N_h·d_k, and more only adds parameters.
+  auto above_full = [&](absl::string_view what, int rank) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, " ", rank, " is above the model's N_h·d_k = ", full, " (", c.num_attention_heads, " heads x ",
+        c.head_size(), "), where the conversion is already exact; give at most ", full,
+        " (a smaller rank compresses)"));
+  };
   switch (spec.kind) {
     case RankSpec::Kind::kRank:
       if (spec.rank < 1) return absl::InvalidArgumentError(absl::StrCat("rank must be at least 1, got ", spec.rank));
-      return std::vector<int>(L, std::min(spec.rank, full));
+      if (spec.rank > full) return above_full("rank", spec.rank);
+      return std::vector<int>(L, spec.rank);
     case RankSpec::Kind::kRatio: {
       if (!std::isfinite(spec.ratio) || spec.ratio < 1) {
         return absl::InvalidArgumentError(absl::StrCat("ratio must be a number >= 1 (", full,
@@ -193,7 +201,8 @@ absl::StatusOr<std::vector<int>> ResolveRanks(const RankSpec& spec, const model:
         if (spec.ranks[i] < 0) {
           return absl::InvalidArgumentError(absl::StrCat("rank of layer ", i, " is negative: ", spec.ranks[i]));
         }
-        out.push_back(std::min(spec.ranks[i], full));
+        if (spec.ranks[i] > full) return above_full(absl::StrCat("layer ", i, "'s rank"), spec.ranks[i]);
+        out.push_back(spec.ranks[i]);
       }
       if (std::all_of(out.begin(), out.end(), [](int r) { return r == 0; })) {
         return absl::InvalidArgumentError("ranks are all 0: no layer would be compressed");

@@ -245,9 +245,9 @@ struct CompressReport {
   std::string ToJson() const;   // the report `collabserve-model compress` prints
 };
 
-// Resolves the rank spec for a model: one rank per layer (0 = keep standard; ranks >= N_h·d_k are
-// capped there). INVALID_ARGUMENT naming the problem: rank < 1, ratio <= 0 or < 1 implying a rank
-// above full, a ranks list whose length is not the layer count, max_error outside (0, 1).
+// Resolves the rank spec for a model: one rank per layer (0 = keep standard; N_h·d_k = exact).
+// INVALID_ARGUMENT naming the problem: rank < 1, a rank above N_h·d_k, ratio <= 0 or < 1 implying a
+// rank above full, a ranks list whose length is not the layer count, max_error outside (0, 1).
 absl::StatusOr<std::vector<int>> ResolveRanks(const RankSpec& spec, const model::BertConfig& config);
 
 // The number of layers ConvertToCollaborative decomposes at once for `requested`

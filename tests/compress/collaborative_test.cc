@@ -745,5 +745,34 @@ TEST(ResolveRanksTest, FidelityTargetsNeedAClassifier) {
   EXPECT_TRUE(ResolveRanks(rank, regression).ok());
 }
 
+// N_h·d_k is the most: the conversion is exact there (a check), and a rank above it is refused
+// rather than cut, as a ratio below 1 is.
+TEST(ResolveRanksTest, RanksAboveNhDkAreRefused) {
+  model::BertConfig c;
+  c.num_hidden_layers = 2;
+  c.hidden_size = 64;
+  c.num_attention_heads = 4;
+  RankSpec spec;
+  spec.kind = RankSpec::Kind::kRank;
+  spec.rank = 64;
+  auto r = ResolveRanks(spec, c);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(*r, std::vector<int>({64, 64}));
+  spec.rank = 65;
+  r = ResolveRanks(spec, c);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(r.status().message()),
+              HasSubstr("rank 65 is above the model's N_h·d_k = 64 (4 heads x 16)"));
+  spec.kind = RankSpec::Kind::kPerLayer;
+  spec.ranks = {8, 100};
+  r = ResolveRanks(spec, c);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("layer 1's rank 100 is above the model's N_h·d_k = 64"));
+  spec.ranks = {64, 0};
+  r = ResolveRanks(spec, c);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(*r, std::vector<int>({64, 0}));
+}
+
 }  // namespace
 }  // namespace collabserve::compress
