@@ -516,10 +516,9 @@ absl::StatusOr<TextBatches> TokenizeInBatches(const model::BertClassifier& model
                                               const std::vector<std::string>& texts, const char* what,
                                               const std::atomic<bool>* cancelled) {
   ASSIGN_OR_RETURN(auto tok, text::BertTokenizer::FromDirectory(vocab_dir));
-  // Cut where the engine cuts them when it serves the model (ModelInfo::max_length; Classify's
-  // default is to truncate), so that the fidelity figures and the whitening describe the texts the
-  // model answers.
-  const int max_len = std::min(model.config().max_position_embeddings, tok->options().model_max_length);
+  // Cut where the engine cuts them when it serves the model (Classify's default is to truncate), so
+  // that the fidelity figures and the whitening describe the texts the model answers.
+  const int max_len = model.config().max_input_length(tok->options().model_max_length);
   TextBatches out;
   out.cancelled = cancelled;
   out.texts = static_cast<int64_t>(texts.size());

@@ -134,10 +134,11 @@ struct CalibrationStats {
   double seconds = 0;
 };
 
-// Runs `texts` (tokenized with `vocab_dir`'s tokenizer and cut at the model's maximum length as
-// the engine serves it: min(max_position_embeddings, model_max_length)) through `model` once, on its device, and accumulates, per layer, the second moment and mean of the hidden
-// states entering it, in float64 (returned on the CPU). INVALID_ARGUMENT for no texts, or a text that is not valid UTF-8 (naming it);
-// CANCELLED when `cancelled` reads true between two batches.
+// Runs `texts` (tokenized with `vocab_dir`'s tokenizer and cut where the engine cuts them:
+// BertConfig::max_input_length) through `model` once, on its device, and accumulates, per layer,
+// the second moment and mean of the hidden states entering it, in float64 (returned on the CPU).
+// INVALID_ARGUMENT for no texts, or a text that is not valid UTF-8 (naming it); CANCELLED when
+// `cancelled` reads true between two batches.
 absl::StatusOr<CalibrationStats> CollectCalibrationStats(const model::BertClassifier& model,
                                                          const std::string& vocab_dir,
                                                          const std::vector<std::string>& texts,
@@ -267,8 +268,7 @@ absl::StatusOr<std::unique_ptr<model::BertClassifier>> ConvertToCollaborative(
 
 // Measures how closely `compressed` follows `original` on `probes` (tokenized with the vocabulary
 // in `vocab_dir` and cut where the engine cuts them, as CollectCalibrationStats), each model's
-// passes on its own device. CANCELLED when `cancelled` reads true
-// between two batches.
+// passes on its own device. CANCELLED when `cancelled` reads true between two batches.
 absl::StatusOr<FidelityReport> MeasureFidelity(const model::BertClassifier& original,
                                                const model::BertClassifier& compressed,
                                                const std::string& vocab_dir,

@@ -54,6 +54,11 @@ struct BertConfig {
 
   int num_labels() const { return static_cast<int>(id2label.size()); }
   int head_size() const { return hidden_size / num_attention_heads; }
+  // The most tokens an input is served with, given the tokenizer's model_max_length: the engine
+  // refuses or cuts longer ones (ModelInfo::max_length), and the compression cuts its texts there.
+  int max_input_length(int tokenizer_max_length) const {
+    return max_position_embeddings < tokenizer_max_length ? max_position_embeddings : tokenizer_max_length;
+  }
   OutputFunction output_function() const;
 
   // Parses config.json text. `name` is used in error messages (the file path). Every size is

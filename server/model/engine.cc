@@ -240,7 +240,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Load(const std::string& dir,
   info.labels = config.id2label;
   info.problem_type = config.problem_type_name.empty() ? "single_label_classification"
                                                        : config.problem_type_name;
-  info.max_length = std::min(config.max_position_embeddings, tokenizer->options().model_max_length);
+  info.max_length = config.max_input_length(tokenizer->options().model_max_length);
   info.num_layers = config.num_hidden_layers;
   info.num_heads = config.num_attention_heads;
   info.head_size = config.head_size();

@@ -438,21 +438,20 @@ void InferenceService::StartClassify(const v1::ClassifyRequest& request, absl::T
     valid = absl::InvalidArgumentError(
         absl::StrCat("options.top_k is ", request.options().top_k(), "; it must be >= 0"));
   }
-  if (!valid.ok()) {
-    // Counted as a failure of the version it names, as ModelInfer's (which resolves first).
-    if (servable == nullptr) {
-      auto named = Resolve(repository_.load(std::memory_order_acquire), request.model_name(),
-                           OptionalVersion(request.has_model_version(), request.model_version()));
-      if (named.ok()) servable = std::move(named).value();
-    }
-    return reject(valid, ModelLabel(request.model_name()), "");
-  }
+  // Resolved before a bad input is refused, so that the refusal counts as a failure of the version
+  // it names (its statistics), as ModelInfer's does; the input's error still comes first.
+  absl::Status resolved = absl::OkStatus();
   if (servable == nullptr) {
-    auto resolved = Resolve(repository_.load(std::memory_order_acquire), request.model_name(),
-                            OptionalVersion(request.has_model_version(), request.model_version()));
-    if (!resolved.ok()) return reject(resolved.status(), ModelLabel(request.model_name()), "");
-    servable = std::move(resolved).value();
+    auto named = Resolve(repository_.load(std::memory_order_acquire), request.model_name(),
+                         OptionalVersion(request.has_model_version(), request.model_version()));
+    if (named.ok()) {
+      servable = std::move(named).value();
+    } else {
+      resolved = named.status();
+    }
   }
+  if (!valid.ok()) return reject(valid, ModelLabel(request.model_name()), "");
+  if (!resolved.ok()) return reject(resolved, ModelLabel(request.model_name()), "");
   const std::string& model = servable->id().model;
   const std::string version = std::to_string(servable->id().version);
 

@@ -45,6 +45,20 @@ constexpr char kProbabilities[] = "probabilities";
 constexpr char kLabel[] = "label";
 constexpr char kPlatform[] = "collabserve";
 
+// Every model's tensors, as ModelMetadata and ModelConfig describe them: per input, one string
+// (BYTES, TYPE_STRING) or one float per label (FP32).
+struct TensorSpec {
+  const char* name;
+  bool input;
+  bool text;
+  bool optional;
+};
+constexpr TensorSpec kTensors[] = {{kText, true, true, false},
+                                   {kTextPair, true, true, true},
+                                   {kLogits, false, false, false},
+                                   {kProbabilities, false, false, false},
+                                   {kLabel, false, true, false}};
+
 absl::Time ToAbslTime(std::chrono::system_clock::time_point tp) {
   if (tp == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
   return absl::FromChrono(tp);
@@ -529,18 +543,13 @@ grpc::ServerUnaryReactor* KServeService::ModelMetadata(
         }
       }
     }
-    auto add = [](auto* tensors, const char* name, const char* datatype,
-                  std::vector<int64_t> shape) {
-      auto* t = tensors->Add();
-      t->set_name(name);
-      t->set_datatype(datatype);
-      for (int64_t d : shape) t->add_shape(d);
-    };
-    add(response->mutable_inputs(), kText, "BYTES", {-1});
-    add(response->mutable_inputs(), kTextPair, "BYTES", {-1});
-    add(response->mutable_outputs(), kLogits, "FP32", {-1, c});
-    add(response->mutable_outputs(), kProbabilities, "FP32", {-1, c});
-    add(response->mutable_outputs(), kLabel, "BYTES", {-1});
+    for (const TensorSpec& spec : kTensors) {
+      auto* t = spec.input ? response->add_inputs() : response->add_outputs();
+      t->set_name(spec.name);
+      t->set_datatype(spec.text ? "BYTES" : "FP32");
+      t->add_shape(-1);
+      if (!spec.text) t->add_shape(c);
+    }
     return grpc::Status::OK;
   });
 }
@@ -573,27 +582,23 @@ grpc::ServerUnaryReactor* KServeService::ModelConfig(grpc::CallbackServerContext
     config->set_platform(kPlatform);
     config->set_backend(kPlatform);
     config->set_max_batch_size(a.inference->options().max_inputs_per_request);
-    // One string per input: Triton writes a scalar per batch element as dims [1] reshaped to [].
-    auto one_string = [](auto* tensor) {
-      tensor->set_data_type(inference::TYPE_STRING);
-      tensor->add_dims(1);
-      tensor->mutable_reshape();
+    // Without the batch dimension; one string per input is, as Triton writes a scalar per batch
+    // element, dims [1] reshaped to [].
+    auto describe = [c](const TensorSpec& spec, auto* t) {
+      t->set_name(spec.name);
+      t->set_data_type(spec.text ? inference::TYPE_STRING : inference::TYPE_FP32);
+      t->add_dims(spec.text ? 1 : c);
+      if (spec.text) t->mutable_reshape();
     };
-    for (const char* name : {kText, kTextPair}) {
-      inference::ModelInput* in = config->add_input();
-      in->set_name(name);
-      one_string(in);
-      in->set_optional(name == kTextPair);
+    for (const TensorSpec& spec : kTensors) {
+      if (spec.input) {
+        inference::ModelInput* in = config->add_input();
+        describe(spec, in);
+        in->set_optional(spec.optional);
+      } else {
+        describe(spec, config->add_output());
+      }
     }
-    for (const char* name : {kLogits, kProbabilities}) {
-      inference::ModelOutput* out = config->add_output();
-      out->set_name(name);
-      out->set_data_type(inference::TYPE_FP32);
-      out->add_dims(c);
-    }
-    inference::ModelOutput* label = config->add_output();
-    label->set_name(kLabel);
-    one_string(label);
     inference::ModelDynamicBatching* dynamic = config->mutable_dynamic_batching();
     // (Triton refuses a preferred size above max_batch_size.)
     dynamic->add_preferred_batch_size(static_cast<int32_t>(
