@@ -902,7 +902,7 @@ TEST_F(KServeTest, ModelConfigDescribesTheServedVersionInTritonsTerms) {
   inference::ModelConfigResponse resp;
   grpc::Status s = stub_->ModelConfig(Context().get(), req, &resp);
   ASSERT_TRUE(s.ok()) << s.error_message();
-  const inference::ModelConfig& c = resp.config();
+  const inference::ModelConfig c = resp.config();  // a copy: `resp` is read into again below
   EXPECT_EQ(c.name(), "three");
   EXPECT_EQ(c.platform(), "collabserve");
   EXPECT_EQ(c.backend(), "collabserve");
