@@ -18,8 +18,11 @@ check(chartYaml.apiVersion === 'v2' && chartYaml.name === 'collabserve' && /^\d+
 
 function template(sets, { expectFail } = {}) {
   const args = ['template', 'cs', chart, '--namespace', 'ml', '--kube-version', '1.29.0'];
-  // "S:" marks a --set-string (label values such as "true" must stay strings).
-  for (const s of sets) args.push(...(s.startsWith('S:') ? ['--set-string', s.slice(2)] : ['--set', s]));
+  // "S:" marks a --set-string (label values such as "true" must stay strings), "J:" a --set-json
+  // (a number as a values file gives it).
+  for (const s of sets) {
+    args.push(...(s.startsWith('S:') ? ['--set-string', s.slice(2)] : s.startsWith('J:') ? ['--set-json', s.slice(2)] : ['--set', s]));
+  }
   const r = run(helm, args, { env });
   if (expectFail) return r;
   if (r.status !== 0) fatal(`helm template ${sets.join(' ')} failed:\n${r.stderr}`);
@@ -102,6 +105,21 @@ const svc = find(def, 'Service')[0];
 check(svc.spec.ports.map((p) => p.name).join(',') === 'grpc,metrics' && !svc.spec.ports.some((p) => p.port === 8501),
   'the main Service has grpc and metrics, not the admin port');
 const cpuChecksum = dep(def).spec.template.metadata.annotations['checksum/config'];
+// Rollouts: one CPU pod on a ReadWriteOnce claim cannot surge (the volume attaches to one node);
+// neither can a GPU pod (no spare GPU); several pods on a ReadWriteMany claim keep full capacity.
+const strategy = (objs) => JSON.stringify(dep(objs).spec.strategy.rollingUpdate);
+check(strategy(def) === '{"maxUnavailable":1,"maxSurge":0}', `RWO claim: pods replaced one at a time; got ${strategy(def)}`);
+check(strategy(template(['server.modelRepository='])) === '{"maxUnavailable":0,"maxSurge":1}',
+  'no claim: a new pod is ready before an old one drains');
+check(strategy(template(['gpu.enabled=true', 'persistence.accessMode=ReadWriteMany'])) === '{"maxUnavailable":1,"maxSurge":0}',
+  'GPU: pods replaced one at a time');
+check(dep(template(['updateStrategy.type=Recreate'])).spec.strategy.type === 'Recreate', 'updateStrategy overrides');
+check(!('checksum/admin-token' in dep(def).spec.template.metadata.annotations), 'a generated token has no checksum');
+{
+  const a = dep(template(['admin.token=' + 'a'.repeat(32)])).spec.template.metadata.annotations['checksum/admin-token'];
+  const b = dep(template(['admin.token=' + 'b'.repeat(32)])).spec.template.metadata.annotations['checksum/admin-token'];
+  check(a && b && a !== b, 'a new admin.token rolls the pods (the server reads its token once)');
+}
 
 // Everything on: several pods, GPU, HPA on queue time, ServiceMonitor, admin Service.
 const all = template(['replicaCount=3', 'gpu.enabled=true', 'gpu.count=1', 'image.tag=0.1.0-cuda',
@@ -166,6 +184,8 @@ for (const [sets, want] of [[['server.adminPort=8500'], 'server.adminPort'], [['
   [['autoscaling.enabled=true', 'autoscaling.metric=memory'], 'autoscaling.metric'],
   // values.schema.json: a misspelt flag, a wrong type, a bad device are refused at install.
   [['server.flags.max_batch_sise=8'], 'max_batch_sise'], [['replicaCount=three'], 'replicaCount'],
+  // A number would be printed as YAML reads it: 1.10 as "1.1".
+  [['J:image.tag=1.10'], 'image.tag'],
   [['server.device=gpu'], 'server.device'], [['gpu.enabeld=true'], 'gpu.enabeld'.split('.')[1]],
   // One GPU per pod: the server drives one (--device).
   [['gpu.enabled=true', 'gpu.count=2'], 'gpu.count']]) {

@@ -22,6 +22,9 @@ for (const [name, objs] of [['base', base], ['gpu', gpu]]) {
   const sel = d.spec.selector.matchLabels;
   check(sel && Object.entries(sel).every(([k, v]) => d.spec.template.metadata.labels[k] === v), `${name}: the selector matches the pod labels`);
   check(find(objs, 'Service')[0].spec.selector['app.kubernetes.io/name'] === 'collabserve', `${name}: the Service selects the pods`);
+  // One pod on a ReadWriteOnce claim (or a GPU): a surged pod could not start beside the old one.
+  check(d.spec.strategy.rollingUpdate.maxSurge === 0 && find(objs, 'PersistentVolumeClaim')[0].spec.accessModes[0] === 'ReadWriteOnce',
+    `${name}: a rollout replaces the pod on its ReadWriteOnce claim instead of surging`);
   const cm = find(objs, 'ConfigMap')[0];
   check(c.envFrom[0].configMapRef.name === cm.metadata.name, `${name}: the container reads the ConfigMap`);
   for (const a of c.args) for (const [, v] of a.matchAll(/\$\((\w+)\)/g)) check(v in cm.data, `${name}: arg ${a} references ${v}, missing from the ConfigMap`);

@@ -56,10 +56,15 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if .Values.autoscaling.enabled }}{{ int .Values.autoscaling.maxReplicas }}{{ else }}{{ int .Values.replicaCount }}{{ end }}
 {{- end }}
 
-{{/* ReadWriteMany when several pods share the repository, else ReadWriteOnce; persistence.accessMode overrides. */}}
+{{/* persistence.accessMode; else the mode of the claim as it exists in the cluster (a bound claim's
+     access modes cannot change, so a scale-out must not ask for another); else ReadWriteMany when
+     several pods share the repository, ReadWriteOnce otherwise. */}}
 {{- define "collabserve.pvcAccessMode" -}}
+{{- $existing := lookup "v1" "PersistentVolumeClaim" .Release.Namespace (include "collabserve.pvcName" .) }}
 {{- if .Values.persistence.accessMode }}
 {{- .Values.persistence.accessMode }}
+{{- else if and $existing $existing.spec $existing.spec.accessModes }}
+{{- first $existing.spec.accessModes }}
 {{- else if gt (int (include "collabserve.maxPods" .)) 1 }}
 {{- "ReadWriteMany" }}
 {{- else }}
@@ -126,4 +131,11 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{/* Environment variable that carries a flag from the ConfigMap: max_batch_size -> COLLABSERVE_MAX_BATCH_SIZE. */}}
 {{- define "collabserve.flagEnv" -}}
 {{- printf "COLLABSERVE_%s" (. | upper | replace "-" "_") }}
+{{- end }}
+
+{{/* "true" when a rollout cannot start a new pod beside the old one: it waits for a GPU, or mounts a
+     model claim that is not ReadWriteMany (a ReadWriteOnce volume attaches to one node only). */}}
+{{- define "collabserve.surgeBlocked" -}}
+{{- $claim := and .Values.server.modelRepository .Values.persistence.enabled }}
+{{- if or .Values.gpu.enabled (and $claim (ne (include "collabserve.pvcAccessMode" .) "ReadWriteMany")) }}true{{ end }}
 {{- end }}
