@@ -248,6 +248,11 @@ class Client:
         }
         meta = self._call(self.kserve.ServerMetadata, pb.ServerMetadataRequest())
         out["server"] = {"name": meta.name, "version": meta.version, "extensions": list(meta.extensions)}
+        # Triton's model_repository extension: every version on disk and whether it serves.
+        index = self._call(self.kserve.RepositoryIndex, pb.RepositoryIndexRequest())
+        out["repository"] = [
+            {"model": m.name, "version": m.version, "state": m.state, **({"reason": m.reason} if m.reason else {})}
+            for m in index.models if not model or m.name == model]
         if model:
             out["model_ready"] = self._call(self.kserve.ModelReady,
                                             pb.ModelReadyRequest(name=model)).ready

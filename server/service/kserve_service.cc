@@ -17,6 +17,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -519,6 +520,7 @@ grpc::ServerUnaryReactor* KServeService::ServerMetadata(
     response->add_extensions("classification");
     response->add_extensions("model_configuration");
     response->add_extensions("statistics");
+    response->add_extensions("model_repository");
     return grpc::Status::OK;
   });
 }
@@ -685,6 +687,89 @@ grpc::ServerUnaryReactor* KServeService::ModelStatistics(grpc::CallbackServerCon
     }
     return grpc::Status::OK;
   });
+}
+
+void DescribeVersion(const repository::ModelRepository::VersionStatus& status,
+                     inference::RepositoryIndexResponse::ModelIndex* index) {
+  using State = repository::ModelRepository::VersionStatus::State;
+  index->set_version(std::to_string(status.version));
+  if (status.state == State::kAvailable) {
+    index->set_state("READY");
+    if (!status.error.ok()) {
+      index->set_reason(absl::StrCat("a reload failed, and the copy loaded before serves on: ",
+                                     status.error.message()));
+    }
+    return;
+  }
+  if (status.state == State::kLoading) {
+    index->set_state("LOADING");
+    return;
+  }
+  index->set_state("UNAVAILABLE");
+  if (status.settling) {
+    index->set_reason("its files are still changing; looked at again once they settle");
+  } else if (status.state == State::kFailed) {
+    index->set_reason(absl::StrCat("the load failed: ", status.error.message(),
+                                   " (tried again once its files change)"));
+  } else if (status.disabled) {
+    index->set_reason("unloaded by an admin (Admin/UnloadModel); Admin/LoadModel serves it again");
+  } else {
+    index->set_reason("unloaded: not among the newest versions the repository serves");
+  }
+}
+
+grpc::ServerUnaryReactor* KServeService::RepositoryIndex(
+    grpc::CallbackServerContext* context, const inference::RepositoryIndexRequest* request,
+    inference::RepositoryIndexResponse* response) {
+  return FinishUnary(context, [&]() -> grpc::Status {
+    if (!request->repository_name().empty()) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          absl::StrCat("repository_name \"", absl::CHexEscape(request->repository_name()),
+                                       "\": collabserve serves one model repository; leave it empty"));
+    }
+    // Answered while the server drains or after its GPU failed too, as ModelStatistics.
+    const Attached a = attached();
+    if (a.repository == nullptr) {
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "collabserve is still loading its models");
+    }
+    for (const auto& [model, versions] : a.repository->List()) {
+      for (const auto& v : versions) {
+        if (request->ready() &&
+            v.state != repository::ModelRepository::VersionStatus::State::kAvailable) {
+          continue;
+        }
+        inference::RepositoryIndexResponse::ModelIndex* index = response->add_models();
+        index->set_name(model);
+        DescribeVersion(v, index);
+      }
+    }
+    return grpc::Status::OK;
+  });
+}
+
+namespace {
+
+grpc::Status RefuseModelControl(const std::string& verb, const std::string& model) {
+  return grpc::Status(
+      grpc::StatusCode::FAILED_PRECONDITION,
+      absl::StrCat("explicit model load / unload is not allowed: collabserve polls its model "
+                   "repository, and an admin ", verb, "s a version of \"", absl::CHexEscape(model),
+                   "\" with collabserve.v1.Admin/", verb == "load" ? "LoadModel" : "UnloadModel",
+                   " (admin token)"));
+}
+
+}  // namespace
+
+grpc::ServerUnaryReactor* KServeService::RepositoryModelLoad(
+    grpc::CallbackServerContext* context, const inference::RepositoryModelLoadRequest* request,
+    inference::RepositoryModelLoadResponse* response) {
+  return FinishUnary(context, [&] { return RefuseModelControl("load", request->model_name()); });
+}
+
+grpc::ServerUnaryReactor* KServeService::RepositoryModelUnload(
+    grpc::CallbackServerContext* context, const inference::RepositoryModelUnloadRequest* request,
+    inference::RepositoryModelUnloadResponse* response) {
+  return FinishUnary(context, [&] { return RefuseModelControl("unload", request->model_name()); });
 }
 
 grpc::ServerUnaryReactor* KServeService::ModelInfer(grpc::CallbackServerContext* context,

@@ -52,7 +52,19 @@
 // a success once its results are in, before ModelInfer builds its tensors (which fails only on an
 // internal error). Answered while the server drains and after its GPU failed; UNAVAILABLE only
 // until the models have loaded. NOT_FOUND for an unknown model or a version not served;
-// INVALID_ARGUMENT for a malformed version or a version without a model. ServerLive is true until the server's GPU fails for good
+// INVALID_ARGUMENT for a malformed version or a version without a model.
+//
+// RepositoryIndex (Triton's model_repository extension, also listed) lists every version the
+// repository knows, ordered by model and version, with Triton's states: READY (served), LOADING,
+// or UNAVAILABLE with the reason (the load error, files still being written, unloaded by an admin,
+// or not among the newest versions served); `ready` keeps the READY ones only. A non-empty
+// repository_name is INVALID_ARGUMENT (one repository); answered while draining, as statistics.
+// RepositoryModelLoad and RepositoryModelUnload are refused with FAILED_PRECONDITION and
+// Triton's "explicit model load / unload is not allowed" (the repository is polled): loading and
+// unloading are the admin's, with the admin token (collabserve.v1.Admin). Triton answers
+// UNAVAILABLE there, which a client's retry policy would retry.
+//
+// ServerLive is true until the server's GPU fails for good
 // (then a restart is the cure, as with grpc.health.v1); ServerReady is true once the
 // service is attached (models loaded) until the server starts draining; ModelReady is true when the
 // model (version) is served and the server is ready; an unknown model is not ready (OK status).
@@ -82,6 +94,9 @@ struct KServeServiceOptions {
 // ModelConfig's instance kind for a version served on `device` (the engine's device string:
 // "cpu", "cuda" or "cuda:N"): KIND_GPU with the GPU's index in `gpus` (0 for "cuda"), else KIND_CPU.
 void DescribeDevice(const std::string& device, inference::ModelInstanceGroup* group);
+// RepositoryIndex's entry for one version (all but the name): its state in Triton's terms and why.
+void DescribeVersion(const repository::ModelRepository::VersionStatus& status,
+                     inference::RepositoryIndexResponse::ModelIndex* index);
 
 class KServeService final : public inference::GRPCInferenceService::CallbackService {
  public:
@@ -116,6 +131,15 @@ class KServeService final : public inference::GRPCInferenceService::CallbackServ
   grpc::ServerUnaryReactor* ModelStatistics(grpc::CallbackServerContext* context,
                                             const inference::ModelStatisticsRequest* request,
                                             inference::ModelStatisticsResponse* response) override;
+  grpc::ServerUnaryReactor* RepositoryIndex(grpc::CallbackServerContext* context,
+                                            const inference::RepositoryIndexRequest* request,
+                                            inference::RepositoryIndexResponse* response) override;
+  grpc::ServerUnaryReactor* RepositoryModelLoad(
+      grpc::CallbackServerContext* context, const inference::RepositoryModelLoadRequest* request,
+      inference::RepositoryModelLoadResponse* response) override;
+  grpc::ServerUnaryReactor* RepositoryModelUnload(
+      grpc::CallbackServerContext* context, const inference::RepositoryModelUnloadRequest* request,
+      inference::RepositoryModelUnloadResponse* response) override;
 
  private:
   class InferReactor;

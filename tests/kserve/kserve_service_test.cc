@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <thread>
@@ -17,6 +18,7 @@
 
 #include "absl/time/clock.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "collabserve/v1/inference.grpc.pb.h"
@@ -848,7 +850,8 @@ TEST_F(KServeTest, Metadata) {
   inference::ServerMetadataResponse server;
   ASSERT_TRUE(stub_->ServerMetadata(Context().get(), {}, &server).ok());
   EXPECT_EQ(server.name(), "collabserve");
-  EXPECT_THAT(server.extensions(), ElementsAre("classification", "model_configuration", "statistics"));
+  EXPECT_THAT(server.extensions(), ElementsAre("classification", "model_configuration", "statistics",
+                                                  "model_repository"));
   EXPECT_FALSE(server.version().empty());
 
   inference::ModelMetadataRequest req;
@@ -1092,6 +1095,98 @@ TEST_F(KServeTest, ModelStatisticsCountWhatEachVersionDid) {
   EXPECT_THAT(s.error_message(), HasSubstr("nope"));
 }
 
+// RepositoryIndex lists every version the repository knows with Triton's state names and the reason
+// it is not served; `ready` keeps the served ones. Load and unload are refused: they are the admin's.
+TEST_F(KServeTest, RepositoryIndexListsEveryVersionWithWhyItIsNotServed) {
+  MakeTinyModel(repo_.path() + "/tiny/3", 3);
+  {
+    std::ofstream broken(repo_.path() + "/tiny/3/config.json", std::ios::trunc);
+    broken << "{not json";
+  }
+  MakeTinyModel(repo_.path() + "/multi/2", 7);
+  MakeTinyModel(repo_.path() + "/multi/3", 8);
+  Start();
+  ASSERT_TRUE(server_->repository()->UnloadVersion({"three", 1}).ok());
+
+  auto index = [this](bool ready) {
+    inference::RepositoryIndexRequest req;
+    req.set_ready(ready);
+    inference::RepositoryIndexResponse resp;
+    grpc::Status s = stub_->RepositoryIndex(Context().get(), req, &resp);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    std::vector<std::string> rows;
+    for (const auto& m : resp.models()) {
+      rows.push_back(absl::StrCat(m.name(), ":", m.version(), " ", m.state(), " ", m.reason()));
+    }
+    return rows;
+  };
+  const std::vector<std::string> all = index(false);
+  ASSERT_EQ(all.size(), 7u) << absl::StrJoin(all, "\n");
+  EXPECT_EQ(all[0], "multi:1 UNAVAILABLE unloaded: not among the newest versions the repository serves");
+  EXPECT_EQ(all[1], "multi:2 READY ");
+  EXPECT_EQ(all[2], "multi:3 READY ");
+  EXPECT_THAT(all[3], HasSubstr("three:1 UNAVAILABLE unloaded by an admin (Admin/UnloadModel)"));
+  EXPECT_EQ(all[4], "tiny:1 READY ");
+  EXPECT_EQ(all[5], "tiny:2 READY ");
+  EXPECT_THAT(all[6], HasSubstr("tiny:3 UNAVAILABLE the load failed: "));
+  EXPECT_THAT(all[6], HasSubstr("config.json"));
+  EXPECT_THAT(index(true), ElementsAre("multi:2 READY ", "multi:3 READY ", "tiny:1 READY ",
+                                       "tiny:2 READY "));
+
+  inference::RepositoryIndexRequest named;
+  named.set_repository_name("models");
+  inference::RepositoryIndexResponse resp;
+  grpc::Status s = stub_->RepositoryIndex(Context().get(), named, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("repository_name \"models\""));
+
+  inference::RepositoryModelLoadRequest load;
+  load.set_model_name("three");
+  inference::RepositoryModelLoadResponse loaded;
+  s = stub_->RepositoryModelLoad(Context().get(), load, &loaded);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(), HasSubstr("explicit model load / unload is not allowed"));
+  EXPECT_THAT(s.error_message(), HasSubstr("Admin/LoadModel"));
+  inference::RepositoryModelUnloadRequest unload;
+  unload.set_model_name("tiny");
+  inference::RepositoryModelUnloadResponse unloaded;
+  s = stub_->RepositoryModelUnload(Context().get(), unload, &unloaded);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(), HasSubstr("Admin/UnloadModel"));
+  EXPECT_TRUE(ModelReady("tiny", "2"));  // nothing changed
+  EXPECT_FALSE(ModelReady("three", "1"));
+}
+
+// The states no running server above shows for long: a version loading, one whose files are still
+// being written, and a served version whose reload failed.
+TEST(KServeDescribeVersionTest, LoadingSettlingAndAFailedReload) {
+  using Status = repository::ModelRepository::VersionStatus;
+  auto describe = [](const Status& status) {
+    inference::RepositoryIndexResponse::ModelIndex index;
+    DescribeVersion(status, &index);
+    return absl::StrCat(index.version(), " ", index.state(), " ", index.reason());
+  };
+  Status loading;
+  loading.version = 4;
+  loading.state = Status::State::kLoading;
+  EXPECT_EQ(describe(loading), "4 LOADING ");
+  Status settling;
+  settling.version = 5;
+  settling.settling = true;
+  EXPECT_EQ(describe(settling),
+            "5 UNAVAILABLE its files are still changing; looked at again once they settle");
+  settling.state = Status::State::kFailed;
+  settling.error = absl::InvalidArgumentError("bad");
+  EXPECT_THAT(describe(settling), HasSubstr("still changing"));
+  Status reload;
+  reload.version = 6;
+  reload.state = Status::State::kAvailable;
+  reload.error = absl::NotFoundError("model.safetensors is missing");
+  EXPECT_EQ(describe(reload),
+            "6 READY a reload failed, and the copy loaded before serves on: model.safetensors is "
+            "missing");
+}
+
 TEST_F(KServeTest, ReadinessFollowsLoadingAndDraining) {
   InferRequest req;
   req.set_model_name("tiny");
@@ -1109,6 +1204,9 @@ TEST_F(KServeTest, ReadinessFollowsLoadingAndDraining) {
   stats_req.set_name("tiny");
   inference::ModelStatisticsResponse stats;
   EXPECT_EQ(stub_->ModelStatistics(Context().get(), stats_req, &stats).error_code(),
+            grpc::StatusCode::UNAVAILABLE);
+  inference::RepositoryIndexResponse index;
+  EXPECT_EQ(stub_->RepositoryIndex(Context().get(), {}, &index).error_code(),
             grpc::StatusCode::UNAVAILABLE);
 
   LoadModels();
@@ -1145,6 +1243,9 @@ TEST_F(KServeTest, ReadinessFollowsLoadingAndDraining) {
   s = stub_->ModelStatistics(Context().get(), stats_req, &stats);
   EXPECT_TRUE(s.ok()) << s.error_message();
   EXPECT_EQ(stats.model_stats_size(), 2);
+  s = stub_->RepositoryIndex(Context().get(), {}, &index);  // and so does the index
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(index.models_size(), 4);
   gate_.Open();
   held_done.WaitForNotification();
   EXPECT_TRUE(held_status.ok()) << held_status.error_message();  // drained, not dropped

@@ -156,7 +156,9 @@ class PythonClientTest(unittest.TestCase):
         self.assertEqual(status["model"]["versions"], ["1"])
         self.assertEqual(status["model"]["inputs"][0], ["text", "BYTES", [-1]])
         self.assertEqual(status["model"]["outputs"][0], ["logits", "FP32", [-1, 2]])
-        self.assertEqual(status["server"]["extensions"], ["classification", "model_configuration", "statistics"])
+        self.assertEqual(status["server"]["extensions"],
+                         ["classification", "model_configuration", "statistics", "model_repository"])
+        self.assertEqual(status["repository"], [{"model": "tiny", "version": "1", "state": "READY"}])
         config = status["model"]["config"]
         self.assertGreater(config["max_batch_size"], 0)
         self.assertEqual(config["instances"][0][0], "KIND_CPU")
