@@ -5,11 +5,13 @@
 
 namespace collabserve::batching {
 
-absl::Status ValidateSchedulerOptions(const SchedulerOptions& options) {
+absl::Status ValidateSchedulerOptions(const SchedulerOptions& options,
+                                      std::string_view field_prefix) {
   const std::string label = internal::SchedulerLabel(options.name);
-  auto bad = [&label](const char* field, int64_t value, const char* requirement) {
-    return absl::InvalidArgumentError(absl::StrCat(label, ": SchedulerOptions.", field, " = ",
-                                                   value, "; it must be ", requirement));
+  auto bad = [&label, field_prefix](const char* field, int64_t value, const char* requirement) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(label, ": ", absl::string_view(field_prefix.data(), field_prefix.size()),
+                     field, " = ", value, "; it must be ", requirement));
   };
   if (options.max_batch_size < 1) return bad("max_batch_size", options.max_batch_size, ">= 1");
   if (options.max_batch_tokens < 1) {

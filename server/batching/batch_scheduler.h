@@ -46,6 +46,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <string_view>
 #include <system_error>
 #include <thread>
 #include <type_traits>
@@ -102,8 +103,10 @@ struct SchedulerOptions {
   std::string name;
 };
 
-// INVALID_ARGUMENT naming the first out-of-range field, else OK.
-absl::Status ValidateSchedulerOptions(const SchedulerOptions& options);
+// INVALID_ARGUMENT naming the first out-of-range field as `field_prefix` + its name, else OK. The
+// server passes "--": each field is the flag of the same name.
+absl::Status ValidateSchedulerOptions(const SchedulerOptions& options,
+                                      std::string_view field_prefix = "SchedulerOptions.");
 
 // Cumulative counters since Create; a consistent snapshot (all fields read under one lock).
 struct SchedulerStats {

@@ -425,7 +425,7 @@ absl::Status ValidateServerOptions(const ServerOptions& o) {
   }
   // What every version's load would refuse: refused here, the server stops at start-up instead of
   // serving with no model loaded.
-  RETURN_IF_ERROR(util::Prefixed(batching::ValidateSchedulerOptions(o.servable.batching),
+  RETURN_IF_ERROR(util::Prefixed(batching::ValidateSchedulerOptions(o.servable.batching, "--"),
                                  "batching flags: "));
   return util::Prefixed(model::ValidateEngineOptions(o.servable.engine), "engine flags: ");
 }

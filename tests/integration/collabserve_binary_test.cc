@@ -483,8 +483,8 @@ TEST(CollabserveBinaryTest, RefusesABadFlagBeforeListening) {
   const std::pair<std::string, std::string> cases[] = {
       {"--port=70000", "--port=70000 is not a port number"},
       {"--metrics_port=-2", "--metrics_port=-2 is not a port number"},
-      {"--max_batch_size=0", "max_batch_size = 0"},
-      {"--max_queue_delay_micros=-1", "max_queue_delay_micros = -1"},
+      {"--max_batch_size=0", "--max_batch_size = 0; it must be >= 1"},
+      {"--max_queue_delay_micros=-1", "--max_queue_delay_micros = -1"},
       {"--device=tpu", "device 'tpu' is not cpu, cuda or cuda:N"},
       {"--dtype=int8", "dtype 'int8' is not float32"},
       {"--cuda_graph_max_tokens=-1", "cuda_graph_max_tokens is -1"},
