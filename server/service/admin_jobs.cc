@@ -295,14 +295,22 @@ v1::Job::State Job::state() const {
 
 bool Job::terminal() const { return IsTerminal(state()); }
 
-void Job::Record(v1::JobEvent event, const std::function<void(v1::Job*)>& mutate) {
+absl::Status Job::EndStatus() const {
   absl::MutexLock l(&mu_);
+  return end_status_;
+}
+
+bool Job::Record(v1::JobEvent event, const std::function<void(v1::Job*)>& mutate) {
+  absl::MutexLock l(&mu_);
+  // (A CancelJob can end a receiving job between its caller's check and this call.)
+  if (IsTerminal(job_.state()) || finishing_) return false;
   if (mutate) mutate(&job_);
   event.set_sequence(job_.events_size());
   event.set_unix_micros(NowMicros());
   *job_.add_events() = event;
   event_states_.push_back(job_.state());
   for (auto& [handle, listener] : listeners_) listener(event, job_.state());
+  return true;
 }
 
 void Job::Update(const std::function<void(v1::Job*)>& mutate) {
@@ -485,7 +493,10 @@ absl::StatusOr<std::shared_ptr<Job>> JobManager::Create(const JobSpec& spec) {
     if (mkdir(dir.c_str(), 0755) != 0) {
       const int err = errno;
       repository::ModelRepository::ReleaseStaging(dir, lock);
-      return absl::InternalError(absl::StrCat("cannot create ", dir, ": ", strerror(err)));
+      std::string message = absl::StrCat("cannot create ", dir, ": ", strerror(err));
+      // A full disk or quota is RESOURCE_EXHAUSTED, as for the upload's files.
+      if (err == ENOSPC || err == EDQUOT) return absl::ResourceExhaustedError(std::move(message));
+      return absl::InternalError(std::move(message));
     }
     if (lock >= 0) staging_locks_[id] = lock;
     // Before the job is visible (a CancelJob's cleanup must not race the links).
@@ -514,12 +525,11 @@ absl::StatusOr<std::shared_ptr<Job>> JobManager::Create(const JobSpec& spec) {
 void JobManager::Enqueue(const std::shared_ptr<Job>& job, std::string input_dir,
                          std::function<absl::Status()> verify,
                          std::function<void(const absl::Status&)> on_validated) {
-  if (job->terminal()) {  // cancelled while receiving
-    on_validated(absl::CancelledError(absl::StrCat("job ", job->id(), " was cancelled")));
+  if (!job->Record(Event(v1::JobEvent::QUEUED, "upload received; queued"),
+                   [](v1::Job* j) { j->set_state(v1::Job::QUEUED); })) {
+    on_validated(job->EndStatus());  // cancelled while receiving
     return;
   }
-  job->Record(Event(v1::JobEvent::QUEUED, "upload received; queued"),
-              [](v1::Job* j) { j->set_state(v1::Job::QUEUED); });
   bool stopping;
   {
     absl::MutexLock l(&mu_);
@@ -580,11 +590,38 @@ absl::StatusOr<v1::Job> JobManager::Cancel(const std::string& id) {
     }
     job->cancel_.store(true);
   }
-  // Not yet on a worker: end it now. A running job notices the flag itself.
+  // Not yet on a worker: end it now, and answer the upload call waiting for its validation (a
+  // queued job's work leaves the queue, with the upload's open files). A running job notices the
+  // flag itself; a worker that took the work meanwhile answers that call itself (Run).
   if (state == v1::Job::RECEIVING || state == v1::Job::QUEUED) {
-    Finish(job, absl::CancelledError(absl::StrCat("job ", id, " was cancelled")));
+    std::optional<Work> work;
+    {
+      absl::MutexLock l(&mu_);
+      auto it = std::find_if(queue_.begin(), queue_.end(),
+                             [&id](const Work& w) { return w.job->id() == id; });
+      if (it != queue_.end()) {
+        work = std::move(*it);
+        queue_.erase(it);
+      }
+    }
+    const absl::Status cancelled = absl::CancelledError(absl::StrCat("job ", id, " was cancelled"));
+    Finish(job, cancelled);
+    if (work && work->on_validated) work->on_validated(cancelled);
   }
   return job->Snapshot(false);
+}
+
+absl::Status JobManager::CancelledOrStopping(const Job& job) const {
+  {
+    absl::MutexLock l(&mu_);
+    // Shutdown() sets every job's cancel flag: not the client's doing, and UNAVAILABLE says so
+    // (a client may try again on another replica).
+    if (stopping_) {
+      return absl::UnavailableError(
+          absl::StrCat("the server is shutting down; job ", job.id(), " did not finish"));
+    }
+  }
+  return absl::CancelledError(absl::StrCat("job ", job.id(), " was cancelled"));
 }
 
 void JobManager::WorkerLoop() {
@@ -665,9 +702,8 @@ void JobManager::Run(Work work) {
     }
   }
   if (!start) {  // cancelled while queued (by CancelJob or Shutdown)
-    const absl::Status cancelled = absl::CancelledError(absl::StrCat("job ", job->id(), " was cancelled"));
-    Finish(job, cancelled);  // nothing when CancelJob has ended it
-    if (work.on_validated) work.on_validated(cancelled);
+    Finish(job, CancelledOrStopping(*job));  // nothing when CancelJob has ended it
+    if (work.on_validated) work.on_validated(job->EndStatus());
     return;
   }
   repository::ModelRepository* repo = repository_();
@@ -682,9 +718,8 @@ void JobManager::Run(Work work) {
   }
   if (model::IsDeviceFailure(status)) {
     if (options_.on_device_failure) options_.on_device_failure(status);
-  } else if (!status.ok() && job->cancel_requested() && status.code() != absl::StatusCode::kCancelled &&
-             !job->Snapshot(false).published()) {
-    status = absl::CancelledError(absl::StrCat("job ", job->id(), " was cancelled"));
+  } else if (!status.ok() && job->cancel_requested() && !job->Snapshot(false).published()) {
+    status = CancelledOrStopping(*job);
   }
   if (!status.ok()) LOG(WARNING) << "admin job " << job->id() << ": " << status;
   Finish(job, status);
@@ -695,6 +730,21 @@ namespace {
 
 absl::Status Cancelled(const Job& job) {
   return absl::CancelledError(absl::StrCat("job ", job.id(), " was cancelled"));
+}
+
+// Whether a failed load blames the checkpoint (a file missing, malformed or inconsistent) rather
+// than the server (out of memory, an internal error).
+bool IsCheckpointError(const absl::Status& s) {
+  switch (s.code()) {
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kNotFound:
+    case absl::StatusCode::kFailedPrecondition:
+    case absl::StatusCode::kOutOfRange:
+    case absl::StatusCode::kDataLoss:
+      return true;
+    default:
+      return false;
+  }
 }
 
 // Step 1 (an upload): its checksums.
@@ -745,8 +795,10 @@ absl::StatusOr<std::unique_ptr<model::Engine>> ValidateUpload(
     absl::StatusOr<std::unique_ptr<model::Engine>> loaded = model::Engine::Load(input_dir, eo);
     if (model::IsDeviceFailure(loaded.status())) {  // the GPU's fault, not the checkpoint's
       valid = util::Prefixed(loaded.status(), "loading the checkpoint to validate it: ");
-    } else if (!loaded.ok()) {
+    } else if (!loaded.ok() && IsCheckpointError(loaded.status())) {
       valid = absl::InvalidArgumentError(absl::StrCat("the engine rejects the checkpoint: ", loaded.status().message()));
+    } else if (!loaded.ok()) {  // out of memory, an internal error: the server's, not the checkpoint's
+      valid = util::Prefixed(loaded.status(), "loading the checkpoint to validate it: ");
     } else if (compress) {
       valid = CheckCompressionFits(
           config, spec.compression(),
@@ -759,6 +811,8 @@ absl::StatusOr<std::unique_ptr<model::Engine>> ValidateUpload(
   // validated is gone.
   util::ReleaseFreedMemory();
   RETURN_IF_ERROR(valid);
+  // Cancelled meanwhile (CancelJob, or the uploading client gave up): the call is not told OK.
+  if (job.cancel_requested()) return Cancelled(job);
   job.Record(Event(v1::JobEvent::VALIDATED, "checkpoint accepted"));
   if (on_validated) {
     on_validated(absl::OkStatus());
@@ -1010,6 +1064,7 @@ void JobManager::Finish(const std::shared_ptr<Job>& job, const absl::Status& sta
     absl::MutexLock l(&job->mu_);
     if (Job::IsTerminal(job->job_.state()) || job->finishing_) return;
     job->finishing_ = true;
+    job->end_status_ = status;
   }
   // Staging goes first, so that whoever sees the job end also sees it cleaned up; its claim after.
   int lock = -1;

@@ -40,10 +40,13 @@ class Job {
   v1::Job Snapshot(bool with_events) const;
   v1::Job::State state() const;
   bool terminal() const;
+  // What the job ended (or is ending) with: OK until then, and for a success.
+  absl::Status EndStatus() const;
 
   // Appends `event` (sequence and time filled in), applying `mutate` to the job first (under the
   // same lock), and tells the listeners.
-  void Record(v1::JobEvent event, const std::function<void(v1::Job*)>& mutate = nullptr);
+  // Nothing once the job has ended or is ending (JobManager::Finish has begun): returns false.
+  bool Record(v1::JobEvent event, const std::function<void(v1::Job*)>& mutate = nullptr);
   // Applies `mutate` without an event.
   void Update(const std::function<void(v1::Job*)>& mutate);
 
@@ -68,6 +71,7 @@ class Job {
   std::vector<v1::Job::State> event_states_ ABSL_GUARDED_BY(mu_);  // the state after each event
   bool committing_ ABSL_GUARDED_BY(mu_) = false;  // publishing: no longer cancellable
   bool finishing_ ABSL_GUARDED_BY(mu_) = false;   // JobManager::Finish has begun
+  absl::Status end_status_ ABSL_GUARDED_BY(mu_);  // what Finish was given
   int next_listener_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<int, Listener> listeners_ ABSL_GUARDED_BY(mu_);
 };
@@ -204,6 +208,8 @@ class JobManager {
   // Ends `job` with `status` (OK = succeeded, CANCELLED = cancelled, else failed): the final event,
   // metrics, staging removed, slot and version released. Only the first call has an effect.
   void Finish(const std::shared_ptr<Job>& job, const absl::Status& status);
+  // UNAVAILABLE naming the shutdown while Shutdown() stops the jobs, else CANCELLED.
+  absl::Status CancelledOrStopping(const Job& job) const ABSL_LOCKS_EXCLUDED(mu_);
   void ReleaseLocked(const Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const JobManagerOptions options_;

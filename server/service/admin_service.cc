@@ -54,6 +54,22 @@ class AdminService::UploadReactor : public grpc::ServerReadReactor<v1::UploadMod
     StartRead(&request_);
   }
 
+  // Before the whole upload is read, the failed read ends the job (AllRead). After it, the call
+  // waits for the validation: a client that gives up then (its deadline, or a cancel) never learns
+  // the job's id, so the job is cancelled rather than compressed and published behind its back.
+  void OnCancel() override {
+    std::string id;
+    {
+      absl::MutexLock l(&mu_);
+      if (!all_read_ || answered_ || job_ == nullptr) return;
+      id = job_->id();
+    }
+    // FAILED_PRECONDITION once it has ended or is publishing: then it stands.
+    if (service_->jobs_->Cancel(id).ok()) {
+      LOG(INFO) << "admin: upload job " << id << " cancelled: its client went away";
+    }
+  }
+
   void OnDone() override { delete this; }
 
  private:
@@ -91,7 +107,7 @@ class AdminService::UploadReactor : public grpc::ServerReadReactor<v1::UploadMod
     if (job_ == nullptr) {
       return absl::InvalidArgumentError("the first UploadModelRequest must be the header");
     }
-    if (job_->terminal()) return absl::CancelledError(absl::StrCat("job ", job_->id(), " was cancelled"));
+    if (job_->terminal()) return job_->EndStatus();  // cancelled, or the server stops
     if (!request_.has_chunk()) return absl::InvalidArgumentError("an empty UploadModelRequest");
     const int64_t before = session_->bytes_received();
     if (absl::Status s = session_->Append(request_.chunk()); !s.ok()) return s;
@@ -123,6 +139,11 @@ class AdminService::UploadReactor : public grpc::ServerReadReactor<v1::UploadMod
   }
 
   void AllRead() {
+    {
+      // Set before IsCancelled is read: a cancel after that read finds it set (OnCancel).
+      absl::MutexLock l(&mu_);
+      all_read_ = true;
+    }
     // The idle watchdog's end first: its cancel fails the read before IsCancelled need say so.
     if (const std::string idle = StreamIdleWatchdog::WhyEnded(*context_); !idle.empty()) {
       Fail(absl::DeadlineExceededError(absl::StrCat("upload ended: ", idle)));
@@ -137,7 +158,7 @@ class AdminService::UploadReactor : public grpc::ServerReadReactor<v1::UploadMod
       return;
     }
     if (job_->terminal()) {
-      Fail(absl::CancelledError(absl::StrCat("job ", job_->id(), " was cancelled")));
+      Fail(job_->EndStatus());
       return;
     }
     const v1::Job j = job_->Snapshot(false);
@@ -153,7 +174,13 @@ class AdminService::UploadReactor : public grpc::ServerReadReactor<v1::UploadMod
           absl::Status s = session->Finish();
           return s;
         },
-        [this, session](const absl::Status& s) { Finish(ToGrpcStatus(s)); });
+        [this, session](const absl::Status& s) {
+          {
+            absl::MutexLock l(&mu_);
+            answered_ = true;
+          }
+          Finish(ToGrpcStatus(s));
+        });
   }
 
   void Fail(const absl::Status& s) {
@@ -170,6 +197,9 @@ class AdminService::UploadReactor : public grpc::ServerReadReactor<v1::UploadMod
   std::string dir_;
   std::unique_ptr<UploadSession> session_;
   int64_t last_reported_ = 0;
+  absl::Mutex mu_;
+  bool all_read_ ABSL_GUARDED_BY(mu_) = false;  // the upload is read; the call awaits validation
+  bool answered_ ABSL_GUARDED_BY(mu_) = false;  // the validation's outcome reached Finish
 };
 
 // ---------------------------------------------------------------------------------- WatchJob

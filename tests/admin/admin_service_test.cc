@@ -937,6 +937,88 @@ TEST_F(AdminServiceTest, ACancelAsAWorkerTakesTheJobEndsItForGood) {
   EXPECT_TRUE(StagingEmpty());
 }
 
+// A CancelJob of an upload queued behind a running job answers the upload's call at once (it
+// waited for a worker to take the work off the queue) and frees its staging then.
+TEST_F(AdminServiceTest, CancellingAQueuedUploadAnswersItsCallAtOnce) {
+  absl::Notification taken, release;
+  Start(HoldFirstJob(&taken, &release));
+  const std::string held = CompressTiny().job_id();
+  ASSERT_TRUE(taken.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  v1::UploadModelResponse r;
+  grpc::Status s;
+  absl::Notification answered;
+  std::thread upload([&] {
+    s = Upload(Header("queued"), &r);
+    answered.Notify();
+  });
+  std::string id;
+  EXPECT_TRUE(Eventually([&] {
+    for (const v1::Job& j : ListJobs()) {
+      if (j.model_name() == "queued" && j.state() == v1::Job::QUEUED) id = j.id();
+    }
+    return !id.empty();
+  }));
+  if (!id.empty()) {
+    const grpc::Status cs = CancelJob(id);
+    EXPECT_TRUE(cs.ok()) << cs.error_message();
+    // While the worker is still held.
+    EXPECT_TRUE(answered.WaitForNotificationWithTimeout(absl::Seconds(30)));
+    EXPECT_FALSE(std::filesystem::exists(repo_.path() + "/.staging/" + id));
+  }
+  release.Notify();
+  upload.join();
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::CANCELLED) << s.error_message();
+  EXPECT_EQ(WaitJob(held).state(), v1::Job::SUCCEEDED);
+  EXPECT_TRUE(VersionDirs("queued").empty());
+  EXPECT_TRUE(StagingEmpty());
+}
+
+// An uploading client that gives up while its job waits to be validated (its deadline here) never
+// learns the job's id: the job is cancelled, not compressed and published behind its back.
+TEST_F(AdminServiceTest, AnUploadWhoseClientGivesUpIsCancelledNotPublished) {
+  absl::Notification taken, release;
+  Start(HoldFirstJob(&taken, &release));
+  const std::string held = CompressTiny().job_id();
+  ASSERT_TRUE(taken.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  v1::UploadHeader h = Header("gave-up");
+  h.mutable_compression()->set_rank(16);
+  v1::UploadModelResponse r;
+  const grpc::Status s =
+      testing::Upload(admin_stub_.get(), kToken, h, files_, &r, 256 << 10, absl::Seconds(10));
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << s.error_message();
+  v1::Job job;
+  EXPECT_TRUE(Eventually([&] {
+    for (const v1::Job& j : ListJobs()) {
+      if (j.model_name() == "gave-up") job = j;
+    }
+    return job.state() == v1::Job::CANCELLED;
+  })) << v1::Job::State_Name(job.state());
+  release.Notify();
+  EXPECT_EQ(WaitJob(held).state(), v1::Job::SUCCEEDED);
+  EXPECT_TRUE(VersionDirs("gave-up").empty());
+  EXPECT_TRUE(StagingEmpty());
+}
+
+// A job that the server's shutdown stops ends UNAVAILABLE, "shutting down", not CANCELLED: nobody
+// cancelled it, and a client may try again elsewhere.
+TEST_F(AdminServiceTest, AJobStoppedByTheShutdownIsUnavailableNotCancelled) {
+  absl::Notification taken, release;
+  Start(HoldFirstJob(&taken, &release));
+  const std::string id = CompressTiny().job_id();
+  ASSERT_TRUE(taken.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  JobManager& jobs = admin_->service().jobs();
+  std::shared_ptr<Job> job = jobs.Get(id);
+  ASSERT_NE(job, nullptr);
+  std::thread shutdown([this] { admin_->Shutdown(); });
+  EXPECT_TRUE(Eventually([&] { return job->cancel_requested(); }));
+  release.Notify();
+  shutdown.join();
+  const v1::Job j = job->Snapshot(false);
+  EXPECT_EQ(j.state(), v1::Job::FAILED);
+  EXPECT_EQ(j.error_code(), static_cast<int>(absl::StatusCode::kUnavailable));
+  EXPECT_THAT(j.error(), HasSubstr("shutting down"));
+}
+
 // A version made by someone else while the job ran (another replica on the same volume, a person)
 // is not the job's: the job fails ALREADY_EXISTS, reports nothing published and leaves that
 // version as it is (it used to record PUBLISHED, since the version's directory existed).

@@ -59,13 +59,15 @@ inline void Authorize(grpc::ClientContext* ctx, const std::string& token) {
   ctx->set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(60)));
 }
 
-// Sends the header and every file in `chunk` sized pieces.
+// Sends the header and every file in `chunk` sized pieces, within `deadline`.
 inline grpc::Status Upload(v1::Admin::Stub* stub, const std::string& token,
                            const v1::UploadHeader& header,
                            const std::map<std::string, std::string>& files,
-                           v1::UploadModelResponse* response, size_t chunk = 1 << 20) {
+                           v1::UploadModelResponse* response, size_t chunk = 1 << 20,
+                           absl::Duration deadline = absl::Seconds(60)) {
   grpc::ClientContext ctx;
   Authorize(&ctx, token);
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
   auto writer = stub->UploadModel(&ctx, response);
   v1::UploadModelRequest req;
   *req.mutable_header() = header;
