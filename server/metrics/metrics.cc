@@ -198,6 +198,9 @@ prometheus::Gauge* Metrics::DeviceFailed(const std::string& device) {
 void Metrics::SetVersionFacts(const std::string& model, int64_t version,
                               const ModelVersionFacts& facts) {
   const std::string ver = std::to_string(version);
+  // Held from the first Add: RemoveVersion of the same version (the copy a reload replaces, freed
+  // on the reaper's thread) removes these very gauges when it drops the last reference.
+  absl::MutexLock lock(&mu_);
   std::vector<std::pair<prometheus::Family<prometheus::Gauge>*, prometheus::Gauge*>> added;
   for (const auto& [part, count] : facts.parameters) {
     auto& g = model_parameters_->Add({{"model", model}, {"version", ver}, {"part", part}});
@@ -226,8 +229,6 @@ void Metrics::SetVersionFacts(const std::string& model, int64_t version,
     g.Set(*facts.fidelity_agreement);
     added.emplace_back(fidelity_agreement_, &g);
   }
-
-  absl::MutexLock lock(&mu_);
   ++version_refs_[{model, version}];
   auto& v = version_gauges_[{model, version}];
   for (auto& a : added) {

@@ -1025,6 +1025,10 @@ absl::Status ModelRepository::DeleteVersion(const ServableId& id) {
       return absl::FailedPreconditionError(
           absl::StrCat("cannot move ", path, " to ", trash, ": ", ErrnoText(err)));
     }
+    // Durable before the caller hears it is deleted: else a power loss could bring the version
+    // back at the next start.
+    SyncDirectory(Join(options_.root, id.model));
+    SyncDirectory(options_.root);
     absl::Status removed = RemoveTree(trash);
     if (!removed.ok()) {
       LOG(WARNING) << "model repository: " << removed.message()
@@ -1093,6 +1097,9 @@ absl::Status ModelRepository::Publish(const std::string& staging_dir, const Serv
     return absl::AlreadyExistsError(absl::StrCat("version ", id.version, " of model \"", id.model,
                                                  "\" already exists at ", target));
   };
+  // Its entries first (the writers synced the files' contents), so that the version a power loss
+  // leaves visible has all of them.
+  SyncDirectory(staging_dir);
   // RENAME_NOREPLACE refuses an existing target even when it is an empty directory, which a
   // plain rename(2) would silently replace.
   int rc = ::renameat2(AT_FDCWD, staging_dir.c_str(), AT_FDCWD, target.c_str(), RENAME_NOREPLACE);
@@ -1110,8 +1117,10 @@ absl::Status ModelRepository::Publish(const std::string& staging_dir, const Serv
     return absl::FailedPreconditionError(
         absl::StrCat("cannot move ", staging_dir, " to ", target, ": ", ErrnoText(err)));
   }
-  // Make the rename durable before anyone is told the version exists.
+  // Make the rename durable before anyone is told the version exists (the root's entry too, for
+  // a model directory created above).
   SyncDirectory(model_dir);
+  SyncDirectory(options_.root);
   LOG(INFO) << "model repository: published " << id.DebugString() << " at " << target;
   // It appeared whole: the policy need not wait for it to settle. (This scans the model.)
   const bool scanned = DeclareComplete(id).ok();
