@@ -35,13 +35,17 @@ void WriteAll(int fd, const std::string& data) {
 absl::StatusOr<std::unique_ptr<HttpExposer>> HttpExposer::Start(const std::string& host, int port,
                                                                 BodyFn body) {
   const std::string where = absl::StrCat(host, ":", port);
+  // "[::]" as gRPC's addresses write it: getaddrinfo takes the literal without brackets.
+  const std::string name = host.size() > 2 && host.front() == '[' && host.back() == ']'
+                               ? host.substr(1, host.size() - 2)
+                               : host;
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
   addrinfo* res = nullptr;
   const std::string port_str = std::to_string(port);
-  int rc = ::getaddrinfo(host.empty() ? nullptr : host.c_str(), port_str.c_str(), &hints, &res);
+  int rc = ::getaddrinfo(name.empty() ? nullptr : name.c_str(), port_str.c_str(), &hints, &res);
   if (rc != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("metrics address ", where, ": ", ::gai_strerror(rc)));

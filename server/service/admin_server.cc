@@ -75,7 +75,7 @@ absl::Status AdminServer::Start(Server* server) {
     creds = grpc::SslServerCredentials(ssl);
   }
   grpc::ServerBuilder builder;
-  const std::string address = absl::StrCat(options_.host, ":", options_.port);
+  const std::string address = ListeningAddress(options_.host, options_.port);
   builder.AddListeningPort(address, creds, &port_);
   builder.SetMaxReceiveMessageSize(options_.max_message_bytes);
   builder.SetMaxSendMessageSize(options_.max_message_bytes);

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <functional>
+#include <limits>
 #include <map>
 #include <optional>
 #include <string>
@@ -13,6 +14,7 @@
 #include <glog/logging.h>
 #include <grpc/grpc.h>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -423,11 +425,19 @@ absl::Status ValidateServerOptions(const ServerOptions& o) {
   if (o.drain_timeout < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--drain_timeout_s must not be negative");
   }
+  if (o.max_connection_age < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--max_connection_age_s must not be negative");
+  }
   // What every version's load would refuse: refused here, the server stops at start-up instead of
   // serving with no model loaded.
   RETURN_IF_ERROR(util::Prefixed(batching::ValidateSchedulerOptions(o.servable.batching, "--"),
                                  "batching flags: "));
   return util::Prefixed(model::ValidateEngineOptions(o.servable.engine), "engine flags: ");
+}
+
+std::string ListeningAddress(const std::string& host, int port) {
+  const bool ipv6 = host.find(':') != std::string::npos && !absl::StartsWith(host, "[");
+  return ipv6 ? absl::StrCat("[", host, "]:", port) : absl::StrCat(host, ":", port);
 }
 
 absl::Status Server::StartServing() {
@@ -450,10 +460,18 @@ absl::Status Server::StartServing() {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  const std::string address = absl::StrCat(options_.host, ":", options_.port);
+  const std::string address = ListeningAddress(options_.host, options_.port);
   builder.AddListeningPort(address, creds, &port_);
   builder.SetMaxReceiveMessageSize(options_.max_message_bytes);
   builder.SetMaxSendMessageSize(options_.max_message_bytes);
+  if (options_.max_connection_age > absl::ZeroDuration() &&
+      options_.max_connection_age != absl::InfiniteDuration()) {
+    // The grace after the GOAWAY stays gRPC's default, unlimited: long streams are not cut.
+    builder.AddChannelArgument(
+        GRPC_ARG_MAX_CONNECTION_AGE_MS,
+        static_cast<int>(std::clamp<int64_t>(absl::ToInt64Milliseconds(options_.max_connection_age),
+                                             1, std::numeric_limits<int>::max())));
+  }
   builder.RegisterService(inference_.get());
   for (grpc::Service* s : options_.extra_services) builder.RegisterService(s);
   {
@@ -470,7 +488,7 @@ absl::Status Server::StartServing() {
   }
   // The default health service starts with "" SERVING; nothing is loaded yet.
   SetHealth("", false);
-  LOG(INFO) << "gRPC listening on " << options_.host << ":" << port_
+  LOG(INFO) << "gRPC listening on " << ListeningAddress(options_.host, port_)
             << (options_.tls_cert_file.empty() ? "" : " (TLS)")
             << (metrics_port_ >= 0 ? absl::StrCat(", /metrics on port ", metrics_port_) : "");
   return absl::OkStatus();
@@ -586,14 +604,11 @@ void Server::SetHealth(const std::string& service, bool serving) {
   health->SetServingStatus(service, serving && !device_failed_);
 }
 
-void Server::Shutdown() {
+void Server::BeginDrain() {
   {
     absl::MutexLock lock(&mu_);
-    if (shutting_down_) {
-      mu_.Await(absl::Condition(&shut_down_));
-      return;
-    }
-    shutting_down_ = true;
+    if (drain_began_.has_value()) return;
+    drain_began_ = absl::Now();
   }
   inference_->StartDraining();
   if (server_ != nullptr) {
@@ -603,7 +618,26 @@ void Server::Shutdown() {
       health->SetServingStatus(false);
       health->Shutdown();
     }
-    const absl::Time give_up = absl::Now() + options_.drain_timeout;
+  }
+}
+
+void Server::Shutdown() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (shutting_down_) {
+      mu_.Await(absl::Condition(&shut_down_));
+      return;
+    }
+    shutting_down_ = true;
+  }
+  BeginDrain();
+  absl::Time began;
+  {
+    absl::MutexLock lock(&mu_);
+    began = *drain_began_;
+  }
+  if (server_ != nullptr) {
+    const absl::Time give_up = began + options_.drain_timeout;
     while (inference_->inflight() > 0 && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(5));
     if (inference_->inflight() > 0) {
       LOG(WARNING) << inference_->inflight() << " call(s) still in flight after the "

@@ -8,6 +8,7 @@
 #include <map>
 #include <set>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -103,6 +104,12 @@ struct ServerOptions {
   // An Admin UploadModel stream (served on this port) that sends no data for this long is ended;
   // its job fails and its staging directory is removed. Zero or infinite: never.
   absl::Duration upload_idle_timeout = absl::Minutes(1);
+  // A connection this old is asked to go away (HTTP/2 GOAWAY, gRPC's max connection age, with
+  // ±10% jitter): its calls in flight and open streams finish on it, and the client's next call
+  // opens a new connection, which a Kubernetes Service may send to another pod (a pod added by
+  // the autoscaler gets traffic from clients that were already connected). Zero or infinite:
+  // never.
+  absl::Duration max_connection_age = absl::ZeroDuration();
   // PEM files; both set = TLS, both empty = plaintext.
   std::string tls_cert_file;
   std::string tls_key_file;
@@ -117,6 +124,10 @@ struct ServerOptions {
 // The options' values that StartServing refuses (INVALID_ARGUMENT naming the flag): ports,
 // limits, durations, and the batching and engine options that every version's load would refuse.
 absl::Status ValidateServerOptions(const ServerOptions& options);
+
+// "host:port" as gRPC parses a listening address: an IPv6 literal in brackets ("::" ->
+// "[::]:8500"; one already in brackets stays as it is).
+std::string ListeningAddress(const std::string& host, int port);
 
 // Start() then Shutdown() (or destroy). Thread-safe after Start: Shutdown may be called from a
 // signal-watching thread while other threads use the accessors.
@@ -138,8 +149,13 @@ class Server {
   // health to SERVING for "" and each model. The repository's error if the root is unusable.
   absl::Status LoadModels();
 
-  // Health -> NOT_SERVING, new calls -> UNAVAILABLE, waits up to drain_timeout for in-flight
-  // calls, then stops gRPC (cancelling what is left), the repository and /metrics. Idempotent.
+  // The drain's first step, at once: health -> NOT_SERVING and new calls -> UNAVAILABLE, while the
+  // calls in flight go on; drain_timeout counts from here. For what must stop before the
+  // repository does (the Admin service's jobs), so that the pod leaves its Service meanwhile.
+  // Idempotent; Shutdown() begins it if nobody did.
+  void BeginDrain();
+  // BeginDrain(), waits until drain_timeout after it for in-flight calls, then stops gRPC
+  // (cancelling what is left), the repository and /metrics. Idempotent.
   void Shutdown();
 
   // Blocks until Shutdown() has completed.
@@ -183,6 +199,7 @@ class Server {
   absl::Mutex mu_;
   bool serving_ ABSL_GUARDED_BY(mu_) = false;  // models loaded: "" is SERVING
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
+  std::optional<absl::Time> drain_began_ ABSL_GUARDED_BY(mu_);
   bool device_failed_ ABSL_GUARDED_BY(mu_) = false;
   prometheus::Gauge* device_failed_gauge_ = nullptr;  // collabserve_device_failed{device}
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;

@@ -39,7 +39,8 @@
 #include "server/util/process_env.h"
 #include "server/util/process_memory.h"
 
-ABSL_FLAG(std::string, host, "0.0.0.0", "address to listen on");
+ABSL_FLAG(std::string, host, "0.0.0.0",
+          "address to listen on; :: for every IPv6 (and on a dual-stack host IPv4) address");
 ABSL_FLAG(int, port, 8500, "gRPC port (0 = pick a free one; printed on stdout)");
 ABSL_FLAG(int, metrics_port, 9090, "Prometheus /metrics port (0 = pick, printed; -1 = off)");
 ABSL_FLAG(std::string, model_repository, "",
@@ -57,6 +58,10 @@ ABSL_FLAG(std::string, dtype, "float32", "float32; float16/bfloat16 on CUDA");
 ABSL_FLAG(int64_t, cuda_graph_max_tokens, 4096,
           "CUDA: passes of at most this many tokens (batch and length rounded up to powers of two) "
           "replay CUDA graphs, one per shape, captured when the version loads; 0 = none");
+ABSL_FLAG(int, cpus, 0,
+          "CPUs the server sizes its threads for (batch and intra-op threads, admin jobs' workers); "
+          "0 = detected: the CPUs it may run on, capped by a cgroup CPU quota. For a container with a "
+          "CPU request and no limit, which sees the whole node");
 ABSL_FLAG(int, num_batch_threads, 0,
           "batch threads per model version (concurrent forward passes); 0 = on CPU one per CPU up to 4 "
           "(or CPUs / --inference_threads), on CUDA 1");
@@ -82,6 +87,10 @@ ABSL_FLAG(int, max_inputs_per_request, 64, "most inputs in one request");
 ABSL_FLAG(int64_t, max_text_bytes, 65536, "most bytes in one input text");
 ABSL_FLAG(int, max_message_bytes, 16 << 20,
           "largest gRPC message either way; a bigger one is RESOURCE_EXHAUSTED");
+ABSL_FLAG(double, max_connection_age_s, 0,
+          "ask a client connection this old to go away (HTTP/2 GOAWAY; its calls and streams "
+          "finish): the client reconnects, through a Kubernetes Service possibly to a pod the "
+          "autoscaler added; 0 = never");
 ABSL_FLAG(int, max_concurrent_streams, 256,
           "most ClassifyStream calls open at once; one more is RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, stream_max_pending_responses, 32,
@@ -257,6 +266,16 @@ int Run(int argc, char** argv, int cpus) {
   // OpenBLAS's pool is process-wide and serialises concurrent multi-threaded calls, so it gets the
   // per-pass count too.
   const std::string device_flag = absl::GetFlag(FLAGS_device);
+  if (const int budget = absl::GetFlag(FLAGS_cpus); budget != 0) {
+    if (budget < 0 || budget > 4096) {
+      std::cerr << "collabserve: --cpus=" << budget << " must be 0 (detected) or 1 to 4096\n";
+      return 1;
+    }
+    util::SetCpuBudget(budget);
+    LOG(INFO) << "--cpus=" << budget << ": threads sized for " << util::UsableCpus()
+              << " CPU(s) (detected: " << cpus << ")";
+    cpus = util::UsableCpus();
+  }
   if (absl::Status s = batching::ValidateThreadFlags(absl::GetFlag(FLAGS_num_batch_threads),
                                                      absl::GetFlag(FLAGS_inference_threads));
       !s.ok()) {
@@ -329,6 +348,7 @@ int Run(int argc, char** argv, int cpus) {
   o.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
   o.tls_key_file = absl::GetFlag(FLAGS_tls_key);
   o.drain_timeout = seconds("drain_timeout_s", absl::GetFlag(FLAGS_drain_timeout_s));
+  o.max_connection_age = seconds("max_connection_age_s", absl::GetFlag(FLAGS_max_connection_age_s));
   if (!bad_seconds.empty()) {
     std::cerr << "collabserve: INVALID_ARGUMENT: " << bad_seconds << "\n";
     return 1;
@@ -376,6 +396,9 @@ int Run(int argc, char** argv, int cpus) {
   const int sig = signals.Wait();
   LOG(INFO) << "signal " << sig << ": draining (up to " << absl::GetFlag(FLAGS_drain_timeout_s)
             << " s)";
+  // The pod leaves its Service at once and the drain's clock starts; then the admin jobs stop
+  // (before the repository they use), while the calls in flight finish.
+  server.BeginDrain();
   if (*admin != nullptr) (*admin)->Shutdown();  // cancels jobs so the drain does not wait on them
   server.Shutdown();
   return 0;

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <thread>
@@ -83,12 +84,19 @@ int CpusFromCgroupCpuMax(absl::string_view text) {
   return CeilDiv(quota, period);
 }
 
+namespace {
+std::atomic<int> cpu_budget{0};
+}  // namespace
+
+void SetCpuBudget(int cpus) { cpu_budget.store(std::max(0, cpus)); }
+
 int UsableCpus() {
   int n = 0;
   cpu_set_t set;
   CPU_ZERO(&set);
   if (::sched_getaffinity(0, sizeof(set), &set) == 0) n = CPU_COUNT(&set);
   if (n <= 0) n = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (const int budget = cpu_budget.load(); budget > 0) return std::min(n, budget);
   int limit = CpusFromCgroupCpuMax(ReadSysFile("/sys/fs/cgroup/cpu.max"));
   if (limit == 0) {  // cgroup v1
     int64_t quota = 0, period = 0;

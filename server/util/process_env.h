@@ -44,8 +44,13 @@ int64_t EnvInt64(const char* name, int64_t fallback);
 
 // CPUs this process may use, at least 1: the CPUs it may run on (sched_getaffinity: a cpuset), capped
 // by a cgroup CPU quota rounded up (a Kubernetes `resources.limits.cpu: 2` on a 64-core node reads
-// 2; cgroup v2 cpu.max, else v1 cpu.cfs_quota_us / cpu.cfs_period_us).
+// 2; cgroup v2 cpu.max, else v1 cpu.cfs_quota_us / cpu.cfs_period_us). Once SetCpuBudget(n) has
+// been called: n, at most the CPUs the process may run on.
 int UsableCpus();
+// Makes UsableCpus() answer `cpus` (at most the affinity mask's count) from now on, process-wide;
+// 0 restores the detection. For a container with a CPU request and no limit, where the detection
+// sees the whole node (the server's --cpus).
+void SetCpuBudget(int cpus);
 
 // The CPU limit a cgroup v2 `cpu.max` text ("QUOTA PERIOD" or "max PERIOD") sets, rounded up;
 // 0 when there is none or the text is not of that form.

@@ -88,7 +88,24 @@ check(notes([]).includes('collabctl --address=127.0.0.1:8500 health') &&
   notes(['tls.enabled=true', 'tls.secretName=t']).includes('collabctl --address=127.0.0.1:8500 --tls health'),
   'NOTES: the collabctl command, with --tls under tls.enabled');
 const cm = find(def, 'ConfigMap')[0];
-const args = c.args.map((a) => a.replace(/\$\((\w+)\)/g, (_, v) => check(v in cm.data, `arg ${a} references ${v}, which the ConfigMap lacks`) && cm.data[v]));
+// $(VAR): from the ConfigMap, or the CPU request through the downward API.
+const fromEnv = new Map((c.env || []).filter((e) => e.valueFrom).map((e) => [e.name, e.valueFrom]));
+const args = c.args.map((a) => a.replace(/\$\((\w+)\)/g, (_, v) => {
+  if (fromEnv.has(v)) return `<${v}>`;
+  check(v in cm.data, `arg ${a} references ${v}, which the ConfigMap lacks`);
+  return cm.data[v];
+}));
+{
+  // Without a CPU limit the server would size its threads for the node: --cpus is the request.
+  const ref = fromEnv.get('COLLABSERVE_CPUS');
+  check(ref && ref.resourceFieldRef.resource === 'requests.cpu' && ref.resourceFieldRef.containerName === 'collabserve' &&
+    args.includes('--cpus=<COLLABSERVE_CPUS>'), `--cpus comes from the container's CPU request; got ${args.join(' ')}`);
+  const own = template(['server.flags.cpus=3']);
+  check(find(own, 'ConfigMap')[0].data.COLLABSERVE_CPUS === '3' && !ctr(own).env.some((e) => e.valueFrom) &&
+    ctr(own).args.filter((a) => a.startsWith('--cpus=')).length === 1, 'server.flags.cpus replaces the request');
+  const none = template(['resources.requests=null']);
+  check(!ctr(none).args.some((a) => a.startsWith('--cpus')), 'no CPU request: the server detects its CPUs');
+}
 for (const want of ['--port=8500', '--admin_port=8501', '--metrics_port=9090', '--drain_timeout_s=30', '--device=cpu',
   '--model_repository=/models', '--admin_token_file=/etc/collabserve/admin/token']) {
   check(args.includes(want), `args after ConfigMap expansion contain ${want}; got ${args.join(' ')}`);
@@ -161,6 +178,7 @@ check(find(all, 'ServiceMonitor')[0].spec.endpoints[0].port === 'metrics', 'Serv
 }
 const adminSvc = find(all, 'Service', (s) => s.metadata.name.endsWith('-admin'))[0];
 check(adminSvc && adminSvc.spec.type === 'ClusterIP' && adminSvc.spec.ports[0].targetPort === 'admin', 'admin Service is internal and targets the admin port');
+check(adminSvc.spec.sessionAffinity === 'ClientIP', 'a client\'s admin calls reach the pod that holds its job');
 check(find(all, 'PodDisruptionBudget')[0].spec.minAvailable === 2, 'PDB minAvailable is honoured');
 
 // CPU autoscaling, existing claim and secret, no repository, TLS.

@@ -27,7 +27,14 @@ for (const [name, objs] of [['base', base], ['gpu', gpu]]) {
     `${name}: a rollout replaces the pod on its ReadWriteOnce claim instead of surging`);
   const cm = find(objs, 'ConfigMap')[0];
   check(c.envFrom[0].configMapRef.name === cm.metadata.name, `${name}: the container reads the ConfigMap`);
-  for (const a of c.args) for (const [, v] of a.matchAll(/\$\((\w+)\)/g)) check(v in cm.data, `${name}: arg ${a} references ${v}, missing from the ConfigMap`);
+  // $(VAR): from the ConfigMap, or from the container's own env (the CPU request, for --cpus).
+  const env = new Set((c.env || []).map((e) => e.name));
+  for (const a of c.args) {
+    for (const [, v] of a.matchAll(/\$\((\w+)\)/g)) check(v in cm.data || env.has(v), `${name}: arg ${a} references ${v}, missing from the ConfigMap`);
+  }
+  const cpus = (c.env || []).find((e) => e.name === 'COLLABSERVE_CPUS');
+  check(cpus && cpus.valueFrom.resourceFieldRef.resource === 'requests.cpu' && c.args.includes('--cpus=$(COLLABSERVE_CPUS)'),
+    `${name}: --cpus is the container's CPU request (no CPU limit: the server would see the node)`);
   check(['startupProbe', 'readinessProbe', 'livenessProbe'].every((p) => c[p].grpc && c[p].grpc.port === 8500), `${name}: gRPC probes`);
   const drain = Number(cm.data.COLLABSERVE_DRAIN_TIMEOUT_S);
   const preStop = Number(c.lifecycle.preStop.exec.command[1]);

@@ -304,6 +304,24 @@ TEST(CollabserveBinaryTest, VerboseLogFlagsReachGlog) {
   }
 }
 
+// --cpus sizes the threads for the CPUs given (a container with a request and no limit sees the
+// whole node): one CPU plans one batch thread of one intra-op thread.
+TEST(CollabserveBinaryTest, CpusSizesTheThreads) {
+  TempDir repo;
+  MakeTinyModel(repo.path() + "/tiny/1", 1);
+  TempDir work;
+  const std::string log = work.path() + "/stderr.log";
+  ServerProcess server({"--port=0", "--metrics_port=-1", "--host=127.0.0.1",
+                        "--model_repository=" + repo.path(), "--cpus=1"},
+                       log);
+  ASSERT_TRUE(server.serving());
+  EXPECT_EQ(server.Terminate(), 0);
+  std::ifstream in(log);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_THAT(text, HasSubstr("--cpus=1: threads sized for 1 CPU(s)"));
+  EXPECT_THAT(text, HasSubstr("inference threads: 1 batch thread(s) per model version x 1 intra-op thread(s)"));
+}
+
 // collabserve-model's JSON-lines commands answer each bad line with an error that names the line and
 // where its JSON is wrong, in place of its result, and go on; the exit status says lines failed.
 TEST(CollabserveBinaryTest, TheOfflineToolNamesABadInputLine) {
@@ -485,6 +503,7 @@ TEST(CollabserveBinaryTest, RefusesABadFlagBeforeListening) {
       {"--metrics_port=-2", "--metrics_port=-2 is not a port number"},
       {"--max_batch_size=0", "--max_batch_size = 0; it must be >= 1"},
       {"--max_queue_delay_micros=-1", "--max_queue_delay_micros = -1"},
+      {"--cpus=-1", "--cpus=-1 must be 0 (detected) or 1 to 4096"},
       {"--device=tpu", "device 'tpu' is not cpu, cuda or cuda:N"},
       {"--dtype=int8", "dtype 'int8' is not float32"},
       {"--cuda_graph_max_tokens=-1", "cuda_graph_max_tokens is -1"},

@@ -595,6 +595,28 @@ TEST_F(ServerTest, HealthFollowsWarmUpAndDrain) {
   shutdown.join();
 }
 
+// BeginDrain: the drain's first step alone (the binary takes it before stopping the admin jobs):
+// NOT_SERVING and new calls refused at once, while a call in flight goes on to its answer; the
+// Shutdown that follows finishes the drain.
+TEST_F(ServerTest, BeginDrainRefusesNewCallsWhileThoseInFlightFinish) {
+  Start();
+  gate_.Close();
+  auto inflight = StartAsync(Request("tiny", {"in flight when the drain begins"}));
+  ASSERT_TRUE(gate_.WaitForArrivals(1));
+  server_->BeginDrain();
+  server_->BeginDrain();  // idempotent
+  EXPECT_EQ(Health(""), HealthResponse::NOT_SERVING);
+  EXPECT_EQ(Health("tiny"), HealthResponse::NOT_SERVING);
+  v1::ClassifyResponse resp;
+  grpc::Status s = Classify(Request("tiny", {"too late"}), &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(s.error_message(), HasSubstr("shutting down"));
+  gate_.Open();
+  inflight->finished.WaitForNotification();
+  EXPECT_TRUE(inflight->status.ok()) << inflight->status.error_message();
+  server_->Shutdown();
+}
+
 // A GPU that fails for good (model::IsDeviceFailure). Injected here through the servable's
 // batch_fault_hook, since a CPU cannot fail so; engine_test's AGpuThatFailsForGoodMakesDeviceFailures
 // has a GPU make the same status. The failing call gets UNAVAILABLE with the engine's message; by
@@ -764,6 +786,34 @@ TEST_F(ServerTest, RequestLimitsBelowOneAreRefusedAtStartUp) {
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_THAT(std::string(s.message()), HasSubstr(c.expect));
   }
+}
+
+// --max_connection_age_s: a connection that old gets a GOAWAY (the client's channel leaves READY),
+// the next call reconnects; a negative age is refused.
+TEST_F(ServerTest, ConnectionsOlderThanTheMaxAgeAreAskedToReconnect) {
+  ServerOptions o = Options();
+  o.max_connection_age = absl::Seconds(1);
+  Start(o);
+  EXPECT_EQ(Health(""), HealthResponse::SERVING);
+  ASSERT_EQ(channel_->GetState(false), GRPC_CHANNEL_READY);
+  EXPECT_TRUE(Eventually([&] { return channel_->GetState(false) != GRPC_CHANNEL_READY; }));
+  EXPECT_EQ(Health(""), HealthResponse::SERVING);
+
+  ServerOptions bad = Options();
+  bad.max_connection_age = absl::Seconds(-1);
+  Server refused(bad);
+  const absl::Status s = refused.Start();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("--max_connection_age_s"));
+}
+
+// --host=:: (all IPv6 addresses) made ":::8500", which gRPC cannot parse.
+TEST(ListeningAddressTest, IPv6LiteralsGoInBrackets) {
+  EXPECT_EQ(ListeningAddress("0.0.0.0", 8500), "0.0.0.0:8500");
+  EXPECT_EQ(ListeningAddress("localhost", 1), "localhost:1");
+  EXPECT_EQ(ListeningAddress("::", 8500), "[::]:8500");
+  EXPECT_EQ(ListeningAddress("::1", 0), "[::1]:0");
+  EXPECT_EQ(ListeningAddress("[::1]", 7), "[::1]:7");
 }
 
 TEST_F(ServerTest, HalfTlsConfigurationIsRejected) {

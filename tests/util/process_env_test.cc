@@ -1,6 +1,7 @@
 #include "server/util/process_env.h"
 
 #include <dlfcn.h>
+#include <sched.h>
 
 #include <cstdlib>
 #include <thread>
@@ -10,6 +11,20 @@
 
 namespace collabserve::util {
 namespace {
+
+// --cpus: the budget replaces the detection, never above the CPUs the process may run on.
+TEST(ProcessEnvTest, ACpuBudgetIsWhatUsableCpusAnswers) {
+  const int detected = UsableCpus();
+  SetCpuBudget(1);
+  EXPECT_EQ(UsableCpus(), 1);
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  ASSERT_EQ(::sched_getaffinity(0, sizeof(set), &set), 0);
+  SetCpuBudget(100000);  // above a CPU quota too: the operator's word
+  EXPECT_EQ(UsableCpus(), CPU_COUNT(&set));
+  SetCpuBudget(0);
+  EXPECT_EQ(UsableCpus(), detected);
+}
 
 TEST(ProcessEnvTest, UsableCpusIsPositiveAndAtMostTheMachine) {
   const int n = UsableCpus();

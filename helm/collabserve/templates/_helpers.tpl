@@ -139,3 +139,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- $claim := and .Values.server.modelRepository .Values.persistence.enabled }}
 {{- if or .Values.gpu.enabled (and $claim (ne (include "collabserve.pvcAccessMode" .) "ReadWriteMany")) }}true{{ end }}
 {{- end }}
+
+{{/* "true" when --cpus comes from the container's CPU request (server.flags.cpus empty, a request set). */}}
+{{- define "collabserve.cpusFromRequest" -}}
+{{- if and (eq (toString .Values.server.flags.cpus) "") .Values.resources.requests .Values.resources.requests.cpu }}true{{ end }}
+{{- end }}
