@@ -33,7 +33,7 @@ void WriteAll(int fd, const std::string& data) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<HttpExposer>> HttpExposer::Start(const std::string& host, int port,
-                                                                BodyFn body) {
+                                                                BodyFn body, Handler other) {
   const std::string where = absl::StrCat(host, ":", port);
   // "[::]" as gRPC's addresses write it: getaddrinfo takes the literal without brackets.
   const std::string name = host.size() > 2 && host.front() == '[' && host.back() == ']'
@@ -77,15 +77,18 @@ absl::StatusOr<std::unique_ptr<HttpExposer>> HttpExposer::Start(const std::strin
     ::close(fd);
     return absl::UnavailableError(absl::StrCat("metrics pipe: ", std::strerror(errno)));
   }
-  return std::unique_ptr<HttpExposer>(new HttpExposer(fd, wake[0], wake[1], bound_port, std::move(body)));
+  return std::unique_ptr<HttpExposer>(
+      new HttpExposer(fd, wake[0], wake[1], bound_port, std::move(body), std::move(other)));
 }
 
-HttpExposer::HttpExposer(int listen_fd, int wake_read, int wake_write, int port, BodyFn body)
+HttpExposer::HttpExposer(int listen_fd, int wake_read, int wake_write, int port, BodyFn body,
+                         Handler other)
     : listen_fd_(listen_fd),
       wake_read_(wake_read),
       wake_write_(wake_write),
       port_(port),
       body_(std::move(body)),
+      other_(std::move(other)),
       thread_([this] { Loop(); }) {}
 
 HttpExposer::~HttpExposer() {
@@ -135,8 +138,15 @@ void HttpExposer::Serve(int fd) {
   } else {
     std::string path = line.substr(4, line.find(' ', 4) - 4);
     path = path.substr(0, path.find('?'));
+    std::optional<Response> answer;
     if (path == "/metrics") {
       body = body_();
+    } else if (other_ && (answer = other_(path)).has_value()) {
+      type = "text/plain; charset=utf-8";
+      status = answer->code == 200   ? "200 OK"
+               : answer->code == 404 ? "404 Not Found"
+                                     : "503 Service Unavailable";
+      body = std::move(answer->body);
     } else {
       status = "404 Not Found";
       body = "see /metrics\n";

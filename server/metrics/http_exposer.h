@@ -1,5 +1,6 @@
-// A minimal HTTP/1.x server for Prometheus scrapes: GET /metrics returns a text body; anything else
-// is 404. One thread, one connection at a time (a scrape is a few kilobytes every few seconds).
+// A minimal HTTP/1.x server for Prometheus scrapes: GET /metrics returns a text body; another path
+// goes to the optional handler (the server's /livez and /readyz probes), else 404. One thread, one
+// connection at a time (a scrape is a few kilobytes every few seconds).
 //
 // Why not prometheus::Exposer: its civetweb starts threads with a fixed, small stack size, and
 // pthread_create refuses that (EINVAL) in a process whose libraries (LibTorch) need more static TLS
@@ -9,6 +10,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -20,10 +22,16 @@ namespace collabserve::metrics {
 class HttpExposer {
  public:
   using BodyFn = std::function<std::string()>;
+  struct Response {
+    int code = 200;  // 200, 404 or 503
+    std::string body;
+  };
+  // The answer for a GET of `path` (without its query), or nullopt for 404.
+  using Handler = std::function<std::optional<Response>(const std::string& path)>;
 
   // Listens on `host:port` (port 0 picks one). UNAVAILABLE if the address cannot be bound.
   static absl::StatusOr<std::unique_ptr<HttpExposer>> Start(const std::string& host, int port,
-                                                            BodyFn body);
+                                                            BodyFn body, Handler other = nullptr);
   ~HttpExposer();
   HttpExposer(const HttpExposer&) = delete;
   HttpExposer& operator=(const HttpExposer&) = delete;
@@ -31,7 +39,7 @@ class HttpExposer {
   int port() const { return port_; }
 
  private:
-  HttpExposer(int listen_fd, int wake_read, int wake_write, int port, BodyFn body);
+  HttpExposer(int listen_fd, int wake_read, int wake_write, int port, BodyFn body, Handler other);
   void Loop();
   void Serve(int fd);
 
@@ -40,6 +48,7 @@ class HttpExposer {
   const int wake_write_;
   const int port_;
   const BodyFn body_;
+  const Handler other_;
   std::thread thread_;
 };
 

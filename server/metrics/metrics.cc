@@ -125,14 +125,17 @@ Metrics::Metrics(const std::string& build_version, const std::string& torch_vers
 
 Metrics::~Metrics() = default;
 
-absl::Status Metrics::StartExposer(const std::string& host, int port, int* bound_port) {
+absl::Status Metrics::StartExposer(const std::string& host, int port, int* bound_port,
+                                   HttpExposer::Handler other) {
   if (exposer_ != nullptr) return absl::FailedPreconditionError("metrics exposer already started");
-  auto exposer = HttpExposer::Start(host, port, [this] { return TextFormat(); });
+  auto exposer = HttpExposer::Start(host, port, [this] { return TextFormat(); }, std::move(other));
   if (!exposer.ok()) return exposer.status();
   exposer_ = std::move(exposer).value();
   if (bound_port != nullptr) *bound_port = exposer_->port();
   return absl::OkStatus();
 }
+
+void Metrics::StopExposer() { exposer_.reset(); }
 
 void Metrics::AddCollectable(std::shared_ptr<prometheus::Collectable> collectable) {
   absl::MutexLock lock(&extra_mu_);

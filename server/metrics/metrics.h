@@ -67,7 +67,12 @@ class Metrics {
 
   // Serves /metrics on `host`:`port` (port 0 picks one; see HttpExposer). Returns the bound port
   // through `bound_port`. UNAVAILABLE if the address cannot be bound. Call at most once.
-  absl::Status StartExposer(const std::string& host, int port, int* bound_port);
+  // `other` answers the paths besides /metrics (HttpExposer::Handler; the server's probes).
+  absl::Status StartExposer(const std::string& host, int port, int* bound_port,
+                            HttpExposer::Handler other = nullptr);
+  // Stops serving (joins the exposer's thread); nothing when none runs. Its owner calls it before
+  // what `other` reads goes away.
+  void StopExposer();
 
   // The metrics in the Prometheus text format (what /metrics returns).
   std::string TextFormat() const;

@@ -14,6 +14,7 @@
 #include <glog/logging.h>
 #include <grpc/grpc.h>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -372,7 +373,10 @@ Server::Server(ServerOptions options)
   device_failed_gauge_ = metrics_->DeviceFailed(device.ok() ? device->str() : name);
 }
 
-Server::~Server() { Shutdown(); }
+Server::~Server() {
+  Shutdown();
+  metrics_->StopExposer();  // before the members its probes read go
+}
 
 absl::Status Server::Start() {
   RETURN_IF_ERROR(StartServing());
@@ -445,7 +449,8 @@ absl::Status Server::StartServing() {
   RETURN_IF_ERROR(ValidateServerOptions(options_));
   if (options_.metrics_port >= 0) {
     RETURN_IF_ERROR(
-        metrics_->StartExposer(options_.metrics_host, options_.metrics_port, &metrics_port_));
+        metrics_->StartExposer(options_.metrics_host, options_.metrics_port, &metrics_port_,
+                               [this](const std::string& path) { return Probe(path); }));
   }
 
   std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();
@@ -601,7 +606,34 @@ void Server::SetHealth(const std::string& service, bool serving) {
   if (health == nullptr) return;
   // Under mu_, so that a model that becomes available cannot turn SERVING after a device failure.
   absl::MutexLock lock(&mu_);
+  health_[service] = serving;
   health->SetServingStatus(service, serving && !device_failed_);
+}
+
+std::optional<metrics::HttpExposer::Response> Server::Probe(const std::string& path) {
+  using Response = metrics::HttpExposer::Response;
+  std::string service;
+  if (path == "/readyz/" || (path != "/livez" && path != "/readyz" && !absl::StartsWith(path, "/readyz/"))) {
+    return std::nullopt;
+  }
+  if (absl::StartsWith(path, "/readyz/")) service = path.substr(8);
+  absl::MutexLock lock(&mu_);
+  if (device_failed_) {
+    return Response{503, "NOT_SERVING: the model device failed; only a restart brings it back\n"};
+  }
+  if (path == "/livez") return Response{200, "LIVE\n"};
+  if (drain_began_.has_value()) return Response{503, "NOT_SERVING: shutting down\n"};
+  auto it = health_.find(service);
+  if (it == health_.end() && !service.empty()) {
+    return Response{404, absl::StrCat("no model \"", absl::CHexEscape(service), "\"\n")};
+  }
+  if (it == health_.end() || !it->second) {
+    return Response{503, service.empty()
+                             ? std::string("NOT_SERVING: loading its models\n")
+                             : absl::StrCat("NOT_SERVING: no version of \"", absl::CHexEscape(service),
+                                            "\" is served\n")};
+  }
+  return Response{200, "SERVING\n"};
 }
 
 void Server::BeginDrain() {

@@ -178,6 +178,13 @@ class Server {
   // is in flight fails on its own. Idempotent; thread-safe.
   void OnDeviceFailure(const absl::Status& failure);
 
+  // The probes the metrics port answers in plain HTTP (for probes that cannot speak TLS; an
+  // HttpExposer::Handler): /livez, 200 until the device fails for good; /readyz and
+  // /readyz/<model>, 200 while grpc.health.v1 says SERVING for "" or that model, else 503 saying
+  // why (loading, draining, the device failed, no version served), 404 for a model it never named.
+  // nullopt for any other path.
+  std::optional<metrics::HttpExposer::Response> Probe(const std::string& path);
+
  private:
   void OnVersionEvent(const repository::ServableId& id, repository::VersionEvent event);
   // SERVING only while neither shutting down nor failed.
@@ -204,6 +211,7 @@ class Server {
   prometheus::Gauge* device_failed_gauge_ = nullptr;  // collabserve_device_failed{device}
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
   std::map<std::string, std::set<int64_t>> available_ ABSL_GUARDED_BY(mu_);  // served versions
+  std::map<std::string, bool> health_ ABSL_GUARDED_BY(mu_);  // as last set by SetHealth
 };
 
 }  // namespace collabserve::service

@@ -124,13 +124,19 @@ check(svc.spec.ports.map((p) => p.name).join(',') === 'grpc,metrics' && !svc.spe
 const cpuChecksum = dep(def).spec.template.metadata.annotations['checksum/config'];
 // Rollouts: one CPU pod on a ReadWriteOnce claim cannot surge (the volume attaches to one node);
 // neither can a GPU pod (no spare GPU); several pods on a ReadWriteMany claim keep full capacity.
-const strategy = (objs) => JSON.stringify(dep(objs).spec.strategy.rollingUpdate);
+const strategy = (objs) => {
+  const r = dep(objs).spec.strategy.rollingUpdate;
+  return JSON.stringify({ maxUnavailable: r.maxUnavailable, maxSurge: r.maxSurge });
+};
 check(strategy(def) === '{"maxUnavailable":1,"maxSurge":0}', `RWO claim: pods replaced one at a time; got ${strategy(def)}`);
 check(strategy(template(['server.modelRepository='])) === '{"maxUnavailable":0,"maxSurge":1}',
   'no claim: a new pod is ready before an old one drains');
 check(strategy(template(['gpu.enabled=true', 'persistence.accessMode=ReadWriteMany'])) === '{"maxUnavailable":1,"maxSurge":0}',
   'GPU: pods replaced one at a time');
 check(dep(template(['updateStrategy.type=Recreate'])).spec.strategy.type === 'Recreate', 'updateStrategy overrides');
+check(strategy(template(['server.modelRepository=', 'updateStrategy.rollingUpdate.maxSurge=2'])) === '{"maxUnavailable":0,"maxSurge":2}',
+  `updateStrategy.rollingUpdate's keys win over the computed ones; got ${strategy(template(['server.modelRepository=', 'updateStrategy.rollingUpdate.maxSurge=2']))}`);
+check(ctr(template(['image.tag=20240101'])).image === 'collabserve:20240101', 'a whole-number image.tag renders whole');
 check(!('checksum/admin-token' in dep(def).spec.template.metadata.annotations), 'a generated token has no checksum');
 {
   const a = dep(template(['admin.token=' + 'a'.repeat(32)])).spec.template.metadata.annotations['checksum/admin-token'];
@@ -190,12 +196,50 @@ const pe = dep(ext).spec.template.spec;
 check(pe.volumes.some((v) => v.persistentVolumeClaim && v.persistentVolumeClaim.claimName === 'shared-models'), 'the existing claim is mounted');
 check(pe.volumes.some((v) => v.secret && v.secret.secretName === 'my-admin'), 'the existing admin Secret is mounted');
 check(find(ext, 'HorizontalPodAutoscaler')[0].spec.metrics[0].resource.name === 'cpu', 'HPA on CPU by default');
-check(ctr(ext).readinessProbe.tcpSocket && !ctr(ext).readinessProbe.grpc, 'with TLS the probes fall back to TCP');
+{
+  // gRPC probes cannot speak TLS: the same health over plain HTTP on the metrics port.
+  const t = ctr(ext);
+  check(t.readinessProbe.httpGet.path === '/readyz' && t.readinessProbe.httpGet.port === 'metrics' &&
+    t.livenessProbe.httpGet.path === '/livez' && t.startupProbe.httpGet.path === '/readyz' && !t.readinessProbe.grpc,
+    'with TLS the probes ask /readyz and /livez on the metrics port');
+  check(ctr(template(['tls.enabled=true', 'tls.secretName=t', 'probes.readiness.service=demo'])).readinessProbe.httpGet.path === '/readyz/demo',
+    'with TLS, probes.readiness.service is /readyz/<model>');
+}
 check(find(ext, 'ConfigMap')[0].data.COLLABSERVE_TLS_CERT === '/etc/collabserve/tls/tls.crt', 'TLS flags point at the mounted Secret');
 check(find(ext, 'NetworkPolicy').length === 0 && find(ext, 'PodDisruptionBudget').length === 0, 'NetworkPolicy and PDB can be turned off');
 const demo = template(['server.modelRepository=']);
 check(!ctr(demo).args.some((a) => a.includes('model_repository')) && find(demo, 'PersistentVolumeClaim').length === 0,
   'an empty modelRepository serves the demo model: no flag, no claim');
+
+// An existing claim keeps its access mode (the API refuses a change): `lookup`, which helm template
+// cannot answer, is replaced in a copy of the chart by the claim a cluster would return.
+function withExistingClaim(mode, sets) {
+  const dir = path.join(tmpdir(`claim-${mode}`), 'collabserve');
+  fs.cpSync(chart, dir, { recursive: true });
+  const helpers = path.join(dir, 'templates/_helpers.tpl');
+  const text = fs.readFileSync(helpers, 'utf8');
+  const call = 'lookup "v1" "PersistentVolumeClaim" .Release.Namespace (include "collabserve.pvcName" .)';
+  check(text.includes(call), '_helpers.tpl looks the claim up');
+  fs.writeFileSync(helpers, text.replace(call, `dict "spec" (dict "accessModes" (list "${mode}"))`));
+  const args = ['template', 'cs', dir, '--namespace', 'ml'];
+  for (const x of sets) args.push('--set', x);
+  return run(helm, args, { env });
+}
+{
+  const scaled = withExistingClaim('ReadWriteOnce', ['replicaCount=3']);
+  check(scaled.status !== 0 && scaled.stderr.includes('the model repository claim cs-collabserve-models is ReadWriteOnce') &&
+    scaled.stderr.includes('persistence.existingClaim'),
+    `scaling out on an existing ReadWriteOnce claim is refused, saying how to move on; got: ${scaled.stderr.trim().slice(0, 300)}`);
+  const one = withExistingClaim('ReadWriteOnce', []);
+  check(one.status === 0 && find(parseDocs(one.stdout, 'existing RWO claim'), 'PersistentVolumeClaim')[0].spec.accessModes[0] === 'ReadWriteOnce',
+    'one pod on an existing ReadWriteOnce claim renders it unchanged');
+  const shared = withExistingClaim('ReadWriteMany', ['replicaCount=3']);
+  check(shared.status === 0 && find(parseDocs(shared.stdout, 'existing RWX claim'), 'PersistentVolumeClaim')[0].spec.accessModes[0] === 'ReadWriteMany',
+    'several pods on an existing ReadWriteMany claim render');
+  const rwoThenMany = withExistingClaim('ReadWriteMany', []);
+  check(rwoThenMany.status === 0 && strategy(parseDocs(rwoThenMany.stdout, 'existing RWX claim, one pod')) === '{"maxUnavailable":0,"maxSurge":1}',
+    'a ReadWriteMany claim lets a rollout surge');
+}
 
 // Bad values fail with a message that names the value.
 for (const [sets, want] of [[['server.adminPort=8500'], 'server.adminPort'], [['tls.enabled=true'], 'tls.secretName'],

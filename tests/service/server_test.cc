@@ -617,6 +617,43 @@ TEST_F(ServerTest, BeginDrainRefusesNewCallsWhileThoseInFlightFinish) {
   server_->Shutdown();
 }
 
+// The metrics port's plain-HTTP probes (for a TLS server, whose gRPC health a kubelet cannot ask)
+// follow grpc.health.v1: /readyz 503 while loading, 200 when serving, 503 while draining;
+// /readyz/<model> for one model; /livez 200 throughout.
+TEST_F(ServerTest, HttpProbesFollowGrpcHealth) {
+  ServerOptions o = Options();
+  o.metrics_port = 0;
+  server_ = std::make_unique<Server>(o);
+  ASSERT_TRUE(server_->StartServing().ok());
+  Connect();
+  const int port = server_->metrics_port();
+  auto get = [port](const std::string& path) {
+    absl::StatusOr<testing::HttpAnswer> a = testing::HttpGet(port, path);
+    EXPECT_TRUE(a.ok()) << a.status();
+    return a.ok() ? absl::StrCat(a->code, " ", a->body) : std::string();
+  };
+  EXPECT_EQ(get("/readyz"), "503 NOT_SERVING: loading its models\n");
+  EXPECT_EQ(get("/livez"), "200 LIVE\n");
+  ASSERT_TRUE(server_->LoadModels().ok());
+  EXPECT_EQ(get("/readyz"), "200 SERVING\n");
+  EXPECT_EQ(get("/readyz?verbose"), "200 SERVING\n");
+  EXPECT_EQ(get("/readyz/tiny"), "200 SERVING\n");
+  EXPECT_EQ(get("/readyz/nope"), "404 no model \"nope\"\n");
+  EXPECT_EQ(get("/healthz").substr(0, 4), "404 ");
+  EXPECT_EQ(Health(""), HealthResponse::SERVING);
+
+  gate_.Close();
+  auto inflight = StartAsync(Request("tiny", {"in flight"}));
+  ASSERT_TRUE(gate_.WaitForArrivals(1));
+  server_->BeginDrain();
+  EXPECT_EQ(get("/readyz"), "503 NOT_SERVING: shutting down\n");
+  EXPECT_EQ(get("/readyz/tiny"), "503 NOT_SERVING: shutting down\n");
+  EXPECT_EQ(get("/livez"), "200 LIVE\n");
+  gate_.Open();
+  inflight->finished.WaitForNotification();
+  server_->Shutdown();
+}
+
 // A GPU that fails for good (model::IsDeviceFailure). Injected here through the servable's
 // batch_fault_hook, since a CPU cannot fail so; engine_test's AGpuThatFailsForGoodMakesDeviceFailures
 // has a GPU make the same status. The failing call gets UNAVAILABLE with the engine's message; by
@@ -658,6 +695,13 @@ TEST_F(ServerTest, ADeviceFailureStopsServingUntilARestart) {
   ASSERT_TRUE(Eventually([&] { return server_->repository()->Get("tiny", 2).ok(); }));
   EXPECT_EQ(Health("tiny"), HealthResponse::NOT_SERVING) << "a version loaded after the failure";
   EXPECT_EQ(Health(""), HealthResponse::NOT_SERVING);
+  // The plain-HTTP probes say the same, and liveness fails: only a restart helps.
+  for (const std::string path : {"/livez", "/readyz", "/readyz/tiny"}) {
+    absl::StatusOr<testing::HttpAnswer> a = testing::HttpGet(server_->metrics_port(), path);
+    ASSERT_TRUE(a.ok()) << a.status();
+    EXPECT_EQ(a->code, 503) << path;
+    EXPECT_THAT(a->body, HasSubstr("the model device failed")) << path;
+  }
 }
 
 TEST_F(ServerTest, MetricsPageParsesAndPassesPromtool) {

@@ -46,7 +46,7 @@ bool Gate::WaitForArrivals(int n) {
   return mu_.AwaitWithTimeout(absl::Condition(&reached), absl::Seconds(30));
 }
 
-absl::StatusOr<std::string> ScrapeMetrics(int port) {
+absl::StatusOr<HttpAnswer> HttpGet(int port, const std::string& path) {
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   if (fd < 0) return absl::UnavailableError("socket");
   sockaddr_in addr{};
@@ -58,7 +58,7 @@ absl::StatusOr<std::string> ScrapeMetrics(int port) {
     return absl::UnavailableError(absl::StrCat("cannot connect to metrics port ", port));
   }
   const std::string request =
-      "GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
+      absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
   ::send(fd, request.data(), request.size(), 0);
   std::string response;
   char buf[65536];
@@ -66,13 +66,20 @@ absl::StatusOr<std::string> ScrapeMetrics(int port) {
   while ((n = ::recv(fd, buf, sizeof(buf), 0)) > 0) response.append(buf, n);
   ::close(fd);
   const size_t body = response.find("\r\n\r\n");
-  if (response.rfind("HTTP/1.", 0) != 0 || body == std::string::npos) {
+  HttpAnswer answer;
+  if (response.rfind("HTTP/1.", 0) != 0 || body == std::string::npos || response.size() < 12 ||
+      !absl::SimpleAtoi(response.substr(9, 3), &answer.code)) {
     return absl::InternalError("not an HTTP response: " + response.substr(0, 200));
   }
-  if (response.find(" 200 ") == std::string::npos) {
-    return absl::InternalError("HTTP error: " + response.substr(0, response.find("\r\n")));
-  }
-  return response.substr(body + 4);
+  answer.body = response.substr(body + 4);
+  return answer;
+}
+
+absl::StatusOr<std::string> ScrapeMetrics(int port) {
+  absl::StatusOr<HttpAnswer> answer = HttpGet(port, "/metrics");
+  if (!answer.ok()) return answer.status();
+  if (answer->code != 200) return absl::InternalError(absl::StrCat("HTTP error: ", answer->code));
+  return answer->body;
 }
 
 std::map<std::string, double> ParseMetrics(const std::string& text) {

@@ -35,7 +35,13 @@ class Gate {
   int arrivals_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
-// GET http://127.0.0.1:port/metrics; the body.
+struct HttpAnswer {
+  int code = 0;
+  std::string body;
+};
+// GET `path` on 127.0.0.1:`port` (the metrics port): the status code and body.
+absl::StatusOr<HttpAnswer> HttpGet(int port, const std::string& path);
+// GET http://127.0.0.1:port/metrics; the body (an error for a code other than 200).
 absl::StatusOr<std::string> ScrapeMetrics(int port);
 
 // Sample lines of the Prometheus text format: "name{labels}" -> value. Fails the test on a line

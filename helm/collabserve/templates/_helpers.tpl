@@ -64,7 +64,11 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if .Values.persistence.accessMode }}
 {{- .Values.persistence.accessMode }}
 {{- else if and $existing $existing.spec $existing.spec.accessModes }}
-{{- first $existing.spec.accessModes }}
+{{- $mode := first $existing.spec.accessModes }}
+{{- if and (gt (int (include "collabserve.maxPods" .)) 1) (ne $mode "ReadWriteMany") }}
+{{- fail (printf "the model repository claim %s is %s, so more than one pod cannot mount it (replicaCount / autoscaling.maxReplicas): move the models to a ReadWriteMany claim (persistence.existingClaim) or keep one pod" (include "collabserve.pvcName" .) $mode) }}
+{{- end }}
+{{- $mode }}
 {{- else if gt (int (include "collabserve.maxPods" .)) 1 }}
 {{- "ReadWriteMany" }}
 {{- else }}
