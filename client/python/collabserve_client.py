@@ -248,11 +248,19 @@ class Client:
         }
         meta = self._call(self.kserve.ServerMetadata, pb.ServerMetadataRequest())
         out["server"] = {"name": meta.name, "version": meta.version, "extensions": list(meta.extensions)}
-        # Triton's model_repository extension: every version on disk and whether it serves.
-        index = self._call(self.kserve.RepositoryIndex, pb.RepositoryIndexRequest())
-        out["repository"] = [
-            {"model": m.name, "version": m.version, "state": m.state, **({"reason": m.reason} if m.reason else {})}
-            for m in index.models if not model or m.name == model]
+        # Triton's model_repository extension: every version on disk and whether it serves (None
+        # while the server loads its models, or from a server without the extension).
+        out["repository"] = None
+        if "model_repository" in meta.extensions:
+            try:
+                index = self.kserve.RepositoryIndex(pb.RepositoryIndexRequest(), timeout=self.timeout)
+                out["repository"] = [
+                    {"model": m.name, "version": m.version, "state": m.state,
+                     **({"reason": m.reason} if m.reason else {})}
+                    for m in index.models if not model or m.name == model]
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
         if model:
             out["model_ready"] = self._call(self.kserve.ModelReady,
                                             pb.ModelReadyRequest(name=model)).ready
@@ -318,7 +326,9 @@ class Client:
                             chunk=pb.UploadChunk(file_name=name, offset=offset, data=block))
                         offset += len(block)
 
-        return self.admin.UploadModel(requests(), timeout=max(self.timeout, 600),
+        # The call answers once the upload is validated, after the jobs queued before it: a client
+        # that gives up first cancels the job, so the deadline is collabctl's hour.
+        return self.admin.UploadModel(requests(), timeout=max(self.timeout, 3600),
                                       metadata=self.metadata)
 
     def watch(self, job_id):

@@ -361,9 +361,8 @@ void JobManager::Shutdown() {
   }
   if (publisher_.joinable()) publisher_.join();
   for (Work& w : left) {
-    const absl::Status s = absl::UnavailableError("the server is shutting down");
-    Finish(w.job, s);
-    if (w.on_validated) w.on_validated(s);
+    Finish(w.job, absl::UnavailableError("the server is shutting down"));
+    if (w.on_validated) w.on_validated(w.job->EndStatus());  // CANCELLED if a CancelJob came first
   }
   for (auto& job : all) {
     if (!job->terminal()) Finish(job, absl::UnavailableError("the server is shutting down"));
@@ -530,23 +529,24 @@ void JobManager::Enqueue(const std::shared_ptr<Job>& job, std::string input_dir,
     on_validated(job->EndStatus());  // cancelled while receiving
     return;
   }
-  bool stopping;
+  bool queued = false;
   {
     absl::MutexLock l(&mu_);
-    stopping = stopping_;
-    if (!stopping) {
+    // A CancelJob sets the flag before it looks for the work in the queue (under mu_): either it
+    // finds the work pushed here, or the flag is seen here and nothing is pushed.
+    if (!stopping_ && !job->cancel_requested()) {
       Work w;
       w.job = job;
       w.input_dir = std::move(input_dir);
       w.verify = std::move(verify);
       w.on_validated = std::move(on_validated);
       queue_.push_back(std::move(w));
+      queued = true;
     }
   }
-  if (stopping) {
-    const absl::Status s = absl::UnavailableError("the server is shutting down");
-    Finish(job, s);
-    on_validated(s);
+  if (!queued) {
+    Finish(job, CancelledOrStopping(*job));  // nothing when CancelJob has ended it
+    on_validated(job->EndStatus());
   }
 }
 
@@ -732,18 +732,20 @@ absl::Status Cancelled(const Job& job) {
   return absl::CancelledError(absl::StrCat("job ", job.id(), " was cancelled"));
 }
 
-// Whether a failed load blames the checkpoint (a file missing, malformed or inconsistent) rather
-// than the server (out of memory, an internal error).
+// Whether a failed load blames the checkpoint (a file missing, malformed, inconsistent or of a
+// kind the engine does not take) rather than the server (out of memory, an internal error).
 bool IsCheckpointError(const absl::Status& s) {
   switch (s.code()) {
-    case absl::StatusCode::kInvalidArgument:
-    case absl::StatusCode::kNotFound:
-    case absl::StatusCode::kFailedPrecondition:
-    case absl::StatusCode::kOutOfRange:
-    case absl::StatusCode::kDataLoss:
-      return true;
-    default:
+    case absl::StatusCode::kResourceExhausted:
+    case absl::StatusCode::kInternal:
+    case absl::StatusCode::kUnknown:
+    case absl::StatusCode::kUnavailable:
+    case absl::StatusCode::kDeadlineExceeded:
+    case absl::StatusCode::kAborted:
+    case absl::StatusCode::kCancelled:
       return false;
+    default:
+      return true;
   }
 }
 

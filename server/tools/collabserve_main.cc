@@ -275,6 +275,7 @@ int Run(int argc, char** argv, int cpus) {
     LOG(INFO) << "--cpus=" << budget << ": threads sized for " << util::UsableCpus()
               << " CPU(s) (detected: " << cpus << ")";
     cpus = util::UsableCpus();
+    util::LimitMallocArenas(cpus);  // main() set it for the detected count
   }
   if (absl::Status s = batching::ValidateThreadFlags(absl::GetFlag(FLAGS_num_batch_threads),
                                                      absl::GetFlag(FLAGS_inference_threads));

@@ -1019,6 +1019,32 @@ TEST_F(AdminServiceTest, AJobStoppedByTheShutdownIsUnavailableNotCancelled) {
   EXPECT_THAT(j.error(), HasSubstr("shutting down"));
 }
 
+// The same for a job already running: its work returns the cancellation it noticed, and the job
+// still ends UNAVAILABLE (work_fault_hook stands for the compression's own cancel check).
+TEST_F(AdminServiceTest, AJobRunningWhenTheServerStopsIsUnavailableNotCancelled) {
+  absl::Notification running, stopping;
+  AdminServerOptions ao;
+  ao.service.jobs.work_fault_hook = [&]() -> absl::Status {
+    running.Notify();
+    stopping.WaitForNotificationWithTimeout(absl::Seconds(60));
+    return absl::CancelledError("the work noticed its cancel flag");
+  };
+  Start(ao);
+  const std::string id = CompressTiny().job_id();
+  ASSERT_TRUE(running.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  std::shared_ptr<Job> job = admin_->service().jobs().Get(id);
+  ASSERT_NE(job, nullptr);
+  std::thread shutdown([this] { admin_->Shutdown(); });
+  EXPECT_TRUE(Eventually([&] { return job->cancel_requested(); }));
+  stopping.Notify();
+  shutdown.join();
+  const v1::Job j = job->Snapshot(false);
+  EXPECT_EQ(j.state(), v1::Job::FAILED);
+  EXPECT_EQ(j.error_code(), static_cast<int>(absl::StatusCode::kUnavailable)) << j.error();
+  EXPECT_THAT(j.error(), HasSubstr("shutting down"));
+  EXPECT_TRUE(VersionDirs("tiny") == std::vector<std::string>({"1"}));
+}
+
 // A version made by someone else while the job ran (another replica on the same volume, a person)
 // is not the job's: the job fails ALREADY_EXISTS, reports nothing published and leaves that
 // version as it is (it used to record PUBLISHED, since the version's directory existed).
