@@ -604,9 +604,8 @@ absl::StatusOr<v1::Job> JobManager::Cancel(const std::string& id) {
         queue_.erase(it);
       }
     }
-    const absl::Status cancelled = absl::CancelledError(absl::StrCat("job ", id, " was cancelled"));
-    Finish(job, cancelled);
-    if (work && work->on_validated) work->on_validated(cancelled);
+    Finish(job, absl::CancelledError(absl::StrCat("job ", id, " was cancelled")));
+    if (work && work->on_validated) work->on_validated(job->EndStatus());
   }
   return job->Snapshot(false);
 }

@@ -612,11 +612,12 @@ void Server::SetHealth(const std::string& service, bool serving) {
 
 std::optional<metrics::HttpExposer::Response> Server::Probe(const std::string& path) {
   using Response = metrics::HttpExposer::Response;
-  std::string service;
-  if (path == "/readyz/" || (path != "/livez" && path != "/readyz" && !absl::StartsWith(path, "/readyz/"))) {
+  std::string service;  // "" for the server
+  if (absl::StartsWith(path, "/readyz/") && path.size() > 8) {
+    service = path.substr(8);
+  } else if (path != "/readyz" && path != "/livez") {
     return std::nullopt;
   }
-  if (absl::StartsWith(path, "/readyz/")) service = path.substr(8);
   absl::MutexLock lock(&mu_);
   if (device_failed_) {
     return Response{503, "NOT_SERVING: the model device failed; only a restart brings it back\n"};
