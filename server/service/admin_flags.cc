@@ -8,7 +8,8 @@
 ABSL_FLAG(int, admin_port, 0,
           "Admin service port: 0 = on the inference --port; N = its own port (keep it private)");
 ABSL_FLAG(std::string, admin_token_file, "",
-          "file holding the admin bearer token; empty = no Admin service");
+          "file holding the admin bearer token, read again when it changes (a Secret's update); "
+          "empty = no Admin service");
 ABSL_FLAG(int64_t, max_upload_bytes, int64_t{2} << 30, "largest checkpoint upload, in bytes");
 ABSL_FLAG(int, max_concurrent_jobs, 1,
           "admin jobs (validation, compression) running at once; keep it below the inference threads");

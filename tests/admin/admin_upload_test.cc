@@ -132,5 +132,32 @@ TEST(AdminAuthTest, TokenFileIsTrimmed) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// The token file is followed, as a Kubernetes Secret volume updates it (a new file swapped in):
+// the new token replaces the old at the next call; a changed file without a valid token leaves the
+// old one in force until it holds one again.
+TEST(AdminAuthTest, AChangedTokenFileReplacesTheToken) {
+  TempDir tmp;
+  const std::string file = tmp.path() + "/token";
+  ASSERT_TRUE(util::WriteFileAtomic(file, "first-token\n").ok());
+  auto auth = AdminAuth::FromTokenFile(file);
+  ASSERT_TRUE(auth.ok()) << auth.status();
+  EXPECT_TRUE((*auth)->Check(Md("authorization", "Bearer first-token")).ok());
+
+  ASSERT_TRUE(util::WriteFileAtomic(file, "second-token\n").ok());  // a rename: another inode
+  EXPECT_TRUE((*auth)->Check(Md("authorization", "Bearer second-token")).ok());
+  EXPECT_EQ((*auth)->Check(Md("authorization", "Bearer first-token")).code(),
+            absl::StatusCode::kUnauthenticated);
+
+  ASSERT_TRUE(util::WriteFileAtomic(file, "\n").ok());  // no valid token: the old one stands
+  EXPECT_TRUE((*auth)->Check(Md("authorization", "Bearer second-token")).ok());
+  std::filesystem::remove(file);  // nor does a missing file end it
+  EXPECT_TRUE((*auth)->Check(Md("authorization", "Bearer second-token")).ok());
+
+  ASSERT_TRUE(util::WriteFileAtomic(file, "third-token").ok());
+  EXPECT_TRUE((*auth)->Check(Md("authorization", "Bearer third-token")).ok());
+  EXPECT_EQ((*auth)->Check(Md("authorization", "Bearer second-token")).code(),
+            absl::StatusCode::kUnauthenticated);
+}
+
 }  // namespace
 }  // namespace collabserve::service
