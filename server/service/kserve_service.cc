@@ -749,13 +749,13 @@ grpc::ServerUnaryReactor* KServeService::RepositoryIndex(
 
 namespace {
 
-grpc::Status RefuseModelControl(const std::string& verb, const std::string& model) {
+// `verb` "load" or "unload"; `rpc` the Admin RPC that does it.
+grpc::Status RefuseModelControl(const char* verb, const char* rpc, const std::string& model) {
   return grpc::Status(
       grpc::StatusCode::FAILED_PRECONDITION,
       absl::StrCat("explicit model load / unload is not allowed: collabserve polls its model "
                    "repository, and an admin ", verb, "s a version of \"", absl::CHexEscape(model),
-                   "\" with collabserve.v1.Admin/", verb == "load" ? "LoadModel" : "UnloadModel",
-                   " (admin token)"));
+                   "\" with collabserve.v1.Admin/", rpc, " (admin token)"));
 }
 
 }  // namespace
@@ -763,13 +763,15 @@ grpc::Status RefuseModelControl(const std::string& verb, const std::string& mode
 grpc::ServerUnaryReactor* KServeService::RepositoryModelLoad(
     grpc::CallbackServerContext* context, const inference::RepositoryModelLoadRequest* request,
     inference::RepositoryModelLoadResponse* response) {
-  return FinishUnary(context, [&] { return RefuseModelControl("load", request->model_name()); });
+  return FinishUnary(context,
+                     [&] { return RefuseModelControl("load", "LoadModel", request->model_name()); });
 }
 
 grpc::ServerUnaryReactor* KServeService::RepositoryModelUnload(
     grpc::CallbackServerContext* context, const inference::RepositoryModelUnloadRequest* request,
     inference::RepositoryModelUnloadResponse* response) {
-  return FinishUnary(context, [&] { return RefuseModelControl("unload", request->model_name()); });
+  return FinishUnary(
+      context, [&] { return RefuseModelControl("unload", "UnloadModel", request->model_name()); });
 }
 
 grpc::ServerUnaryReactor* KServeService::ModelInfer(grpc::CallbackServerContext* context,

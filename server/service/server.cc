@@ -606,7 +606,6 @@ void Server::SetHealth(const std::string& service, bool serving) {
   if (health == nullptr) return;
   // Under mu_, so that a model that becomes available cannot turn SERVING after a device failure.
   absl::MutexLock lock(&mu_);
-  health_[service] = serving;
   health->SetServingStatus(service, serving && !device_failed_);
 }
 
@@ -624,15 +623,17 @@ std::optional<metrics::HttpExposer::Response> Server::Probe(const std::string& p
   }
   if (path == "/livez") return Response{200, "LIVE\n"};
   if (drain_began_.has_value()) return Response{503, "NOT_SERVING: shutting down\n"};
-  auto it = health_.find(service);
-  if (it == health_.end() && !service.empty()) {
+  // What SetHealth was told: "" once the models loaded, a model while a version of it is available.
+  if (service.empty()) {
+    return serving_ ? Response{200, "SERVING\n"} : Response{503, "NOT_SERVING: loading its models\n"};
+  }
+  auto it = available_.find(service);
+  if (it == available_.end()) {
     return Response{404, absl::StrCat("no model \"", absl::CHexEscape(service), "\"\n")};
   }
-  if (it == health_.end() || !it->second) {
-    return Response{503, service.empty()
-                             ? std::string("NOT_SERVING: loading its models\n")
-                             : absl::StrCat("NOT_SERVING: no version of \"", absl::CHexEscape(service),
-                                            "\" is served\n")};
+  if (it->second.empty()) {
+    return Response{503, absl::StrCat("NOT_SERVING: no version of \"", absl::CHexEscape(service),
+                                      "\" is served\n")};
   }
   return Response{200, "SERVING\n"};
 }

@@ -211,7 +211,6 @@ class Server {
   prometheus::Gauge* device_failed_gauge_ = nullptr;  // collabserve_device_failed{device}
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
   std::map<std::string, std::set<int64_t>> available_ ABSL_GUARDED_BY(mu_);  // served versions
-  std::map<std::string, bool> health_ ABSL_GUARDED_BY(mu_);  // as last set by SetHealth
 };
 
 }  // namespace collabserve::service
