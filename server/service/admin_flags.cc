@@ -43,8 +43,7 @@ absl::StatusOr<std::unique_ptr<AdminServer>> CreateAdminFromFlags(ServerOptions*
   o.own_port = port != 0 && port != server_options->port;
   o.host = server_options->host;
   o.port = port;
-  o.tls_cert_file = server_options->tls_cert_file;
-  o.tls_key_file = server_options->tls_key_file;
+  o.tls = server_options->tls;
   o.max_message_bytes = server_options->max_message_bytes;
   return AdminServer::Create(std::move(o), server_options);
 }

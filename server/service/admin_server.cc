@@ -65,14 +65,11 @@ absl::Status AdminServer::Start(Server* server) {
   if (server != nullptr && !options_.registry) server->metrics().AddCollectable(metrics_->registry());
   if (!options_.own_port) return absl::OkStatus();
   std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();
-  if (!options_.tls_cert_file.empty() || !options_.tls_key_file.empty()) {
-    absl::StatusOr<std::string> cert = util::ReadFile(options_.tls_cert_file);
-    if (!cert.ok()) return cert.status();
-    absl::StatusOr<std::string> key = util::ReadFile(options_.tls_key_file);
-    if (!key.ok()) return key.status();
-    grpc::SslServerCredentialsOptions ssl;
-    ssl.pem_key_cert_pairs.push_back({*key, *cert});
-    creds = grpc::SslServerCredentials(ssl);
+  if (options_.tls.enabled()) {
+    absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> tls =
+        FollowedServerCredentials(options_.tls);
+    if (!tls.ok()) return tls.status();
+    creds = *std::move(tls);
   }
   grpc::ServerBuilder builder;
   const std::string address = ListeningAddress(options_.host, options_.port);

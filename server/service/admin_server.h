@@ -29,9 +29,8 @@ struct AdminServerOptions {
   bool own_port = false;
   std::string host = "0.0.0.0";
   int port = 0;
-  // TLS for the own port (both set = TLS), as for inference.
-  std::string tls_cert_file;
-  std::string tls_key_file;
+  // TLS for the own port, as for inference (the same files, followed the same way).
+  TlsFiles tls;
   int max_message_bytes = 16 << 20;
   // Where the admin metric families are registered; null: a registry of its own (see metrics()).
   std::shared_ptr<prometheus::Registry> registry;

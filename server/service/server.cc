@@ -33,6 +33,7 @@
 #include "server/model/device.h"
 #include "server/model/engine.h"
 #include "server/service/servable_reaper.h"
+#include "server/service/tls.h"
 #include "server/util/files.h"
 #include "server/util/status_macros.h"
 
@@ -396,7 +397,7 @@ absl::Status ValidateServerOptions(const ServerOptions& o) {
         "--metrics_port=", o.metrics_port,
         " is not a port number (0-65535; 0 picks a free one, -1 turns /metrics off)"));
   }
-  if (o.tls_cert_file.empty() != o.tls_key_file.empty()) {
+  if (o.tls.cert_file.empty() != o.tls.key_file.empty()) {
     return absl::InvalidArgumentError("--tls_cert and --tls_key must be given together");
   }
   if (o.max_message_bytes < 1024) {
@@ -447,19 +448,15 @@ std::string ListeningAddress(const std::string& host, int port) {
 absl::Status Server::StartServing() {
   if (server_ != nullptr) return absl::FailedPreconditionError("server already started");
   RETURN_IF_ERROR(ValidateServerOptions(options_));
+  // The certificate files are checked before anything listens.
+  std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();
+  if (options_.tls.enabled()) {
+    ASSIGN_OR_RETURN(creds, FollowedServerCredentials(options_.tls));
+  }
   if (options_.metrics_port >= 0) {
     RETURN_IF_ERROR(
         metrics_->StartExposer(options_.metrics_host, options_.metrics_port, &metrics_port_,
                                [this](const std::string& path) { return Probe(path); }));
-  }
-
-  std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();
-  if (!options_.tls_cert_file.empty()) {
-    grpc::SslServerCredentialsOptions ssl;
-    ASSIGN_OR_RETURN(std::string cert, util::ReadFile(options_.tls_cert_file, 1 << 20));
-    ASSIGN_OR_RETURN(std::string key, util::ReadFile(options_.tls_key_file, 1 << 20));
-    ssl.pem_key_cert_pairs.push_back({key, cert});
-    creds = grpc::SslServerCredentials(ssl);
   }
 
   grpc::EnableDefaultHealthCheckService(true);
@@ -491,10 +488,12 @@ absl::Status Server::StartServing() {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", address,
                                                " (in use, or not a local address?)"));
   }
+  // Once: a retried start must not export the families twice.
+  if (options_.tls.enabled()) metrics_->AddCollectable(NewCertificateCollectable(options_.tls));
   // The default health service starts with "" SERVING; nothing is loaded yet.
   SetHealth("", false);
   LOG(INFO) << "gRPC listening on " << ListeningAddress(options_.host, port_)
-            << (options_.tls_cert_file.empty() ? "" : " (TLS)")
+            << (options_.tls.enabled() ? " (TLS)" : "")
             << (metrics_port_ >= 0 ? absl::StrCat(", /metrics on port ", metrics_port_) : "");
   return absl::OkStatus();
 }

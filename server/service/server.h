@@ -20,6 +20,7 @@
 #include "server/repository/model_repository.h"
 #include "server/service/inference_service.h"
 #include "server/service/model_servable.h"
+#include "server/service/tls.h"
 
 namespace grpc {
 class Server;
@@ -110,9 +111,9 @@ struct ServerOptions {
   // the autoscaler gets traffic from clients that were already connected). Zero or infinite:
   // never.
   absl::Duration max_connection_age = absl::ZeroDuration();
-  // PEM files; both set = TLS, both empty = plaintext.
-  std::string tls_cert_file;
-  std::string tls_key_file;
+  // TLS (--tls_cert, --tls_key, --tls_reload_s): both files set = TLS, both empty = plaintext.
+  // The files are followed: a renewed pair serves new connections without a restart.
+  TlsFiles tls;
   // How long Shutdown waits for in-flight calls before cancelling them.
   absl::Duration drain_timeout = absl::Seconds(30);
   std::string build_version = "0.1.0";

@@ -103,7 +103,10 @@ ABSL_FLAG(double, upload_idle_timeout_s, 60,
           "end an Admin UploadModel stream that sends no data for this long; its staging is "
           "removed (0 = never)");
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain (with --tls_key: serve TLS)");
-ABSL_FLAG(std::string, tls_key, "", "PEM private key");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of the certificate, unencrypted");
+ABSL_FLAG(double, tls_reload_s, 60,
+          "read --tls_cert/--tls_key again this often: a renewed pair serves new connections "
+          "without a restart (1-86400; rounded up to whole seconds)");
 ABSL_FLAG(double, drain_timeout_s, 30,
           "on SIGTERM/SIGINT, how long in-flight calls may finish (a signal while the models load, "
           "or a second one, exits at once)");
@@ -346,8 +349,9 @@ int Run(int argc, char** argv, int cpus) {
   o.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   o.stream_idle_timeout = seconds("stream_idle_timeout_s", absl::GetFlag(FLAGS_stream_idle_timeout_s));
   o.upload_idle_timeout = seconds("upload_idle_timeout_s", absl::GetFlag(FLAGS_upload_idle_timeout_s));
-  o.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
-  o.tls_key_file = absl::GetFlag(FLAGS_tls_key);
+  o.tls.cert_file = absl::GetFlag(FLAGS_tls_cert);
+  o.tls.key_file = absl::GetFlag(FLAGS_tls_key);
+  o.tls.reload_interval = seconds("tls_reload_s", absl::GetFlag(FLAGS_tls_reload_s));
   o.drain_timeout = seconds("drain_timeout_s", absl::GetFlag(FLAGS_drain_timeout_s));
   o.max_connection_age = seconds("max_connection_age_s", absl::GetFlag(FLAGS_max_connection_age_s));
   if (!bad_seconds.empty()) {

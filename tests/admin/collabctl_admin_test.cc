@@ -252,8 +252,8 @@ TEST(CollabctlAdminTest, TalksTlsToAnAdminServiceBehindTls) {
                           " >/dev/null 2>&1";
   ASSERT_EQ(std::system(cmd.c_str()), 0) << "openssl could not make a test certificate";
   service::ServerOptions o = ServerOptionsFor(repo.path());
-  o.tls_cert_file = cert;
-  o.tls_key_file = key;
+  o.tls.cert_file = cert;
+  o.tls.key_file = key;
   ServerWithAdmin running;
   ASSERT_TRUE(running.Start(o, "tls-token").ok());
   absl::SetFlag(&FLAGS_token_file, "");

@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "collabserve/v1/inference.grpc.pb.h"
@@ -20,6 +21,7 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/create_channel.h"
+#include "grpcpp/security/auth_context.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
 #include "server/util/files.h"
@@ -783,33 +785,183 @@ TEST_F(ServerTest, ShutdownEndsOpenStreamsAndReturns) {
   EXPECT_FALSE(stream->Finish().ok());
 }
 
-TEST_F(ServerTest, ServesTlsWhenGivenACertificate) {
-  TempDir certs;
-  const std::string cert = certs.path() + "/cert.pem", key = certs.path() + "/key.pem";
-  const std::string cmd = "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost "
-                          "-addext subjectAltName=DNS:localhost -keyout " + key + " -out " + cert +
-                          " >/dev/null 2>&1";
-  ASSERT_EQ(std::system(cmd.c_str()), 0) << "openssl could not make a test certificate";
-  ServerOptions o = Options();
-  o.tls_cert_file = cert;
-  o.tls_key_file = key;
-  Start(o);
+// A self-signed certificate for localhost whose subject carries `org`, as dir/<name>.crt and
+// dir/<name>.key; its PEM text.
+std::string MakeCertificate(const std::string& dir, const std::string& name, const std::string& org) {
+  const std::string cert = dir + "/" + name + ".crt", key = dir + "/" + name + ".key";
+  const std::string cmd = "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost/O=" +
+                          org + " -addext subjectAltName=DNS:localhost -keyout " + key + " -out " +
+                          cert + " >/dev/null 2>&1";
+  EXPECT_EQ(std::system(cmd.c_str()), 0) << "openssl could not make a test certificate";
+  absl::StatusOr<std::string> pem = util::ReadFile(cert);
+  return pem.ok() ? *pem : "";
+}
+
+// A mounted Secret as the kubelet lays it out: tls.crt and tls.key are links into ..data, itself a
+// link to a directory of the Secret's generation; an update writes a new generation and swaps
+// ..data in one rename, so that a reader sees the old pair or the new one, never half of each.
+class SecretVolume {
+ public:
+  explicit SecretVolume(std::string dir) : dir_(std::move(dir)) {}
+  std::string cert() const { return dir_ + "/tls.crt"; }
+  std::string key() const { return dir_ + "/tls.key"; }
+
+  void Write(const std::string& cert_from, const std::string& key_from) {
+    namespace fs = std::filesystem;
+    const std::string old = "..gen" + std::to_string(generation_);
+    const std::string gen = "..gen" + std::to_string(++generation_);
+    fs::create_directory(dir_ + "/" + gen);
+    fs::copy_file(cert_from, dir_ + "/" + gen + "/tls.crt");
+    fs::copy_file(key_from, dir_ + "/" + gen + "/tls.key");
+    fs::create_directory_symlink(gen, dir_ + "/..data_tmp");
+    fs::rename(dir_ + "/..data_tmp", dir_ + "/..data");
+    if (generation_ == 1) {
+      fs::create_symlink("..data/tls.crt", cert());
+      fs::create_symlink("..data/tls.key", key());
+    } else {
+      fs::remove_all(dir_ + "/" + old);
+    }
+  }
+
+ private:
+  const std::string dir_;
+  int generation_ = 0;
+};
+
+// One TLS call on a connection of its own (no subchannel shared with earlier channels); the
+// subject of the certificate the server presented, or the call's error.
+absl::StatusOr<std::string> TlsClassifySubject(int port, const std::string& roots) {
   grpc::SslCredentialsOptions ssl;
-  ssl.pem_root_certs = *util::ReadFile(cert);
+  ssl.pem_root_certs = roots;
   grpc::ChannelArguments args;
   args.SetSslTargetNameOverride("localhost");
-  auto channel = grpc::CreateCustomChannel(absl::StrCat("127.0.0.1:", server_->port()),
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  auto channel = grpc::CreateCustomChannel(absl::StrCat("127.0.0.1:", port),
                                            grpc::SslCredentials(ssl), args);
   auto stub = v1::Inference::NewStub(channel);
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
   v1::ClassifyResponse resp;
   grpc::Status s = stub->Classify(&ctx, Request("tiny", {"over TLS"}), &resp);
-  EXPECT_TRUE(s.ok()) << s.error_message();
+  if (!s.ok()) return absl::UnavailableError(s.error_message());
+  std::vector<grpc::string_ref> subject = ctx.auth_context()->FindPropertyValues("x509_subject");
+  if (subject.empty()) return absl::InternalError("no x509_subject in the call's auth context");
+  return std::string(subject[0].data(), subject[0].size());
+}
+
+TEST_F(ServerTest, ServesTlsWhenGivenACertificate) {
+  TempDir certs;
+  const std::string pem = MakeCertificate(certs.path(), "server", "first");
+  ServerOptions o = Options();
+  o.tls.cert_file = certs.path() + "/server.crt";
+  o.tls.key_file = certs.path() + "/server.key";
+  Start(o);
+  absl::StatusOr<std::string> subject = TlsClassifySubject(server_->port(), pem);
+  ASSERT_TRUE(subject.ok()) << subject.status();
+  EXPECT_THAT(*subject, HasSubstr("first"));
   // A plaintext client cannot talk to it.
   v1::ClassifyResponse plain;
-  s = Classify(Request("tiny", {"in the clear"}), &plain, absl::Seconds(3));
+  grpc::Status s = Classify(Request("tiny", {"in the clear"}), &plain, absl::Seconds(3));
   EXPECT_FALSE(s.ok());
+}
+
+// cert-manager renews the Secret and the kubelet swaps the files: new connections get the new
+// certificate without a restart. /metrics tells the expiry and whether the pair on disk checks. A
+// file that goes missing keeps the last pair serving; a key that is not the certificate's fails
+// new handshakes (as the docs and the alerts say).
+TEST_F(ServerTest, ARenewedCertificateServesNewConnectionsWithoutARestart) {
+  TempDir certs, mounted;
+  const std::string c = certs.path();
+  const std::string first = MakeCertificate(c, "first", "first");
+  const std::string second = MakeCertificate(c, "second", "second");
+  SecretVolume secret(mounted.path());
+  secret.Write(c + "/first.crt", c + "/first.key");
+  ServerOptions o = Options();
+  o.tls = {secret.cert(), secret.key(), absl::Seconds(1)};
+  Start(o);
+  const std::string roots = first + second;
+  const int port = server_->port();
+  absl::StatusOr<std::string> subject = TlsClassifySubject(port, roots);
+  ASSERT_TRUE(subject.ok()) << subject.status();
+  EXPECT_THAT(*subject, HasSubstr("first"));
+  std::map<std::string, double> m = Metrics();
+  EXPECT_EQ(m["collabserve_tls_certificate_valid"], 1);
+  const double now = absl::ToUnixSeconds(absl::Now());
+  EXPECT_NEAR(m["collabserve_tls_certificate_expiry_timestamp_seconds"], now + 86400, 600);
+  EXPECT_NEAR(m["collabserve_tls_certificate_not_before_timestamp_seconds"], now, 600);
+
+  secret.Write(c + "/second.crt", c + "/second.key");
+  EXPECT_TRUE(Eventually([&] {
+    absl::StatusOr<std::string> s = TlsClassifySubject(port, roots);
+    return s.ok() && absl::StrContains(*s, "second");
+  }));
+
+  // The key's file goes: the gauge drops, the last pair read keeps serving.
+  std::filesystem::remove(secret.key());
+  m = Metrics();
+  EXPECT_EQ(m["collabserve_tls_certificate_valid"], 0);
+  EXPECT_EQ(m.count("collabserve_tls_certificate_expiry_timestamp_seconds"), 0u);
+  absl::SleepFor(absl::Seconds(2.5));  // more than two reads
+  subject = TlsClassifySubject(port, roots);
+  ASSERT_TRUE(subject.ok()) << subject.status();
+  EXPECT_THAT(*subject, HasSubstr("second"));
+
+  // A renewal whose key is not its certificate's: new handshakes fail; the call made on a
+  // connection from before goes on.
+  std::filesystem::create_symlink("..data/tls.key", secret.key());
+  secret.Write(c + "/second.crt", c + "/first.key");
+  EXPECT_EQ(Metrics()["collabserve_tls_certificate_valid"], 0);
+  EXPECT_TRUE(Eventually([&] { return !TlsClassifySubject(port, roots).ok(); }));
+}
+
+// What is wrong with the files is said at start, naming the flag and the file; before, gRPC took
+// any bytes and the server failed later with "cannot listen".
+TEST_F(ServerTest, BadCertificateFilesAreRefusedAtStartNamingTheFile) {
+  TempDir certs;
+  MakeCertificate(certs.path(), "a", "a");
+  MakeCertificate(certs.path(), "b", "b");
+  const std::string dir = certs.path();
+  ASSERT_TRUE(util::WriteFileAtomic(dir + "/garbage.pem", "not a certificate\n").ok());
+  // A chain file holds the server's certificate first, then its issuers'.
+  ASSERT_EQ(std::system(("cat " + dir + "/a.crt " + dir + "/b.crt > " + dir + "/chain.crt").c_str()), 0);
+  ASSERT_EQ(std::system(("cat " + dir + "/b.crt " + dir + "/a.crt > " + dir + "/ca-first.crt").c_str()), 0);
+  ASSERT_EQ(std::system(("openssl pkey -in " + dir + "/a.key -aes256 -passout pass:secret -out " + dir +
+                         "/encrypted.key >/dev/null 2>&1").c_str()),
+            0);
+  struct Case {
+    TlsFiles files;
+    absl::StatusCode code;
+    std::string expect;
+  };
+  const std::vector<Case> cases = {
+      {{dir + "/missing.crt", dir + "/a.key"}, absl::StatusCode::kNotFound, "--tls_cert: " + dir + "/missing.crt"},
+      {{dir + "/garbage.pem", dir + "/a.key"}, absl::StatusCode::kInvalidArgument,
+       "--tls_cert " + dir + "/garbage.pem: no PEM certificate in it"},
+      {{dir + "/a.crt", dir + "/garbage.pem"}, absl::StatusCode::kInvalidArgument, "no PEM private key in it"},
+      {{dir + "/a.crt", dir + "/encrypted.key"}, absl::StatusCode::kInvalidArgument,
+       "--tls_key " + dir + "/encrypted.key is encrypted; the server takes an unencrypted key"},
+      {{dir + "/a.crt", dir + "/b.key"}, absl::StatusCode::kInvalidArgument,
+       "--tls_key " + dir + "/b.key is not the key of the certificate in --tls_cert " + dir + "/a.crt"},
+      {{dir + "/ca-first.crt", dir + "/a.key"}, absl::StatusCode::kInvalidArgument,
+       "is not the key of the certificate in --tls_cert " + dir + "/ca-first.crt"},
+      {{dir + "/a.crt", dir + "/a.key", absl::ZeroDuration()}, absl::StatusCode::kInvalidArgument,
+       "--tls_reload_s=0 is not within 1-86400"},
+      {{dir + "/a.crt", dir + "/a.key", absl::Hours(48)}, absl::StatusCode::kInvalidArgument,
+       "--tls_reload_s=172800 is not within 1-86400"},
+  };
+  for (const Case& c : cases) {
+    ServerOptions o = Options();
+    o.tls = c.files;
+    Server server(o);
+    absl::Status s = server.Start();
+    EXPECT_EQ(s.code(), c.code) << s;
+    EXPECT_THAT(std::string(s.message()), HasSubstr(c.expect));
+  }
+  absl::StatusOr<CertificateFacts> facts = CheckCertificateFiles({dir + "/chain.crt", dir + "/a.key"});
+  ASSERT_TRUE(facts.ok()) << facts.status();
+  EXPECT_THAT(facts->subject, HasSubstr("O=a"));
+  EXPECT_LT(facts->not_before, absl::Now() + absl::Minutes(1));
+  EXPECT_GT(facts->not_after, absl::Now() + absl::Hours(23));
 }
 
 TEST_F(ServerTest, RequestLimitsBelowOneAreRefusedAtStartUp) {
@@ -862,7 +1014,7 @@ TEST(ListeningAddressTest, IPv6LiteralsGoInBrackets) {
 
 TEST_F(ServerTest, HalfTlsConfigurationIsRejected) {
   ServerOptions o = Options();
-  o.tls_cert_file = "/some/cert.pem";
+  o.tls.cert_file = "/some/cert.pem";
   Server server(o);
   absl::Status s = server.Start();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
