@@ -46,15 +46,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Create(const ClientOptions& opti
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(options.max_message_bytes);
   args.SetMaxSendMessageSize(options.max_message_bytes);
-  std::shared_ptr<grpc::ChannelCredentials> creds;
-  if (options.use_tls) {
-    grpc::SslCredentialsOptions ssl;
-    ssl.pem_root_certs = options.root_certs_pem;
-    creds = grpc::SslCredentials(ssl);
-  } else {
-    creds = grpc::InsecureChannelCredentials();
-  }
-  auto channel = grpc::CreateCustomChannel(options.address, creds, args);
+  auto channel = grpc::CreateCustomChannel(options.address, ChannelCredentials(options.tls), args);
   if (options.wait_for_connection &&
       !channel->WaitForConnected(std::chrono::system_clock::now() + options.default_deadline)) {
     return absl::UnavailableError(absl::StrCat("cannot connect to ", options.address, " within ",

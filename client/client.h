@@ -12,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "collabserve/v1/inference.grpc.pb.h"
+#include "client/tls.h"
 #include "grpcpp/channel.h"
 
 namespace collabserve::client {
@@ -39,9 +40,8 @@ struct ClientOptions {
   std::chrono::milliseconds default_deadline{10000};
   // Largest message sent or received (bytes).
   int max_message_bytes = 64 << 20;
-  // TLS: if `use_tls`, `root_certs_pem` (empty = system roots) verifies the server.
-  bool use_tls = false;
-  std::string root_certs_pem;
+  // TLS (off by default), mutual TLS with a client certificate.
+  ClientTls tls;
   // Wait for the channel to connect in Create (up to default_deadline); UNAVAILABLE otherwise.
   bool wait_for_connection = false;
   RetryOptions retry;

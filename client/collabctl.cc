@@ -32,6 +32,10 @@ ABSL_FLAG(bool, tls, false, "use TLS (inference and admin commands)");
 ABSL_FLAG(std::string, tls_ca_file, "",
           "with --tls: PEM file of the root certificates that verify the server (default: the "
           "system's roots)");
+ABSL_FLAG(std::string, tls_client_cert, "",
+          "with --tls, for a server with --tls_client_ca (mutual TLS): PEM file of this client's "
+          "certificate chain (with --tls_client_key)");
+ABSL_FLAG(std::string, tls_client_key, "", "with --tls_client_cert: PEM file of its private key");
 ABSL_FLAG(std::string, service, "", "health: service name to check (\"\" = server)");
 ABSL_FLAG(int, top_k, 0, "classify: labels to return per input");
 ABSL_FLAG(bool, raw_scores, false, "classify: logits instead of probabilities");
@@ -188,11 +192,40 @@ int Bench(const Client& client) {
   return r->errors > 0 ? 1 : 0;
 }
 
+// --tls, --tls_ca_file, --tls_client_cert, --tls_client_key; the files read. Errors name the flag.
+absl::StatusOr<collabserve::client::ClientTls> TlsFromFlags() {
+  collabserve::client::ClientTls tls;
+  tls.enabled = absl::GetFlag(FLAGS_tls);
+  struct File {
+    const char* flag;
+    std::string path;
+    std::string* pem;
+  };
+  const std::string cert = absl::GetFlag(FLAGS_tls_client_cert);
+  const std::string key = absl::GetFlag(FLAGS_tls_client_key);
+  if (cert.empty() != key.empty()) {
+    return absl::InvalidArgumentError("--tls_client_cert and --tls_client_key go together");
+  }
+  for (const File& f : {File{"tls_ca_file", absl::GetFlag(FLAGS_tls_ca_file), &tls.root_certs_pem},
+                        File{"tls_client_cert", cert, &tls.cert_chain_pem},
+                        File{"tls_client_key", key, &tls.private_key_pem}}) {
+    if (f.path.empty()) continue;
+    if (!tls.enabled) return absl::InvalidArgumentError(absl::StrCat("--", f.flag, " needs --tls"));
+    absl::StatusOr<std::string> pem = collabserve::util::ReadFile(f.path, size_t{1} << 20);
+    if (!pem.ok()) {
+      return absl::Status(pem.status().code(), absl::StrCat("--", f.flag, ": ", pem.status().message()));
+    }
+    *f.pem = *std::move(pem);
+  }
+  return tls;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "collabctl [--address=HOST:PORT] [--tls [--tls_ca_file=F]] COMMAND  (every flag: --help)\n"
+      "collabctl [--address=HOST:PORT] [--tls [--tls_ca_file=F]\n"
+      "          [--tls_client_cert=F --tls_client_key=F]] COMMAND  (every flag: --help)\n"
       "  classify TEXT... [--model=M] [--version=V] [--top_k=K] [--raw_scores] [--json]\n"
       "  tokenize TEXT... | models [--json] | model [NAME] | health [--service=S] | bench\n"
       "admin commands (--token_file=F, else $COLLABSERVE_TOKEN):\n"
@@ -217,25 +250,16 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string command = rest[1];
-  std::string root_certs_pem;
-  if (const std::string ca = absl::GetFlag(FLAGS_tls_ca_file); !ca.empty()) {
-    if (!absl::GetFlag(FLAGS_tls)) {
-      std::cerr << "collabctl: --tls_ca_file needs --tls\n";
-      return 2;
-    }
-    absl::StatusOr<std::string> pem = collabserve::util::ReadFile(ca);
-    if (!pem.ok()) {
-      std::cerr << "collabctl: --tls_ca_file: " << pem.status().message() << "\n";
-      return 2;
-    }
-    root_certs_pem = *std::move(pem);
+  absl::StatusOr<collabserve::client::ClientTls> tls = TlsFromFlags();
+  if (!tls.ok()) {
+    std::cerr << "collabctl: " << tls.status().message() << "\n";
+    return 2;
   }
   if (collabserve::client::IsAdminCommand(command)) {
     std::vector<char*> a(rest.begin() + 2, rest.end());
     collabserve::client::AdminTarget target;
     target.address = absl::GetFlag(FLAGS_address);
-    target.use_tls = absl::GetFlag(FLAGS_tls);
-    target.root_certs_pem = root_certs_pem;
+    target.tls = *tls;
     return collabserve::client::RunAdminCommand(command, static_cast<int>(a.size()), a.data(),
                                                 target);
   }
@@ -247,8 +271,7 @@ int main(int argc, char** argv) {
   collabserve::client::ClientOptions options;
   options.address = absl::GetFlag(FLAGS_address);
   options.default_deadline = std::chrono::milliseconds(absl::GetFlag(FLAGS_deadline_ms));
-  options.use_tls = absl::GetFlag(FLAGS_tls);
-  options.root_certs_pem = root_certs_pem;
+  options.tls = *tls;
   // A load generator measures what the server does: an overloaded server's RESOURCE_EXHAUSTED
   // is a result to count, not something to retry.
   if (command == "bench") options.retry.max_attempts = 1;

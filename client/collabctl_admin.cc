@@ -98,15 +98,9 @@ bool ReadToken(std::string* token) {
 class Admin {
  public:
   Admin(const AdminTarget& target, std::string token)
-      : stub_(v1::Admin::NewStub(grpc::CreateChannel(target.address, Credentials(target)))),
+      : stub_(v1::Admin::NewStub(
+            grpc::CreateChannel(target.address, ChannelCredentials(target.tls)))),
         token_(std::move(token)) {}
-
-  static std::shared_ptr<grpc::ChannelCredentials> Credentials(const AdminTarget& target) {
-    if (!target.use_tls) return grpc::InsecureChannelCredentials();
-    grpc::SslCredentialsOptions ssl;
-    ssl.pem_root_certs = target.root_certs_pem;
-    return grpc::SslCredentials(ssl);
-  }
 
   std::unique_ptr<grpc::ClientContext> Context(absl::Duration deadline = absl::Minutes(10)) {
     auto ctx = std::make_unique<grpc::ClientContext>();

@@ -9,6 +9,8 @@
 
 #include <string>
 
+#include "client/tls.h"
+
 namespace collabserve::client {
 
 // True for the commands above.
@@ -17,8 +19,7 @@ bool IsAdminCommand(const std::string& cmd);
 // Where the Admin service listens and how to reach it.
 struct AdminTarget {
   std::string address;         // HOST:PORT
-  bool use_tls = false;        // TLS, as the server's --tls_cert / --tls_key offer it
-  std::string root_certs_pem;  // with use_tls: roots that verify the server; empty = system roots
+  ClientTls tls;
 };
 
 // Runs admin command `cmd` against `target`. `argc`/`argv` are the positional arguments after

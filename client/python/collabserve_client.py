@@ -7,6 +7,7 @@ generated code is kept anywhere. Every command prints JSON (one object per line)
 exits non-zero with the gRPC status code and message on stderr when a call fails.
 
   collabserve_client.py --address 127.0.0.1:8500 [--tls [--tls-ca-file F]] health [--service MODEL]
+      (mutual TLS: --tls-client-cert F --tls-client-key F)
   collabserve_client.py classify --model tiny [--version 2] [--pair TEXT ...] TEXT ...
   collabserve_client.py infer --model tiny [--version 2] [--raw] [--top K] [--pair TEXT ...] TEXT ...
   collabserve_client.py kserve-status [--model tiny]
@@ -114,16 +115,19 @@ class Client:
     RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
     def __init__(self, address, stubs, timeout_s=30.0, token=None, tls=False, root_certs=None,
-                 on_retry=None):
+                 on_retry=None, client_cert=None, client_key=None):
         """tls: talk TLS, as the server's --tls_cert / --tls_key offer it; root_certs (PEM bytes)
-        verify the server, None = the system's roots. on_retry(error, attempt) is called before
-        each wait (for logging)."""
+        verify the server, None = the system's roots; client_cert and client_key (PEM bytes):
+        this client's certificate, for a server with --tls_client_ca (mutual TLS).
+        on_retry(error, attempt) is called before each wait (for logging)."""
         self.stubs = stubs
         self.timeout = timeout_s
         self.on_retry = on_retry
         if tls:
             self.channel = grpc.secure_channel(
-                address, grpc.ssl_channel_credentials(root_certificates=root_certs))
+                address, grpc.ssl_channel_credentials(root_certificates=root_certs,
+                                                      private_key=client_key,
+                                                      certificate_chain=client_cert))
         else:
             self.channel = grpc.insecure_channel(address)
         self.inference = stubs.inference_grpc.InferenceStub(self.channel)
@@ -366,6 +370,10 @@ def main(argv=None):
     parser.add_argument("--tls-ca-file",
                         help="with --tls: PEM root certificates that verify the server (default: "
                              "the system's)")
+    parser.add_argument("--tls-client-cert",
+                        help="with --tls, for a server with --tls_client_ca (mutual TLS): PEM "
+                             "certificate chain of this client (with --tls-client-key)")
+    parser.add_argument("--tls-client-key", help="with --tls-client-cert: PEM file of its key")
     sub = parser.add_subparsers(dest="command", required=True)
     # The Admin commands take --token-file after their name too (SUPPRESS: not given there, the
     # one before the command stands).
@@ -404,8 +412,11 @@ def main(argv=None):
     p.add_argument("job_id")
     args = parser.parse_args(argv)
 
-    if args.tls_ca_file and not args.tls:
-        parser.error("--tls-ca-file needs --tls")
+    for flag in ("tls_ca_file", "tls_client_cert", "tls_client_key"):
+        if getattr(args, flag) and not args.tls:
+            parser.error("--%s needs --tls" % flag.replace("_", "-"))
+    if bool(args.tls_client_cert) != bool(args.tls_client_key):
+        parser.error("--tls-client-cert and --tls-client-key go together")
     if args.command in ("classify", "infer") and args.pair and len(args.pair) != len(args.texts):
         parser.error("give --pair once per text (%d texts, %d pairs)"
                      % (len(args.texts), len(args.pair)))
@@ -429,19 +440,22 @@ def main(argv=None):
                     token = f.read().strip()
             except OSError as e:
                 raise OSError("--token-file: %s" % e) from e
-        root_certs = None
-        if args.tls_ca_file:
-            try:
-                with open(args.tls_ca_file, "rb") as f:
-                    root_certs = f.read()
-            except OSError as e:
-                raise OSError("--tls-ca-file: %s" % e) from e
+        pems = {}
+        for flag in ("tls_ca_file", "tls_client_cert", "tls_client_key"):
+            pems[flag] = None
+            if getattr(args, flag):
+                try:
+                    with open(getattr(args, flag), "rb") as f:
+                        pems[flag] = f.read()
+                except OSError as e:
+                    raise OSError("--%s: %s" % (flag.replace("_", "-"), e)) from e
         def on_retry(error, attempt):
             print("collabserve_client: %s: attempt %d: %s: %s; trying again"
                   % (args.command, attempt, error.code().name, error.details()), file=sys.stderr)
 
         client = Client(args.address, Stubs(args.proto_dir), args.timeout, token, args.tls,
-                        root_certs, on_retry)
+                        pems["tls_ca_file"], on_retry, pems["tls_client_cert"],
+                        pems["tls_client_key"])
         if args.command == "health":
             status = client.check_health(args.service)
             print_json({"service": args.service, "status": status})

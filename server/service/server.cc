@@ -400,6 +400,11 @@ absl::Status ValidateServerOptions(const ServerOptions& o) {
   if (o.tls.cert_file.empty() != o.tls.key_file.empty()) {
     return absl::InvalidArgumentError("--tls_cert and --tls_key must be given together");
   }
+  RETURN_IF_ERROR(CheckReloadInterval(o.tls.reload_interval));
+  if (!o.tls.client_ca_file.empty() && o.tls.cert_file.empty()) {
+    return absl::InvalidArgumentError(
+        "--tls_client_ca needs --tls_cert and --tls_key (client certificates are asked for over TLS)");
+  }
   if (o.max_message_bytes < 1024) {
     return absl::InvalidArgumentError(absl::StrCat("--max_message_bytes=", o.max_message_bytes,
                                                    " is below 1024; requests would not fit"));

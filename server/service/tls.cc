@@ -61,15 +61,20 @@ absl::Time FromAsn1(const ASN1_TIME* t) {
 
 }  // namespace
 
+absl::Status CheckReloadInterval(absl::Duration interval) {
+  if (interval < absl::Seconds(1) || interval > absl::Hours(24)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--tls_reload_s=", absl::ToDoubleSeconds(interval),
+                     " is not within 1-86400: the certificate files are read again that often"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<CertificateFacts> CheckCertificateFiles(const TlsFiles& files) {
   if (files.cert_file.empty() || files.key_file.empty()) {
     return absl::InvalidArgumentError("--tls_cert and --tls_key must be given together");
   }
-  if (files.reload_interval < absl::Seconds(1) || files.reload_interval > absl::Hours(24)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--tls_reload_s=", absl::ToDoubleSeconds(files.reload_interval),
-                     " is not within 1-86400: the certificate files are read again that often"));
-  }
+  RETURN_IF_ERROR(CheckReloadInterval(files.reload_interval));
   absl::StatusOr<std::string> cert_pem = util::ReadFile(files.cert_file, kMaxPemBytes);
   if (!cert_pem.ok()) {
     return absl::Status(cert_pem.status().code(),
@@ -112,6 +117,20 @@ absl::StatusOr<CertificateFacts> CheckCertificateFiles(const TlsFiles& files) {
                                                    " is not the key of the certificate in --tls_cert ",
                                                    files.cert_file));
   }
+  if (!files.client_ca_file.empty()) {
+    absl::StatusOr<std::string> ca_pem = util::ReadFile(files.client_ca_file, kMaxPemBytes);
+    if (!ca_pem.ok()) {
+      return absl::Status(ca_pem.status().code(),
+                          absl::StrCat("--tls_client_ca: ", ca_pem.status().message()));
+    }
+    auto ca_bio = MemoryBio(*ca_pem);
+    std::unique_ptr<X509, X509Free> ca(
+        ca_bio == nullptr ? nullptr : PEM_read_bio_X509(ca_bio.get(), nullptr, nullptr, nullptr));
+    if (ca == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--tls_client_ca ", files.client_ca_file, ": no PEM certificate in it", OpenSslReason()));
+    }
+  }
   CertificateFacts facts;
   char subject[512] = {0};
   X509_NAME_oneline(X509_get_subject_name(cert.get()), subject, sizeof(subject));
@@ -140,9 +159,13 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> FollowedServerCredentia
   const auto seconds = static_cast<unsigned int>(
       absl::ToInt64Seconds(absl::Ceil(files.reload_interval, absl::Seconds(1))));
   auto provider = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
-      files.key_file, files.cert_file, seconds);
+      files.key_file, files.cert_file, files.client_ca_file, seconds);
   grpc::experimental::TlsServerCredentialsOptions options(provider);
   options.watch_identity_key_cert_pairs();
+  if (!files.client_ca_file.empty()) {
+    options.watch_root_certs();
+    options.set_cert_request_type(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+  }
   std::shared_ptr<grpc::ServerCredentials> creds = grpc::experimental::TlsServerCredentials(options);
   if (creds == nullptr) return absl::InternalError("gRPC made no TLS server credentials");
   return creds;
@@ -171,8 +194,8 @@ class CertificateCollectable : public prometheus::Collectable {
     std::vector<prometheus::MetricFamily> out(1);
     out[0].name = "collabserve_tls_certificate_valid";
     out[0].help =
-        "1 while the --tls_cert/--tls_key pair on disk parses and matches (the server reads it "
-        "again every --tls_reload_s), else 0: with a key that is not the certificate's or a file "
+        "1 while the --tls_cert/--tls_key pair on disk parses and matches and --tls_client_ca (if "
+        "set) parses (the server reads them again every --tls_reload_s), else 0: with a key that is not the certificate's or a file "
         "that does not parse, new TLS handshakes fail; with a file missing or unreadable, the "
         "last pair read keeps serving but the next start fails.";
     out[0].type = prometheus::MetricType::Gauge;

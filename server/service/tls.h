@@ -19,7 +19,8 @@ class Collectable;
 
 namespace collabserve::service {
 
-// --tls_cert / --tls_key / --tls_reload_s. Both files set = TLS, both empty = plaintext.
+// --tls_cert / --tls_key / --tls_client_ca / --tls_reload_s. Both files set = TLS, both empty =
+// plaintext.
 struct TlsFiles {
   std::string cert_file;  // PEM certificate chain, the server's own certificate first
   std::string key_file;   // its PEM private key, unencrypted
@@ -29,6 +30,9 @@ struct TlsFiles {
   // renewals: replace both at once (the kubelet's symlink swap does), or a mismatched pair may be
   // read and fail handshakes until the next read.
   absl::Duration reload_interval = absl::Seconds(60);
+  // Mutual TLS: PEM certificates of the authorities whose client certificates are accepted; a
+  // client without one is refused at the handshake. Empty = no client certificate asked for.
+  std::string client_ca_file = {};
 
   bool enabled() const { return !cert_file.empty() || !key_file.empty(); }
 };
@@ -40,15 +44,19 @@ struct CertificateFacts {
   absl::Time not_after;
 };
 
-// Reads both files and checks that the first certificate parses, that the key parses and is the
-// certificate's own, and that the reload interval is at least a second. Errors are
+// --tls_reload_s within 1 s to a day (checked with or without TLS, as every flag is).
+absl::Status CheckReloadInterval(absl::Duration interval);
+
+// Reads the files and checks that the first certificate parses, that the key parses and is the
+// certificate's own, that the client CA file (if any) holds a certificate, and that the reload
+// interval is within 1 s to a day. Errors are
 // INVALID_ARGUMENT (NOT_FOUND for a missing file) and name the flag and the file. An expired
 // certificate passes (FollowedServerCredentials warns).
 absl::StatusOr<CertificateFacts> CheckCertificateFiles(const TlsFiles& files);
 
 // Server credentials on `files`, after CheckCertificateFiles (and a warning if the certificate
-// is expired or not yet valid): gRPC reads the pair again every reload_interval, and a pair that
-// changed is used for the handshakes that follow; connections already made keep theirs. Later
+// is expired or not yet valid): gRPC reads the pair (and the client CA file) again every
+// reload_interval, and what changed is used for the handshakes that follow; connections already made keep theirs. Later
 // trouble is gRPC's to handle: a file missing or unreadable keeps the last pair read serving (the
 // next start fails); a pair that is read but does not work (a key that is not the certificate's,
 // bytes that do not parse) makes new handshakes fail until it is mended. The collectable below

@@ -104,9 +104,12 @@ ABSL_FLAG(double, upload_idle_timeout_s, 60,
           "removed (0 = never)");
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain (with --tls_key: serve TLS)");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of the certificate, unencrypted");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "mutual TLS: PEM certificates of the authorities whose client certificates are "
+          "accepted; a client without one is refused (with --tls_cert; followed as they are)");
 ABSL_FLAG(double, tls_reload_s, 60,
-          "read --tls_cert/--tls_key again this often: a renewed pair serves new connections "
-          "without a restart (1-86400; rounded up to whole seconds)");
+          "read --tls_cert/--tls_key/--tls_client_ca again this often: a renewed pair serves new "
+          "connections without a restart (1-86400; rounded up to whole seconds)");
 ABSL_FLAG(double, drain_timeout_s, 30,
           "on SIGTERM/SIGINT, how long in-flight calls may finish (a signal while the models load, "
           "or a second one, exits at once)");
@@ -351,6 +354,7 @@ int Run(int argc, char** argv, int cpus) {
   o.upload_idle_timeout = seconds("upload_idle_timeout_s", absl::GetFlag(FLAGS_upload_idle_timeout_s));
   o.tls.cert_file = absl::GetFlag(FLAGS_tls_cert);
   o.tls.key_file = absl::GetFlag(FLAGS_tls_key);
+  o.tls.client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
   o.tls.reload_interval = seconds("tls_reload_s", absl::GetFlag(FLAGS_tls_reload_s));
   o.drain_timeout = seconds("drain_timeout_s", absl::GetFlag(FLAGS_drain_timeout_s));
   o.max_connection_age = seconds("max_connection_age_s", absl::GetFlag(FLAGS_max_connection_age_s));

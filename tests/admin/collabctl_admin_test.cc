@@ -263,8 +263,8 @@ TEST(CollabctlAdminTest, TalksTlsToAnAdminServiceBehindTls) {
   AdminTarget target;
   target.address = absl::StrCat("localhost:", running.server->port());  // the certificate's name
   EXPECT_EQ(RunAdminCommand("jobs", 0, none, target), 1);  // plaintext to a TLS port fails
-  target.use_tls = true;
-  target.root_certs_pem = *util::ReadFile(cert);
+  target.tls.enabled = true;
+  target.tls.root_certs_pem = *util::ReadFile(cert);
   EXPECT_EQ(RunAdminCommand("jobs", 0, none, target), 0);
   char tiny[] = "tiny", one[] = "1";
   char* v1[] = {tiny, one};

@@ -204,6 +204,25 @@ check(find(ext, 'HorizontalPodAutoscaler')[0].spec.metrics[0].resource.name === 
     'with TLS, probes.readiness.service is /readyz/<model>');
 }
 check(find(ext, 'ConfigMap')[0].data.COLLABSERVE_TLS_CERT === '/etc/collabserve/tls/tls.crt', 'TLS flags point at the mounted Secret');
+check(find(ext, 'ConfigMap')[0].data.COLLABSERVE_TLS_CLIENT_CA === undefined, 'no client certificates asked for by default');
+{
+  // Mutual TLS: the CA from the TLS Secret itself (cert-manager's ca.crt), or from a Secret of its own.
+  const same = template(['tls.enabled=true', 'tls.secretName=cs-tls', 'tls.clientCA.enabled=true']);
+  await validateK8s(same, 'mutual TLS, CA in the TLS Secret');
+  check(find(same, 'ConfigMap')[0].data.COLLABSERVE_TLS_CLIENT_CA === '/etc/collabserve/tls/ca.crt' &&
+    !dep(same).spec.template.spec.volumes.some((v) => v.name === 'client-ca'),
+    'tls.clientCA from the TLS Secret: its ca.crt, no second volume');
+  check(ctr(same).args.some((a) => a.includes('tls_client_ca')), 'the container passes --tls_client_ca');
+  check(notes(['tls.enabled=true', 'tls.secretName=t', 'tls.clientCA.enabled=true']).includes('--tls --tls_client_cert=CLIENT.crt --tls_client_key=CLIENT.key health'),
+    'NOTES: collabctl with a client certificate under mutual TLS');
+  const own = template(['tls.enabled=true', 'tls.secretName=cs-tls', 'tls.clientCA.enabled=true',
+    'tls.clientCA.secretName=clients', 'tls.clientCA.key=bundle.pem']);
+  await validateK8s(own, 'mutual TLS, CA in a Secret of its own');
+  const v = dep(own).spec.template.spec.volumes.find((x) => x.name === 'client-ca');
+  check(v && v.secret.secretName === 'clients' && ctr(own).volumeMounts.some((m) => m.name === 'client-ca' && m.mountPath === '/etc/collabserve/client-ca'),
+    'tls.clientCA.secretName is mounted on its own');
+  check(find(own, 'ConfigMap')[0].data.COLLABSERVE_TLS_CLIENT_CA === '/etc/collabserve/client-ca/bundle.pem', 'tls.clientCA.key names the file');
+}
 check(find(ext, 'NetworkPolicy').length === 0 && find(ext, 'PodDisruptionBudget').length === 0, 'NetworkPolicy and PDB can be turned off');
 const demo = template(['server.modelRepository=']);
 check(!ctr(demo).args.some((a) => a.includes('model_repository')) && find(demo, 'PersistentVolumeClaim').length === 0,
@@ -241,6 +260,8 @@ function withExistingClaim(mode, sets) {
 
 // Bad values fail with a message that names the value.
 for (const [sets, want] of [[['server.adminPort=8500'], 'server.adminPort'], [['tls.enabled=true'], 'tls.secretName'],
+  [['tls.clientCA.enabled=true'], 'tls.clientCA.enabled (mutual TLS) needs tls.enabled'],
+  [['tls.enabled=true', 'tls.secretName=t', 'tls.clientCA.enabled=true', 'tls.clientCA.key='], 'tls.clientCA.key: name the key'],
   [['autoscaling.enabled=true', 'autoscaling.metric=memory'], 'autoscaling.metric'],
   // values.schema.json: a misspelt flag, a wrong type, a bad device are refused at install.
   [['server.flags.max_batch_sise=8'], 'max_batch_sise'], [['replicaCount=three'], 'replicaCount'],
@@ -287,7 +308,7 @@ if (table.status !== 0) fatal(`scripts/flag-table.py failed:\n${table.stderr}`);
 const serverFlags = new Map([...table.stdout.matchAll(/^\| `--(\w+)` \| [^|]+ \| ([^|]+?) \|/gm)].map((m) => [m[1], m[2].replace(/^"(.*)"$/, '$1')]));
 check(serverFlags.size > 30, `scripts/flag-table.py lists the server's flags; got ${serverFlags.size}`);
 const fromOwnValues = new Set(['port', 'admin_port', 'metrics_port', 'drain_timeout_s', 'device', 'model_repository',
-  'admin_token_file', 'tls_cert', 'tls_key']);
+  'admin_token_file', 'tls_cert', 'tls_key', 'tls_client_ca']);
 const throughExtraArgs = new Set(['v', 'vmodule']);  // glog's verbose log: server.extraArgs' example
 const schema = JSON.parse(fs.readFileSync(path.join(chart, 'values.schema.json'), 'utf8'));
 const schemaFlags = Object.keys(schema.properties.server.properties.flags.properties).sort();

@@ -79,6 +79,13 @@ TEST(CollabserveBinaryTest, ServesCollabctlAndMatchesTheOfflineTool) {
   EXPECT_THAT(out, HasSubstr("model_version -3 is not a version"));
   EXPECT_EQ(RunCommand(ctl + " classify --model=tiny --deadline_ms=0 'x' 2>&1", &out), 1);
   EXPECT_THAT(out, HasSubstr("--deadline_ms=0 must be > 0"));
+  // The TLS files are checked, and named, before any call.
+  EXPECT_EQ(RunCommand(ctl + " --tls_client_cert=/etc/hostname health 2>&1", &out), 2);
+  EXPECT_THAT(out, HasSubstr("--tls_client_cert and --tls_client_key go together"));
+  EXPECT_EQ(RunCommand(ctl + " --tls_client_cert=/a --tls_client_key=/b health 2>&1", &out), 2);
+  EXPECT_THAT(out, HasSubstr("--tls_client_cert needs --tls"));
+  EXPECT_EQ(RunCommand(ctl + " --tls --tls_client_cert=/none.crt --tls_client_key=/b health 2>&1", &out), 2);
+  EXPECT_THAT(out, HasSubstr("--tls_client_cert: /none.crt: no such file"));
   // No command: the usage, naming the admin token and every command; --help: the flags of both
   // of collabctl's files (absl's default lists only collabctl.cc's).
   EXPECT_EQ(RunCommand(Bin("collabctl") + " 2>&1", &out), 2);
@@ -515,6 +522,9 @@ TEST(CollabserveBinaryTest, RefusesABadFlagBeforeListening) {
       {"--vmodule=a=1,=2", "--vmodule=a=1,=2: '=2' is not PATTERN=N"},
       {"--admin_port=70000 --admin_token_file=" + repo.path() + "/tiny/1/vocab.txt",
        "--admin_port=70000 is not a port number"},
+      {"--tls_client_ca=/etc/hostname", "--tls_client_ca needs --tls_cert and --tls_key"},
+      {"--tls_cert=/none.crt --tls_key=/none.key", "--tls_cert: /none.crt: no such file"},
+      {"--tls_reload_s=0.5", "--tls_reload_s=0.5 is not within 1-86400"},
   };
   for (const auto& [flag, message] : cases) {
     std::string out;

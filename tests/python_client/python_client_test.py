@@ -219,6 +219,44 @@ class PythonClientTest(unittest.TestCase):
             server.kill()
             server.wait()
 
+    def test_mutual_tls(self):
+        # --tls_client_ca: the server refuses a client without a certificate the CA signed.
+        certs = os.path.join(self.tmp, "mtls")
+        os.makedirs(certs)
+        def make(name, subject):
+            crt, key = os.path.join(certs, name + ".crt"), os.path.join(certs, name + ".key")
+            run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                 "-subj", subject, "-addext", "subjectAltName=DNS:localhost",
+                 "-keyout", key, "-out", crt])
+            return crt, key
+        cert, key = make("server", "/CN=localhost")
+        client_cert, client_key = make("client", "/CN=client")
+        stranger_cert, stranger_key = make("stranger", "/CN=stranger")
+        server, address = start_server(self.repo, ["--tls_cert=" + cert, "--tls_key=" + key,
+                                                   "--tls_client_ca=" + client_cert])
+        try:
+            common = ["/usr/bin/python3", ARGS.client, "--address",
+                      "localhost:" + address.rsplit(":", 1)[1], "--proto-dir", ARGS.proto_dir]
+            tls = ["--tls", "--tls-ca-file", cert]
+            mine = ["--tls-client-cert", client_cert, "--tls-client-key", client_key]
+            proc = run(common + ["--timeout", "20"] + tls + mine +
+                       ["classify", "--model", "tiny", "hello"])
+            self.assertEqual(json.loads(proc.stdout.splitlines()[0])["model_version"], 1)
+            # No certificate, and one the CA did not sign: refused at the handshake.
+            for who in ([], ["--tls-client-cert", stranger_cert, "--tls-client-key", stranger_key]):
+                proc = run(common + ["--timeout", "3"] + tls + who + ["health"], check=False)
+                self.assertEqual(proc.returncode, 2, proc.stderr)
+                self.assertIn("UNAVAILABLE", proc.stderr)
+            proc = run(common + tls + ["--tls-client-cert", client_cert, "health"], check=False)
+            self.assertEqual(proc.returncode, 2)
+            self.assertIn("--tls-client-cert and --tls-client-key go together", proc.stderr)
+            proc = run(common + mine + ["health"], check=False)
+            self.assertEqual(proc.returncode, 2)
+            self.assertIn("--tls-client-cert needs --tls", proc.stderr)
+        finally:
+            server.kill()
+            server.wait()
+
     def test_retries_unavailable_within_the_deadline(self):
         # A Health service that fails its first calls with a chosen code: the client's retry
         # policy seen from the server's side.

@@ -16,6 +16,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
+#include "client/tls.h"
 #include "collabserve/v1/inference.grpc.pb.h"
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -912,6 +913,50 @@ TEST_F(ServerTest, ARenewedCertificateServesNewConnectionsWithoutARestart) {
   secret.Write(c + "/second.crt", c + "/first.key");
   EXPECT_EQ(Metrics()["collabserve_tls_certificate_valid"], 0);
   EXPECT_TRUE(Eventually([&] { return !TlsClassifySubject(port, roots).ok(); }));
+}
+
+// --tls_client_ca: a client needs a certificate the CA signed (here the client's self-signed one
+// is its own CA); without one, or with another, the handshake fails. The C++ client's ClientTls
+// carries it.
+TEST_F(ServerTest, MutualTlsRefusesClientsWithoutACertificateTheCaSigned) {
+  TempDir certs;
+  const std::string c = certs.path();
+  const std::string server_pem = MakeCertificate(c, "server", "server");
+  MakeCertificate(c, "client", "client");
+  MakeCertificate(c, "stranger", "stranger");
+  ServerOptions o = Options();
+  o.tls = {c + "/server.crt", c + "/server.key", absl::Seconds(60)};
+  o.tls.client_ca_file = c + "/client.crt";
+  Start(o);
+  auto classify = [&](const std::string& who) {
+    client::ClientTls tls;
+    tls.enabled = true;
+    tls.root_certs_pem = server_pem;
+    if (!who.empty()) {
+      tls.cert_chain_pem = *util::ReadFile(c + "/" + who + ".crt");
+      tls.private_key_pem = *util::ReadFile(c + "/" + who + ".key");
+    }
+    grpc::ChannelArguments args;
+    args.SetSslTargetNameOverride("localhost");
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    auto stub = v1::Inference::NewStub(grpc::CreateCustomChannel(
+        absl::StrCat("127.0.0.1:", server_->port()), client::ChannelCredentials(tls), args));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    v1::ClassifyResponse resp;
+    return stub->Classify(&ctx, Request("tiny", {"over mutual TLS"}), &resp).error_code();
+  };
+  EXPECT_EQ(classify("client"), grpc::StatusCode::OK);
+  EXPECT_EQ(classify(""), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(classify("stranger"), grpc::StatusCode::UNAVAILABLE);
+
+  ServerOptions bad = Options();
+  bad.tls = {c + "/server.crt", c + "/server.key", absl::Seconds(60)};
+  bad.tls.client_ca_file = c + "/server.key";
+  Server refused(bad);
+  absl::Status s = refused.Start();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("--tls_client_ca " + c + "/server.key: no PEM certificate"));
 }
 
 // What is wrong with the files is said at start, naming the flag and the file; before, gRPC took

@@ -112,6 +112,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if .Values.tls.enabled }}
 {{- $_ := set $f "tls_cert" "/etc/collabserve/tls/tls.crt" }}
 {{- $_ := set $f "tls_key" "/etc/collabserve/tls/tls.key" }}
+{{- if .Values.tls.clientCA.enabled }}
+{{- $_ := set $f "tls_client_ca" (include "collabserve.clientCAPath" .) }}
+{{- end }}
 {{- end }}
 {{- range $k, $v := .Values.server.flags }}
 {{- if ne (toString $v) "" }}
@@ -147,4 +150,18 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{/* "true" when --cpus comes from the container's CPU request (server.flags.cpus empty, a request set). */}}
 {{- define "collabserve.cpusFromRequest" -}}
 {{- if and (eq (toString .Values.server.flags.cpus) "") .Values.resources.requests .Values.resources.requests.cpu }}true{{ end }}
+{{- end }}
+
+{{/* Mutual TLS: the client CA file. In the TLS Secret's own mount when it is that Secret, else in
+     a volume of its own. */}}
+{{- define "collabserve.clientCAOwnVolume" -}}
+{{- $name := .Values.tls.clientCA.secretName | default .Values.tls.secretName }}
+{{- if ne $name .Values.tls.secretName }}true{{ end }}
+{{- end }}
+{{- define "collabserve.clientCAPath" -}}
+{{- if include "collabserve.clientCAOwnVolume" . -}}
+/etc/collabserve/client-ca/{{ .Values.tls.clientCA.key }}
+{{- else -}}
+/etc/collabserve/tls/{{ .Values.tls.clientCA.key }}
+{{- end }}
 {{- end }}
