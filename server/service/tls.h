@@ -34,7 +34,8 @@ struct TlsFiles {
   // client without one is refused at the handshake. Empty = no client certificate asked for.
   std::string client_ca_file = {};
 
-  bool enabled() const { return !cert_file.empty() || !key_file.empty(); }
+  // Any file set: TLS (CheckCertificateFiles then wants both of the pair).
+  bool enabled() const { return !cert_file.empty() || !key_file.empty() || !client_ca_file.empty(); }
 };
 
 // What the certificate says of itself.

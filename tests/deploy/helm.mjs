@@ -215,6 +215,10 @@ check(find(ext, 'ConfigMap')[0].data.COLLABSERVE_TLS_CLIENT_CA === undefined, 'n
   check(ctr(same).args.some((a) => a.includes('tls_client_ca')), 'the container passes --tls_client_ca');
   check(notes(['tls.enabled=true', 'tls.secretName=t', 'tls.clientCA.enabled=true']).includes('--tls --tls_client_cert=CLIENT.crt --tls_client_key=CLIENT.key health'),
     'NOTES: collabctl with a client certificate under mutual TLS');
+  const named = template(['tls.enabled=true', 'tls.secretName=cs-tls', 'tls.clientCA.enabled=true', 'tls.clientCA.secretName=cs-tls']);
+  check(find(named, 'ConfigMap')[0].data.COLLABSERVE_TLS_CLIENT_CA === '/etc/collabserve/tls/ca.crt' &&
+    !dep(named).spec.template.spec.volumes.some((v) => v.name === 'client-ca'),
+    'tls.clientCA.secretName naming the TLS Secret itself: no second volume');
   const own = template(['tls.enabled=true', 'tls.secretName=cs-tls', 'tls.clientCA.enabled=true',
     'tls.clientCA.secretName=clients', 'tls.clientCA.key=bundle.pem']);
   await validateK8s(own, 'mutual TLS, CA in a Secret of its own');

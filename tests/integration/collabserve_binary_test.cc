@@ -1,7 +1,10 @@
 // The shipped binaries end to end: build/bin/collabserve as a subprocess, driven by
 // build/bin/collabctl and the generated stubs, checked against `collabserve-model predict`.
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -28,6 +31,7 @@
 #include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "server/util/files.h"
 #include "tests/service/test_util.h"
 
 namespace collabserve {
@@ -502,6 +506,54 @@ TEST(CollabserveBinaryTest, TheOfflineToolRefusesBadFlagsAndKeepsAnExistingCheck
 // A flag that every model's load, or the serving itself, would refuse stops the server at start-up,
 // naming the flag, before it listens: not a server that reports SERVING with no model loaded, or
 // listens on another port than asked.
+// Mutual TLS end to end: collabctl with a certificate the client CA issued reaches the inference
+// port and the admin port (its own, --admin_port); without one it is refused on both.
+TEST(CollabserveBinaryTest, MutualTlsOnBothPortsWithCollabctl) {
+  TempDir repo, certs;
+  MakeTinyModel(repo.path() + "/tiny/1", 1);
+  const std::string d = certs.path() + "/";
+  const std::string make =
+      "cd " + d + " && openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost "
+      "-addext subjectAltName=DNS:localhost -keyout server.key -out server.crt && "
+      "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=clients-ca -keyout ca.key -out ca.crt && "
+      "openssl req -new -newkey rsa:2048 -nodes -subj /CN=client -keyout client.key -out client.csr && "
+      "openssl x509 -req -in client.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 1 -out client.crt";
+  std::string out;
+  ASSERT_EQ(RunCommand("(" + make + ") >/dev/null 2>&1", &out), 0) << "openssl could not make the certificates";
+  ASSERT_TRUE(util::WriteFileAtomic(d + "token", "mtls-token\n").ok());
+  // A free port for the admin service (0 would put it on the inference port).
+  int admin_port = 0;
+  {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(a);
+    ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+    ASSERT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
+    admin_port = ntohs(a.sin_port);
+    close(fd);
+  }
+  ServerProcess server({"--port=0", "--metrics_port=-1", "--host=127.0.0.1", "--poll_interval_s=0",
+                        "--model_repository=" + repo.path(), "--tls_cert=" + d + "server.crt",
+                        "--tls_key=" + d + "server.key", "--tls_client_ca=" + d + "ca.crt",
+                        "--admin_token_file=" + d + "token", absl::StrCat("--admin_port=", admin_port)});
+  ASSERT_TRUE(server.serving());
+  const std::string tls = " --tls --tls_ca_file=" + d + "server.crt --deadline_ms=5000";
+  const std::string mine = " --tls_client_cert=" + d + "client.crt --tls_client_key=" + d + "client.key";
+  const std::string inference = Bin("collabctl") + absl::StrCat(" --address=localhost:", server.port()) + tls;
+  const std::string admin = Bin("collabctl") + absl::StrCat(" --address=localhost:", admin_port) + tls +
+                            " --token_file=" + d + "token";
+  EXPECT_EQ(RunCommand(inference + mine + " classify --model=tiny 'hello' 2>&1", &out), 0) << out;
+  EXPECT_EQ(RunCommand(admin + mine + " jobs 2>&1", &out), 0) << out;
+  EXPECT_NE(RunCommand(inference + " health 2>&1", &out), 0) << out;
+  EXPECT_THAT(out, HasSubstr("UNAVAILABLE"));
+  EXPECT_NE(RunCommand(admin + " jobs 2>&1", &out), 0) << out;
+  // The client's key and certificate swapped: refused as well, before any call.
+  EXPECT_NE(RunCommand(inference + " --tls_client_cert=" + d + "client.key --tls_client_key=" + d +
+                           "client.crt health 2>&1", &out), 0);
+}
+
 TEST(CollabserveBinaryTest, RefusesABadFlagBeforeListening) {
   TempDir repo;
   MakeTinyModel(repo.path() + "/tiny/1", 1);

@@ -230,10 +230,16 @@ class PythonClientTest(unittest.TestCase):
                  "-keyout", key, "-out", crt])
             return crt, key
         cert, key = make("server", "/CN=localhost")
-        client_cert, client_key = make("client", "/CN=client")
+        ca_cert, ca_key = make("ca", "/CN=clients-ca")
+        # The client's certificate is issued by the CA, as in a deployment.
+        client_cert, client_key = os.path.join(certs, "client.crt"), os.path.join(certs, "client.key")
+        run(["openssl", "req", "-new", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=client",
+             "-keyout", client_key, "-out", os.path.join(certs, "client.csr")])
+        run(["openssl", "x509", "-req", "-in", os.path.join(certs, "client.csr"), "-CA", ca_cert,
+             "-CAkey", ca_key, "-CAcreateserial", "-days", "1", "-out", client_cert])
         stranger_cert, stranger_key = make("stranger", "/CN=stranger")
         server, address = start_server(self.repo, ["--tls_cert=" + cert, "--tls_key=" + key,
-                                                   "--tls_client_ca=" + client_cert])
+                                                   "--tls_client_ca=" + ca_cert])
         try:
             common = ["/usr/bin/python3", ARGS.client, "--address",
                       "localhost:" + address.rsplit(":", 1)[1], "--proto-dir", ARGS.proto_dir]

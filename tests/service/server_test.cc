@@ -915,18 +915,33 @@ TEST_F(ServerTest, ARenewedCertificateServesNewConnectionsWithoutARestart) {
   EXPECT_TRUE(Eventually([&] { return !TlsClassifySubject(port, roots).ok(); }));
 }
 
-// --tls_client_ca: a client needs a certificate the CA signed (here the client's self-signed one
-// is its own CA); without one, or with another, the handshake fails. The C++ client's ClientTls
-// carries it.
+// dir/<name>.crt and .key: a certificate for `name` that the CA dir/<ca>.crt (made by
+// MakeCertificate) signs, as a client's certificate is issued.
+void IssueCertificate(const std::string& dir, const std::string& name, const std::string& ca) {
+  const std::string d = dir + "/";
+  const std::string cmd = "openssl req -new -newkey rsa:2048 -nodes -subj /CN=" + name + " -keyout " +
+                          d + name + ".key -out " + d + name + ".csr >/dev/null 2>&1 && openssl x509 -req -in " +
+                          d + name + ".csr -CA " + d + ca + ".crt -CAkey " + d + ca + ".key -CAcreateserial -days 1 -out " +
+                          d + name + ".crt >/dev/null 2>&1";
+  EXPECT_EQ(std::system(cmd.c_str()), 0) << "openssl could not issue a test certificate";
+}
+
+// --tls_client_ca: a client needs a certificate that one of the CAs issued; without one, or with
+// one from another CA, the handshake fails. The CA file is followed: after the Secret swaps in
+// another CA, that CA's clients get in and the first one's do not. The C++ clients' ClientTls
+// carries the client's certificate.
 TEST_F(ServerTest, MutualTlsRefusesClientsWithoutACertificateTheCaSigned) {
-  TempDir certs;
+  TempDir certs, mounted;
   const std::string c = certs.path();
   const std::string server_pem = MakeCertificate(c, "server", "server");
-  MakeCertificate(c, "client", "client");
-  MakeCertificate(c, "stranger", "stranger");
+  MakeCertificate(c, "ca1", "ca1");
+  MakeCertificate(c, "ca2", "ca2");
+  IssueCertificate(c, "client1", "ca1");
+  IssueCertificate(c, "client2", "ca2");
+  SecretVolume ca(mounted.path());
+  ca.Write(c + "/ca1.crt", c + "/ca1.key");
   ServerOptions o = Options();
-  o.tls = {c + "/server.crt", c + "/server.key", absl::Seconds(60)};
-  o.tls.client_ca_file = c + "/client.crt";
+  o.tls = {c + "/server.crt", c + "/server.key", absl::Seconds(1), ca.cert()};
   Start(o);
   auto classify = [&](const std::string& who) {
     client::ClientTls tls;
@@ -946,13 +961,18 @@ TEST_F(ServerTest, MutualTlsRefusesClientsWithoutACertificateTheCaSigned) {
     v1::ClassifyResponse resp;
     return stub->Classify(&ctx, Request("tiny", {"over mutual TLS"}), &resp).error_code();
   };
-  EXPECT_EQ(classify("client"), grpc::StatusCode::OK);
+  EXPECT_EQ(classify("client1"), grpc::StatusCode::OK);
   EXPECT_EQ(classify(""), grpc::StatusCode::UNAVAILABLE);
-  EXPECT_EQ(classify("stranger"), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(classify("client2"), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(classify("ca1"), grpc::StatusCode::OK);  // the CA's own (self-signed) certificate
+
+  ca.Write(c + "/ca2.crt", c + "/ca2.key");
+  EXPECT_TRUE(Eventually([&] { return classify("client2") == grpc::StatusCode::OK; }));
+  EXPECT_EQ(classify("client1"), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(Metrics()["collabserve_tls_certificate_valid"], 1);
 
   ServerOptions bad = Options();
-  bad.tls = {c + "/server.crt", c + "/server.key", absl::Seconds(60)};
-  bad.tls.client_ca_file = c + "/server.key";
+  bad.tls = {c + "/server.crt", c + "/server.key", absl::Seconds(60), c + "/server.key"};
   Server refused(bad);
   absl::Status s = refused.Start();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
