@@ -7,6 +7,7 @@
 #include <openssl/x509.h>
 
 #include <ctime>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -39,6 +40,7 @@ struct X509Free {
 struct PkeyFree {
   void operator()(EVP_PKEY* k) const { EVP_PKEY_free(k); }
 };
+using X509Ptr = std::unique_ptr<X509, X509Free>;
 
 std::unique_ptr<BIO, BioFree> MemoryBio(const std::string& data) {
   return std::unique_ptr<BIO, BioFree>(BIO_new_mem_buf(data.data(), static_cast<int>(data.size())));
@@ -51,6 +53,28 @@ std::string OpenSslReason() {
   if (e == 0) return "";
   const char* reason = ERR_reason_error_string(e);
   return reason == nullptr ? "" : absl::StrCat(" (", reason, ")");
+}
+
+// A flag's file, its errors prefixed with the flag.
+absl::StatusOr<std::string> ReadFlagFile(const char* flag, const std::string& path) {
+  absl::StatusOr<std::string> pem = util::ReadFile(path, kMaxPemBytes);
+  if (!pem.ok()) {
+    return absl::Status(pem.status().code(), absl::StrCat("--", flag, ": ", pem.status().message()));
+  }
+  return pem;
+}
+
+// The first certificate in `pem`; an error naming the flag and file when there is none.
+absl::StatusOr<X509Ptr> FirstCertificate(const char* flag, const std::string& path,
+                                         const std::string& pem) {
+  auto bio = MemoryBio(pem);
+  X509Ptr cert(
+      bio == nullptr ? nullptr : PEM_read_bio_X509(bio.get(), nullptr, nullptr, nullptr));
+  if (cert == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", flag, " ", path, ": no PEM certificate in it", OpenSslReason()));
+  }
+  return cert;
 }
 
 absl::Time FromAsn1(const ASN1_TIME* t) {
@@ -75,41 +99,27 @@ absl::StatusOr<CertificateFacts> CheckCertificateFiles(const TlsFiles& files) {
     return absl::InvalidArgumentError("--tls_cert and --tls_key must be given together");
   }
   RETURN_IF_ERROR(CheckReloadInterval(files.reload_interval));
-  absl::StatusOr<std::string> cert_pem = util::ReadFile(files.cert_file, kMaxPemBytes);
-  if (!cert_pem.ok()) {
-    return absl::Status(cert_pem.status().code(),
-                        absl::StrCat("--tls_cert: ", cert_pem.status().message()));
-  }
-  absl::StatusOr<std::string> key_pem = util::ReadFile(files.key_file, kMaxPemBytes);
-  if (!key_pem.ok()) {
-    return absl::Status(key_pem.status().code(),
-                        absl::StrCat("--tls_key: ", key_pem.status().message()));
-  }
+  ASSIGN_OR_RETURN(const std::string cert_pem, ReadFlagFile("tls_cert", files.cert_file));
+  ASSIGN_OR_RETURN(const std::string key_pem, ReadFlagFile("tls_key", files.key_file));
   ERR_clear_error();
-  auto cert_bio = MemoryBio(*cert_pem);
-  std::unique_ptr<X509, X509Free> cert(
-      cert_bio == nullptr ? nullptr : PEM_read_bio_X509(cert_bio.get(), nullptr, nullptr, nullptr));
-  if (cert == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat("--tls_cert ", files.cert_file,
-                                                   ": no PEM certificate in it", OpenSslReason()));
-  }
+  ASSIGN_OR_RETURN(const X509Ptr cert,
+                   FirstCertificate("tls_cert", files.cert_file, cert_pem));
   // PKCS#8 ("BEGIN ENCRYPTED PRIVATE KEY") and the older "Proc-Type: 4,ENCRYPTED" header.
-  if (absl::StrContains(*key_pem, "ENCRYPTED")) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--tls_key ", files.key_file, " is encrypted; the server takes an unencrypted key (openssl pkey -in ",
-        files.key_file, " -out PLAIN.key)"));
+  if (absl::StrContains(key_pem, "ENCRYPTED")) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--tls_key ", files.key_file,
+                     " is encrypted; the server takes an unencrypted key (openssl pkey -in ",
+                     files.key_file, " -out PLAIN.key)"));
   }
   // A passphrase callback that gives none: an encrypted key is refused rather than prompted for.
   auto no_passphrase = [](char*, int, int, void*) { return 0; };
-  auto key_bio = MemoryBio(*key_pem);
+  auto key_bio = MemoryBio(key_pem);
   std::unique_ptr<EVP_PKEY, PkeyFree> key(
       key_bio == nullptr ? nullptr
                          : PEM_read_bio_PrivateKey(key_bio.get(), nullptr, no_passphrase, nullptr));
   if (key == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--tls_key ", files.key_file,
-        ": no PEM private key in it",
-        OpenSslReason()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--tls_key ", files.key_file, ": no PEM private key in it", OpenSslReason()));
   }
   if (X509_check_private_key(cert.get(), key.get()) != 1) {
     ERR_clear_error();
@@ -118,18 +128,8 @@ absl::StatusOr<CertificateFacts> CheckCertificateFiles(const TlsFiles& files) {
                                                    files.cert_file));
   }
   if (!files.client_ca_file.empty()) {
-    absl::StatusOr<std::string> ca_pem = util::ReadFile(files.client_ca_file, kMaxPemBytes);
-    if (!ca_pem.ok()) {
-      return absl::Status(ca_pem.status().code(),
-                          absl::StrCat("--tls_client_ca: ", ca_pem.status().message()));
-    }
-    auto ca_bio = MemoryBio(*ca_pem);
-    std::unique_ptr<X509, X509Free> ca(
-        ca_bio == nullptr ? nullptr : PEM_read_bio_X509(ca_bio.get(), nullptr, nullptr, nullptr));
-    if (ca == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--tls_client_ca ", files.client_ca_file, ": no PEM certificate in it", OpenSslReason()));
-    }
+    ASSIGN_OR_RETURN(const std::string ca_pem, ReadFlagFile("tls_client_ca", files.client_ca_file));
+    RETURN_IF_ERROR(FirstCertificate("tls_client_ca", files.client_ca_file, ca_pem).status());
   }
   CertificateFacts facts;
   char subject[512] = {0};
@@ -195,9 +195,10 @@ class CertificateCollectable : public prometheus::Collectable {
     out[0].name = "collabserve_tls_certificate_valid";
     out[0].help =
         "1 while the --tls_cert/--tls_key pair on disk parses and matches and --tls_client_ca (if "
-        "set) parses (the server reads them again every --tls_reload_s), else 0: with a key that is not the certificate's or a file "
-        "that does not parse, new TLS handshakes fail; with a file missing or unreadable, the "
-        "last pair read keeps serving but the next start fails.";
+        "set) parses (the server reads them again every --tls_reload_s), else 0: with a key "
+        "that is not the certificate's or a file that does not parse, new TLS handshakes fail; "
+        "with a file missing or unreadable, the last one read keeps serving but the next start "
+        "fails.";
     out[0].type = prometheus::MetricType::Gauge;
     prometheus::ClientMetric valid;
     valid.gauge.value = facts.ok() ? 1 : 0;
