@@ -44,6 +44,7 @@ absl::StatusOr<std::unique_ptr<AdminServer>> CreateAdminFromFlags(ServerOptions*
   o.host = server_options->host;
   o.port = port;
   o.tls = server_options->tls;
+  o.keepalive = server_options->keepalive;
   o.max_message_bytes = server_options->max_message_bytes;
   return AdminServer::Create(std::move(o), server_options);
 }

@@ -10,6 +10,7 @@
 #include "prometheus/registry.h"
 #include "server/service/status_mapping.h"
 #include "server/util/files.h"
+#include "server/util/status_macros.h"
 
 namespace collabserve::service {
 
@@ -76,6 +77,7 @@ absl::Status AdminServer::Start(Server* server) {
   builder.AddListeningPort(address, creds, &port_);
   builder.SetMaxReceiveMessageSize(options_.max_message_bytes);
   builder.SetMaxSendMessageSize(options_.max_message_bytes);
+  RETURN_IF_ERROR(ApplyKeepalive(options_.keepalive, &builder));
   builder.RegisterService(service_.get());
   if (server != nullptr) {
     // Stalled uploads end after --upload_idle_timeout_s on the admin port too: the same watchdog

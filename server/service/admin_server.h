@@ -31,6 +31,7 @@ struct AdminServerOptions {
   int port = 0;
   // TLS for the own port, as for inference (the same files, followed the same way).
   TlsFiles tls;
+  KeepaliveOptions keepalive;
   int max_message_bytes = 16 << 20;
   // Where the admin metric families are registered; null: a registry of its own (see metrics()).
   std::shared_ptr<prometheus::Registry> registry;

@@ -401,6 +401,7 @@ absl::Status ValidateServerOptions(const ServerOptions& o) {
     return absl::InvalidArgumentError("--tls_cert and --tls_key must be given together");
   }
   RETURN_IF_ERROR(CheckReloadInterval(o.tls.reload_interval));
+  RETURN_IF_ERROR(ApplyKeepalive(o.keepalive, nullptr));
   if (!o.tls.client_ca_file.empty() && o.tls.cert_file.empty()) {
     return absl::InvalidArgumentError(
         "--tls_client_ca needs --tls_cert and --tls_key (client certificates are asked for over TLS)");
@@ -450,6 +451,29 @@ std::string ListeningAddress(const std::string& host, int port) {
   return ipv6 ? absl::StrCat("[", host, "]:", port) : absl::StrCat(host, ":", port);
 }
 
+absl::Status ApplyKeepalive(const KeepaliveOptions& k, grpc::ServerBuilder* builder) {
+  const std::pair<const char*, absl::Duration> durations[] = {
+      {"keepalive_time_s", k.time},
+      {"keepalive_timeout_s", k.timeout},
+      {"keepalive_min_client_ping_s", k.min_client_ping_interval}};
+  for (const auto& [flag, d] : durations) {
+    // gRPC takes milliseconds in an int.
+    if (d < absl::Milliseconds(1) || d > absl::Milliseconds(std::numeric_limits<int>::max())) {
+      return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", absl::ToDoubleSeconds(d),
+                                                     " is not within 0.001 s to 24 days"));
+    }
+  }
+  if (builder == nullptr) return absl::OkStatus();
+  auto ms = [](absl::Duration d) { return static_cast<int>(absl::ToInt64Milliseconds(d)); };
+  builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, ms(k.time));
+  builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, ms(k.timeout));
+  builder->AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+                              ms(k.min_client_ping_interval));
+  builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS,
+                              k.permit_without_calls ? 1 : 0);
+  return absl::OkStatus();
+}
+
 absl::Status Server::StartServing() {
   if (server_ != nullptr) return absl::FailedPreconditionError("server already started");
   RETURN_IF_ERROR(ValidateServerOptions(options_));
@@ -479,6 +503,7 @@ absl::Status Server::StartServing() {
         static_cast<int>(std::clamp<int64_t>(absl::ToInt64Milliseconds(options_.max_connection_age),
                                              1, std::numeric_limits<int>::max())));
   }
+  RETURN_IF_ERROR(ApplyKeepalive(options_.keepalive, &builder));
   builder.RegisterService(inference_.get());
   for (grpc::Service* s : options_.extra_services) builder.RegisterService(s);
   {

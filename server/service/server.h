@@ -24,6 +24,7 @@
 
 namespace grpc {
 class Server;
+class ServerBuilder;
 class ServerContextBase;
 class Service;
 namespace experimental {
@@ -79,6 +80,25 @@ class StreamIdleWatchdog {
   std::shared_ptr<Core> core_;
 };
 
+// HTTP/2 keepalive of the gRPC ports (--keepalive_*). A client that pings more often than the
+// server accepts is sent GOAWAY "too_many_pings" and its connection closed: clients that set a
+// keepalive time (behind a load balancer's idle timeout, for example) need min_client_ping_interval
+// at or below it, and permit_without_calls if they also ping while idle.
+struct KeepaliveOptions {
+  // The server pings a connection quiet for this long, and closes it when the ping is not answered
+  // within `timeout` (dead peers behind NATs and load balancers).
+  absl::Duration time = absl::Hours(2);
+  absl::Duration timeout = absl::Seconds(20);
+  // The shortest interval between a client's pings that the server accepts.
+  absl::Duration min_client_ping_interval = absl::Minutes(5);
+  // Accept client pings on a connection with no call in flight.
+  bool permit_without_calls = false;
+};
+
+// Checks the options (each duration within 1 ms .. 24 days; errors name the flag) and sets them
+// on `builder`.
+absl::Status ApplyKeepalive(const KeepaliveOptions& keepalive, grpc::ServerBuilder* builder);
+
 struct ServerOptions {
   // gRPC address; port 0 picks a free one (see Server::port()).
   std::string host = "0.0.0.0";
@@ -111,6 +131,7 @@ struct ServerOptions {
   // the autoscaler gets traffic from clients that were already connected). Zero or infinite:
   // never.
   absl::Duration max_connection_age = absl::ZeroDuration();
+  KeepaliveOptions keepalive;
   // TLS (--tls_cert, --tls_key, --tls_reload_s): both files set = TLS, both empty = plaintext.
   // The files are followed: a renewed pair serves new connections without a restart.
   TlsFiles tls;

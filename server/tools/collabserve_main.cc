@@ -91,6 +91,17 @@ ABSL_FLAG(double, max_connection_age_s, 0,
           "ask a client connection this old to go away (HTTP/2 GOAWAY; its calls and streams "
           "finish): the client reconnects, through a Kubernetes Service possibly to a pod the "
           "autoscaler added; 0 = never");
+ABSL_FLAG(double, keepalive_time_s, 7200,
+          "ping a client connection quiet this long, and close it when the ping is not answered "
+          "within --keepalive_timeout_s (finds dead peers behind NATs and load balancers)");
+ABSL_FLAG(double, keepalive_timeout_s, 20, "see --keepalive_time_s");
+ABSL_FLAG(double, keepalive_min_client_ping_s, 300,
+          "shortest interval between a client's keepalive pings the server accepts; a client "
+          "that pings more often gets GOAWAY too_many_pings and loses its connection: set it at "
+          "or below the clients' keepalive time");
+ABSL_FLAG(bool, keepalive_permit_without_calls, false,
+          "accept client keepalive pings on connections with no call in flight (for clients that "
+          "ping while idle)");
 ABSL_FLAG(int, max_concurrent_streams, 256,
           "most ClassifyStream calls open at once; one more is RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, stream_max_pending_responses, 32,
@@ -358,6 +369,11 @@ int Run(int argc, char** argv, int cpus) {
   o.tls.reload_interval = seconds("tls_reload_s", absl::GetFlag(FLAGS_tls_reload_s));
   o.drain_timeout = seconds("drain_timeout_s", absl::GetFlag(FLAGS_drain_timeout_s));
   o.max_connection_age = seconds("max_connection_age_s", absl::GetFlag(FLAGS_max_connection_age_s));
+  o.keepalive.time = seconds("keepalive_time_s", absl::GetFlag(FLAGS_keepalive_time_s));
+  o.keepalive.timeout = seconds("keepalive_timeout_s", absl::GetFlag(FLAGS_keepalive_timeout_s));
+  o.keepalive.min_client_ping_interval =
+      seconds("keepalive_min_client_ping_s", absl::GetFlag(FLAGS_keepalive_min_client_ping_s));
+  o.keepalive.permit_without_calls = absl::GetFlag(FLAGS_keepalive_permit_without_calls);
   if (!bad_seconds.empty()) {
     std::cerr << "collabserve: INVALID_ARGUMENT: " << bad_seconds << "\n";
     return 1;

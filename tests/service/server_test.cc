@@ -1068,6 +1068,51 @@ TEST_F(ServerTest, ConnectionsOlderThanTheMaxAgeAreAskedToReconnect) {
   EXPECT_THAT(std::string(s.message()), HasSubstr("--max_connection_age_s"));
 }
 
+// A client that sends keepalive pings while idle (every 500 ms here; behind a load balancer's
+// idle timeout in practice) is sent GOAWAY too_many_pings by gRPC's default policy and loses its
+// connection; with --keepalive_min_client_ping_s below its interval and
+// --keepalive_permit_without_calls, the connection stays.
+TEST_F(ServerTest, KeepaliveAcceptsTheClientPingsItIsToldTo) {
+  auto pinging_channel = [this] {
+    grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 500);
+    args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+    args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    auto channel = grpc::CreateCustomChannel(absl::StrCat("127.0.0.1:", server_->port()),
+                                             grpc::InsecureChannelCredentials(), args);
+    EXPECT_TRUE(channel->WaitForConnected(absl::ToChronoTime(absl::Now() + absl::Seconds(10))));
+    return channel;
+  };
+  Start();  // gRPC's defaults: client pings at most every 5 minutes, none while idle
+  auto refused = pinging_channel();
+  EXPECT_TRUE(Eventually([&] { return refused->GetState(false) != GRPC_CHANNEL_READY; }));
+  server_->Shutdown();
+
+  ServerOptions o = Options();
+  o.keepalive.min_client_ping_interval = absl::Milliseconds(250);
+  o.keepalive.permit_without_calls = true;
+  Start(o);
+  auto kept = pinging_channel();
+  const absl::Time until = absl::Now() + absl::Seconds(4);  // 8 pings
+  bool stayed = true;
+  while (stayed && absl::Now() < until) {
+    stayed = kept->GetState(false) == GRPC_CHANNEL_READY;
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_TRUE(stayed);
+
+  for (auto set : {+[](KeepaliveOptions* k) { k->time = absl::ZeroDuration(); },
+                   +[](KeepaliveOptions* k) { k->min_client_ping_interval = absl::Hours(24 * 30); }}) {
+    ServerOptions bad = Options();
+    set(&bad.keepalive);
+    Server server(bad);
+    const absl::Status s = server.Start();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_THAT(std::string(s.message()), HasSubstr("is not within 0.001 s to 24 days"));
+  }
+}
+
 // --host=:: (all IPv6 addresses) made ":::8500", which gRPC cannot parse.
 TEST(ListeningAddressTest, IPv6LiteralsGoInBrackets) {
   EXPECT_EQ(ListeningAddress("0.0.0.0", 8500), "0.0.0.0:8500");
