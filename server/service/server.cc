@@ -17,6 +17,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -452,20 +453,29 @@ std::string ListeningAddress(const std::string& host, int port) {
 }
 
 absl::Status ApplyKeepalive(const KeepaliveOptions& k, grpc::ServerBuilder* builder) {
-  const std::pair<const char*, absl::Duration> durations[] = {
-      {"keepalive_time_s", k.time},
-      {"keepalive_timeout_s", k.timeout},
-      {"keepalive_min_client_ping_s", k.min_client_ping_interval}};
-  for (const auto& [flag, d] : durations) {
-    // gRPC takes milliseconds in an int.
-    if (d < absl::Milliseconds(1) || d > absl::Milliseconds(std::numeric_limits<int>::max())) {
-      return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", absl::ToDoubleSeconds(d),
-                                                     " is not within 0.001 s to 24 days"));
+  // gRPC takes milliseconds in an int, and INT_MAX as "never".
+  constexpr int kNever = std::numeric_limits<int>::max();
+  struct Bound {
+    const char* flag;
+    absl::Duration d;
+    absl::Duration min;
+  };
+  const Bound bounds[] = {
+      {"keepalive_time_s", k.time, absl::ZeroDuration()},  // 0 = the server never pings
+      {"keepalive_timeout_s", k.timeout, absl::Milliseconds(1)},
+      {"keepalive_min_client_ping_s", k.min_client_ping_interval, absl::ZeroDuration()}};
+  for (const Bound& b : bounds) {
+    if (b.d < b.min || b.d >= absl::Milliseconds(kNever)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", b.flag, "=", absl::StrFormat("%.10g", absl::ToDoubleSeconds(b.d)),
+                       " is not within ", b.min == absl::ZeroDuration() ? "0" : "0.001",
+                       " to 2147483 seconds"));
     }
   }
   if (builder == nullptr) return absl::OkStatus();
   auto ms = [](absl::Duration d) { return static_cast<int>(absl::ToInt64Milliseconds(d)); };
-  builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, ms(k.time));
+  builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS,
+                              k.time == absl::ZeroDuration() ? kNever : ms(k.time));
   builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, ms(k.timeout));
   builder->AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
                               ms(k.min_client_ping_interval));

@@ -80,23 +80,25 @@ class StreamIdleWatchdog {
   std::shared_ptr<Core> core_;
 };
 
-// HTTP/2 keepalive of the gRPC ports (--keepalive_*). A client that pings more often than the
-// server accepts is sent GOAWAY "too_many_pings" and its connection closed: clients that set a
-// keepalive time (behind a load balancer's idle timeout, for example) need min_client_ping_interval
-// at or below it, and permit_without_calls if they also ping while idle.
+// HTTP/2 keepalive of the gRPC ports (--keepalive_*; the defaults are gRPC's own). A client that
+// pings more often than the server accepts (a third early ping) is sent GOAWAY "too_many_pings"
+// and its connection closed: clients that set a keepalive time (to outlive a load balancer's idle
+// timeout, for example) need min_client_ping_interval at or below it, and permit_without_calls if
+// they ping while no call is in flight (without it, one such ping per 2 hours is accepted).
 struct KeepaliveOptions {
-  // The server pings a connection quiet for this long, and closes it when the ping is not answered
-  // within `timeout` (dead peers behind NATs and load balancers).
+  // The server pings a connection quiet for this long and closes it when the ping is not answered
+  // within `timeout`: connections with a call in flight, and idle ones too with
+  // permit_without_calls. Zero: the server never pings.
   absl::Duration time = absl::Hours(2);
   absl::Duration timeout = absl::Seconds(20);
-  // The shortest interval between a client's pings that the server accepts.
+  // The shortest interval between a client's pings that the server accepts (zero: any).
   absl::Duration min_client_ping_interval = absl::Minutes(5);
-  // Accept client pings on a connection with no call in flight.
+  // Accept client pings on a connection with no call in flight, and ping such connections too.
   bool permit_without_calls = false;
 };
 
-// Checks the options (each duration within 1 ms .. 24 days; errors name the flag) and sets them
-// on `builder`.
+// Checks the options (durations up to 2147483 s, gRPC's int milliseconds; the timeout at least
+// 1 ms; errors name the flag) and sets them on `builder` (none: only checks).
 absl::Status ApplyKeepalive(const KeepaliveOptions& keepalive, grpc::ServerBuilder* builder);
 
 struct ServerOptions {

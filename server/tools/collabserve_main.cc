@@ -92,16 +92,17 @@ ABSL_FLAG(double, max_connection_age_s, 0,
           "finish): the client reconnects, through a Kubernetes Service possibly to a pod the "
           "autoscaler added; 0 = never");
 ABSL_FLAG(double, keepalive_time_s, 7200,
-          "ping a client connection quiet this long, and close it when the ping is not answered "
-          "within --keepalive_timeout_s (finds dead peers behind NATs and load balancers)");
+          "ping a connection quiet this long that has a call in flight (any connection with "
+          "--keepalive_permit_without_calls), and close it when the ping is not answered within "
+          "--keepalive_timeout_s; 0 = never");
 ABSL_FLAG(double, keepalive_timeout_s, 20, "see --keepalive_time_s");
 ABSL_FLAG(double, keepalive_min_client_ping_s, 300,
-          "shortest interval between a client's keepalive pings the server accepts; a client "
-          "that pings more often gets GOAWAY too_many_pings and loses its connection: set it at "
-          "or below the clients' keepalive time");
+          "shortest interval between a client's keepalive pings the server accepts (0 = any); a "
+          "client that pings more often gets GOAWAY too_many_pings and loses its connection: set "
+          "it at or below the clients' keepalive time");
 ABSL_FLAG(bool, keepalive_permit_without_calls, false,
-          "accept client keepalive pings on connections with no call in flight (for clients that "
-          "ping while idle)");
+          "accept client keepalive pings on connections with no call in flight, and ping those "
+          "connections too; false = one such ping per 2 hours");
 ABSL_FLAG(int, max_concurrent_streams, 256,
           "most ClassifyStream calls open at once; one more is RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, stream_max_pending_responses, 32,

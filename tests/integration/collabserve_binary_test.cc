@@ -577,7 +577,8 @@ TEST(CollabserveBinaryTest, RefusesABadFlagBeforeListening) {
       {"--tls_client_ca=/etc/hostname", "--tls_client_ca needs --tls_cert and --tls_key"},
       {"--tls_cert=/none.crt --tls_key=/none.key", "--tls_cert: /none.crt: no such file"},
       {"--tls_reload_s=0.5", "--tls_reload_s=0.5 is not within 1-86400"},
-      {"--keepalive_min_client_ping_s=0", "--keepalive_min_client_ping_s=0 is not within"},
+      {"--keepalive_timeout_s=0", "--keepalive_timeout_s=0 is not within 0.001 to 2147483 seconds"},
+      {"--keepalive_min_client_ping_s=2592000", "--keepalive_min_client_ping_s=2592000 is not within 0 to"},
   };
   for (const auto& [flag, message] : cases) {
     std::string out;

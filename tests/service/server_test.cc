@@ -1068,10 +1068,11 @@ TEST_F(ServerTest, ConnectionsOlderThanTheMaxAgeAreAskedToReconnect) {
   EXPECT_THAT(std::string(s.message()), HasSubstr("--max_connection_age_s"));
 }
 
-// A client that sends keepalive pings while idle (every 500 ms here; behind a load balancer's
-// idle timeout in practice) is sent GOAWAY too_many_pings by gRPC's default policy and loses its
-// connection; with --keepalive_min_client_ping_s below its interval and
-// --keepalive_permit_without_calls, the connection stays.
+// A client that sends keepalive pings while idle (as often as gRPC lets it here, once a second;
+// behind a load balancer's idle timeout in practice) is sent GOAWAY too_many_pings by gRPC's
+// default policy, on its third ping, and loses its connection; with
+// --keepalive_min_client_ping_s below its interval and --keepalive_permit_without_calls, the
+// connection stays.
 TEST_F(ServerTest, KeepaliveAcceptsTheClientPingsItIsToldTo) {
   auto pinging_channel = [this] {
     grpc::ChannelArguments args;
@@ -1094,7 +1095,7 @@ TEST_F(ServerTest, KeepaliveAcceptsTheClientPingsItIsToldTo) {
   o.keepalive.permit_without_calls = true;
   Start(o);
   auto kept = pinging_channel();
-  const absl::Time until = absl::Now() + absl::Seconds(4);  // 8 pings
+  const absl::Time until = absl::Now() + absl::Seconds(10);  // about 10 pings
   bool stayed = true;
   while (stayed && absl::Now() < until) {
     stayed = kept->GetState(false) == GRPC_CHANNEL_READY;
@@ -1102,14 +1103,15 @@ TEST_F(ServerTest, KeepaliveAcceptsTheClientPingsItIsToldTo) {
   }
   EXPECT_TRUE(stayed);
 
-  for (auto set : {+[](KeepaliveOptions* k) { k->time = absl::ZeroDuration(); },
+  for (auto set : {+[](KeepaliveOptions* k) { k->timeout = absl::ZeroDuration(); },
+                   +[](KeepaliveOptions* k) { k->time = absl::Seconds(-1); },
                    +[](KeepaliveOptions* k) { k->min_client_ping_interval = absl::Hours(24 * 30); }}) {
     ServerOptions bad = Options();
     set(&bad.keepalive);
     Server server(bad);
     const absl::Status s = server.Start();
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
-    EXPECT_THAT(std::string(s.message()), HasSubstr("is not within 0.001 s to 24 days"));
+    EXPECT_THAT(std::string(s.message()), HasSubstr("to 2147483 seconds"));
   }
 }
 
