@@ -402,7 +402,7 @@ absl::Status ValidateServerOptions(const ServerOptions& o) {
     return absl::InvalidArgumentError("--tls_cert and --tls_key must be given together");
   }
   RETURN_IF_ERROR(CheckReloadInterval(o.tls.reload_interval));
-  RETURN_IF_ERROR(ApplyKeepalive(o.keepalive, nullptr));
+  RETURN_IF_ERROR(CheckKeepalive(o.keepalive));
   if (!o.tls.client_ca_file.empty() && o.tls.cert_file.empty()) {
     return absl::InvalidArgumentError(
         "--tls_client_ca needs --tls_cert and --tls_key (client certificates are asked for over TLS)");
@@ -452,9 +452,12 @@ std::string ListeningAddress(const std::string& host, int port) {
   return ipv6 ? absl::StrCat("[", host, "]:", port) : absl::StrCat(host, ":", port);
 }
 
-absl::Status ApplyKeepalive(const KeepaliveOptions& k, grpc::ServerBuilder* builder) {
-  // gRPC takes milliseconds in an int, and INT_MAX as "never".
-  constexpr int kNever = std::numeric_limits<int>::max();
+namespace {
+// gRPC takes milliseconds in an int, and INT_MAX as "never".
+constexpr int kNeverMs = std::numeric_limits<int>::max();
+}  // namespace
+
+absl::Status CheckKeepalive(const KeepaliveOptions& k) {
   struct Bound {
     const char* flag;
     absl::Duration d;
@@ -465,17 +468,21 @@ absl::Status ApplyKeepalive(const KeepaliveOptions& k, grpc::ServerBuilder* buil
       {"keepalive_timeout_s", k.timeout, absl::Milliseconds(1)},
       {"keepalive_min_client_ping_s", k.min_client_ping_interval, absl::ZeroDuration()}};
   for (const Bound& b : bounds) {
-    if (b.d < b.min || b.d >= absl::Milliseconds(kNever)) {
+    if (b.d < b.min || b.d >= absl::Milliseconds(kNeverMs)) {
       return absl::InvalidArgumentError(
           absl::StrCat("--", b.flag, "=", absl::StrFormat("%.10g", absl::ToDoubleSeconds(b.d)),
                        " is not within ", b.min == absl::ZeroDuration() ? "0" : "0.001",
                        " to 2147483 seconds"));
     }
   }
-  if (builder == nullptr) return absl::OkStatus();
+  return absl::OkStatus();
+}
+
+absl::Status ApplyKeepalive(const KeepaliveOptions& k, grpc::ServerBuilder* builder) {
+  RETURN_IF_ERROR(CheckKeepalive(k));
   auto ms = [](absl::Duration d) { return static_cast<int>(absl::ToInt64Milliseconds(d)); };
   builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS,
-                              k.time == absl::ZeroDuration() ? kNever : ms(k.time));
+                              k.time == absl::ZeroDuration() ? kNeverMs : ms(k.time));
   builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, ms(k.timeout));
   builder->AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
                               ms(k.min_client_ping_interval));

@@ -97,8 +97,10 @@ struct KeepaliveOptions {
   bool permit_without_calls = false;
 };
 
-// Checks the options (durations up to 2147483 s, gRPC's int milliseconds; the timeout at least
-// 1 ms; errors name the flag) and sets them on `builder` (none: only checks).
+// Durations up to 2147483 s (gRPC's int milliseconds), the timeout at least 1 ms; errors name the
+// flag.
+absl::Status CheckKeepalive(const KeepaliveOptions& keepalive);
+// CheckKeepalive, then the options set on `builder`.
 absl::Status ApplyKeepalive(const KeepaliveOptions& keepalive, grpc::ServerBuilder* builder);
 
 struct ServerOptions {
