@@ -58,6 +58,9 @@ class AdminService::UploadReactor : public grpc::ServerReadReactor<v1::UploadMod
   // waits for the validation: a client that gives up then (its deadline, or a cancel) never learns
   // the job's id, so the job is cancelled rather than compressed and published behind its back.
   void OnCancel() override {
+    // The idle watchdog's end is AllRead's to record (the job fails saying why), not a cancel:
+    // it marks the call before cancelling it, so it is known here.
+    if (!StreamIdleWatchdog::WhyEnded(*context_).empty()) return;
     std::string id;
     {
       absl::MutexLock l(&mu_);
