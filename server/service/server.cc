@@ -19,11 +19,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "grpcpp/channel.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
+#include "grpcpp/support/channel_arguments.h"
 #include "grpcpp/support/server_interceptor.h"
 #include "prometheus/client_metric.h"
 #include "prometheus/collectable.h"
@@ -543,6 +545,14 @@ absl::Status Server::StartServing() {
             << (options_.tls.enabled() ? " (TLS)" : "")
             << (metrics_port_ >= 0 ? absl::StrCat(", /metrics on port ", metrics_port_) : "");
   return absl::OkStatus();
+}
+
+std::shared_ptr<grpc::Channel> Server::InProcessChannel() {
+  if (server_ == nullptr) return nullptr;
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(options_.max_message_bytes);
+  args.SetMaxSendMessageSize(options_.max_message_bytes);
+  return server_->InProcessChannel(args);
 }
 
 absl::Status Server::LoadModels() {

@@ -23,6 +23,7 @@
 #include "server/service/tls.h"
 
 namespace grpc {
+class Channel;
 class Server;
 class ServerBuilder;
 class ServerContextBase;
@@ -197,6 +198,11 @@ class Server {
   }
   InferenceService& inference_service() { return *inference_; }
   StreamIdleWatchdog& idle_watchdog() { return *idle_watchdog_; }
+  // A channel to this server's services that skips the network (grpc::Server::InProcessChannel)
+  // with the server's message limit both ways, for front ends in the same process (the REST
+  // endpoint, kserve_http.h): their calls pass the same limits, interceptors and metrics. Null
+  // before StartServing(); calls fail UNAVAILABLE once Shutdown() has stopped gRPC.
+  std::shared_ptr<grpc::Channel> InProcessChannel();
 
   // The model device failed for good (model::IsDeviceFailure; a servable's pass, load or warm-up
   // found it, or an admin job): every health service NOT_SERVING from now on (so that Kubernetes'

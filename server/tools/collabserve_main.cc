@@ -32,6 +32,8 @@
 #include "server/batching/thread_plan.h"
 #include "server/model/demo_model.h"
 #include "server/service/admin_server.h"
+#include "server/service/http_server.h"
+#include "server/service/kserve_http.h"
 #include "server/service/kserve_service.h"
 #include "server/service/server.h"
 #include "server/tools/log_flags.h"
@@ -43,6 +45,14 @@ ABSL_FLAG(std::string, host, "0.0.0.0",
           "address to listen on; :: for every IPv6 (and on a dual-stack host IPv4) address");
 ABSL_FLAG(int, port, 8500, "gRPC port (0 = pick a free one; printed on stdout)");
 ABSL_FLAG(int, metrics_port, 9090, "Prometheus /metrics port (0 = pick, printed; -1 = off)");
+ABSL_FLAG(int, http_port, 8000,
+          "HTTP/REST port of the Open Inference Protocol (KServe v2, Triton's /v2 routes; TLS as "
+          "the gRPC port) (0 = pick, printed; -1 = off)");
+ABSL_FLAG(int, http_max_connections, 256,
+          "HTTP connections open at once (a thread each); one more is answered 503 and closed");
+ABSL_FLAG(double, http_idle_timeout_s, 60,
+          "close an HTTP connection that sends nothing for this long, between requests or within "
+          "one, or that takes no response bytes for this long");
 ABSL_FLAG(std::string, model_repository, "",
           "directory of <model>/<version>/ checkpoints; empty = the built-in demo model");
 ABSL_FLAG(double, poll_interval_s, 30, "seconds between repository scans (0 = only at start)");
@@ -394,9 +404,38 @@ int Run(int argc, char** argv, int cpus) {
   kserve_options.server_version = o.build_version;
   collabserve::service::KServeService kserve(kserve_options);
   o.extra_services.push_back(&kserve);
+  // The REST form of the same protocol (--http_port), over the server's in-process channel.
+  collabserve::service::HttpServerOptions http_options;
+  http_options.host = o.host;
+  http_options.port = absl::GetFlag(FLAGS_http_port);
+  http_options.max_connections = absl::GetFlag(FLAGS_http_max_connections);
+  http_options.idle_timeout = seconds("http_idle_timeout_s", absl::GetFlag(FLAGS_http_idle_timeout_s));
+  http_options.max_body_bytes = o.max_message_bytes;
+  http_options.tls = o.tls;
+  if (!bad_seconds.empty()) {
+    std::cerr << "collabserve: INVALID_ARGUMENT: " << bad_seconds << "\n";
+    return 1;
+  }
+  if (http_options.port < -1 || http_options.port > 65535) {
+    std::cerr << "collabserve: INVALID_ARGUMENT: --http_port=" << http_options.port
+              << " must be 0 (pick) to 65535, or -1 for none\n";
+    return 1;
+  }
   Server server(o);
   absl::Status s = server.StartServing();
   if (s.ok() && *admin != nullptr) s = (*admin)->Start(&server);
+  // Declared after the Server: destroyed first, once the Server has shut down (its calls in
+  // flight then fail UNAVAILABLE, 503).
+  std::unique_ptr<collabserve::service::HttpServer> http;
+  if (s.ok() && http_options.port >= 0) {
+    auto started = collabserve::service::HttpServer::Start(
+        http_options, collabserve::service::NewKServeHttpHandler(server.InProcessChannel()));
+    if (started.ok()) {
+      http = *std::move(started);
+    } else {
+      s = started.status();
+    }
+  }
   if (!s.ok()) {
     std::cerr << "collabserve: " << s << "\n";
     return 1;
@@ -407,6 +446,7 @@ int Run(int argc, char** argv, int cpus) {
   // Tests and scripts read these lines to find the ports.
   std::printf("listening on 127.0.0.1:%d\n", server.port());
   if (server.metrics_port() >= 0) std::printf("metrics on 127.0.0.1:%d\n", server.metrics_port());
+  if (http != nullptr) std::printf("http on 127.0.0.1:%d\n", http->port());
   std::fflush(stdout);
   s = server.LoadModels();
   if (!s.ok()) {

@@ -1,0 +1,92 @@
+// An HTTP/1.1 server for request/response APIs (the Open Inference Protocol's REST form,
+// kserve_http.h): one thread per connection up to a bound, persistent connections and pipelined
+// requests, Content-Length and chunked request bodies, `Expect: 100-continue`, HEAD, and TLS (and
+// mutual TLS) on the same files as the gRPC ports, followed on disk as they are.
+//
+// Why not civetweb (Debian's libcivetweb): it starts its threads with a fixed, small stack, which
+// pthread_create refuses in a process whose libraries (LibTorch) need more static TLS than fits
+// (metrics/http_exposer.h). These threads have the default stack.
+#ifndef COLLABSERVE_SERVER_SERVICE_HTTP_SERVER_H_
+#define COLLABSERVE_SERVER_SERVICE_HTTP_SERVER_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "server/service/tls.h"
+
+namespace collabserve::service {
+
+struct HttpRequest {
+  std::string method;  // as sent ("GET", "POST"); HEAD comes as HEAD
+  std::string path;    // the target before '?', still percent-encoded
+  std::string query;   // after '?', without it
+  std::vector<std::pair<std::string, std::string>> headers;  // names lower-cased, values trimmed
+  std::string body;    // de-chunked
+  // The first header of that (lower-case) name, or null.
+  const std::string* Header(std::string_view name) const;
+};
+
+struct HttpResponse {
+  int code = 200;
+  std::string content_type = "application/json";
+  std::string body;
+  std::vector<std::pair<std::string, std::string>> headers;  // extra ones
+};
+
+// Called on the connection's thread, one request at a time per connection, concurrently across
+// connections; may block (the connection waits). An exception becomes a 500.
+using HttpHandler = std::function<HttpResponse(const HttpRequest&)>;
+
+struct HttpServerOptions {
+  std::string host = "0.0.0.0";
+  int port = 8000;  // 0 picks a free one (HttpServer::port())
+  // Connections open at once; one more is answered 503 and closed.
+  int max_connections = 256;
+  // A request body larger than this is answered 413 (before it is read) and the connection closed.
+  int64_t max_body_bytes = 16 << 20;
+  // A connection that sends nothing for this long, between requests or within one, is closed (a
+  // request cut off is answered 408); so is one that accepts no response bytes for this long.
+  absl::Duration idle_timeout = absl::Seconds(60);
+  // TLS as the gRPC ports (tls.h): the files are checked at Start and read again every
+  // reload_interval; a changed pair serves the connections accepted after it, and a pair that no
+  // longer loads leaves the last good one serving (logged).
+  TlsFiles tls;
+};
+
+// "HTTP/1.1 <code> <reason>": the reason phrase of the codes this server and its handlers use.
+const char* HttpReason(int code);
+
+// Thread-safe. The destructor stops accepting, closes connections that wait for a request, lets
+// each handler in flight finish and send its response, and joins every thread.
+class HttpServer {
+ public:
+  // Listens on host:port. UNAVAILABLE if the address cannot be bound, INVALID_ARGUMENT for bad
+  // options (naming the option), the TLS files' errors (CheckCertificateFiles).
+  static absl::StatusOr<std::unique_ptr<HttpServer>> Start(HttpServerOptions options,
+                                                           HttpHandler handler);
+  ~HttpServer();
+  HttpServer(const HttpServer&) = delete;
+  HttpServer& operator=(const HttpServer&) = delete;
+
+  int port() const;
+  bool tls() const;
+  // Connections open now.
+  int connections() const;
+
+  class Impl;
+
+ private:
+  explicit HttpServer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace collabserve::service
+
+#endif  // COLLABSERVE_SERVER_SERVICE_HTTP_SERVER_H_

@@ -1,0 +1,57 @@
+// The Open Inference Protocol's HTTP/REST form (KServe v2, as Triton serves it) on --http_port.
+// Every request becomes the gRPC call of kserve_service.h over the server's in-process channel, so
+// the limits, validation, batching, metrics and errors are the gRPC port's; a gRPC status becomes
+// the HTTP code grpc-gateway gives it (INVALID_ARGUMENT 400, NOT_FOUND 404, RESOURCE_EXHAUSTED 429,
+// DEADLINE_EXCEEDED 504, UNAVAILABLE 503, FAILED_PRECONDITION 400, ...) with the body
+// {"error": "<the status message>"}.
+//
+//   GET  /v2/health/live                      200 {"live":true}, else 400 {"live":false}
+//   GET  /v2/health/ready                     200 {"ready":true}, else 400 {"ready":false}
+//   GET  /v2                                  {"name","version","extensions"}
+//   GET  /v2/models/M[/versions/V]            {"name","versions","platform","inputs","outputs"}
+//   GET  /v2/models/M[/versions/V]/ready      as /v2/health/ready, for that model (version)
+//   GET  /v2/models/M[/versions/V]/config     Triton's model configuration (ModelConfig)
+//   GET  /v2/models[/M[/versions/V]]/stats    {"model_stats":[...]} (Triton's statistics)
+//   POST /v2/models/M[/versions/V]/infer      inference (below)
+//   POST /v2/repository/index                 [{"name","version","state","reason"}]; body {"ready":true}
+//                                             keeps the READY ones
+//   POST /v2/repository/models/M/load|unload  refused as on gRPC (FAILED_PRECONDITION: 400)
+// HEAD is answered as GET without the body; another method on a known path is 405. M and V are
+// percent-decoded. Proto messages are written with their field names, 64-bit integers as JSON
+// numbers, enums by name, maps as objects, and a parameter as its value.
+//
+// Inference: {"id"?, "parameters"?, "inputs": [{"name","shape","datatype","data"}], "outputs"?:
+// [{"name","parameters"?}]}. A BYTES input's data are strings, flat or nested as the shape;
+// parameters are bool, integer, number or string values ("truncate", "timeout" and an output's
+// "classification" as on gRPC). The answer: {"model_name","model_version","id","outputs": [{"name",
+// "datatype","shape","data"}]}, FP32 data as numbers, BYTES as strings (invalid UTF-8 replaced).
+// Triton's binary tensor extension: with the header Inference-Header-Content-Length: N the body is
+// N bytes of JSON then the inputs whose parameter "binary_data_size" gives their length, in input
+// order, each laid out as raw_input_contents; an output with the parameter "binary_data": true (or
+// every output, with the request parameter "binary_data_output": true) is sent the same way after
+// the JSON, with "binary_data_size" in its parameters, the same header, and the type
+// application/octet-stream. Errors name the field ("inputs[1].data[2]: not a string").
+#ifndef COLLABSERVE_SERVER_SERVICE_KSERVE_HTTP_H_
+#define COLLABSERVE_SERVER_SERVICE_KSERVE_HTTP_H_
+
+#include <memory>
+
+#include "server/service/http_server.h"
+
+namespace grpc {
+class Channel;
+}  // namespace grpc
+
+namespace collabserve::service {
+
+// The HTTP code for a gRPC status code (grpc-gateway's table).
+int HttpCodeForGrpc(int grpc_code);
+
+// The handler that answers the routes above through `channel` (Server::InProcessChannel(), or any
+// channel to a server with the KServe service). Thread-safe; the channel must stay usable while
+// the handler is called (calls on a server that shut down fail UNAVAILABLE: 503).
+HttpHandler NewKServeHttpHandler(std::shared_ptr<grpc::Channel> channel);
+
+}  // namespace collabserve::service
+
+#endif  // COLLABSERVE_SERVER_SERVICE_KSERVE_HTTP_H_

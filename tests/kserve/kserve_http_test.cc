@@ -1,0 +1,754 @@
+// The Open Inference Protocol's REST form end to end: a real Server with tiny checkpoints and the
+// KServe service, the HTTP server on 127.0.0.1:0 in front of its in-process channel, driven over
+// raw sockets (plain and TLS) so that every byte on the wire is the test's. Infer must agree with
+// the gRPC ModelInfer to the bit; errors must carry the gRPC status's message under the mapped code.
+#include "server/service/kserve_http.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <openssl/err.h>
+#include <openssl/ssl.h>
+#include <openssl/x509.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "gmock/gmock.h"
+#include "grpcpp/client_context.h"
+#include "grpcpp/create_channel.h"
+#include "gtest/gtest.h"
+#include "kserve/grpc_predict_v2.grpc.pb.h"
+#include "server/model/checkpoint_maker.h"
+#include "server/service/http_server.h"
+#include "server/service/kserve_service.h"
+#include "server/service/server.h"
+#include "server/util/files.h"
+#include "tests/service/local_server_options.h"
+#include "tests/service/test_util.h"
+
+namespace collabserve::service {
+namespace {
+
+using ::collabserve::testing::Eventually;
+using ::collabserve::testing::MakeTinyModel;
+using ::collabserve::testing::TempDir;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using json = nlohmann::json;
+
+struct Reply {
+  int code = 0;
+  std::vector<std::pair<std::string, std::string>> headers;  // names lower-cased
+  std::string body;
+  std::string Header(const std::string& name) const {
+    for (const auto& [n, v] : headers) {
+      if (n == name) return v;
+    }
+    return "";
+  }
+  json Json() const { return json::parse(body, nullptr, false); }
+};
+
+// One client connection, plain or TLS, that writes what it is given and reads whole responses.
+class Client {
+ public:
+  // Connects to 127.0.0.1:port; with `ssl_ctx`, makes a TLS handshake (false from ok() if refused).
+  explicit Client(int port, SSL_CTX* ssl_ctx = nullptr) {
+    ::signal(SIGPIPE, SIG_IGN);  // SSL_write to a connection the server closed
+    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    timeval tv{10, 0};
+    ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    ok_ = ::connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+    if (ok_ && ssl_ctx != nullptr) {
+      ssl_ = SSL_new(ssl_ctx);
+      SSL_set_fd(ssl_, fd_);
+      SSL_set_tlsext_host_name(ssl_, "localhost");
+      ok_ = SSL_connect(ssl_) == 1;
+      // TLS 1.3: a refused client certificate shows at the first read.
+    }
+  }
+  ~Client() {
+    if (ssl_ != nullptr) SSL_free(ssl_);
+    ::close(fd_);
+  }
+  bool ok() const { return ok_; }
+  SSL* ssl() const { return ssl_; }
+
+  bool Send(const std::string& bytes) {
+    size_t off = 0;
+    while (off < bytes.size()) {
+      const ssize_t n = ssl_ != nullptr
+                            ? SSL_write(ssl_, bytes.data() + off, static_cast<int>(bytes.size() - off))
+                            : ::send(fd_, bytes.data() + off, bytes.size() - off, MSG_NOSIGNAL);
+      if (n <= 0) return false;
+      off += static_cast<size_t>(n);
+    }
+    return true;
+  }
+
+  // The next whole response, or nullopt when the connection ends first.
+  std::optional<Reply> Read() {
+    size_t head_end;
+    while ((head_end = buf_.find("\r\n\r\n")) == std::string::npos) {
+      if (!Fill()) return std::nullopt;
+    }
+    Reply r;
+    const std::string head = buf_.substr(0, head_end);
+    buf_.erase(0, head_end + 4);
+    std::vector<std::string> lines = absl::StrSplit(head, "\r\n");
+    if (lines.empty() || !absl::StartsWith(lines[0], "HTTP/1.1 ") ||
+        !absl::SimpleAtoi(lines[0].substr(9, 3), &r.code)) {
+      ADD_FAILURE() << "bad status line: " << lines[0];
+      return std::nullopt;
+    }
+    size_t length = 0;
+    for (size_t i = 1; i < lines.size(); ++i) {
+      const size_t colon = lines[i].find(':');
+      std::string name = absl::AsciiStrToLower(lines[i].substr(0, colon));
+      std::string value(absl::StripAsciiWhitespace(lines[i].substr(colon + 1)));
+      if (name == "content-length") EXPECT_TRUE(absl::SimpleAtoi(value, &length));
+      r.headers.emplace_back(std::move(name), std::move(value));
+    }
+    if (r.code != 100 && !head_only_) {
+      while (buf_.size() < length) {
+        if (!Fill()) return std::nullopt;
+      }
+      r.body = buf_.substr(0, length);
+      buf_.erase(0, length);
+    }
+    return r;
+  }
+
+  // True once the server has closed the connection (and nothing more is buffered).
+  bool Closed() { return buf_.empty() && !Fill(); }
+  void HeadOnly(bool head_only) { head_only_ = head_only; }
+
+ private:
+  bool Fill() {
+    char chunk[65536];
+    const ssize_t n = ssl_ != nullptr ? SSL_read(ssl_, chunk, sizeof(chunk))
+                                      : ::recv(fd_, chunk, sizeof(chunk), 0);
+    if (n <= 0) return false;
+    buf_.append(chunk, static_cast<size_t>(n));
+    return true;
+  }
+
+  int fd_ = -1;
+  SSL* ssl_ = nullptr;
+  bool ok_ = false;
+  bool head_only_ = false;
+  std::string buf_;
+};
+
+std::string Request(const std::string& method, const std::string& path, const std::string& body = "",
+                    const std::string& extra_headers = "") {
+  std::string r = absl::StrCat(method, " ", path, " HTTP/1.1\r\nHost: localhost\r\n", extra_headers);
+  if (!body.empty() || method == "POST") absl::StrAppend(&r, "Content-Length: ", body.size(), "\r\n");
+  return absl::StrCat(r, "\r\n", body);
+}
+
+// One request on a new connection.
+Reply Call(int port, const std::string& method, const std::string& path,
+           const std::string& body = "", const std::string& extra_headers = "") {
+  Client c(port);
+  EXPECT_TRUE(c.ok());
+  EXPECT_TRUE(c.Send(Request(method, path, body, extra_headers)));
+  std::optional<Reply> r = c.Read();
+  EXPECT_TRUE(r.has_value()) << method << " " << path << ": no response";
+  return r.value_or(Reply{});
+}
+
+std::string RawBytes(const std::vector<std::string>& elements) {
+  std::string raw;
+  for (const auto& e : elements) {
+    const uint32_t n = static_cast<uint32_t>(e.size());
+    for (int k = 0; k < 4; ++k) raw.push_back(static_cast<char>((n >> (8 * k)) & 0xff));
+    raw += e;
+  }
+  return raw;
+}
+
+class KServeHttpTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    MakeTinyModel(repo_.path() + "/tiny/1", 1);
+    model::MakeOptions three;
+    three.labels = 3;
+    three.label_names = {"sports", "politics", "tech"};
+    three.seed = 6;
+    ASSERT_TRUE(model::MakeCheckpoint(repo_.path() + "/three/1", three).ok());
+  }
+  void TearDown() override {
+    gate_.Open();
+    http_.reset();
+    if (server_) server_->Shutdown();
+  }
+
+  void Start(HttpServerOptions http = {}, bool load = true) {
+    ServerOptions o = testing::LocalServerOptions(repo_.path());
+    o.max_message_bytes = 1 << 20;
+    o.inference.max_inputs_per_request = 8;
+    o.torch_version = "test";
+    o.servable.before_batch_hook = [this] { gate_.Pass(); };
+    o.extra_services.push_back(&kserve_);
+    server_ = std::make_unique<Server>(o);
+    absl::Status s = server_->StartServing();
+    ASSERT_TRUE(s.ok()) << s;
+    http.host = "127.0.0.1";
+    http.port = 0;
+    if (http.max_body_bytes == (16 << 20)) http.max_body_bytes = o.max_message_bytes;
+    auto started = HttpServer::Start(http, NewKServeHttpHandler(server_->InProcessChannel()));
+    ASSERT_TRUE(started.ok()) << started.status();
+    http_ = *std::move(started);
+    port_ = http_->port();
+    stub_ = inference::GRPCInferenceService::NewStub(grpc::CreateChannel(
+        absl::StrCat("127.0.0.1:", server_->port()), grpc::InsecureChannelCredentials()));
+    if (load) LoadModels();
+  }
+  void LoadModels() {
+    absl::Status s = server_->LoadModels();
+    ASSERT_TRUE(s.ok()) << s;
+    kserve_.Attach(&server_->inference_service(), server_->repository(), &server_->metrics());
+  }
+
+  TempDir repo_;
+  testing::Gate gate_;  // every batch passes it: closed, it holds forward passes back
+  KServeService kserve_;
+  std::unique_ptr<Server> server_;
+  std::unique_ptr<HttpServer> http_;
+  std::unique_ptr<inference::GRPCInferenceService::Stub> stub_;
+  int port_ = 0;
+};
+
+const char kTwoTexts[] =
+    R"({"id":"q1","inputs":[{"name":"text","shape":[2],"datatype":"BYTES",)"
+    R"("data":["a fine film","not good at all"]}]})";
+
+TEST_F(KServeHttpTest, InferAgreesWithGrpcModelInferToTheBit) {
+  Start();
+  inference::ModelInferRequest req;
+  req.set_model_name("three");
+  auto* in = req.add_inputs();
+  in->set_name("text");
+  in->set_datatype("BYTES");
+  in->add_shape(2);
+  in->mutable_contents()->add_bytes_contents("a fine film");
+  in->mutable_contents()->add_bytes_contents("not good at all");
+  inference::ModelInferResponse want;
+  grpc::ClientContext ctx;
+  ASSERT_TRUE(stub_->ModelInfer(&ctx, req, &want).ok());
+
+  Reply r = Call(port_, "POST", "/v2/models/three/infer", kTwoTexts);
+  ASSERT_EQ(r.code, 200) << r.body;
+  EXPECT_EQ(r.Header("content-type"), "application/json");
+  json got = r.Json();
+  EXPECT_EQ(got["model_name"], "three");
+  EXPECT_EQ(got["model_version"], "1");
+  EXPECT_EQ(got["id"], "q1");
+  ASSERT_EQ(got["outputs"].size(), 3u);
+  for (int i = 0; i < want.outputs_size(); ++i) {
+    const auto& w = want.outputs(i);
+    const json& g = got["outputs"][i];
+    EXPECT_EQ(g["name"], w.name());
+    EXPECT_EQ(g["datatype"], w.datatype());
+    EXPECT_EQ(g["shape"], json(std::vector<int64_t>(w.shape().begin(), w.shape().end())));
+    if (w.datatype() == "FP32") {
+      ASSERT_EQ(g["data"].size(), static_cast<size_t>(w.contents().fp32_contents_size()));
+      for (int k = 0; k < w.contents().fp32_contents_size(); ++k) {
+        // The shortest decimal of the float reads back as the same float.
+        EXPECT_EQ(static_cast<float>(g["data"][k].get<double>()), w.contents().fp32_contents(k))
+            << w.name() << "[" << k << "]";
+      }
+    } else {
+      EXPECT_EQ(g["data"], json(std::vector<std::string>(w.contents().bytes_contents().begin(),
+                                                         w.contents().bytes_contents().end())));
+    }
+  }
+  // Nested data as the shape [2, 1], an explicit version and a subset of outputs in their order.
+  r = Call(port_, "POST", "/v2/models/three/versions/1/infer",
+           R"({"inputs":[{"name":"text","shape":[2,1],"datatype":"BYTES",)"
+           R"("data":[["a fine film"],["not good at all"]]}],)"
+           R"("outputs":[{"name":"label"},{"name":"logits"}]})");
+  ASSERT_EQ(r.code, 200) << r.body;
+  got = r.Json();
+  ASSERT_EQ(got["outputs"].size(), 2u);
+  EXPECT_EQ(got["outputs"][0]["name"], "label");
+  EXPECT_EQ(got["outputs"][1]["name"], "logits");
+  EXPECT_FALSE(got.contains("id"));
+}
+
+TEST_F(KServeHttpTest, ParametersReachTheServiceAsOnGrpc) {
+  Start();
+  // Triton's classification extension: the two best classes, "value:index:label".
+  Reply r = Call(port_, "POST", "/v2/models/three/infer",
+                 R"({"inputs":[{"name":"text","shape":[1],"datatype":"BYTES","data":["go team"]}],)"
+                 R"("outputs":[{"name":"probabilities","parameters":{"classification":2}}]})");
+  ASSERT_EQ(r.code, 200) << r.body;
+  json out = r.Json()["outputs"][0];
+  EXPECT_EQ(out["datatype"], "BYTES");
+  EXPECT_EQ(out["shape"], json({1, 2}));
+  ASSERT_EQ(out["data"].size(), 2u);
+  EXPECT_THAT(out["data"][0].get<std::string>(), ::testing::MatchesRegex("0\\.[0-9]+:[0-2]:(sports|politics|tech)"));
+  // A parameter of the wrong type is the service's INVALID_ARGUMENT: 400, its message.
+  r = Call(port_, "POST", "/v2/models/three/infer",
+           R"({"parameters":{"truncate":"yes"},"inputs":[{"name":"text","shape":[1],"datatype":"BYTES","data":["x"]}]})");
+  EXPECT_EQ(r.code, 400);
+  EXPECT_THAT(r.Json()["error"].get<std::string>(), HasSubstr("truncate"));
+}
+
+TEST_F(KServeHttpTest, BinaryTensorsAsTritonsClientSendsThem) {
+  Start();
+  const std::string header =
+      R"({"inputs":[{"name":"text","shape":[2],"datatype":"BYTES","parameters":{"binary_data_size":)" +
+      std::to_string(RawBytes({"a fine film", "not good at all"}).size()) +
+      R"(}}],"outputs":[{"name":"logits","parameters":{"binary_data":true}},{"name":"label"}]})";
+  const std::string body = header + RawBytes({"a fine film", "not good at all"});
+  Reply bin = Call(port_, "POST", "/v2/models/three/infer", body,
+                   absl::StrCat("Inference-Header-Content-Length: ", header.size(), "\r\n"));
+  ASSERT_EQ(bin.code, 200) << bin.body;
+  EXPECT_EQ(bin.Header("content-type"), "application/octet-stream");
+  size_t json_size = 0;
+  ASSERT_TRUE(absl::SimpleAtoi(bin.Header("inference-header-content-length"), &json_size));
+  json got = json::parse(bin.body.substr(0, json_size));
+  const json& logits = got["outputs"][0];
+  EXPECT_FALSE(logits.contains("data"));
+  ASSERT_EQ(logits["parameters"]["binary_data_size"], 2 * 3 * 4);
+  ASSERT_EQ(bin.body.size(), json_size + 24);
+  std::vector<float> floats(6);
+  std::memcpy(floats.data(), bin.body.data() + json_size, 24);
+
+  Reply plain = Call(port_, "POST", "/v2/models/three/infer", kTwoTexts);
+  ASSERT_EQ(plain.code, 200);
+  const json want = plain.Json()["outputs"][0]["data"];
+  for (int k = 0; k < 6; ++k) EXPECT_EQ(floats[k], static_cast<float>(want[k].get<double>()));
+  EXPECT_EQ(got["outputs"][1]["data"], plain.Json()["outputs"][2]["data"]);
+
+  // Binary lengths that do not add up are refused, naming the problem.
+  Reply bad = Call(port_, "POST", "/v2/models/three/infer", body + "xx",
+                   absl::StrCat("Inference-Header-Content-Length: ", header.size(), "\r\n"));
+  EXPECT_EQ(bad.code, 400);
+  EXPECT_THAT(bad.Json()["error"].get<std::string>(), HasSubstr("2 binary bytes"));
+  bad = Call(port_, "POST", "/v2/models/three/infer", body,
+             absl::StrCat("Inference-Header-Content-Length: ", body.size() + 1, "\r\n"));
+  EXPECT_EQ(bad.code, 400);
+  EXPECT_THAT(bad.Json()["error"].get<std::string>(), HasSubstr("Inference-Header-Content-Length"));
+}
+
+TEST_F(KServeHttpTest, ErrorsCarryTheStatusMessageUnderTheMappedCode) {
+  Start();
+  struct Case {
+    std::string path, body;
+    int code;
+    std::string says;
+  };
+  const std::string one = R"("shape":[1],"datatype":"BYTES")";
+  const std::vector<Case> cases = {
+      {"/v2/models/nope/infer", R"({"inputs":[]})", 404, "nope"},
+      {"/v2/models/three/versions/7/infer", R"({"inputs":[{"name":"text",)" + one + R"(,"data":["x"]}]})", 404, "7"},
+      {"/v2/models/three/infer", "{not json", 400, "not JSON"},
+      {"/v2/models/three/infer", "[1,2]", 400, "not a JSON object"},
+      {"/v2/models/three/infer", R"({"inputs":{}})", 400, "inputs"},
+      {"/v2/models/three/infer", R"({"inputs":[{"name":"text",)" + one + R"(,"data":[1]}]})", 400,
+       "inputs[0] (text).data[0]: a number, not a string"},
+      {"/v2/models/three/infer", R"({"inputs":[{"name":"text","shape":[1],"data":["x"]}]})", 400,
+       "datatype"},
+      {"/v2/models/three/infer", R"({"inputs":[{"name":"txt",)" + one + R"(,"data":["x"]}]})", 400,
+       "txt"},
+      {"/v2/models/three/infer", R"({"inputs":[{"name":"text","shape":[1],"datatype":"FP32","data":[1.5]}]})",
+       400, "FP32"},
+      {"/v2/models/three/infer", R"({"inputs":[{"name":"text","shape":[9],"datatype":"BYTES","data":["a","b","c","d","e","f","g","h","i"]}]})",
+       400, "max_inputs_per_request"},
+      {"/v2/models/three/infer", R"({"inputs":[{"name":"text",)" + one + R"(,"data":["x"]}],"outputs":[{"name":"nope"}]})",
+       400, "nope"},
+      {"/v2/models/three/infer", R"({"inputs":[{"name":"text",)" + one + R"(,"data":["x"]}],"parameters":{"p":[1]}})",
+       400, "parameters.p"},
+  };
+  for (const Case& c : cases) {
+    Reply r = Call(port_, "POST", c.path, c.body);
+    EXPECT_EQ(r.code, c.code) << c.body << " -> " << r.body;
+    ASSERT_TRUE(r.Json().contains("error")) << r.body;
+    EXPECT_THAT(r.Json()["error"].get<std::string>(), HasSubstr(c.says)) << c.body;
+  }
+  // Routes and methods.
+  Reply r = Call(port_, "GET", "/v1/models");
+  EXPECT_EQ(r.code, 404);
+  EXPECT_THAT(r.Json()["error"].get<std::string>(), HasSubstr("/v1/models"));
+  r = Call(port_, "GET", "/v2/models/three/infer");
+  EXPECT_EQ(r.code, 405);
+  EXPECT_EQ(r.Header("allow"), "POST");
+  r = Call(port_, "DELETE", "/v2/health/live");
+  EXPECT_EQ(r.code, 405);
+  r = Call(port_, "GET", "/v2/models/%zz");
+  EXPECT_EQ(r.code, 400);
+  // Explicit loading is the admin's, as on gRPC.
+  r = Call(port_, "POST", "/v2/repository/models/three/unload");
+  EXPECT_EQ(r.code, 400);
+  EXPECT_THAT(r.Json()["error"].get<std::string>(), HasSubstr("not allowed"));
+  r = Call(port_, "POST", "/v2/models/three/infer", kTwoTexts, "Content-Encoding: gzip\r\n");
+  EXPECT_EQ(r.code, 415);
+}
+
+TEST_F(KServeHttpTest, HealthMetadataConfigStatisticsAndIndex) {
+  Start({}, /*load=*/false);
+  // Before the models load: live, not ready (the protocol's 4xx for false), and inference 503.
+  Reply r = Call(port_, "GET", "/v2/health/live");
+  EXPECT_EQ(r.code, 200);
+  EXPECT_EQ(r.Json(), json({{"live", true}}));
+  r = Call(port_, "GET", "/v2/health/ready");
+  EXPECT_EQ(r.code, 400);
+  EXPECT_EQ(r.Json(), json({{"ready", false}}));
+  r = Call(port_, "POST", "/v2/models/three/infer", kTwoTexts);
+  EXPECT_EQ(r.code, 503) << r.body;
+  LoadModels();
+  EXPECT_EQ(Call(port_, "GET", "/v2/health/ready").code, 200);
+  EXPECT_EQ(Call(port_, "GET", "/v2/models/three/ready").code, 200);
+  EXPECT_EQ(Call(port_, "GET", "/v2/models/three/versions/1/ready").code, 200);
+  EXPECT_EQ(Call(port_, "GET", "/v2/models/three/versions/2/ready").code, 400);
+  EXPECT_EQ(Call(port_, "GET", "/v2/models/nope/ready").code, 400);
+
+  json server = Call(port_, "GET", "/v2").Json();
+  EXPECT_EQ(server["name"], "collabserve");
+  EXPECT_THAT(server["extensions"].get<std::vector<std::string>>(),
+              ::testing::Contains("classification"));
+
+  r = Call(port_, "GET", "/v2/models/three");
+  ASSERT_EQ(r.code, 200) << r.body;
+  json meta = r.Json();
+  EXPECT_EQ(meta["name"], "three");
+  EXPECT_EQ(meta["versions"], json({"1"}));
+  EXPECT_EQ(meta["inputs"][0], json({{"name", "text"}, {"datatype", "BYTES"}, {"shape", {-1}}}));
+  EXPECT_EQ(meta["outputs"][0]["shape"], json({-1, 3}));  // 64-bit integers as numbers
+  EXPECT_EQ(Call(port_, "GET", "/v2/models/three/").code, 200);  // a trailing slash
+
+  json config = Call(port_, "GET", "/v2/models/three/config").Json();
+  EXPECT_EQ(config["name"], "three");
+  EXPECT_EQ(config["max_batch_size"], 8);
+  EXPECT_EQ(config["instance_group"][0]["kind"], "KIND_CPU");  // enums by name
+  EXPECT_EQ(config["parameters"]["problem_type"]["string_value"], "single_label_classification");
+
+  ASSERT_EQ(Call(port_, "POST", "/v2/models/three/infer", kTwoTexts).code, 200);
+  json stats = Call(port_, "GET", "/v2/models/three/stats").Json();
+  ASSERT_EQ(stats["model_stats"].size(), 1u);
+  EXPECT_EQ(stats["model_stats"][0]["inference_count"], 2);
+  EXPECT_EQ(stats["model_stats"][0]["inference_stats"]["success"]["count"], 1);
+  EXPECT_EQ(Call(port_, "GET", "/v2/models/stats").Json()["model_stats"].size(), 2u);
+  EXPECT_EQ(Call(port_, "GET", "/v2/models/nope/stats").code, 404);
+
+  json index = Call(port_, "POST", "/v2/repository/index").Json();
+  ASSERT_TRUE(index.is_array()) << index;
+  ASSERT_EQ(index.size(), 2u);
+  EXPECT_EQ(index[0], json({{"name", "three"}, {"version", "1"}, {"state", "READY"}, {"reason", ""}}));
+  EXPECT_EQ(Call(port_, "POST", "/v2/repository/index", R"({"ready":true})").Json().size(), 2u);
+  EXPECT_EQ(Call(port_, "POST", "/v2/repository/index", R"({"ready":1})").code, 400);
+
+  // HEAD: the GET's head, no body.
+  Client c(port_);
+  c.HeadOnly(true);
+  ASSERT_TRUE(c.Send(Request("HEAD", "/v2/models/three")));
+  std::optional<Reply> head = c.Read();
+  ASSERT_TRUE(head);
+  EXPECT_EQ(head->code, 200);
+  EXPECT_EQ(head->Header("content-length"), std::to_string(meta.dump().size()));
+}
+
+TEST_F(KServeHttpTest, PersistentPipelinedChunkedAndContinuedRequests) {
+  Start();
+  Client c(port_);
+  ASSERT_TRUE(c.ok());
+  // Three requests in one write, answered in order on the one connection.
+  ASSERT_TRUE(c.Send(Request("GET", "/v2/health/live") + Request("POST", "/v2/models/three/infer", kTwoTexts) +
+                     Request("GET", "/v2/models/three/ready")));
+  std::optional<Reply> a = c.Read(), b = c.Read(), d = c.Read();
+  ASSERT_TRUE(a && b && d);
+  EXPECT_EQ(a->code, 200);
+  EXPECT_EQ(b->code, 200);
+  EXPECT_EQ(b->Json()["id"], "q1");
+  EXPECT_EQ(d->code, 200);
+  // A chunked body, with a chunk extension and a trailer.
+  const std::string body = kTwoTexts;
+  std::string chunked = absl::StrCat(absl::Hex(10), ";ext=1\r\n", body.substr(0, 10), "\r\n",
+                                     absl::Hex(body.size() - 10), "\r\n", body.substr(10),
+                                     "\r\n0\r\nX-Trailer: 1\r\n\r\n");
+  ASSERT_TRUE(c.Send("POST /v2/models/three/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" +
+                     chunked));
+  std::optional<Reply> e = c.Read();
+  ASSERT_TRUE(e);
+  EXPECT_EQ(e->code, 200) << e->body;
+  EXPECT_EQ(e->Json()["outputs"], b->Json()["outputs"]);
+  // Expect: 100-continue gets its interim answer before the body is sent.
+  ASSERT_TRUE(c.Send(absl::StrCat("POST /v2/models/three/infer HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                                  "Content-Length: ", body.size(), "\r\n\r\n")));
+  std::optional<Reply> cont = c.Read();
+  ASSERT_TRUE(cont);
+  EXPECT_EQ(cont->code, 100);
+  ASSERT_TRUE(c.Send(body));
+  std::optional<Reply> f = c.Read();
+  ASSERT_TRUE(f);
+  EXPECT_EQ(f->code, 200);
+  // Connection: close is honoured.
+  ASSERT_TRUE(c.Send(Request("GET", "/v2/health/live", "", "Connection: close\r\n")));
+  std::optional<Reply> g = c.Read();
+  ASSERT_TRUE(g);
+  EXPECT_EQ(g->Header("connection"), "close");
+  EXPECT_TRUE(c.Closed());
+
+  // HTTP/1.0 closes unless asked to keep the connection.
+  Client old(port_);
+  ASSERT_TRUE(old.Send("GET /v2/health/live HTTP/1.0\r\n\r\n"));
+  ASSERT_TRUE(old.Read());
+  EXPECT_TRUE(old.Closed());
+}
+
+TEST_F(KServeHttpTest, MalformedAndOversizedRequestsAreRefusedAndTheConnectionClosed) {
+  Start();
+  struct Case {
+    std::string bytes;
+    int code;
+    std::string says;
+  };
+  const std::vector<Case> cases = {
+      {"GARBAGE\r\n\r\n", 400, "request line"},
+      {"GET /v2 HTTP/2.0\r\n\r\n", 505, "HTTP/2.0"},
+      {"GET /v2 HTTP/1.1\r\nno colon\r\n\r\n", 400, "header line 1"},
+      {"POST /v2/models/three/infer HTTP/1.1\r\nContent-Length: 12x\r\n\r\n", 400, "Content-Length"},
+      {"POST /v2/models/three/infer HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\nabcd", 400,
+       "conflicting"},
+      {"POST /v2/models/three/infer HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n", 501, "gzip"},
+      {"POST /v2/models/three/infer HTTP/1.1\r\nTransfer-Encoding: chunked\r\nContent-Length: 3\r\n\r\n",
+       400, "both"},
+      {"POST /v2/models/three/infer HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", 400, "chunk size"},
+      // Over the body limit (the server's --max_message_bytes, 1 MiB here): refused before it is read.
+      {"POST /v2/models/three/infer HTTP/1.1\r\nContent-Length: 1048577\r\n\r\n", 413, "1048576-byte limit"},
+      {"POST /v2/models/three/infer HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n100001\r\n", 413, "limit"},
+      {absl::StrCat("GET /v2 HTTP/1.1\r\nX-Big: ", std::string(20000, 'a'), "\r\n\r\n"), 431, "head"},
+  };
+  for (const Case& c : cases) {
+    Client client(port_);
+    ASSERT_TRUE(client.Send(c.bytes));
+    std::optional<Reply> r = client.Read();
+    ASSERT_TRUE(r) << c.bytes.substr(0, 80);
+    EXPECT_EQ(r->code, c.code) << c.bytes.substr(0, 80) << " -> " << r->body;
+    EXPECT_THAT(r->body, HasSubstr(c.says)) << c.bytes.substr(0, 80);
+    EXPECT_TRUE(client.Closed()) << c.bytes.substr(0, 80);
+  }
+}
+
+TEST_F(KServeHttpTest, ConnectionsAreBoundedAndIdleOnesClosed) {
+  HttpServerOptions o;
+  o.max_connections = 2;
+  o.idle_timeout = absl::Milliseconds(300);
+  Start(o);
+  {
+    Client a(port_), b(port_);
+    ASSERT_TRUE(a.Send(Request("GET", "/v2/health/live")));
+    ASSERT_TRUE(b.Send(Request("GET", "/v2/health/live")));
+    ASSERT_TRUE(a.Read() && b.Read());
+    // A third while two are open: 503 naming the flag, then closed.
+    Client c(port_);
+    std::optional<Reply> r = c.Read();
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->code, 503);
+    EXPECT_THAT(r->body, HasSubstr("--http_max_connections=2"));
+    EXPECT_TRUE(c.Closed());
+    // A request cut off mid-head is answered 408 once the connection idles; a quiet one is closed.
+    ASSERT_TRUE(a.Send("GET /v2/health/li"));
+    std::optional<Reply> cut = a.Read();
+    ASSERT_TRUE(cut);
+    EXPECT_EQ(cut->code, 408);
+    EXPECT_TRUE(a.Closed());
+    EXPECT_TRUE(b.Closed());
+  }
+  // Both slots free again once the server has reaped the closed connections.
+  ASSERT_TRUE(Eventually([&] { return http_->connections() == 0; }));
+  EXPECT_EQ(Call(port_, "GET", "/v2/health/live").code, 200);
+}
+
+TEST_F(KServeHttpTest, StoppingClosesWaitingConnectionsAndFinishesTheOnesInFlight) {
+  Start();
+  Client idle(port_);
+  ASSERT_TRUE(idle.Send(Request("GET", "/v2/health/live")));
+  ASSERT_TRUE(idle.Read());
+  // A call held in its forward pass while the HTTP server stops.
+  gate_.Close();
+  Client busy(port_);
+  ASSERT_TRUE(busy.Send(Request("POST", "/v2/models/three/infer", kTwoTexts)));
+  ASSERT_TRUE(gate_.WaitForArrivals(1));
+  std::atomic<bool> stopped{false};
+  std::thread stop([&] {
+    http_.reset();
+    stopped = true;
+  });
+  // The waiting connection is closed at once; the busy one is not, and the stop waits for it.
+  EXPECT_TRUE(idle.Closed());
+  absl::SleepFor(absl::Milliseconds(100));
+  EXPECT_FALSE(stopped.load());
+  gate_.Open();
+  std::optional<Reply> r = busy.Read();
+  stop.join();
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->code, 200) << r->body;
+  EXPECT_EQ(r->Header("connection"), "close");
+  EXPECT_TRUE(busy.Closed());
+}
+
+TEST_F(KServeHttpTest, BadOptionsAreRefusedNamingTheFlag) {
+  Start();
+  auto refuse = [&](HttpServerOptions o, const std::string& says) {
+    o.host = "127.0.0.1";
+    auto s = HttpServer::Start(o, NewKServeHttpHandler(server_->InProcessChannel()));
+    ASSERT_FALSE(s.ok());
+    EXPECT_THAT(std::string(s.status().message()), HasSubstr(says));
+  };
+  HttpServerOptions o;
+  o.port = 70000;
+  refuse(o, "--http_port=70000");
+  o = {};
+  o.port = port_;  // taken
+  refuse(o, "cannot serve HTTP");
+  o = {};
+  o.port = 0;
+  o.max_connections = 0;
+  refuse(o, "--http_max_connections");
+  o = {};
+  o.port = 0;
+  o.idle_timeout = absl::ZeroDuration();
+  refuse(o, "--http_idle_timeout_s");
+  o = {};
+  o.port = 0;
+  o.tls.cert_file = "/nonexistent/tls.crt";
+  o.tls.key_file = "/nonexistent/tls.key";
+  refuse(o, "/nonexistent/tls.crt");
+}
+
+TEST(KServeHttpCodesTest, GrpcGatewaysTable) {
+  EXPECT_EQ(HttpCodeForGrpc(0), 200);
+  EXPECT_EQ(HttpCodeForGrpc(1), 499);   // CANCELLED
+  EXPECT_EQ(HttpCodeForGrpc(3), 400);   // INVALID_ARGUMENT
+  EXPECT_EQ(HttpCodeForGrpc(4), 504);   // DEADLINE_EXCEEDED
+  EXPECT_EQ(HttpCodeForGrpc(5), 404);   // NOT_FOUND
+  EXPECT_EQ(HttpCodeForGrpc(8), 429);   // RESOURCE_EXHAUSTED
+  EXPECT_EQ(HttpCodeForGrpc(9), 400);   // FAILED_PRECONDITION
+  EXPECT_EQ(HttpCodeForGrpc(12), 501);  // UNIMPLEMENTED
+  EXPECT_EQ(HttpCodeForGrpc(13), 500);  // INTERNAL
+  EXPECT_EQ(HttpCodeForGrpc(14), 503);  // UNAVAILABLE
+  EXPECT_EQ(HttpCodeForGrpc(16), 401);  // UNAUTHENTICATED
+}
+
+// TLS: a self-signed certificate for localhost whose subject carries `org`.
+void MakeCertificate(const std::string& dir, const std::string& name, const std::string& org) {
+  const std::string cmd = absl::StrCat(
+      "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost/O=", org,
+      " -addext subjectAltName=DNS:localhost -keyout ", dir, "/", name, ".key -out ", dir, "/",
+      name, ".crt >/dev/null 2>&1");
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << "openssl could not make a test certificate";
+}
+
+// A client context that trusts `ca` and, when given, presents `cert`/`key`.
+std::shared_ptr<SSL_CTX> ClientContext(const std::string& ca, const std::string& cert = "",
+                                       const std::string& key = "") {
+  std::shared_ptr<SSL_CTX> ctx(SSL_CTX_new(TLS_client_method()), SSL_CTX_free);
+  EXPECT_EQ(SSL_CTX_load_verify_locations(ctx.get(), ca.c_str(), nullptr), 1);
+  SSL_CTX_set_verify(ctx.get(), SSL_VERIFY_PEER, nullptr);
+  if (!cert.empty()) {
+    EXPECT_EQ(SSL_CTX_use_certificate_file(ctx.get(), cert.c_str(), SSL_FILETYPE_PEM), 1);
+    EXPECT_EQ(SSL_CTX_use_PrivateKey_file(ctx.get(), key.c_str(), SSL_FILETYPE_PEM), 1);
+  }
+  return ctx;
+}
+
+std::string PeerOrganization(SSL* ssl) {
+  X509* peer = SSL_get1_peer_certificate(ssl);
+  if (peer == nullptr) return "";
+  char buf[256] = {};
+  X509_NAME_get_text_by_NID(X509_get_subject_name(peer), NID_organizationName, buf, sizeof(buf));
+  X509_free(peer);
+  return buf;
+}
+
+TEST_F(KServeHttpTest, TlsServesTheFollowedCertificateAndMutualTlsRefusesStrangers) {
+  TempDir certs;
+  const std::string d = certs.path();
+  MakeCertificate(d, "first", "first");
+  MakeCertificate(d, "second", "second");
+  MakeCertificate(d, "client", "client");
+  std::filesystem::copy_file(d + "/first.crt", d + "/tls.crt");
+  std::filesystem::copy_file(d + "/first.key", d + "/tls.key");
+  HttpServerOptions o;
+  o.tls.cert_file = d + "/tls.crt";
+  o.tls.key_file = d + "/tls.key";
+  o.tls.client_ca_file = d + "/client.crt";  // the self-signed client certificate is its own CA
+  o.tls.reload_interval = absl::Seconds(1);
+  Start(o);
+  EXPECT_TRUE(http_->tls());
+
+  auto first = ClientContext(d + "/first.crt", d + "/client.crt", d + "/client.key");
+  {
+    Client c(port_, first.get());
+    ASSERT_TRUE(c.ok()) << "handshake refused";
+    EXPECT_EQ(PeerOrganization(c.ssl()), "first");
+    ASSERT_TRUE(c.Send(Request("POST", "/v2/models/three/infer", kTwoTexts)));
+    std::optional<Reply> r = c.Read();
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->code, 200);
+  }
+  {
+    // No client certificate: refused at the handshake (TLS 1.3 shows it at the first read).
+    auto stranger = ClientContext(d + "/first.crt");
+    Client c(port_, stranger.get());
+    const bool refused = !c.ok() || !c.Send(Request("GET", "/v2/health/live")) || !c.Read().has_value();
+    EXPECT_TRUE(refused);
+  }
+  {
+    // Plain HTTP on the TLS port gets no answer.
+    Client c(port_);
+    ASSERT_TRUE(c.Send(Request("GET", "/v2/health/live")));
+    EXPECT_FALSE(c.Read().has_value());
+  }
+  // A renewed pair serves the connections made after the next reload.
+  std::filesystem::copy_file(d + "/second.crt", d + "/tls.crt",
+                             std::filesystem::copy_options::overwrite_existing);
+  std::filesystem::copy_file(d + "/second.key", d + "/tls.key",
+                             std::filesystem::copy_options::overwrite_existing);
+  auto second = ClientContext(d + "/second.crt", d + "/client.crt", d + "/client.key");
+  ASSERT_TRUE(Eventually([&] {
+    Client c(port_, second.get());
+    return c.ok() && PeerOrganization(c.ssl()) == "second";
+  }));
+  // A pair that no longer loads leaves the last good one serving.
+  ASSERT_TRUE(util::WriteFileAtomic(d + "/tls.key", "not a key").ok());
+  absl::SleepFor(absl::Milliseconds(1200));
+  Client c(port_, second.get());
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(PeerOrganization(c.ssl()), "second");
+  ASSERT_TRUE(c.Send(Request("GET", "/v2/health/ready")));
+  std::optional<Reply> r = c.Read();
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->code, 200);
+}
+
+}  // namespace
+}  // namespace collabserve::service
