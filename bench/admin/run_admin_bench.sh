@@ -83,7 +83,7 @@ timeout 300 "$BIN/collabserve-model" make --out "$REPO/demo/1" --preset tiny >/d
 TOKEN=$WORK/token
 (umask 077; head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$TOKEN")
 
-timeout 1800 "$BIN/collabserve" --port=0 --metrics_port=0 --admin_token_file="$TOKEN" \
+timeout 1800 "$BIN/collabserve" --port=0 --metrics_port=0 --http_port=-1 --admin_token_file="$TOKEN" \
   --model_repository="$REPO" ${SERVER_ARGS:-} >"$WORK/server.out" 2>"$WORK/server.err" &
 SERVER_PID=$!
 PORT=""

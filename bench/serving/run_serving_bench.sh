@@ -92,7 +92,7 @@ raw() {  # $1 streams, $2 threads per stream; appends "raw" records
 
 start_server() {  # $@: extra flags
   # shellcheck disable=SC2086  # THREAD_FLAGS and SERVER_FLAGS are lists of flags
-  "$BUILD_DIR/bin/collabserve" --host=127.0.0.1 --port=0 --metrics_port=0 \
+  "$BUILD_DIR/bin/collabserve" --host=127.0.0.1 --port=0 --metrics_port=0 --http_port=-1 \
     --model_repository="$work/repo" --poll_interval_s=0 $THREAD_FLAGS \
     --max_queue_delay_micros="$DELAY_US" \
     --max_queue_size=4096 $SERVER_FLAGS "$@" >"$work/server.out" 2>"$work/server.err" &

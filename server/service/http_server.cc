@@ -638,8 +638,7 @@ class HttpServer::Impl {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
 };
 
-absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(HttpServerOptions options,
-                                                              HttpHandler handler) {
+absl::Status CheckHttpServerOptions(const HttpServerOptions& options) {
   if (options.port < 0 || options.port > 65535) {
     return absl::InvalidArgumentError(
         absl::StrCat("--http_port=", options.port, " must be 0 (pick) to 65535, or -1 for none"));
@@ -648,14 +647,20 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(HttpServerOptions 
     return absl::InvalidArgumentError(absl::StrCat(
         "--http_max_connections=", options.max_connections, " must be 1 to 65536"));
   }
-  if (options.idle_timeout < absl::Milliseconds(1) || options.idle_timeout > absl::Hours(24)) {
+  if (!(options.idle_timeout >= absl::Milliseconds(1) && options.idle_timeout <= absl::Hours(24))) {
     return absl::InvalidArgumentError(
         absl::StrCat("--http_idle_timeout_s=", absl::ToDoubleSeconds(options.idle_timeout),
                      " must be 0.001 to 86400"));
   }
   if (options.max_body_bytes < 1) {
-    return absl::InvalidArgumentError("the HTTP body limit must be positive");
+    return absl::InvalidArgumentError("the HTTP body limit (--max_message_bytes) must be positive");
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(HttpServerOptions options,
+                                                              HttpHandler handler) {
+  RETURN_IF_ERROR(CheckHttpServerOptions(options));
   std::unique_ptr<SslContextFollower> ssl;
   if (options.tls.enabled()) {
     RETURN_IF_ERROR(CheckCertificateFiles(options.tls).status());

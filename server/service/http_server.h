@@ -60,6 +60,10 @@ struct HttpServerOptions {
   TlsFiles tls;
 };
 
+// The options' values that Start refuses, INVALID_ARGUMENT naming the flag (--http_port 0-65535,
+// --http_max_connections 1-65536, --http_idle_timeout_s 0.001-86400); the TLS files are not read.
+absl::Status CheckHttpServerOptions(const HttpServerOptions& options);
+
 // "HTTP/1.1 <code> <reason>": the reason phrase of the codes this server and its handlers use.
 const char* HttpReason(int code);
 

@@ -416,10 +416,14 @@ int Run(int argc, char** argv, int cpus) {
     std::cerr << "collabserve: INVALID_ARGUMENT: " << bad_seconds << "\n";
     return 1;
   }
-  if (http_options.port < -1 || http_options.port > 65535) {
-    std::cerr << "collabserve: INVALID_ARGUMENT: --http_port=" << http_options.port
-              << " must be 0 (pick) to 65535, or -1 for none\n";
-    return 1;
+  {
+    // Every flag is checked, whether it is used or not (--http_port=-1 turns the endpoint off).
+    collabserve::service::HttpServerOptions check = http_options;
+    if (check.port == -1) check.port = 0;
+    if (absl::Status s = collabserve::service::CheckHttpServerOptions(check); !s.ok()) {
+      std::cerr << "collabserve: " << s << "\n";
+      return 1;
+    }
   }
   Server server(o);
   absl::Status s = server.StartServing();

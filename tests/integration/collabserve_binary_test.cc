@@ -172,6 +172,17 @@ TEST(CollabserveBinaryTest, ServesTheDemoModelWithoutARepository) {
   EXPECT_EQ(RunCommand(ctl + " classify --model=demo 'a 3D racing game with split-screen multiplayer'", &out), 0);
   EXPECT_TRUE(absl::StartsWith(out, "games")) << out;
   EXPECT_EQ(RunCommand(ctl + " health --service=demo", &out), 0);
+  // The README's curl over the REST endpoint: the same answer.
+  ASSERT_GT(server.http_port(), 0);
+  const std::string curl = absl::StrCat(
+      "curl -s --max-time 30 -X POST http://127.0.0.1:", server.http_port(),
+      "/v2/models/demo/infer -d '{\"inputs\":[{\"name\":\"text\",\"shape\":[1],"
+      "\"datatype\":\"BYTES\",\"data\":[\"a 3D racing game with split-screen multiplayer\"]}],"
+      "\"outputs\":[{\"name\":\"label\"}]}'");
+  ASSERT_EQ(RunCommand(curl, &out), 0) << curl;
+  const nlohmann::json answer = nlohmann::json::parse(out, nullptr, false);
+  ASSERT_TRUE(answer.contains("outputs")) << out;
+  EXPECT_EQ(answer["outputs"][0]["data"][0], "games") << out;
   EXPECT_EQ(server.Terminate(), 0);
   // ... which goes with it.
   EXPECT_FALSE(std::filesystem::exists(repository)) << repository << " was left behind";
@@ -197,7 +208,7 @@ TEST(CollabserveBinaryTest, ASignalWhileLoadingExitsAndRemovesTheDemoRepository)
 TEST(CollabserveBinaryTest, ReportsABadRepository) {
   std::string out;
   const int rc = RunCommand(Bin("collabserve") +
-                                " --port=0 --metrics_port=-1 --model_repository=/nonexistent/repo 2>&1",
+                                " --port=0 --metrics_port=-1 --http_port=-1 --model_repository=/nonexistent/repo 2>&1",
                             &out);
   EXPECT_EQ(rc, 1);
   EXPECT_THAT(out, HasSubstr("/nonexistent/repo"));
@@ -579,10 +590,13 @@ TEST(CollabserveBinaryTest, RefusesABadFlagBeforeListening) {
       {"--tls_reload_s=0.5", "--tls_reload_s=0.5 is not within 1-86400"},
       {"--keepalive_timeout_s=0", "--keepalive_timeout_s=0 is not within 0.001 to 2147483 seconds"},
       {"--keepalive_min_client_ping_s=2592000", "--keepalive_min_client_ping_s=2592000 is not within 0 to"},
+      {"--http_port=70000", "--http_port=70000 must be 0 (pick) to 65535, or -1 for none"},
+      {"--http_max_connections=0", "--http_max_connections=0 must be 1 to 65536"},
+      {"--http_idle_timeout_s=0", "--http_idle_timeout_s=0 must be 0.001 to 86400"},
   };
   for (const auto& [flag, message] : cases) {
     std::string out;
-    const int rc = RunCommand("timeout 60 " + Bin("collabserve") + " --port=0 --metrics_port=-1 " +
+    const int rc = RunCommand("timeout 60 " + Bin("collabserve") + " --port=0 --metrics_port=-1 --http_port=-1 " +
                                   "--model_repository=" + repo.path() + " " + flag + " 2>&1",
                               &out);
     EXPECT_EQ(rc, 1) << flag << ":\n" << out;

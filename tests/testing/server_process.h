@@ -1,6 +1,8 @@
 // build/bin/collabserve as a child process, for tests that need the real binary (signals, kill -9,
 // restarts). Its stdout is read until the line "serving"; the ports it prints on the way
-// ("listening on", "metrics on", "admin on") are kept.
+// ("listening on", "metrics on", "admin on", "http on") are kept. Without an --http_port argument
+// it gets --http_port=0 (a free port), so that servers of tests run in parallel do not meet on
+// the default 8000.
 #ifndef COLLABSERVE_TESTS_TESTING_SERVER_PROCESS_H_
 #define COLLABSERVE_TESTS_TESTING_SERVER_PROCESS_H_
 
@@ -55,6 +57,9 @@ class ServerProcess {
     std::vector<char*> envp;
     for (std::string& e : env_strings) envp.push_back(e.data());
     envp.push_back(nullptr);
+    bool http_port_given = false;
+    for (const auto& a : args) http_port_given = http_port_given || absl::StartsWith(a, "--http_port");
+    if (!http_port_given) args.push_back("--http_port=0");
     std::vector<char*> argv = {binary.data()};
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -79,7 +84,8 @@ class ServerProcess {
     while (out_ != nullptr && fgets(line, sizeof(line), out_) != nullptr) {
       std::string l(line);
       if (!ParsePort(l, "listening on 127.0.0.1:", &port_) &&
-          !ParsePort(l, "metrics on 127.0.0.1:", &metrics_port_)) {
+          !ParsePort(l, "metrics on 127.0.0.1:", &metrics_port_) &&
+          !ParsePort(l, "http on 127.0.0.1:", &http_port_)) {
         ParsePort(l, "admin on 127.0.0.1:", &admin_port_);
       }
       serving_ = serving_ || absl::StartsWith(l, "serving");
@@ -124,6 +130,7 @@ class ServerProcess {
   int port() const { return port_; }
   int metrics_port() const { return metrics_port_; }
   int admin_port() const { return admin_port_; }
+  int http_port() const { return http_port_; }  // -1 when it serves no HTTP
   std::string address() const { return absl::StrCat("127.0.0.1:", port_); }
 
  private:
@@ -138,6 +145,7 @@ class ServerProcess {
   int port_ = 0;
   int metrics_port_ = -1;
   int admin_port_ = 0;
+  int http_port_ = -1;
   bool serving_ = false;
   bool reached_ = false;
 };
