@@ -19,6 +19,8 @@
 #include <cerrno>
 #include <cstring>
 #include <exception>
+#include <functional>
+#include <system_error>
 #include <list>
 #include <optional>
 #include <thread>
@@ -61,6 +63,10 @@ absl::StatusOr<SslCtxPtr> NewSslContext(const TlsFiles& files) {
   SslCtxPtr ctx(SSL_CTX_new(TLS_server_method()), SSL_CTX_free);
   if (ctx == nullptr) return absl::InternalError(absl::StrCat("SSL_CTX_new: ", OpenSslError()));
   SSL_CTX_set_min_proto_version(ctx.get(), TLS1_2_VERSION);
+  // A session resumed with a client certificate checked needs a context id (else OpenSSL ends the
+  // resuming handshake with "session id context uninitialized"); one server, one id.
+  static const unsigned char kSessionContext[] = "collabserve-http";
+  SSL_CTX_set_session_id_context(ctx.get(), kSessionContext, sizeof(kSessionContext) - 1);
   if (SSL_CTX_use_certificate_chain_file(ctx.get(), files.cert_file.c_str()) != 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("--tls_cert ", files.cert_file, ": ", OpenSslError()));
@@ -150,22 +156,33 @@ class SslContextFollower {
   absl::Time checked_ ABSL_GUARDED_BY(mu_);
 };
 
-// One connection's byte stream, plain or TLS. The socket's timeouts bound every call.
+// One connection's byte stream, plain or TLS. The socket's timeouts bound each call, the
+// server's watchdog (a deadline per phase) the whole of a phase.
 class Stream {
  public:
   Stream(int fd, SSL* ssl) : fd_(fd), ssl_(ssl) {}
   ~Stream() {
     if (ssl_ != nullptr) {
-      SSL_shutdown(ssl_);
+      // No close_notify after a fatal error (OpenSSL forbids it); else a quiet one.
+      if (!fatal_) {
+        ERR_clear_error();
+        SSL_shutdown(ssl_);
+      }
       SSL_free(ssl_);
+      ERR_clear_error();
     }
   }
   // > 0 bytes read; 0 the peer closed; < 0 an error or the timeout.
   ssize_t Read(char* buf, size_t n) {
     if (ssl_ != nullptr) {
+      if (fatal_) return -1;
+      ERR_clear_error();
       const int r = SSL_read(ssl_, buf, static_cast<int>(std::min<size_t>(n, 1 << 30)));
       if (r > 0) return r;
-      return SSL_get_error(ssl_, r) == SSL_ERROR_ZERO_RETURN ? 0 : -1;
+      const int e = SSL_get_error(ssl_, r);
+      if (e == SSL_ERROR_ZERO_RETURN) return 0;
+      fatal_ = fatal_ || e == SSL_ERROR_SYSCALL || e == SSL_ERROR_SSL;
+      return -1;
     }
     for (;;) {
       const ssize_t r = ::recv(fd_, buf, n, 0);
@@ -173,13 +190,19 @@ class Stream {
       return r;
     }
   }
-  bool WriteAll(std::string_view data) {
+  bool WriteAll(absl::string_view data) {
     size_t off = 0;
     while (off < data.size()) {
       ssize_t n;
       if (ssl_ != nullptr) {
+        if (fatal_) return false;
+        ERR_clear_error();
         n = SSL_write(ssl_, data.data() + off,
                       static_cast<int>(std::min<size_t>(data.size() - off, 1 << 30)));
+        if (n <= 0) {
+          const int e = SSL_get_error(ssl_, static_cast<int>(n));
+          fatal_ = fatal_ || e == SSL_ERROR_SYSCALL || e == SSL_ERROR_SSL;
+        }
       } else {
         n = ::send(fd_, data.data() + off, data.size() - off, MSG_NOSIGNAL);
         if (n < 0 && errno == EINTR) continue;
@@ -193,6 +216,7 @@ class Stream {
  private:
   const int fd_;
   SSL* const ssl_;
+  bool fatal_ = false;
 };
 
 // Why a request could not be read: the answer to send (0: none, just close).
@@ -201,16 +225,49 @@ struct ReadFailure {
   std::string message;
 };
 
+// What the reader tells the connection as it goes, for the watchdog's deadlines.
+struct ReadProgress {
+  std::function<void()> waiting;                 // no byte of the next request yet
+  std::function<void()> reading;                 // its first byte came
+  std::function<void(uint64_t bytes)> body;      // its head is read; up to `bytes` of body follow
+};
+
+// RFC 9110 token characters (a header name).
+bool IsTokenChar(char c) {
+  return absl::ascii_isalnum(c) || std::strchr("!#$%&'*+-.^_`|~", c) != nullptr;
+}
+
+// The comma-separated elements of a header value, trimmed and lower-cased.
+std::vector<std::string> HeaderList(const std::string* value) {
+  std::vector<std::string> out;
+  if (value == nullptr) return out;
+  for (absl::string_view part : absl::StrSplit(*value, ',')) {
+    part = absl::StripAsciiWhitespace(part);
+    if (!part.empty()) out.push_back(absl::AsciiStrToLower(part));
+  }
+  return out;
+}
+
 class RequestReader {
  public:
-  RequestReader(Stream* stream, int64_t max_body) : stream_(stream), max_body_(max_body) {}
+  RequestReader(Stream* stream, int64_t max_body, ReadProgress progress)
+      : stream_(stream), max_body_(max_body), progress_(std::move(progress)) {}
 
   // The next request, or the failure. `idle` is set when the connection closed or timed out
   // cleanly between requests.
   std::optional<HttpRequest> Next(ReadFailure* failure, bool* version_1_0, bool* idle) {
     *idle = false;
     size_t head_end;
+    bool started = false;
     for (;;) {
+      // RFC 9112 2.2: empty lines before the request line are ignored.
+      size_t skip = 0;
+      while (buf_.compare(skip, 2, "\r\n") == 0) skip += 2;
+      buf_.erase(0, skip);
+      if (!started && !buf_.empty()) {
+        started = true;
+        progress_.reading();
+      }
       head_end = buf_.find("\r\n\r\n");
       if (head_end != std::string::npos && head_end <= kMaxHeadBytes) {
         head_end += 4;
@@ -220,27 +277,34 @@ class RequestReader {
         *failure = {431, absl::StrCat("request head over ", kMaxHeadBytes, " bytes")};
         return std::nullopt;
       }
+      if (!started) progress_.waiting();
       if (!Fill()) {
         // Nothing of a new request read: a clean end. A request cut off: 408.
-        const bool empty = absl::StripLeadingAsciiWhitespace(buf_).empty();
-        *idle = empty;
-        if (!empty) *failure = {408, "request head not complete before the connection went idle"};
+        *idle = !started;
+        if (started) *failure = {408, "request head not complete in time"};
         return std::nullopt;
       }
     }
     std::string head = buf_.substr(0, head_end - 4);
     buf_.erase(0, head_end);
-    // RFC 9112 2.2: empty lines before the request line are ignored.
-    while (absl::StartsWith(head, "\r\n")) head.erase(0, 2);
     std::vector<std::string> lines = absl::StrSplit(head, "\r\n");
     HttpRequest req;
+    for (size_t i = 0; i < lines.size(); ++i) {
+      if (lines[i].find_first_of(std::string("\r\n\0", 3)) != std::string::npos) {
+        *failure = {400, i == 0 ? std::string("bare CR, LF or NUL in the request line")
+                                : absl::StrCat("bare CR, LF or NUL in header line ", i)};
+        return std::nullopt;
+      }
+    }
     std::vector<std::string> parts = absl::StrSplit(lines[0], ' ');
-    if (parts.size() != 3 || parts[0].empty() || parts[1].empty()) {
+    if (parts.size() != 3 || parts[0].empty() ||
+        !std::all_of(parts[0].begin(), parts[0].end(), IsTokenChar) || parts[1].empty() ||
+        (parts[1][0] != '/' && parts[1] != "*")) {
       *failure = {400, "malformed request line"};
       return std::nullopt;
     }
     if (parts[2] != "HTTP/1.1" && parts[2] != "HTTP/1.0") {
-      *failure = {505, absl::StrCat("HTTP version ", parts[2], " (only HTTP/1.1 and HTTP/1.0)")};
+      *failure = {505, absl::StrCat("HTTP version '", parts[2], "' (only HTTP/1.1 and HTTP/1.0)")};
       return std::nullopt;
     }
     *version_1_0 = parts[2] == "HTTP/1.0";
@@ -250,8 +314,8 @@ class RequestReader {
     if (q != std::string::npos) req.query = parts[1].substr(q + 1);
     for (size_t i = 1; i < lines.size(); ++i) {
       const size_t colon = lines[i].find(':');
-      if (colon == std::string::npos || colon == 0 || lines[i][0] == ' ' || lines[i][0] == '\t' ||
-          lines[i][colon - 1] == ' ') {
+      if (colon == std::string::npos || colon == 0 ||
+          !std::all_of(lines[i].begin(), lines[i].begin() + colon, IsTokenChar)) {
         *failure = {400, absl::StrCat("malformed header line ", i)};
         return std::nullopt;
       }
@@ -259,11 +323,26 @@ class RequestReader {
                                std::string(absl::StripAsciiWhitespace(
                                    absl::string_view(lines[i]).substr(colon + 1))));
     }
-    const std::string* te = req.Header("transfer-encoding");
-    const std::string* cl = req.Header("content-length");
+    const std::string* te = nullptr;
+    const std::string* cl = nullptr;
+    for (const auto& [name, value] : req.headers) {
+      if (name == "transfer-encoding") {
+        if (te != nullptr) {
+          *failure = {400, "more than one Transfer-Encoding header"};
+          return std::nullopt;
+        }
+        te = &value;
+      } else if (name == "content-length") {
+        if (cl != nullptr && value != *cl) {
+          *failure = {400, "conflicting Content-Length headers"};
+          return std::nullopt;
+        }
+        cl = &value;
+      }
+    }
     const std::string* expect = req.Header("expect");
     auto continue_if_asked = [&]() -> bool {
-      if (expect != nullptr && absl::EqualsIgnoreCase(*expect, "100-continue")) {
+      if (expect != nullptr && absl::EqualsIgnoreCase(*expect, "100-continue") && !*version_1_0) {
         return stream_->WriteAll("HTTP/1.1 100 Continue\r\n\r\n");
       }
       return true;
@@ -273,22 +352,22 @@ class RequestReader {
         *failure = {400, "both Transfer-Encoding and Content-Length"};
         return std::nullopt;
       }
+      if (*version_1_0) {
+        *failure = {400, "Transfer-Encoding in an HTTP/1.0 request"};
+        return std::nullopt;
+      }
       if (!absl::EqualsIgnoreCase(*te, "chunked")) {
         *failure = {501, absl::StrCat("Transfer-Encoding '", *te, "' (only chunked)")};
         return std::nullopt;
       }
+      progress_.body(static_cast<uint64_t>(max_body_));
       if (!continue_if_asked() || !ReadChunked(&req.body, failure)) return std::nullopt;
       return req;
     }
     if (cl != nullptr) {
-      for (const auto& [name, value] : req.headers) {
-        if (name == "content-length" && value != *cl) {
-          *failure = {400, "conflicting Content-Length headers"};
-          return std::nullopt;
-        }
-      }
       uint64_t length = 0;
-      if (cl->empty() || !std::all_of(cl->begin(), cl->end(), absl::ascii_isdigit) ||
+      if (cl->empty() || cl->size() > 19 ||
+          !std::all_of(cl->begin(), cl->end(), absl::ascii_isdigit) ||
           !absl::SimpleAtoi(*cl, &length)) {
         *failure = {400, absl::StrCat("malformed Content-Length '", *cl, "'")};
         return std::nullopt;
@@ -298,6 +377,7 @@ class RequestReader {
                                       "-byte limit")};
         return std::nullopt;
       }
+      progress_.body(length);
       if (!continue_if_asked() || !ReadExactly(length, &req.body, failure)) return std::nullopt;
     }
     return req;
@@ -315,7 +395,7 @@ class RequestReader {
   bool ReadExactly(uint64_t n, std::string* out, ReadFailure* failure) {
     while (buf_.size() < n) {
       if (!Fill()) {
-        *failure = {408, "request body not complete before the connection went idle"};
+        *failure = {408, "request body not complete in time"};
         return false;
       }
     }
@@ -332,7 +412,7 @@ class RequestReader {
         return false;
       }
       if (!Fill()) {
-        *failure = {408, "chunked body not complete before the connection went idle"};
+        *failure = {408, "chunked body not complete in time"};
         return false;
       }
     }
@@ -353,7 +433,9 @@ class RequestReader {
         *failure = {400, absl::StrCat("malformed chunk size '", line, "'")};
         return false;
       }
-      for (char c : size_text) size = size * 16 + (absl::ascii_isdigit(c) ? c - '0' : (c | 0x20) - 'a' + 10);
+      for (char c : size_text) {
+        size = size * 16 + (absl::ascii_isdigit(c) ? c - '0' : (c | 0x20) - 'a' + 10);
+      }
       if (size == 0) break;
       if (body->size() + size > static_cast<uint64_t>(max_body_)) {
         *failure = {413, absl::StrCat("chunked request body is over the ", max_body_, "-byte limit")};
@@ -377,15 +459,17 @@ class RequestReader {
 
   Stream* const stream_;
   const int64_t max_body_;
+  const ReadProgress progress_;
   std::string buf_;
 };
 
-std::string FormatResponse(const HttpResponse& r, bool head_only, bool keep_alive) {
+std::string FormatResponse(const HttpResponse& r, bool head_only, const char* connection) {
   std::string out = absl::StrCat("HTTP/1.1 ", r.code, " ", HttpReason(r.code), "\r\n");
   if (!r.content_type.empty()) absl::StrAppend(&out, "Content-Type: ", r.content_type, "\r\n");
   for (const auto& [name, value] : r.headers) absl::StrAppend(&out, name, ": ", value, "\r\n");
-  absl::StrAppend(&out, "Content-Length: ", r.body.size(), "\r\n",
-                  keep_alive ? "" : "Connection: close\r\n", "\r\n");
+  absl::StrAppend(&out, "Content-Length: ", r.body.size(), "\r\n");
+  if (connection != nullptr) absl::StrAppend(&out, "Connection: ", connection, "\r\n");
+  out += "\r\n";
   if (!head_only) out += r.body;
   return out;
 }
@@ -393,14 +477,15 @@ std::string FormatResponse(const HttpResponse& r, bool head_only, bool keep_aliv
 HttpResponse ErrorResponse(int code, const std::string& message) {
   HttpResponse r;
   r.code = code;
-  // The JSON error form of the Open Inference Protocol, escaped by hand (no JSON library here).
+  // The JSON error form of the Open Inference Protocol, escaped by hand (no JSON library here);
+  // bytes past ASCII (echoed request bytes need not be UTF-8) as \u00XX, so the body stays JSON.
   std::string escaped;
   for (unsigned char c : message) {
     if (c == '"' || c == '\\') {
       escaped += '\\';
       escaped += static_cast<char>(c);
-    } else if (c < 0x20) {
-      escaped += absl::StrCat("\\u00", c < 16 ? "0" : "", absl::Hex(c));
+    } else if (c < 0x20 || c >= 0x7f) {
+      escaped += absl::StrCat("\\u00", absl::Hex(c, absl::kZeroPad2));
     } else {
       escaped += static_cast<char>(c);
     }
@@ -408,6 +493,46 @@ HttpResponse ErrorResponse(int code, const std::string& message) {
   r.body = absl::StrCat("{\"error\":\"", escaped, "\"}");
   return r;
 }
+
+// Closes a connection whose request may not have been read whole (an error answered early): the
+// write side first, then what the client still sends is read and dropped for up to `linger` (and
+// half a second of quiet), so that the close does not reset the connection and destroy the
+// answer before the client has read it.
+void LingeringClose(int fd, absl::Duration linger) {
+  ::shutdown(fd, SHUT_WR);
+  const absl::Time until = absl::Now() + linger;
+  char buf[65536];
+  for (;;) {
+    const int64_t ms = std::min<int64_t>(absl::ToInt64Milliseconds(until - absl::Now()), 500);
+    if (ms <= 0) break;
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, static_cast<int>(ms)) <= 0) break;
+    if (::recv(fd, buf, sizeof(buf), MSG_DONTWAIT) <= 0) break;
+  }
+}
+
+// Logs at most one line per minute, with how many were not logged.
+class RateLimitedLog {
+ public:
+  void Warn(const std::string& what) {
+    absl::MutexLock lock(&mu_);
+    const absl::Time now = absl::Now();
+    if (now - last_ < absl::Minutes(1)) {
+      ++suppressed_;
+      return;
+    }
+    LOG(WARNING) << what
+                 << (suppressed_ > 0 ? absl::StrCat(" (and ", suppressed_, " more in the last minute)")
+                                     : std::string());
+    last_ = now;
+    suppressed_ = 0;
+  }
+
+ private:
+  absl::Mutex mu_;
+  absl::Time last_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  int64_t suppressed_ ABSL_GUARDED_BY(mu_) = 0;
+};
 
 }  // namespace
 
@@ -445,6 +570,19 @@ const char* HttpReason(int code) {
   }
 }
 
+namespace {
+
+// The slowest a client may send a request body or take a response before the watchdog cuts it,
+// and the longest a TLS handshake may take.
+constexpr double kMinBytesPerSecond = 64 * 1024;
+constexpr absl::Duration kMaxHandshake = absl::Seconds(10);
+
+absl::Duration TransferTime(uint64_t bytes) {
+  return absl::Seconds(static_cast<double>(bytes) / kMinBytesPerSecond);
+}
+
+}  // namespace
+
 class HttpServer::Impl {
  public:
   Impl(HttpServerOptions options, HttpHandler handler, int listen_fd, int wake_read,
@@ -456,30 +594,26 @@ class HttpServer::Impl {
         wake_write_(wake_write),
         port_(port),
         ssl_(std::move(ssl)) {
-    acceptor_ = std::thread([this] { AcceptLoop(); });
+    loop_ = std::thread([this] { Loop(); });
   }
 
   ~Impl() {
-    const char c = 'x';
-    (void)!::write(wake_write_, &c, 1);
-    if (acceptor_.joinable()) acceptor_.join();
-    ::close(listen_fd_);
     {
       absl::MutexLock lock(&mu_);
       stopping_ = true;
-      // A connection waiting for its next request wakes now; one in its handler finishes it.
-      for (Connection& c : connections_) {
-        if (!c.busy && c.fd >= 0) ::shutdown(c.fd, SHUT_RD);
-      }
+      draining_ = true;
+      CloseWaiting();
     }
-    std::list<Connection> all;
-    {
-      absl::MutexLock lock(&mu_);
-      all.splice(all.end(), connections_);
-    }
-    for (Connection& c : all) c.thread.join();
+    Wake();
+    loop_.join();  // returns once every connection has ended
     ::close(wake_read_);
     ::close(wake_write_);
+  }
+
+  void BeginDrain() {
+    absl::MutexLock lock(&mu_);
+    draining_ = true;
+    CloseWaiting();
   }
 
   int port() const { return port_; }
@@ -490,55 +624,133 @@ class HttpServer::Impl {
   }
 
  private:
+  enum class Phase { kHandshake, kWaiting, kReading, kHandling, kWriting };
   struct Connection {
-    int fd = -1;
-    bool busy = false;  // in the handler or writing its response (guarded by mu_)
-    bool done = false;  // the thread is about to return (guarded by mu_)
+    int fd = -1;           // -1 once closed (guarded by mu_)
+    Phase phase = Phase::kWaiting;
+    absl::Time deadline;   // the watchdog shuts the socket down past it, except while handling
+    bool done = false;     // the thread is about to return
     std::thread thread;
   };
 
-  void AcceptLoop() {
-    for (;;) {
-      pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {wake_read_, POLLIN, 0}};
-      if (::poll(fds, 2, 1000) < 0) {
-        if (errno == EINTR) continue;
-        PLOG(ERROR) << "HTTP: poll";
-        return;
-      }
-      if (fds[1].revents != 0) return;
-      Reap();
-      if ((fds[0].revents & POLLIN) == 0) continue;
-      const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-      if (fd < 0) {
-        if (errno == EMFILE || errno == ENFILE) absl::SleepFor(absl::Milliseconds(50));
-        continue;
-      }
-      timeval tv{};
-      const int64_t us = absl::ToInt64Microseconds(options_.idle_timeout);
-      tv.tv_sec = us / 1000000;
-      tv.tv_usec = us % 1000000;
-      ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-      ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
-      int one = 1;
-      ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-      absl::MutexLock lock(&mu_);
-      if (static_cast<int>(connections_.size()) >= options_.max_connections) {
-        // Plain text: no handshake is made for a connection that is refused anyway.
-        if (ssl_ == nullptr) {
-          Stream s(fd, nullptr);
-          s.WriteAll(FormatResponse(
-              ErrorResponse(503, absl::StrCat("too many connections (--http_max_connections=",
-                                              options_.max_connections, ")")),
-              false, false));
-        }
-        ::close(fd);
-        continue;
-      }
-      connections_.emplace_back();
-      auto it = std::prev(connections_.end());
-      it->fd = fd;
-      it->thread = std::thread([this, it] { Serve(&*it); });
+  void Wake() {
+    const char c = 'x';
+    (void)!::write(wake_write_, &c, 1);
+  }
+
+  // Connections that wait for a request are shut down (their threads then end).
+  void CloseWaiting() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (Connection& c : connections_) {
+      if (c.fd >= 0 && c.phase == Phase::kWaiting) ::shutdown(c.fd, SHUT_RDWR);
     }
+  }
+
+  // The connection enters `phase`, which may last `allowed` (infinite: no deadline).
+  void Enter(Connection* c, Phase phase, absl::Duration allowed) {
+    absl::MutexLock lock(&mu_);
+    c->phase = phase;
+    c->deadline = absl::Now() + allowed;
+  }
+
+  // Accepts, cuts connections past their deadline and joins finished threads, until stopped and
+  // every connection has ended.
+  void Loop() {
+    bool listening = true;
+    for (;;) {
+      pollfd fds[2] = {{wake_read_, POLLIN, 0}, {listening ? listen_fd_ : -1, POLLIN, 0}};
+      if (::poll(fds, 2, 250) < 0 && errno != EINTR) {
+        PLOG(ERROR) << "HTTP: poll";
+        absl::SleepFor(absl::Milliseconds(250));
+      }
+      if (fds[0].revents & POLLIN) {
+        char buf[64];
+        (void)!::read(wake_read_, buf, sizeof(buf));
+      }
+      bool stopping;
+      {
+        absl::MutexLock lock(&mu_);
+        stopping = stopping_;
+        const absl::Time now = absl::Now();
+        for (Connection& c : connections_) {
+          if (c.fd >= 0 && c.phase != Phase::kHandling && now > c.deadline) {
+            ::shutdown(c.fd, SHUT_RDWR);
+            c.deadline = absl::InfiniteFuture();
+          }
+        }
+      }
+      if (stopping && listening) {
+        ::close(listen_fd_);
+        listening = false;
+      }
+      Reap();
+      if (!listening) {
+        absl::MutexLock lock(&mu_);
+        if (connections_.empty()) return;
+        continue;
+      }
+      if (fds[1].revents & POLLIN) Accept();
+    }
+  }
+
+  void Accept() {
+    const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno == EMFILE || errno == ENFILE) {
+        refusals_.Warn(absl::StrCat("HTTP: cannot accept a connection: ", std::strerror(errno)));
+        absl::SleepFor(absl::Milliseconds(50));
+      }
+      return;
+    }
+    timeval tv{};
+    const int64_t us = absl::ToInt64Microseconds(options_.idle_timeout);
+    tv.tv_sec = us / 1000000;
+    tv.tv_usec = us % 1000000;
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+    int one = 1;
+    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    bool full;
+    {
+      absl::MutexLock lock(&mu_);
+      full = static_cast<int>(connections_.size()) >= options_.max_connections;
+    }
+    if (full) {
+      Refuse(fd, absl::StrCat("too many connections (--http_max_connections=",
+                              options_.max_connections, ")"));
+      return;
+    }
+    absl::MutexLock lock(&mu_);
+    connections_.emplace_back();
+    auto it = std::prev(connections_.end());
+    it->fd = fd;
+    it->phase = ssl_ != nullptr ? Phase::kHandshake : Phase::kWaiting;
+    it->deadline =
+        absl::Now() + (ssl_ != nullptr ? std::min(options_.idle_timeout, kMaxHandshake)
+                                       : options_.idle_timeout);
+    try {
+      it->thread = std::thread([this, it] { Serve(&*it); });
+    } catch (const std::system_error& e) {
+      connections_.erase(it);
+      // Not under the lock: Refuse may take a moment.
+      mu_.Unlock();
+      Refuse(fd, absl::StrCat("cannot start a connection thread: ", e.what()));
+      mu_.Lock();
+    }
+  }
+
+  // Answers 503 with `why` (plain text connections; a TLS one is closed without a handshake) and
+  // closes, without waiting on the client.
+  void Refuse(int fd, const std::string& why) {
+    refusals_.Warn(absl::StrCat("HTTP: refused a connection: ", why));
+    if (ssl_ == nullptr) {
+      const std::string bytes = FormatResponse(ErrorResponse(503, why), false, "close");
+      (void)!::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+      ::shutdown(fd, SHUT_WR);
+      char buf[16384];
+      while (::recv(fd, buf, sizeof(buf), MSG_DONTWAIT) > 0) {
+      }
+    }
+    ::close(fd);
   }
 
   // Joins the threads that have finished.
@@ -562,41 +774,53 @@ class HttpServer::Impl {
     sigemptyset(&pipe);
     sigaddset(&pipe, SIGPIPE);
     pthread_sigmask(SIG_BLOCK, &pipe, nullptr);
+    const int fd = c->fd;  // closed only by Finish, on this thread
     SSL* ssl = nullptr;
     if (ssl_ != nullptr) {
       SslCtxPtr ctx = ssl_->Current();
+      ERR_clear_error();
       ssl = SSL_new(ctx.get());
-      if (ssl == nullptr || SSL_set_fd(ssl, c->fd) != 1 || SSL_accept(ssl) != 1) {
-        VLOG(1) << "HTTP: TLS handshake failed: " << OpenSslError();
+      if (ssl == nullptr || SSL_set_fd(ssl, fd) != 1 || SSL_accept(ssl) != 1) {
+        handshakes_.Warn(absl::StrCat("HTTP: TLS handshake failed: ", OpenSslError()));
         if (ssl != nullptr) SSL_free(ssl);
         ERR_clear_error();
         Finish(c);
         return;
       }
     }
+    bool linger = false;
     {
-      Stream stream(c->fd, ssl);
-      RequestReader reader(&stream, options_.max_body_bytes);
+      Stream stream(fd, ssl);
+      const absl::Duration idle = options_.idle_timeout;
+      RequestReader reader(
+          &stream, options_.max_body_bytes,
+          ReadProgress{[this, c, idle] { Enter(c, Phase::kWaiting, idle); },
+                       [this, c, idle] { Enter(c, Phase::kReading, idle); },
+                       [this, c, idle](uint64_t bytes) {
+                         Enter(c, Phase::kReading, idle + TransferTime(bytes));
+                       }});
       for (;;) {
         ReadFailure failure;
-        bool version_1_0 = false, idle = false;
-        std::optional<HttpRequest> req = reader.Next(&failure, &version_1_0, &idle);
+        bool version_1_0 = false, idle_end = false;
+        std::optional<HttpRequest> req = reader.Next(&failure, &version_1_0, &idle_end);
         if (!req) {
           if (failure.code != 0) {
-            stream.WriteAll(FormatResponse(ErrorResponse(failure.code, failure.message), false, false));
+            Enter(c, Phase::kWriting, idle);
+            stream.WriteAll(FormatResponse(ErrorResponse(failure.code, failure.message), false, "close"));
+            linger = true;
           }
           break;
         }
-        {
-          absl::MutexLock lock(&mu_);
-          if (stopping_) break;
-          c->busy = true;
-        }
-        const std::string* connection = req->Header("connection");
-        bool keep_alive = version_1_0 ? connection != nullptr &&
-                                            absl::EqualsIgnoreCase(*connection, "keep-alive")
-                                      : connection == nullptr ||
-                                            !absl::EqualsIgnoreCase(*connection, "close");
+        Enter(c, Phase::kHandling, absl::InfiniteDuration());
+        const std::vector<std::string> tokens = HeaderList(req->Header("connection"));
+        auto has = [&tokens](const char* t) {
+          return std::find(tokens.begin(), tokens.end(), t) != tokens.end();
+        };
+        bool keep_alive = version_1_0 ? has("keep-alive") : !has("close");
+        req->client_gone = [fd] {
+          pollfd p{fd, POLLRDHUP, 0};
+          return ::poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
+        };
         HttpResponse response;
         try {
           response = handler_(*req);
@@ -606,15 +830,16 @@ class HttpServer::Impl {
         }
         {
           absl::MutexLock lock(&mu_);
-          c->busy = false;
-          if (stopping_) keep_alive = false;
+          if (draining_) keep_alive = false;
         }
-        if (!stream.WriteAll(FormatResponse(response, req->method == "HEAD", keep_alive)) ||
-            !keep_alive) {
-          break;
-        }
+        const std::string bytes = FormatResponse(
+            response, req->method == "HEAD",
+            !keep_alive ? "close" : version_1_0 ? "keep-alive" : nullptr);
+        Enter(c, Phase::kWriting, idle + TransferTime(bytes.size()));
+        if (!stream.WriteAll(bytes) || !keep_alive) break;
       }
     }
+    if (linger) LingeringClose(fd, absl::Seconds(2));
     Finish(c);
   }
 
@@ -632,9 +857,12 @@ class HttpServer::Impl {
   const int wake_write_;
   const int port_;
   const std::unique_ptr<SslContextFollower> ssl_;
-  std::thread acceptor_;
+  RateLimitedLog refusals_;
+  RateLimitedLog handshakes_;
+  std::thread loop_;
   mutable absl::Mutex mu_;
   std::list<Connection> connections_ ABSL_GUARDED_BY(mu_);
+  bool draining_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
 };
 
@@ -718,6 +946,7 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(HttpServerOptions 
 
 HttpServer::HttpServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 HttpServer::~HttpServer() = default;
+void HttpServer::BeginDrain() { impl_->BeginDrain(); }
 int HttpServer::port() const { return impl_->port(); }
 bool HttpServer::tls() const { return impl_->tls(); }
 int HttpServer::connections() const { return impl_->connections(); }

@@ -29,6 +29,9 @@ struct HttpRequest {
   std::string query;   // after '?', without it
   std::vector<std::pair<std::string, std::string>> headers;  // names lower-cased, values trimmed
   std::string body;    // de-chunked
+  // True once the client has closed its side of the connection (it will read no answer): a
+  // handler that waits on long work polls it to cancel that work. Set by the server.
+  std::function<bool()> client_gone = [] { return false; };
   // The first header of that (lower-case) name, or null.
   const std::string* Header(std::string_view name) const;
 };
@@ -67,8 +70,13 @@ absl::Status CheckHttpServerOptions(const HttpServerOptions& options);
 // "HTTP/1.1 <code> <reason>": the reason phrase of the codes this server and its handlers use.
 const char* HttpReason(int code);
 
-// Thread-safe. The destructor stops accepting, closes connections that wait for a request, lets
-// each handler in flight finish and send its response, and joins every thread.
+// Thread-safe. Each connection phase has a deadline, kept by a watchdog: a TLS handshake 10 s (at
+// most idle_timeout), the wait for a request and the read of its head idle_timeout, its body and
+// the response idle_timeout plus their size at 64 KiB/s; a connection past it is cut. The
+// handler's own time has none. An error answered before the request was read whole (413, 431,
+// 400...) is followed by a lingering close, so that the client reads it rather than a reset.
+// The destructor stops accepting, closes connections that wait for a request, lets each request
+// in flight finish and send its response (with Connection: close), and joins every thread.
 class HttpServer {
  public:
   // Listens on host:port. UNAVAILABLE if the address cannot be bound, INVALID_ARGUMENT for bad
@@ -78,6 +86,11 @@ class HttpServer {
   ~HttpServer();
   HttpServer(const HttpServer&) = delete;
   HttpServer& operator=(const HttpServer&) = delete;
+
+  // The drain's first step: connections waiting for a request are closed, and every response
+  // from now on closes its connection, so that keep-alive clients reconnect (through the
+  // Service, to another pod) while the server finishes what is in flight. Idempotent.
+  void BeginDrain();
 
   int port() const;
   bool tls() const;

@@ -21,6 +21,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
 #include "kserve/grpc_predict_v2.grpc.pb.h"
@@ -194,21 +195,43 @@ void AppendRawBytes(const std::string& s, std::string* raw) {
   *raw += s;
 }
 
-// A BYTES tensor's JSON data (flat or nested arrays of strings) in the raw layout.
-bool FlattenBytes(const json& data, const std::string& where, std::string* raw, int64_t* count,
-                  std::string* why) {
-  if (data.is_array()) {
-    for (size_t i = 0; i < data.size(); ++i) {
-      if (!FlattenBytes(data[i], absl::StrCat(where, "[", i, "]"), raw, count, why)) return false;
-    }
-    return true;
-  }
-  if (!data.is_string()) {
-    *why = absl::StrCat(where, ": a ", data.type_name(), ", not a string (BYTES data are strings)");
+// A BYTES tensor's JSON data (flat or nested arrays of strings, at most kMaxNesting deep) in the
+// raw layout. Iterative: the depth of a request's arrays must not be the depth of this stack.
+constexpr int kMaxNesting = 32;
+
+bool FlattenBytes(const json& data, const std::string& where, std::string* raw, std::string* why) {
+  struct Level {
+    const json* array;
+    size_t next;
+  };
+  if (!data.is_array()) {
+    *why = absl::StrCat(where, ": a ", data.type_name(), ", not an array");
     return false;
   }
-  AppendRawBytes(data.get_ref<const std::string&>(), raw);
-  ++*count;
+  std::vector<Level> stack = {{&data, 0}};
+  while (!stack.empty()) {
+    Level& top = stack.back();
+    if (top.next == top.array->size()) {
+      stack.pop_back();
+      continue;
+    }
+    const json& e = (*top.array)[top.next++];
+    if (e.is_array()) {
+      if (stack.size() >= kMaxNesting) {
+        *why = absl::StrCat(where, ": arrays nested more than ", kMaxNesting, " deep");
+        return false;
+      }
+      stack.push_back({&e, 0});
+      continue;
+    }
+    if (!e.is_string()) {
+      std::string at = where;
+      for (const Level& l : stack) absl::StrAppend(&at, "[", l.next - 1, "]");
+      *why = absl::StrCat(at, ": a ", e.type_name(), ", not a string (BYTES data are strings)");
+      return false;
+    }
+    AppendRawBytes(e.get_ref<const std::string&>(), raw);
+  }
   return true;
 }
 
@@ -491,11 +514,10 @@ class KServeHttp {
       }
       if (!in.contains("data")) return Error(400, absl::StrCat(named, ".data: missing"));
       if (t->datatype() != "BYTES") {
-        // Every model's inputs are BYTES: the service names the mistake (its datatype).
-        continue;
+        return Error(400, absl::StrCat(named, ": datatype ", t->datatype(),
+                                       "; every input of these models is BYTES (text)"));
       }
-      int64_t count = 0;
-      if (!FlattenBytes(in["data"], named + ".data", raw, &count, &why)) return Error(400, why);
+      if (!FlattenBytes(in["data"], named + ".data", raw, &why)) return Error(400, why);
     }
     if (binary_used != binary.size()) {
       return Error(400, absl::StrCat("the body has ", binary.size() - binary_used,
@@ -533,9 +555,29 @@ class KServeHttp {
       }
     }
 
+    // The call is cancelled when the client goes away: its input leaves the queue, and a batch
+    // does not wait on an answer nobody reads.
     grpc::ClientContext ctx;
     inference::ModelInferResponse resp;
-    grpc::Status s = stub_->ModelInfer(&ctx, req, &resp);
+    absl::Mutex mu;
+    std::optional<grpc::Status> done;
+    stub_->async()->ModelInfer(&ctx, &req, &resp, [&mu, &done](grpc::Status s) {
+      absl::MutexLock lock(&mu);
+      done = std::move(s);
+    });
+    bool cancelled = false;
+    {
+      absl::MutexLock lock(&mu);
+      auto finished = [&done]() { return done.has_value(); };
+      while (!mu.AwaitWithTimeout(absl::Condition(&finished), absl::Milliseconds(50))) {
+        if (!cancelled && http.client_gone()) {
+          ctx.TryCancel();
+          cancelled = true;
+        }
+      }
+    }
+    const grpc::Status s = *done;
+    if (cancelled) return Error(499, "the client closed the connection");
     if (!s.ok()) return FromStatus(s);
 
     json out{{"model_name", resp.model_name()}, {"model_version", resp.model_version()}};
@@ -586,7 +628,9 @@ class KServeHttp {
 int HttpCodeForGrpc(int grpc_code) {
   switch (static_cast<grpc::StatusCode>(grpc_code)) {
     case grpc::StatusCode::OK: return 200;
-    case grpc::StatusCode::CANCELLED: return 499;
+    // The HTTP client cannot cancel a call (its leaving is answered 499 before this): a call
+    // cancelled is the server's doing, shutting down.
+    case grpc::StatusCode::CANCELLED: return 503;
     case grpc::StatusCode::INVALID_ARGUMENT: return 400;
     case grpc::StatusCode::DEADLINE_EXCEEDED: return 504;
     case grpc::StatusCode::NOT_FOUND: return 404;

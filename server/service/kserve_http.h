@@ -2,8 +2,9 @@
 // Every request becomes the gRPC call of kserve_service.h over the server's in-process channel, so
 // the limits, validation, batching, metrics and errors are the gRPC port's; a gRPC status becomes
 // the HTTP code grpc-gateway gives it (INVALID_ARGUMENT 400, NOT_FOUND 404, RESOURCE_EXHAUSTED 429,
-// DEADLINE_EXCEEDED 504, UNAVAILABLE 503, FAILED_PRECONDITION 400, ...) with the body
-// {"error": "<the status message>"}.
+// DEADLINE_EXCEEDED 504, UNAVAILABLE 503, FAILED_PRECONDITION 400, ...; but CANCELLED 503: only
+// the server, shutting down, cancels) with the body {"error": "<the status message>"}. An
+// inference whose client closes the connection is cancelled (its input leaves the queue).
 //
 //   GET  /v2/health/live                      200 {"live":true}, else 400 {"live":false}
 //   GET  /v2/health/ready                     200 {"ready":true}, else 400 {"ready":false}
@@ -21,7 +22,8 @@
 // numbers, enums by name, maps as objects, and a parameter as its value.
 //
 // Inference: {"id"?, "parameters"?, "inputs": [{"name","shape","datatype","data"}], "outputs"?:
-// [{"name","parameters"?}]}. A BYTES input's data are strings, flat or nested as the shape;
+// [{"name","parameters"?}]}. A BYTES input's data are strings, flat or nested as the shape (at
+// most 32 deep); another datatype is refused (every input is BYTES);
 // parameters are bool, integer, number or string values ("truncate", "timeout" and an output's
 // "classification" as on gRPC). The answer: {"model_name","model_version","id","outputs": [{"name",
 // "datatype","shape","data"}]}, FP32 data as numbers, BYTES as strings (invalid UTF-8 replaced).

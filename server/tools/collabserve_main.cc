@@ -469,6 +469,7 @@ int Run(int argc, char** argv, int cpus) {
   // The pod leaves its Service at once and the drain's clock starts; then the admin jobs stop
   // (before the repository they use), while the calls in flight finish.
   server.BeginDrain();
+  if (http != nullptr) http->BeginDrain();  // keep-alive clients reconnect elsewhere
   if (*admin != nullptr) (*admin)->Shutdown();  // cancels jobs so the drain does not wait on them
   server.Shutdown();
   return 0;

@@ -73,7 +73,7 @@ struct Reply {
 class Client {
  public:
   // Connects to 127.0.0.1:port; with `ssl_ctx`, makes a TLS handshake (false from ok() if refused).
-  explicit Client(int port, SSL_CTX* ssl_ctx = nullptr) {
+  explicit Client(int port, SSL_CTX* ssl_ctx = nullptr, SSL_SESSION* session = nullptr) {
     ::signal(SIGPIPE, SIG_IGN);  // SSL_write to a connection the server closed
     fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
     sockaddr_in addr{};
@@ -87,12 +87,16 @@ class Client {
       ssl_ = SSL_new(ssl_ctx);
       SSL_set_fd(ssl_, fd_);
       SSL_set_tlsext_host_name(ssl_, "localhost");
+      if (session != nullptr) SSL_set_session(ssl_, session);
       ok_ = SSL_connect(ssl_) == 1;
       // TLS 1.3: a refused client certificate shows at the first read.
     }
   }
   ~Client() {
-    if (ssl_ != nullptr) SSL_free(ssl_);
+    if (ssl_ != nullptr) {
+      SSL_shutdown(ssl_);  // a session ended without close_notify is not resumed
+      SSL_free(ssl_);
+    }
     ::close(fd_);
   }
   bool ok() const { return ok_; }
@@ -545,16 +549,139 @@ TEST_F(KServeHttpTest, MalformedAndOversizedRequestsAreRefusedAndTheConnectionCl
       {"POST /v2/models/three/infer HTTP/1.1\r\nContent-Length: 1048577\r\n\r\n", 413, "1048576-byte limit"},
       {"POST /v2/models/three/infer HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n100001\r\n", 413, "limit"},
       {absl::StrCat("GET /v2 HTTP/1.1\r\nX-Big: ", std::string(20000, 'a'), "\r\n\r\n"), 431, "head"},
+      // What request smuggling and header injection rely on.
+      {"GET /v2 HTTP/1.1\r\nX-A: b\nX-B: c\r\n\r\n", 400, "bare CR, LF or NUL in header line 1"},
+      {"GET /v2 HTTP/1.1\r\nBad Name: x\r\n\r\n", 400, "header line 1"},
+      {"GET /v2 HTTP/1.1\r\nName\t: x\r\n\r\n", 400, "header line 1"},
+      {"POST /v2 HTTP/1.1\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n", 400,
+       "more than one Transfer-Encoding"},
+      {"POST /v2 HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n", 400, "HTTP/1.0"},
+      {"GET http://example/v2 HTTP/1.1\r\n\r\n", 400, "request line"},
+      {"GET /v2 HTTP/1.1\r\nX: \x80\x01\r\n\r\nBAD \xff HTTP/9\r\n\r\n", 0, ""},
   };
   for (const Case& c : cases) {
     Client client(port_);
     ASSERT_TRUE(client.Send(c.bytes));
     std::optional<Reply> r = client.Read();
+    if (c.code == 0) {
+      // Bytes past ASCII in a header value pass; the next request's are echoed as JSON escapes.
+      ASSERT_TRUE(r);
+      EXPECT_EQ(r->code, 200);
+      r = client.Read();
+      ASSERT_TRUE(r);
+      EXPECT_EQ(r->code, 400);
+      EXPECT_TRUE(r->Json().contains("error")) << r->body;
+      continue;
+    }
     ASSERT_TRUE(r) << c.bytes.substr(0, 80);
     EXPECT_EQ(r->code, c.code) << c.bytes.substr(0, 80) << " -> " << r->body;
     EXPECT_THAT(r->body, HasSubstr(c.says)) << c.bytes.substr(0, 80);
     EXPECT_TRUE(client.Closed()) << c.bytes.substr(0, 80);
   }
+}
+
+TEST_F(KServeHttpTest, DeeplyNestedDataIsRefusedWithoutRecursion) {
+  Start();
+  auto nested = [](int depth) {
+    return absl::StrCat(R"({"inputs":[{"name":"text","shape":[1],"datatype":"BYTES","data":)",
+                        std::string(depth, '['), "\"x\"", std::string(depth, ']'), "}]}");
+  };
+  // Fifty thousand levels in 100 KB: a recursive walk would overflow the connection's stack.
+  for (int depth : {50000, 33}) {
+    Reply r = Call(port_, "POST", "/v2/models/three/infer", nested(depth));
+    EXPECT_EQ(r.code, 400) << depth;
+    EXPECT_THAT(r.body, HasSubstr("nested more than 32 deep")) << depth;
+  }
+  // Nesting is layout only: one element three deep is shape [1]'s one element.
+  Reply r = Call(port_, "POST", "/v2/models/three/infer", nested(3));
+  EXPECT_EQ(r.code, 200) << r.body;
+  r = Call(port_, "POST", "/v2/models/three/infer",
+           R"({"inputs":[{"name":"text","shape":[1,1,1],"datatype":"BYTES","data":[[["x"]]]}]})");
+  EXPECT_EQ(r.code, 400) << r.body;  // rank 3 is not a text tensor's shape: named by the service
+  EXPECT_THAT(r.body, HasSubstr("shape"));
+}
+
+TEST_F(KServeHttpTest, SlowClientsAreCutByTheWatchdog) {
+  HttpServerOptions o;
+  o.idle_timeout = absl::Milliseconds(300);
+  Start(o);
+  // Each byte comes well within the idle timeout; the head never completes. Without a deadline
+  // on the whole head the connection (and its thread) would be held for as long as it drips.
+  Client c(port_);
+  const std::string head = "GET /v2/health/live HTTP/1.1\r\nX-Slow: " + std::string(1000, 'a');
+  bool cut = false;
+  for (size_t i = 0; i < head.size() && !cut; ++i) {
+    cut = !c.Send(head.substr(i, 1));
+    absl::SleepFor(absl::Milliseconds(50));
+    cut = cut || http_->connections() == 0;
+  }
+  EXPECT_TRUE(cut) << "a client dripping its head was never cut";
+}
+
+TEST_F(KServeHttpTest, AnEarlyErrorIsReadByTheClientNotReset) {
+  Start();
+  // A body over the limit, sent whole while the server has already answered 413: the lingering
+  // close lets the client read the answer instead of a connection reset.
+  Client c(port_);
+  const std::string body(4 << 20, 'x');
+  std::thread sender([&] {
+    c.Send(absl::StrCat("POST /v2/models/three/infer HTTP/1.1\r\nContent-Length: ", body.size(),
+                        "\r\n\r\n", body));
+  });
+  std::optional<Reply> r = c.Read();
+  sender.join();
+  ASSERT_TRUE(r) << "the connection was reset before the 413 was read";
+  EXPECT_EQ(r->code, 413);
+}
+
+TEST_F(KServeHttpTest, KeepAliveHeadersAsEachVersionWantsThem) {
+  Start();
+  Client old(port_);
+  ASSERT_TRUE(old.Send("GET /v2/health/live HTTP/1.0\r\nConnection: Keep-Alive\r\n\r\n"));
+  std::optional<Reply> r = old.Read();
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->Header("connection"), "keep-alive");
+  ASSERT_TRUE(old.Send("GET /v2/health/live HTTP/1.0\r\nConnection: keep-alive\r\n\r\n"));
+  EXPECT_TRUE(old.Read());
+  // A list naming close closes; leading empty lines before a request are skipped.
+  Client c(port_);
+  ASSERT_TRUE(c.Send("\r\n\r\nGET /v2/health/live HTTP/1.1\r\nConnection: keep-alive, close\r\n\r\n"));
+  r = c.Read();
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->code, 200);
+  EXPECT_EQ(r->Header("connection"), "close");
+  EXPECT_TRUE(c.Closed());
+}
+
+TEST_F(KServeHttpTest, DrainClosesWaitingConnectionsAndEveryLaterResponseCloses) {
+  Start();
+  Client waiting(port_);
+  ASSERT_TRUE(waiting.Send(Request("GET", "/v2/health/live")));
+  ASSERT_TRUE(waiting.Read());
+  http_->BeginDrain();
+  EXPECT_TRUE(waiting.Closed());
+  // A client that connects meanwhile is answered, and told to go.
+  Client late(port_);
+  ASSERT_TRUE(late.Send(Request("GET", "/v2/health/live")));
+  std::optional<Reply> r = late.Read();
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->code, 200);
+  EXPECT_EQ(r->Header("connection"), "close");
+  EXPECT_TRUE(late.Closed());
+}
+
+TEST_F(KServeHttpTest, AClientThatLeavesCancelsItsInference) {
+  Start();
+  gate_.Close();
+  {
+    Client c(port_);
+    ASSERT_TRUE(c.Send(Request("POST", "/v2/models/three/infer", kTwoTexts)));
+    ASSERT_TRUE(gate_.WaitForArrivals(1));
+  }  // closed while its forward pass is held
+  // The handler does not wait for the pass: the call is cancelled and the connection ends.
+  EXPECT_TRUE(Eventually([&] { return http_->connections() == 0; }));
+  gate_.Open();
+  EXPECT_EQ(Call(port_, "POST", "/v2/models/three/infer", kTwoTexts).code, 200);
 }
 
 TEST_F(KServeHttpTest, ConnectionsAreBoundedAndIdleOnesClosed) {
@@ -646,7 +773,7 @@ TEST_F(KServeHttpTest, BadOptionsAreRefusedNamingTheFlag) {
 
 TEST(KServeHttpCodesTest, GrpcGatewaysTable) {
   EXPECT_EQ(HttpCodeForGrpc(0), 200);
-  EXPECT_EQ(HttpCodeForGrpc(1), 499);   // CANCELLED
+  EXPECT_EQ(HttpCodeForGrpc(1), 503);   // CANCELLED: by the server, shutting down
   EXPECT_EQ(HttpCodeForGrpc(3), 400);   // INVALID_ARGUMENT
   EXPECT_EQ(HttpCodeForGrpc(4), 504);   // DEADLINE_EXCEEDED
   EXPECT_EQ(HttpCodeForGrpc(5), 404);   // NOT_FOUND
@@ -713,6 +840,26 @@ TEST_F(KServeHttpTest, TlsServesTheFollowedCertificateAndMutualTlsRefusesStrange
     ASSERT_TRUE(c.Send(Request("POST", "/v2/models/three/infer", kTwoTexts)));
     std::optional<Reply> r = c.Read();
     ASSERT_TRUE(r);
+    EXPECT_EQ(r->code, 200);
+  }
+  {
+    // A client resuming its session (as Go, Java and Python clients do) is let in again.
+    SSL_SESSION* session = nullptr;
+    {
+      Client c(port_, first.get());
+      ASSERT_TRUE(c.ok());
+      ASSERT_TRUE(c.Send(Request("GET", "/v2/health/live")));
+      ASSERT_TRUE(c.Read());  // the TLS 1.3 ticket comes after the handshake
+      session = SSL_get1_session(c.ssl());
+    }
+    ASSERT_NE(session, nullptr);
+    Client again(port_, first.get(), session);
+    SSL_SESSION_free(session);
+    ASSERT_TRUE(again.ok());
+    EXPECT_TRUE(SSL_session_reused(again.ssl()));
+    ASSERT_TRUE(again.Send(Request("GET", "/v2/health/live")));
+    std::optional<Reply> r = again.Read();
+    ASSERT_TRUE(r) << "the resumed session was refused";
     EXPECT_EQ(r->code, 200);
   }
   {
