@@ -105,12 +105,12 @@ RUN --mount=type=bind,from=cuda-build,source=/src/deploy/docker/runtime-libs.sh,
     /tmp/runtime-libs.sh check --allow-missing libcuda.so.1 \
       /usr/local/bin/collabserve /usr/local/bin/collabctl /usr/local/bin/collabserve-model
 USER 10001:10001
-EXPOSE 8500 8501 9090
+EXPOSE 8500 8501 9090 8000
 HEALTHCHECK --interval=10s --timeout=5s --start-period=180s --retries=3 \
   CMD collabctl --address="${COLLABSERVE_HEALTH_ADDRESS}" --deadline_ms=3000 health || exit 1
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["collabserve"]
-CMD ["--port=8500", "--admin_port=8501", "--metrics_port=9090", "--device=cuda"]
+CMD ["--port=8500", "--admin_port=8501", "--metrics_port=9090", "--http_port=8000", "--device=cuda"]
 
 ######################################################################## CPU runtime (default target)
 FROM ${DEBIAN_RUNTIME_IMAGE} AS runtime
@@ -129,8 +129,8 @@ RUN --mount=type=bind,from=build,source=/src/deploy/docker/runtime-libs.sh,targe
 ENV COLLABSERVE_HEALTH_ADDRESS=127.0.0.1:8500
 # Non-root; the root filesystem can be mounted read-only (only /tmp and the model repository are written).
 USER 10001:10001
-# gRPC (Inference, Health, reflection), Admin, Prometheus metrics.
-EXPOSE 8500 8501 9090
+# gRPC (Inference, Health, reflection), Admin, Prometheus metrics, REST (KServe v2 over HTTP).
+EXPOSE 8500 8501 9090 8000
 # Healthy when grpc.health.v1.Health reports SERVING (not while warming up or draining). Set
 # COLLABSERVE_HEALTH_ADDRESS when --port changes. With --tls_cert the check cannot work: collabctl
 # --tls verifies against system roots and the name 127.0.0.1; override HEALTHCHECK then.
@@ -141,4 +141,4 @@ STOPSIGNAL SIGTERM
 ENTRYPOINT ["collabserve"]
 # Add --model_repository=/models (and mount a volume there) to serve a repository instead of the
 # built-in demo model.
-CMD ["--port=8500", "--admin_port=8501", "--metrics_port=9090"]
+CMD ["--port=8500", "--admin_port=8501", "--metrics_port=9090", "--http_port=8000"]

@@ -15,4 +15,5 @@ if [[ ! -x "$bin" ]]; then
 fi
 echo "run-demo: serving the demo model on :$port (metrics :$metrics_port)."
 echo "run-demo: try: $build_dir/bin/collabctl --address=127.0.0.1:$port classify --model=demo 'a 3D racing game with split-screen multiplayer'"
+echo "run-demo: or over REST (--http_port, 8000): curl -s localhost:8000/v2/models/demo/infer -d '{\"inputs\":[{\"name\":\"text\",\"shape\":[1],\"datatype\":\"BYTES\",\"data\":[\"IMAP and POP3 mail server\"]}]}'"
 exec "$bin" --port="$port" --metrics_port="$metrics_port" "$@"

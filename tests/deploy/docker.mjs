@@ -50,7 +50,7 @@ for (const s of ['runtime', 'cuda']) {
   check(user && !/^(0|root)(:|$)/.test(user), `${s}: runs as a non-root USER (got "${user}")`);
   check(kw(body, 'HEALTHCHECK').some((h) => /CMD collabctl --address=\S+( --\S+)* health/.test(h)), `${s}: HEALTHCHECK runs collabctl health`);
   const exposed = kw(body, 'EXPOSE').join(' ').split(/\s+/);
-  check(['8500', '8501', '9090'].every((p) => exposed.includes(p)), `${s}: EXPOSE 8500 8501 9090`);
+  check(['8500', '8501', '9090', '8000'].every((p) => exposed.includes(p)), `${s}: EXPOSE 8500 8501 9090 8000`);
   check(kw(body, 'ENTRYPOINT').some((e) => e.replace(/\s/g, '') === '["collabserve"]'), `${s}: ENTRYPOINT ["collabserve"]`);
   // The build fails when a binary lacks a library: runtime-libs.sh check, after the binaries are in.
   const binCopy = body.find((i) => i.getKeyword() === 'COPY' && /\/out\/usr\/local\/bin\//.test(i.getArgumentsContent()));

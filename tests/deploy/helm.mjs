@@ -119,8 +119,23 @@ const adminRule = np.spec.ingress.find((r) => r.ports.some((p) => p.port === 'ad
 check(adminRule && adminRule.from && adminRule.from.length > 0, 'NetworkPolicy admits the admin port only from listed peers');
 check(np.spec.ingress.some((r) => r.ports.some((p) => p.port === 'grpc') && !r.from), 'NetworkPolicy leaves the gRPC port open');
 const svc = find(def, 'Service')[0];
-check(svc.spec.ports.map((p) => p.name).join(',') === 'grpc,metrics' && !svc.spec.ports.some((p) => p.port === 8501),
-  'the main Service has grpc and metrics, not the admin port');
+check(svc.spec.ports.map((p) => p.name).join(',') === 'grpc,metrics,http' && !svc.spec.ports.some((p) => p.port === 8501),
+  'the main Service has grpc, metrics and http, not the admin port');
+check(np.spec.ingress.some((r) => r.ports.some((p) => p.port === 'http') && !r.from), 'NetworkPolicy leaves the REST port open');
+check(ctr(def).ports.some((p) => p.name === 'http' && p.containerPort === 8000) && ctr(def).args.includes('--http_port=$(COLLABSERVE_HTTP_PORT)') &&
+  find(def, 'ConfigMap')[0].data.COLLABSERVE_HTTP_PORT === '8000', 'the REST port is the container\'s http port, 8000 by default');
+{
+  // server.httpPort=0: no REST endpoint, no port anywhere; httpFrom restricts it like grpcFrom.
+  const off = template(['server.httpPort=0']);
+  check(find(off, 'ConfigMap')[0].data.COLLABSERVE_HTTP_PORT === '-1' && !ctr(off).ports.some((p) => p.name === 'http') &&
+    !find(off, 'Service')[0].spec.ports.some((p) => p.name === 'http') &&
+    !find(off, 'NetworkPolicy')[0].spec.ingress.some((r) => r.ports.some((p) => p.port === 'http')),
+    'server.httpPort=0 turns the REST endpoint off (--http_port=-1) and leaves its port out');
+  const limited = template(['admin.networkPolicy.httpFrom[0].podSelector.matchLabels.rest=yes', 'tls.enabled=true', 'tls.secretName=t']);
+  const rule = find(limited, 'NetworkPolicy')[0].spec.ingress.find((r) => r.ports.some((p) => p.port === 'http'));
+  check(rule && rule.from && rule.from[0].podSelector.matchLabels.rest === 'yes', 'admin.networkPolicy.httpFrom restricts the REST port');
+  check(find(limited, 'Service')[0].spec.ports.find((p) => p.name === 'http').appProtocol === 'https', 'under TLS the REST port is https');
+}
 const cpuChecksum = dep(def).spec.template.metadata.annotations['checksum/config'];
 // Rollouts: one CPU pod on a ReadWriteOnce claim cannot surge (the volume attaches to one node);
 // neither can a GPU pod (no spare GPU); several pods on a ReadWriteMany claim keep full capacity.
@@ -264,6 +279,7 @@ function withExistingClaim(mode, sets) {
 
 // Bad values fail with a message that names the value.
 for (const [sets, want] of [[['server.adminPort=8500'], 'server.adminPort'], [['tls.enabled=true'], 'tls.secretName'],
+  [['server.httpPort=9090'], 'server.httpPort must differ'], [['server.httpPort=-1'], 'httpPort'],
   [['tls.clientCA.enabled=true'], 'tls.clientCA.enabled (mutual TLS) needs tls.enabled'],
   [['tls.enabled=true', 'tls.secretName=t', 'tls.clientCA.enabled=true', 'tls.clientCA.key='], 'tls.clientCA.key: name the key'],
   [['autoscaling.enabled=true', 'autoscaling.metric=memory'], 'autoscaling.metric'],
@@ -311,7 +327,7 @@ const table = run('/usr/bin/python3', [path.join(ROOT, 'scripts/flag-table.py')]
 if (table.status !== 0) fatal(`scripts/flag-table.py failed:\n${table.stderr}`);
 const serverFlags = new Map([...table.stdout.matchAll(/^\| `--(\w+)` \| [^|]+ \| ([^|]+?) \|/gm)].map((m) => [m[1], m[2].replace(/^"(.*)"$/, '$1')]));
 check(serverFlags.size > 30, `scripts/flag-table.py lists the server's flags; got ${serverFlags.size}`);
-const fromOwnValues = new Set(['port', 'admin_port', 'metrics_port', 'drain_timeout_s', 'device', 'model_repository',
+const fromOwnValues = new Set(['port', 'admin_port', 'metrics_port', 'http_port', 'drain_timeout_s', 'device', 'model_repository',
   'admin_token_file', 'tls_cert', 'tls_key', 'tls_client_ca']);
 const throughExtraArgs = new Set(['v', 'vmodule']);  // glog's verbose log: server.extraArgs' example
 const schema = JSON.parse(fs.readFileSync(path.join(chart, 'values.schema.json'), 'utf8'));

@@ -172,17 +172,21 @@ TEST(CollabserveBinaryTest, ServesTheDemoModelWithoutARepository) {
   EXPECT_EQ(RunCommand(ctl + " classify --model=demo 'a 3D racing game with split-screen multiplayer'", &out), 0);
   EXPECT_TRUE(absl::StartsWith(out, "games")) << out;
   EXPECT_EQ(RunCommand(ctl + " health --service=demo", &out), 0);
-  // The README's curl over the REST endpoint: the same answer.
+  // The README's curl over the REST endpoint, as written there but for the port.
   ASSERT_GT(server.http_port(), 0);
-  const std::string curl = absl::StrCat(
-      "curl -s --max-time 30 -X POST http://127.0.0.1:", server.http_port(),
-      "/v2/models/demo/infer -d '{\"inputs\":[{\"name\":\"text\",\"shape\":[1],"
-      "\"datatype\":\"BYTES\",\"data\":[\"a 3D racing game with split-screen multiplayer\"]}],"
-      "\"outputs\":[{\"name\":\"label\"}]}'");
-  ASSERT_EQ(RunCommand(curl, &out), 0) << curl;
+  const char* source = std::getenv("COLLABSERVE_SOURCE_DIR");
+  ASSERT_NE(source, nullptr);
+  const absl::StatusOr<std::string> readme = util::ReadFile(std::string(source) + "/README.md");
+  ASSERT_TRUE(readme.ok()) << readme.status();
+  const size_t at = readme->find("\ncurl -s localhost:8000/v2/models/demo/infer ");
+  ASSERT_NE(at, std::string::npos) << "README.md lost its REST example";
+  std::string curl = readme->substr(at + 1, readme->find('\n', at + 1) - at - 1);
+  curl.replace(curl.find("localhost:8000"), 14, absl::StrCat("127.0.0.1:", server.http_port()));
+  ASSERT_EQ(RunCommand(curl + " --max-time 30", &out), 0) << curl;
   const nlohmann::json answer = nlohmann::json::parse(out, nullptr, false);
   ASSERT_TRUE(answer.contains("outputs")) << out;
-  EXPECT_EQ(answer["outputs"][0]["data"][0], "games") << out;
+  EXPECT_EQ(answer["outputs"][2]["name"], "label") << out;
+  EXPECT_EQ(answer["outputs"][2]["data"][0], "mail") << out;
   EXPECT_EQ(server.Terminate(), 0);
   // ... which goes with it.
   EXPECT_FALSE(std::filesystem::exists(repository)) << repository << " was left behind";

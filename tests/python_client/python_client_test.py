@@ -10,10 +10,12 @@ server gets an admin token and the test uploads a checkpoint and watches its com
 """
 
 import argparse
+import http.client
 import json
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -35,14 +37,17 @@ def run(cmd, check=True, timeout=300):
 def start_server(repo, flags):
     """Starts collabserve on 127.0.0.1:0 over `repo`; returns the process and its address once it
     serves."""
-    cmd = [ARGS.server, "--host=127.0.0.1", "--port=0", "--metrics_port=-1",
+    cmd = [ARGS.server, "--host=127.0.0.1", "--port=0", "--metrics_port=-1", "--http_port=0",
            "--model_repository=" + repo, "--poll_interval_s=0"] + flags
     server = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     address = None
     serving = False
+    server.http_port = None
     for line in server.stdout:
         if line.startswith("listening on 127.0.0.1:"):
             address = line.split("listening on ", 1)[1].strip()
+        elif line.startswith("http on 127.0.0.1:"):
+            server.http_port = int(line.rsplit(":", 1)[1])
         elif line.startswith("serving"):
             serving = True
             break
@@ -119,6 +124,38 @@ class PythonClientTest(unittest.TestCase):
                     self.assertAlmostEqual(a, b, places=5)
                 self.assertAlmostEqual(sum(k["probabilities"]), 1.0, places=5)
                 self.assertAlmostEqual(max(k["probabilities"]), c["score"], places=5)
+
+    def test_rest_agrees_with_classify(self):
+        # The REST endpoint through Python's own HTTP client: one keep-alive connection, a
+        # Content-Length body, a chunked one, and an error.
+        texts = ["the best movie of the year", "not good at all"]
+        classified = self.rows("classify", "--model", "tiny", *texts)
+        body = json.dumps({"inputs": [{"name": "text", "shape": [2], "datatype": "BYTES",
+                                       "data": texts}]})
+        conn = http.client.HTTPConnection("127.0.0.1", self.server.http_port, timeout=60)
+        try:
+            for chunked in (False, True):
+                payload = iter([body[:7].encode(), body[7:].encode()]) if chunked else body
+                conn.request("POST", "/v2/models/tiny/infer", body=payload,
+                             headers={"Content-Type": "application/json"},
+                             encode_chunked=chunked)
+                resp = conn.getresponse()
+                answer = json.loads(resp.read())
+                self.assertEqual(resp.status, 200, answer)
+                outputs = {o["name"]: o for o in answer["outputs"]}
+                self.assertEqual(outputs["label"]["data"], [c["label"] for c in classified])
+                logits = outputs["logits"]["data"]
+                width = len(classified[0]["logits"])
+                self.assertEqual(outputs["logits"]["shape"], [2, width])
+                for i, c in enumerate(classified):
+                    for a, b in zip(logits[i * width:(i + 1) * width], c["logits"]):
+                        self.assertAlmostEqual(a, b, places=5)
+            conn.request("GET", "/v2/models/nope")
+            resp = conn.getresponse()
+            self.assertEqual(resp.status, 404)
+            self.assertIn("nope", json.loads(resp.read())["error"])
+        finally:
+            conn.close()
 
     def test_kserve_classification_extension(self):
         texts = ["the best movie of the year", "not good at all"]
@@ -202,6 +239,14 @@ class PythonClientTest(unittest.TestCase):
             self.assertEqual(json.loads(proc.stdout.splitlines()[0])["model_version"], 1)
             proc = run(base + ["--tls", "--tls-ca-file", cert, "health"])
             self.assertEqual(json.loads(proc.stdout)["status"], "SERVING")
+            # The REST port speaks HTTPS with the same certificate.
+            conn = http.client.HTTPSConnection(
+                "localhost", server.http_port, timeout=20,
+                context=ssl.create_default_context(cafile=cert))
+            conn.request("GET", "/v2/health/ready")
+            resp = conn.getresponse()
+            self.assertEqual((resp.status, json.loads(resp.read())), (200, {"ready": True}))
+            conn.close()
             # Plaintext to a TLS port, and TLS with roots that do not sign the server, fail.
             proc = run(base + ["--timeout", "3", "health"], check=False)
             self.assertEqual(proc.returncode, 2, proc.stderr)
@@ -253,6 +298,21 @@ class PythonClientTest(unittest.TestCase):
                 proc = run(common + ["--timeout", "3"] + tls + who + ["health"], check=False)
                 self.assertEqual(proc.returncode, 2, proc.stderr)
                 self.assertIn("UNAVAILABLE", proc.stderr)
+            # REST: the same refusal, the same admission.
+            def rest(with_cert):
+                ctx = ssl.create_default_context(cafile=cert)
+                if with_cert:
+                    ctx.load_cert_chain(client_cert, client_key)
+                conn = http.client.HTTPSConnection("localhost", server.http_port, timeout=20,
+                                                   context=ctx)
+                try:
+                    conn.request("GET", "/v2/health/live")
+                    return conn.getresponse().status
+                finally:
+                    conn.close()
+            self.assertEqual(rest(True), 200)
+            with self.assertRaises((ssl.SSLError, ConnectionError, http.client.HTTPException)):
+                rest(False)
             proc = run(common + tls + ["--tls-client-cert", client_cert, "health"], check=False)
             self.assertEqual(proc.returncode, 2)
             self.assertIn("--tls-client-cert and --tls-client-key go together", proc.stderr)

@@ -105,7 +105,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{/* Server flags as an ordered dict name -> value (only non-empty ones). The ConfigMap stores them
      and the container's args reference them, so both are rendered from this one list. */}}
 {{- define "collabserve.flags" -}}
-{{- $f := dict "port" .Values.server.port "admin_port" .Values.server.adminPort "metrics_port" .Values.server.metricsPort "drain_timeout_s" .Values.server.drainTimeoutS "device" (include "collabserve.device" .) "admin_token_file" "/etc/collabserve/admin/token" }}
+{{- $f := dict "port" .Values.server.port "admin_port" .Values.server.adminPort "metrics_port" .Values.server.metricsPort "http_port" (ternary -1 .Values.server.httpPort (eq (int .Values.server.httpPort) 0)) "drain_timeout_s" .Values.server.drainTimeoutS "device" (include "collabserve.device" .) "admin_token_file" "/etc/collabserve/admin/token" }}
 {{- if .Values.server.modelRepository }}
 {{- $_ := set $f "model_repository" .Values.server.modelRepository }}
 {{- end }}
