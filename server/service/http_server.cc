@@ -22,6 +22,7 @@
 #include <functional>
 #include <system_error>
 #include <list>
+#include <map>
 #include <optional>
 #include <thread>
 #include <utility>
@@ -36,6 +37,9 @@
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "prometheus/client_metric.h"
+#include "prometheus/collectable.h"
+#include "prometheus/metric_family.h"
 #include "server/util/files.h"
 #include "server/util/status_macros.h"
 
@@ -572,6 +576,76 @@ const char* HttpReason(int code) {
 
 namespace {
 
+// The server's counts, shared with the collectable that exports them.
+struct HttpCounters {
+  absl::Mutex mu;
+  std::map<int, int64_t> responses ABSL_GUARDED_BY(mu);  // by code
+  std::atomic<int64_t> open{0};
+  std::atomic<int64_t> refused{0};
+  std::atomic<int64_t> cut{0};
+  std::atomic<int64_t> handshake_failures{0};
+
+  void Responded(int code) {
+    absl::MutexLock lock(&mu);
+    ++responses[code];
+  }
+};
+
+class HttpCollectable : public prometheus::Collectable {
+ public:
+  explicit HttpCollectable(std::shared_ptr<HttpCounters> counters) : counters_(std::move(counters)) {}
+
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    std::vector<prometheus::MetricFamily> out;
+    prometheus::MetricFamily& responses = out.emplace_back();
+    responses.name = "collabserve_http_responses_total";
+    responses.help =
+        "Responses of the REST endpoint (--http_port) by HTTP status code, including errors "
+        "answered before a request was read whole (400, 408, 413, 431).";
+    responses.type = prometheus::MetricType::Counter;
+    {
+      absl::MutexLock lock(&counters_->mu);
+      for (const auto& [code, n] : counters_->responses) {
+        prometheus::ClientMetric m;
+        m.label.push_back({"code", std::to_string(code)});
+        m.counter.value = static_cast<double>(n);
+        responses.metric.push_back(std::move(m));
+      }
+    }
+    auto add = [&out](const char* name, const char* help, prometheus::MetricType type, double v) {
+      prometheus::MetricFamily& f = out.emplace_back();
+      f.name = name;
+      f.help = help;
+      f.type = type;
+      prometheus::ClientMetric m;
+      if (type == prometheus::MetricType::Gauge) {
+        m.gauge.value = v;
+      } else {
+        m.counter.value = v;
+      }
+      f.metric.push_back(std::move(m));
+    };
+    add("collabserve_http_connections", "Connections open to the REST endpoint.",
+        prometheus::MetricType::Gauge, static_cast<double>(counters_->open.load()));
+    add("collabserve_http_connections_refused_total",
+        "Connections to the REST endpoint refused: --http_max_connections open already, or a "
+        "connection thread that could not start.",
+        prometheus::MetricType::Counter, static_cast<double>(counters_->refused.load()));
+    add("collabserve_http_connections_cut_total",
+        "Connections to the REST endpoint cut by the watchdog: a TLS handshake, a request or a "
+        "response that took longer than its phase allows (--http_idle_timeout_s, 64 KiB/s).",
+        prometheus::MetricType::Counter, static_cast<double>(counters_->cut.load()));
+    add("collabserve_http_tls_handshake_failures_total",
+        "TLS handshakes on the REST endpoint that failed (no or a refused client certificate, "
+        "plain HTTP on the TLS port, a bad certificate pair).",
+        prometheus::MetricType::Counter, static_cast<double>(counters_->handshake_failures.load()));
+    return out;
+  }
+
+ private:
+  const std::shared_ptr<HttpCounters> counters_;
+};
+
 // The slowest a client may send a request body or take a response before the watchdog cuts it,
 // and the longest a TLS handshake may take.
 constexpr double kMinBytesPerSecond = 64 * 1024;
@@ -622,6 +696,7 @@ class HttpServer::Impl {
     absl::MutexLock lock(&mu_);
     return static_cast<int>(connections_.size());
   }
+  std::shared_ptr<HttpCounters> counters() const { return counters_; }
 
  private:
   enum class Phase { kHandshake, kWaiting, kReading, kHandling, kWriting };
@@ -675,6 +750,7 @@ class HttpServer::Impl {
           if (c.fd >= 0 && c.phase != Phase::kHandling && now > c.deadline) {
             ::shutdown(c.fd, SHUT_RDWR);
             c.deadline = absl::InfiniteFuture();
+            if (c.phase != Phase::kWaiting) counters_->cut.fetch_add(1);  // not a quiet keep-alive
           }
         }
       }
@@ -721,6 +797,7 @@ class HttpServer::Impl {
     }
     absl::MutexLock lock(&mu_);
     connections_.emplace_back();
+    counters_->open.fetch_add(1);
     auto it = std::prev(connections_.end());
     it->fd = fd;
     it->phase = ssl_ != nullptr ? Phase::kHandshake : Phase::kWaiting;
@@ -731,6 +808,7 @@ class HttpServer::Impl {
       it->thread = std::thread([this, it] { Serve(&*it); });
     } catch (const std::system_error& e) {
       connections_.erase(it);
+      counters_->open.fetch_sub(1);
       // Not under the lock: Refuse may take a moment.
       mu_.Unlock();
       Refuse(fd, absl::StrCat("cannot start a connection thread: ", e.what()));
@@ -741,8 +819,10 @@ class HttpServer::Impl {
   // Answers 503 with `why` (plain text connections; a TLS one is closed without a handshake) and
   // closes, without waiting on the client.
   void Refuse(int fd, const std::string& why) {
+    counters_->refused.fetch_add(1);
     refusals_.Warn(absl::StrCat("HTTP: refused a connection: ", why));
     if (ssl_ == nullptr) {
+      counters_->Responded(503);
       const std::string bytes = FormatResponse(ErrorResponse(503, why), false, "close");
       (void)!::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
       ::shutdown(fd, SHUT_WR);
@@ -781,6 +861,7 @@ class HttpServer::Impl {
       ERR_clear_error();
       ssl = SSL_new(ctx.get());
       if (ssl == nullptr || SSL_set_fd(ssl, fd) != 1 || SSL_accept(ssl) != 1) {
+        counters_->handshake_failures.fetch_add(1);
         handshakes_.Warn(absl::StrCat("HTTP: TLS handshake failed: ", OpenSslError()));
         if (ssl != nullptr) SSL_free(ssl);
         ERR_clear_error();
@@ -806,6 +887,7 @@ class HttpServer::Impl {
         if (!req) {
           if (failure.code != 0) {
             Enter(c, Phase::kWriting, idle);
+            counters_->Responded(failure.code);
             stream.WriteAll(FormatResponse(ErrorResponse(failure.code, failure.message), false, "close"));
             linger = true;
           }
@@ -835,6 +917,7 @@ class HttpServer::Impl {
         const std::string bytes = FormatResponse(
             response, req->method == "HEAD",
             !keep_alive ? "close" : version_1_0 ? "keep-alive" : nullptr);
+        counters_->Responded(response.code);
         Enter(c, Phase::kWriting, idle + TransferTime(bytes.size()));
         if (!stream.WriteAll(bytes) || !keep_alive) break;
       }
@@ -844,6 +927,7 @@ class HttpServer::Impl {
   }
 
   void Finish(Connection* c) {
+    counters_->open.fetch_sub(1);
     absl::MutexLock lock(&mu_);
     ::close(c->fd);
     c->fd = -1;
@@ -857,6 +941,7 @@ class HttpServer::Impl {
   const int wake_write_;
   const int port_;
   const std::unique_ptr<SslContextFollower> ssl_;
+  const std::shared_ptr<HttpCounters> counters_ = std::make_shared<HttpCounters>();
   RateLimitedLog refusals_;
   RateLimitedLog handshakes_;
   std::thread loop_;
@@ -950,5 +1035,8 @@ void HttpServer::BeginDrain() { impl_->BeginDrain(); }
 int HttpServer::port() const { return impl_->port(); }
 bool HttpServer::tls() const { return impl_->tls(); }
 int HttpServer::connections() const { return impl_->connections(); }
+std::shared_ptr<prometheus::Collectable> HttpServer::NewCollectable() const {
+  return std::make_shared<HttpCollectable>(impl_->counters());
+}
 
 }  // namespace collabserve::service

@@ -21,6 +21,10 @@
 #include "absl/time/time.h"
 #include "server/service/tls.h"
 
+namespace prometheus {
+class Collectable;
+}  // namespace prometheus
+
 namespace collabserve::service {
 
 struct HttpRequest {
@@ -96,6 +100,18 @@ class HttpServer {
   bool tls() const;
   // Connections open now.
   int connections() const;
+
+  // What the server has done, read at each scrape (it may outlive the server; its counts then
+  // stay as they were):
+  //   collabserve_http_responses_total{code}       responses sent, by status code (errors
+  //                                                answered before a request was read whole too)
+  //   collabserve_http_connections                 connections open
+  //   collabserve_http_connections_refused_total   connections refused at --http_max_connections
+  //                                                (or a thread that could not start)
+  //   collabserve_http_connections_cut_total       connections cut past a phase's deadline (slow
+  //                                                clients, kept by the watchdog)
+  //   collabserve_http_tls_handshake_failures_total
+  std::shared_ptr<prometheus::Collectable> NewCollectable() const;
 
   class Impl;
 

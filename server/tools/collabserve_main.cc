@@ -436,6 +436,7 @@ int Run(int argc, char** argv, int cpus) {
         http_options, collabserve::service::NewKServeHttpHandler(server.InProcessChannel()));
     if (started.ok()) {
       http = *std::move(started);
+      server.metrics().AddCollectable(http->NewCollectable());
     } else {
       s = started.status();
     }

@@ -45,7 +45,8 @@ for (const [what, metric] of [['latency', 'collabserve_request_duration_seconds_
   ['batch size', 'collabserve_batch_size_'], ['padding ratio', 'collabserve_batch_padding_ratio_'], ['queue depth', 'collabserve_queue_depth'],
   ['parameters', 'collabserve_model_parameters'], ['compression ratio', 'collabserve_model_compression_ratio'],
   ['rank per layer', 'collabserve_model_layer_rank'], ['jobs', 'collabserve_jobs_total'],
-  ['GPU failures', 'collabserve_device_failed'], ['versions by state', 'collabserve_model_versions']]) {
+  ['GPU failures', 'collabserve_device_failed'], ['versions by state', 'collabserve_model_versions'],
+  ['REST responses', 'collabserve_http_responses_total']]) {
   check(all.includes(metric), `the dashboard shows ${what} (${metric})`);
 }
 check(/histogram_quantile\(0\.5,/.test(all) && /histogram_quantile\(0\.99,/.test(all), 'latency p50 and p99');

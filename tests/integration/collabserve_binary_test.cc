@@ -140,6 +140,16 @@ TEST(CollabserveBinaryTest, ServesCollabctlAndMatchesTheOfflineTool) {
     EXPECT_EQ(resp.results(i).label(), ref["label"].get<std::string>());
   }
 
+  // The REST endpoint's own metrics reach /metrics.
+  ASSERT_GT(server.http_port(), 0);
+  ASSERT_EQ(RunCommand(absl::StrCat("curl -s --max-time 30 http://127.0.0.1:", server.http_port(),
+                                    "/v2/health/ready"), &out), 0);
+  EXPECT_EQ(out, R"({"ready":true})");
+  absl::StatusOr<std::string> scraped = testing::ScrapeMetrics(server.metrics_port());
+  ASSERT_TRUE(scraped.ok()) << scraped.status();
+  EXPECT_EQ(testing::ParseMetrics(*scraped)["collabserve_http_responses_total{code=\"200\"}"], 1)
+      << *scraped;
+
   EXPECT_EQ(server.Terminate(), 0);
 }
 

@@ -38,6 +38,9 @@
 #include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
 #include "kserve/grpc_predict_v2.grpc.pb.h"
+#include "prometheus/client_metric.h"
+#include "prometheus/collectable.h"
+#include "prometheus/metric_family.h"
 #include "server/model/checkpoint_maker.h"
 #include "server/service/http_server.h"
 #include "server/service/kserve_service.h"
@@ -194,6 +197,18 @@ std::string RawBytes(const std::vector<std::string>& elements) {
     raw += e;
   }
   return raw;
+}
+
+// One sample of the server's collectable: family `name`, with label code=`code` when given.
+double Sample(const HttpServer& http, const std::string& name, const std::string& code = "") {
+  for (const auto& f : http.NewCollectable()->Collect()) {
+    if (f.name != name) continue;
+    for (const auto& m : f.metric) {
+      if (!code.empty() && (m.label.empty() || m.label[0].value != code)) continue;
+      return f.type == prometheus::MetricType::Gauge ? m.gauge.value : m.counter.value;
+    }
+  }
+  return 0;
 }
 
 class KServeHttpTest : public ::testing::Test {
@@ -578,6 +593,10 @@ TEST_F(KServeHttpTest, MalformedAndOversizedRequestsAreRefusedAndTheConnectionCl
     EXPECT_THAT(r->body, HasSubstr(c.says)) << c.bytes.substr(0, 80);
     EXPECT_TRUE(client.Closed()) << c.bytes.substr(0, 80);
   }
+  // Answered before a request was read whole, and counted all the same.
+  EXPECT_GE(Sample(*http_, "collabserve_http_responses_total", "400"), 10);
+  EXPECT_EQ(Sample(*http_, "collabserve_http_responses_total", "413"), 2);
+  EXPECT_EQ(Sample(*http_, "collabserve_http_responses_total", "431"), 1);
 }
 
 TEST_F(KServeHttpTest, DeeplyNestedDataIsRefusedWithoutRecursion) {
@@ -616,6 +635,7 @@ TEST_F(KServeHttpTest, SlowClientsAreCutByTheWatchdog) {
     cut = cut || http_->connections() == 0;
   }
   EXPECT_TRUE(cut) << "a client dripping its head was never cut";
+  EXPECT_TRUE(Eventually([&] { return Sample(*http_, "collabserve_http_connections_cut_total") == 1; }));
 }
 
 TEST_F(KServeHttpTest, AnEarlyErrorIsReadByTheClientNotReset) {
@@ -701,6 +721,10 @@ TEST_F(KServeHttpTest, ConnectionsAreBoundedAndIdleOnesClosed) {
     EXPECT_EQ(r->code, 503);
     EXPECT_THAT(r->body, HasSubstr("--http_max_connections=2"));
     EXPECT_TRUE(c.Closed());
+    EXPECT_EQ(Sample(*http_, "collabserve_http_connections"), 2);
+    EXPECT_EQ(Sample(*http_, "collabserve_http_connections_refused_total"), 1);
+    EXPECT_EQ(Sample(*http_, "collabserve_http_responses_total", "503"), 1);
+    EXPECT_EQ(Sample(*http_, "collabserve_http_responses_total", "200"), 2);
     // A request cut off mid-head is answered 408 once the connection idles; a quiet one is closed.
     ASSERT_TRUE(a.Send("GET /v2/health/li"));
     std::optional<Reply> cut = a.Read();
@@ -709,8 +733,10 @@ TEST_F(KServeHttpTest, ConnectionsAreBoundedAndIdleOnesClosed) {
     EXPECT_TRUE(a.Closed());
     EXPECT_TRUE(b.Closed());
   }
-  // Both slots free again once the server has reaped the closed connections.
+  // Both slots free again once the server has reaped the closed connections. Quiet keep-alive
+  // connections closed are not counted as cut.
   ASSERT_TRUE(Eventually([&] { return http_->connections() == 0; }));
+  EXPECT_EQ(Sample(*http_, "collabserve_http_connections"), 0);
   EXPECT_EQ(Call(port_, "GET", "/v2/health/live").code, 200);
 }
 
@@ -869,6 +895,7 @@ TEST_F(KServeHttpTest, TlsServesTheFollowedCertificateAndMutualTlsRefusesStrange
     const bool refused = !c.ok() || !c.Send(Request("GET", "/v2/health/live")) || !c.Read().has_value();
     EXPECT_TRUE(refused);
   }
+  EXPECT_TRUE(Eventually([&] { return Sample(*http_, "collabserve_http_tls_handshake_failures_total") >= 1; }));
   {
     // Plain HTTP on the TLS port gets no answer.
     Client c(port_);
