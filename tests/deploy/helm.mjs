@@ -84,6 +84,16 @@ check(gpuNotes.includes(`Image: collabserve:${chartYaml.appVersion}-cuda.`) && !
   `NOTES: gpu.enabled names the cuda image and does not warn; got:\n${gpuNotes}`);
 check(notes(['gpu.enabled=true', `image.tag=${chartYaml.appVersion}`]).includes('WARNING: gpu.enabled is set but image'),
   'NOTES: gpu.enabled with the CPU image warns');
+{
+  // The REST lines follow the port, TLS and mutual TLS; /metrics names the Service that has it.
+  const plain = notes([]), tls = notes(['tls.enabled=true', 'tls.secretName=t', 'tls.clientCA.enabled=true']);
+  check(plain.includes("curl http://localhost:8000/v2/models/MODEL/infer -d '{") &&
+    tls.includes('curl --cacert CA.crt --cert CLIENT.crt --key CLIENT.key https://localhost:8000/v2/models/MODEL/infer') &&
+    !notes(['server.httpPort=0']).includes('REST ('), `NOTES: the REST lines; got:\n${plain}`);
+  check(plain.includes('Metrics: http://cs-collabserve.ml.svc:9090/metrics') &&
+    notes(['service.type=LoadBalancer']).includes('Metrics: http://cs-collabserve-metrics.ml.svc:9090/metrics'),
+    `NOTES: the metrics Service; got:\n${plain}`);
+}
 check(notes([]).includes('collabctl --address=127.0.0.1:8500 health') &&
   notes(['tls.enabled=true', 'tls.secretName=t']).includes('collabctl --address=127.0.0.1:8500 --tls health'),
   'NOTES: the collabctl command, with --tls under tls.enabled');
@@ -135,6 +145,17 @@ check(ctr(def).ports.some((p) => p.name === 'http' && p.containerPort === 8000) 
   const rule = find(limited, 'NetworkPolicy')[0].spec.ingress.find((r) => r.ports.some((p) => p.port === 'http'));
   check(rule && rule.from && rule.from[0].podSelector.matchLabels.rest === 'yes', 'admin.networkPolicy.httpFrom restricts the REST port');
   check(find(limited, 'Service')[0].spec.ports.find((p) => p.name === 'http').appProtocol === 'https', 'under TLS the REST port is https');
+  // A LoadBalancer publishes every port of its Service: /metrics goes to a ClusterIP one, which
+  // the ServiceMonitor (selecting by the pods' labels, port "metrics") still finds.
+  const lb = template(['service.type=LoadBalancer', 'serviceMonitor.enabled=true']);
+  const [pub, ...rest] = find(lb, 'Service', (o) => !o.metadata.name.endsWith('-admin'));
+  check(pub.spec.type === 'LoadBalancer' && pub.spec.ports.map((p) => p.name).join(',') === 'grpc,http' && rest.length === 1 &&
+    rest[0].metadata.name.endsWith('-metrics') && rest[0].spec.type === 'ClusterIP' &&
+    rest[0].spec.ports.map((p) => p.name).join(',') === 'metrics',
+    'service.type=LoadBalancer publishes grpc and http; metrics on a ClusterIP -metrics Service');
+  const sm = find(lb, 'ServiceMonitor')[0];
+  check(Object.entries(sm.spec.selector.matchLabels).every(([k, v]) => rest[0].metadata.labels[k] === v) &&
+    sm.spec.endpoints[0].port === 'metrics', 'the ServiceMonitor selects the -metrics Service');
 }
 const cpuChecksum = dep(def).spec.template.metadata.annotations['checksum/config'];
 // Rollouts: one CPU pod on a ReadWriteOnce claim cannot surge (the volume attaches to one node);
