@@ -301,6 +301,16 @@ class RequestReader {
       }
     }
     std::vector<std::string> parts = absl::StrSplit(lines[0], ' ');
+    // RFC 9112 3.2.2: a server accepts the absolute form (what a client sends to a proxy) and
+    // uses its path.
+    if (parts.size() == 3) {
+      for (const char* scheme : {"http://", "https://"}) {
+        if (absl::StartsWithIgnoreCase(parts[1], scheme)) {
+          const size_t slash = parts[1].find('/', std::strlen(scheme));
+          parts[1] = slash == std::string::npos ? "/" : parts[1].substr(slash);
+        }
+      }
+    }
     if (parts.size() != 3 || parts[0].empty() ||
         !std::all_of(parts[0].begin(), parts[0].end(), IsTokenChar) || parts[1].empty() ||
         (parts[1][0] != '/' && parts[1] != "*")) {
@@ -650,6 +660,10 @@ class HttpCollectable : public prometheus::Collectable {
 // and the longest a TLS handshake may take.
 constexpr double kMinBytesPerSecond = 64 * 1024;
 constexpr absl::Duration kMaxHandshake = absl::Seconds(10);
+// How long an early error's close reads and drops the rest of the request.
+constexpr absl::Duration kLinger = absl::Seconds(2);
+// How long a response being written when the server stops may still take.
+constexpr absl::Duration kStopWrite = absl::Seconds(1);
 
 absl::Duration TransferTime(uint64_t bytes) {
   return absl::Seconds(static_cast<double>(bytes) / kMinBytesPerSecond);
@@ -699,12 +713,15 @@ class HttpServer::Impl {
   std::shared_ptr<HttpCounters> counters() const { return counters_; }
 
  private:
-  enum class Phase { kHandshake, kWaiting, kReading, kHandling, kWriting };
+  // kLingering: an error answered early, the rest of the request read and dropped (not a cut).
+  enum class Phase { kHandshake, kWaiting, kReading, kHandling, kWriting, kLingering };
   struct Connection {
     int fd = -1;           // -1 once closed (guarded by mu_)
     Phase phase = Phase::kWaiting;
     absl::Time deadline;   // the watchdog shuts the socket down past it, except while handling
     bool done = false;     // the thread is about to return
+    bool served = false;   // a response was sent (the next wait is a keep-alive one)
+    bool cut = false;      // the watchdog (or the stop) shut it down
     std::thread thread;
   };
 
@@ -713,10 +730,19 @@ class HttpServer::Impl {
     (void)!::write(wake_write_, &c, 1);
   }
 
-  // Connections that wait for a request are shut down (their threads then end).
+  // Draining: connections that wait for a request are shut down (their threads then end).
+  // Stopping: every connection but those whose handler runs, and a response being written gets a
+  // second (nothing is served any more: the stop must not wait on slow clients).
   void CloseWaiting() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    for (Connection& c : connections_) {
-      if (c.fd >= 0 && c.phase == Phase::kWaiting) ::shutdown(c.fd, SHUT_RDWR);
+    for (Connection& c : connections_) Settle(&c);
+  }
+  void Settle(Connection* c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (c->fd < 0) return;
+    if (stopping_ && c->phase == Phase::kWriting) {
+      c->deadline = std::min(c->deadline, absl::Now() + kStopWrite);
+    } else if ((stopping_ && c->phase != Phase::kHandling && c->phase != Phase::kLingering) ||
+               (draining_ && c->phase == Phase::kWaiting && c->served)) {
+      ::shutdown(c->fd, SHUT_RDWR);
     }
   }
 
@@ -725,6 +751,7 @@ class HttpServer::Impl {
     absl::MutexLock lock(&mu_);
     c->phase = phase;
     c->deadline = absl::Now() + allowed;
+    Settle(c);  // a drain or stop that began while the connection was in another phase
   }
 
   // Accepts, cuts connections past their deadline and joins finished threads, until stopped and
@@ -748,9 +775,15 @@ class HttpServer::Impl {
         const absl::Time now = absl::Now();
         for (Connection& c : connections_) {
           if (c.fd >= 0 && c.phase != Phase::kHandling && now > c.deadline) {
-            ::shutdown(c.fd, SHUT_RDWR);
+            // A read cut short still lets the thread answer 408 (under the writing deadline).
+            const bool writing = c.phase == Phase::kWriting || c.phase == Phase::kLingering;
+            ::shutdown(c.fd, writing ? SHUT_RDWR : SHUT_RD);
             c.deadline = absl::InfiniteFuture();
-            if (c.phase != Phase::kWaiting) counters_->cut.fetch_add(1);  // not a quiet keep-alive
+            // Not a quiet keep-alive connection, nor the end of a lingering close.
+            if (c.phase != Phase::kWaiting && c.phase != Phase::kLingering) {
+              c.cut = true;
+              counters_->cut.fetch_add(1);
+            }
           }
         }
       }
@@ -795,25 +828,27 @@ class HttpServer::Impl {
                               options_.max_connections, ")"));
       return;
     }
-    absl::MutexLock lock(&mu_);
-    connections_.emplace_back();
-    counters_->open.fetch_add(1);
-    auto it = std::prev(connections_.end());
-    it->fd = fd;
-    it->phase = ssl_ != nullptr ? Phase::kHandshake : Phase::kWaiting;
-    it->deadline =
-        absl::Now() + (ssl_ != nullptr ? std::min(options_.idle_timeout, kMaxHandshake)
-                                       : options_.idle_timeout);
-    try {
-      it->thread = std::thread([this, it] { Serve(&*it); });
-    } catch (const std::system_error& e) {
-      connections_.erase(it);
-      counters_->open.fetch_sub(1);
-      // Not under the lock: Refuse may take a moment.
-      mu_.Unlock();
-      Refuse(fd, absl::StrCat("cannot start a connection thread: ", e.what()));
-      mu_.Lock();
+    std::string not_started;
+    {
+      absl::MutexLock lock(&mu_);
+      connections_.emplace_back();
+      counters_->open.fetch_add(1);
+      auto it = std::prev(connections_.end());
+      it->fd = fd;
+      it->phase = ssl_ != nullptr ? Phase::kHandshake : Phase::kWaiting;
+      it->deadline =
+          absl::Now() + (ssl_ != nullptr ? std::min(options_.idle_timeout, kMaxHandshake)
+                                         : options_.idle_timeout);
+      try {
+        it->thread = std::thread([this, it] { Serve(&*it); });
+      } catch (const std::system_error& e) {
+        connections_.erase(it);
+        counters_->open.fetch_sub(1);
+        not_started = e.what();
+      }
     }
+    // Not under the lock: Refuse may take a moment.
+    if (!not_started.empty()) Refuse(fd, "cannot start a connection thread: " + not_started);
   }
 
   // Answers 503 with `why` (plain text connections; a TLS one is closed without a handshake) and
@@ -861,8 +896,14 @@ class HttpServer::Impl {
       ERR_clear_error();
       ssl = SSL_new(ctx.get());
       if (ssl == nullptr || SSL_set_fd(ssl, fd) != 1 || SSL_accept(ssl) != 1) {
-        counters_->handshake_failures.fetch_add(1);
-        handshakes_.Warn(absl::StrCat("HTTP: TLS handshake failed: ", OpenSslError()));
+        bool cut;
+        {
+          absl::MutexLock lock(&mu_);
+          cut = c->cut;
+        }
+        if (!cut) counters_->handshake_failures.fetch_add(1);  // else a slow one, counted as cut
+        handshakes_.Warn(absl::StrCat("HTTP: TLS handshake ", cut ? "too slow" : "failed", ": ",
+                                      OpenSslError()));
         if (ssl != nullptr) SSL_free(ssl);
         ERR_clear_error();
         Finish(c);
@@ -887,9 +928,11 @@ class HttpServer::Impl {
         if (!req) {
           if (failure.code != 0) {
             Enter(c, Phase::kWriting, idle);
-            counters_->Responded(failure.code);
-            stream.WriteAll(FormatResponse(ErrorResponse(failure.code, failure.message), false, "close"));
-            linger = true;
+            if (stream.WriteAll(
+                    FormatResponse(ErrorResponse(failure.code, failure.message), false, "close"))) {
+              counters_->Responded(failure.code);
+              linger = true;
+            }
           }
           break;
         }
@@ -917,12 +960,20 @@ class HttpServer::Impl {
         const std::string bytes = FormatResponse(
             response, req->method == "HEAD",
             !keep_alive ? "close" : version_1_0 ? "keep-alive" : nullptr);
-        counters_->Responded(response.code);
         Enter(c, Phase::kWriting, idle + TransferTime(bytes.size()));
-        if (!stream.WriteAll(bytes) || !keep_alive) break;
+        if (!stream.WriteAll(bytes)) break;
+        counters_->Responded(response.code);
+        {
+          absl::MutexLock lock(&mu_);
+          c->served = true;
+        }
+        if (!keep_alive) break;
       }
     }
-    if (linger) LingeringClose(fd, absl::Seconds(2));
+    if (linger) {
+      Enter(c, Phase::kLingering, kLinger + absl::Seconds(1));
+      LingeringClose(fd, kLinger);
+    }
     Finish(c);
   }
 

@@ -33,8 +33,9 @@ struct HttpRequest {
   std::string query;   // after '?', without it
   std::vector<std::pair<std::string, std::string>> headers;  // names lower-cased, values trimmed
   std::string body;    // de-chunked
-  // True once the client has closed its side of the connection (it will read no answer): a
-  // handler that waits on long work polls it to cancel that work. Set by the server.
+  // True once the client has closed its side of the connection (POLLRDHUP: a client that
+  // half-closes after its request counts as gone, as nginx counts it): a handler that waits on
+  // long work polls it to cancel that work. Set by the server.
   std::function<bool()> client_gone = [] { return false; };
   // The first header of that (lower-case) name, or null.
   const std::string* Header(std::string_view name) const;
@@ -58,8 +59,9 @@ struct HttpServerOptions {
   int max_connections = 256;
   // A request body larger than this is answered 413 (before it is read) and the connection closed.
   int64_t max_body_bytes = 16 << 20;
-  // A connection that sends nothing for this long, between requests or within one, is closed (a
-  // request cut off is answered 408); so is one that accepts no response bytes for this long.
+  // The deadline of each phase of a connection (the class comment): waiting for a request, and
+  // reading its head, each this long; its body and the response this long plus their size at
+  // 64 KiB/s. Past it the connection is closed (a request cut off is answered 408 if it can be).
   absl::Duration idle_timeout = absl::Seconds(60);
   // TLS as the gRPC ports (tls.h): the files are checked at Start and read again every
   // reload_interval; a changed pair serves the connections accepted after it, and a pair that no
@@ -79,8 +81,9 @@ const char* HttpReason(int code);
 // the response idle_timeout plus their size at 64 KiB/s; a connection past it is cut. The
 // handler's own time has none. An error answered before the request was read whole (413, 431,
 // 400...) is followed by a lingering close, so that the client reads it rather than a reset.
-// The destructor stops accepting, closes connections that wait for a request, lets each request
-// in flight finish and send its response (with Connection: close), and joins every thread.
+// The destructor stops accepting and closes every connection except those whose handler runs:
+// each of those finishes, and its response gets a second to be sent (Connection: close). Then it
+// joins every thread.
 class HttpServer {
  public:
   // Listens on host:port. UNAVAILABLE if the address cannot be bound, INVALID_ARGUMENT for bad
@@ -91,9 +94,10 @@ class HttpServer {
   HttpServer(const HttpServer&) = delete;
   HttpServer& operator=(const HttpServer&) = delete;
 
-  // The drain's first step: connections waiting for a request are closed, and every response
-  // from now on closes its connection, so that keep-alive clients reconnect (through the
-  // Service, to another pod) while the server finishes what is in flight. Idempotent.
+  // The drain's first step: keep-alive connections waiting for their next request are closed,
+  // and every response from now on closes its connection, so that keep-alive clients reconnect
+  // (through the Service, to another pod) while the server finishes what is in flight; a new
+  // connection still gets its one answer. Idempotent.
   void BeginDrain();
 
   int port() const;

@@ -4,7 +4,8 @@
 // the HTTP code grpc-gateway gives it (INVALID_ARGUMENT 400, NOT_FOUND 404, RESOURCE_EXHAUSTED 429,
 // DEADLINE_EXCEEDED 504, UNAVAILABLE 503, FAILED_PRECONDITION 400, ...; but CANCELLED 503: only
 // the server, shutting down, cancels) with the body {"error": "<the status message>"}. An
-// inference whose client closes the connection is cancelled (its input leaves the queue).
+// inference whose client closes the connection (or half-closes it: HttpRequest::client_gone) is
+// cancelled, its input leaves the queue, and the answer nobody reads is a 499.
 //
 //   GET  /v2/health/live                      200 {"live":true}, else 400 {"live":false}
 //   GET  /v2/health/ready                     200 {"ready":true}, else 400 {"ready":false}

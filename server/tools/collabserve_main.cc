@@ -51,8 +51,9 @@ ABSL_FLAG(int, http_port, 8000,
 ABSL_FLAG(int, http_max_connections, 256,
           "HTTP connections open at once (a thread each); one more is answered 503 and closed");
 ABSL_FLAG(double, http_idle_timeout_s, 60,
-          "close an HTTP connection that sends nothing for this long, between requests or within "
-          "one, or that takes no response bytes for this long");
+          "HTTP connections' deadline per phase: the wait for a request, and the read of its head, "
+          "each this long; its body and the response this long plus their size at 64 KiB/s; past "
+          "it the connection is closed");
 ABSL_FLAG(std::string, model_repository, "",
           "directory of <model>/<version>/ checkpoints; empty = the built-in demo model");
 ABSL_FLAG(double, poll_interval_s, 30, "seconds between repository scans (0 = only at start)");

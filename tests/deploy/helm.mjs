@@ -88,7 +88,7 @@ check(notes(['gpu.enabled=true', `image.tag=${chartYaml.appVersion}`]).includes(
   // The REST lines follow the port, TLS and mutual TLS; /metrics names the Service that has it.
   const plain = notes([]), tls = notes(['tls.enabled=true', 'tls.secretName=t', 'tls.clientCA.enabled=true']);
   check(plain.includes("curl http://localhost:8000/v2/models/MODEL/infer -d '{") &&
-    tls.includes('curl --cacert CA.crt --cert CLIENT.crt --key CLIENT.key https://localhost:8000/v2/models/MODEL/infer') &&
+    tls.includes('curl --cacert CA.crt --cert CLIENT.crt --key CLIENT.key --connect-to cs-collabserve.ml.svc:8000:127.0.0.1:8000 https://cs-collabserve.ml.svc:8000/v2/models/MODEL/infer') &&
     !notes(['server.httpPort=0']).includes('REST ('), `NOTES: the REST lines; got:\n${plain}`);
   check(plain.includes('Metrics: http://cs-collabserve.ml.svc:9090/metrics') &&
     notes(['service.type=LoadBalancer']).includes('Metrics: http://cs-collabserve-metrics.ml.svc:9090/metrics'),
@@ -301,6 +301,7 @@ function withExistingClaim(mode, sets) {
 // Bad values fail with a message that names the value.
 for (const [sets, want] of [[['server.adminPort=8500'], 'server.adminPort'], [['tls.enabled=true'], 'tls.secretName'],
   [['server.httpPort=9090'], 'server.httpPort must differ'], [['server.httpPort=-1'], 'httpPort'],
+  [['service.httpPort=8500'], 'service.httpPort must differ'],
   [['tls.clientCA.enabled=true'], 'tls.clientCA.enabled (mutual TLS) needs tls.enabled'],
   [['tls.enabled=true', 'tls.secretName=t', 'tls.clientCA.enabled=true', 'tls.clientCA.key='], 'tls.clientCA.key: name the key'],
   [['autoscaling.enabled=true', 'autoscaling.metric=memory'], 'autoscaling.metric'],
