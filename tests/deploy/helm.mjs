@@ -178,6 +178,21 @@ check(ctr(template(['image.tag=20240101'])).image === 'collabserve:20240101', 'a
 check(JSON.stringify(dep(template(['admin.token=' + 'a'.repeat(32)])).spec.template) ===
   JSON.stringify(dep(template(['admin.token=' + 'b'.repeat(32)])).spec.template), 'a new admin.token restarts no pod');
 
+{
+  // persistence.fixOwnership: a root init container that may only chown, to the pods' user.
+  check(!dep(def).spec.template.spec.initContainers, 'no init container by default');
+  const fixed = template(['persistence.fixOwnership=true', 'podSecurityContext.runAsUser=2000', 'podSecurityContext.runAsGroup=3000']);
+  await validateK8s(fixed, 'persistence.fixOwnership');
+  const init = dep(fixed).spec.template.spec.initContainers;
+  check(init && init.length === 1 && init[0].command.join(' ') ===
+    'find /models ( ! -user 2000 -o ! -group 3000 ) -exec chown --no-dereference 2000:3000 {} +' &&
+    init[0].securityContext.runAsUser === 0 && init[0].securityContext.capabilities.add.join(',') === 'CHOWN,DAC_READ_SEARCH' &&
+    init[0].volumeMounts[0].mountPath === '/models' && init[0].image === ctr(fixed).image,
+    `persistence.fixOwnership chowns the repository to runAsUser:runAsGroup; got ${JSON.stringify(init)}`);
+  check(!dep(template(['persistence.fixOwnership=true', 'server.modelRepository='])).spec.template.spec.initContainers,
+    'no repository volume, nothing to chown');
+}
+
 // Everything on: several pods, GPU, HPA on queue time, ServiceMonitor, admin Service.
 const all = template(['replicaCount=3', 'gpu.enabled=true', 'gpu.count=1', 'image.tag=0.1.0-cuda',
   'S:nodeSelector.nvidia\\.com/gpu\\.present=true', 'tolerations[0].key=nvidia.com/gpu', 'tolerations[0].operator=Exists',
