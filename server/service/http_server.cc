@@ -8,6 +8,7 @@
 #include <openssl/err.h>
 #include <openssl/ssl.h>
 #include <poll.h>
+#include <zlib.h>
 #include <pthread.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -229,6 +230,71 @@ struct ReadFailure {
   std::string message;
 };
 
+// Content-Encoding of a request body (RFC 9110 8.4.1): gzip, or deflate (the zlib format).
+enum class Inflated { kOk, kMalformed, kTooLarge };
+
+Inflated Inflate(const std::string& in, bool gzip, int64_t max, std::string* out) {
+  z_stream zs{};
+  if (inflateInit2(&zs, gzip ? 16 + MAX_WBITS : MAX_WBITS) != Z_OK) return Inflated::kMalformed;
+  zs.next_in = reinterpret_cast<Bytef*>(const_cast<char*>(in.data()));
+  zs.avail_in = static_cast<uInt>(in.size());
+  out->clear();
+  char chunk[65536];
+  int rc = Z_OK;
+  while (rc == Z_OK) {
+    zs.next_out = reinterpret_cast<Bytef*>(chunk);
+    zs.avail_out = sizeof(chunk);
+    rc = inflate(&zs, Z_NO_FLUSH);
+    if (rc != Z_OK && rc != Z_STREAM_END) break;
+    out->append(chunk, sizeof(chunk) - zs.avail_out);
+    if (static_cast<int64_t>(out->size()) > max) {
+      inflateEnd(&zs);
+      return Inflated::kTooLarge;  // a small body that inflates past the limit: refused early
+    }
+    if (rc == Z_OK && zs.avail_in == 0 && zs.avail_out != 0) break;  // truncated
+  }
+  const bool whole = rc == Z_STREAM_END && zs.avail_in == 0;
+  inflateEnd(&zs);
+  return whole ? Inflated::kOk : Inflated::kMalformed;
+}
+
+// A response body in gzip (level 1: the network on which this pays is slow, the CPU is shared
+// with inference).
+std::string Gzip(const std::string& in) {
+  z_stream zs{};
+  if (deflateInit2(&zs, 1, Z_DEFLATED, 16 + MAX_WBITS, 8, Z_DEFAULT_STRATEGY) != Z_OK) return "";
+  std::string out(deflateBound(&zs, in.size()), '\0');
+  zs.next_in = reinterpret_cast<Bytef*>(const_cast<char*>(in.data()));
+  zs.avail_in = static_cast<uInt>(in.size());
+  zs.next_out = reinterpret_cast<Bytef*>(out.data());
+  zs.avail_out = static_cast<uInt>(out.size());
+  const int rc = deflate(&zs, Z_FINISH);
+  out.resize(zs.total_out);
+  deflateEnd(&zs);
+  return rc == Z_STREAM_END ? out : "";
+}
+
+// Whether an Accept-Encoding value takes gzip ("gzip", "x-gzip" or "*", without q=0).
+bool AcceptsGzip(const std::string* value) {
+  if (value == nullptr) return false;
+  for (absl::string_view item : absl::StrSplit(*value, ',')) {
+    std::vector<absl::string_view> parts = absl::StrSplit(item, ';');
+    const absl::string_view name = absl::StripAsciiWhitespace(parts[0]);
+    if (!absl::EqualsIgnoreCase(name, "gzip") && !absl::EqualsIgnoreCase(name, "x-gzip") &&
+        name != "*") {
+      continue;
+    }
+    bool zero = false;
+    for (size_t i = 1; i < parts.size(); ++i) {
+      const absl::string_view p = absl::StripAsciiWhitespace(parts[i]);
+      double q = 1;
+      if (absl::StartsWithIgnoreCase(p, "q=") && absl::SimpleAtod(p.substr(2), &q)) zero = q <= 0;
+    }
+    if (!zero) return true;
+  }
+  return false;
+}
+
 // What the reader tells the connection as it goes, for the watchdog's deadlines.
 struct ReadProgress {
   std::function<void()> waiting;                 // no byte of the next request yet
@@ -376,6 +442,7 @@ class RequestReader {
       }
       progress_.body(static_cast<uint64_t>(max_body_));
       if (!continue_if_asked() || !ReadChunked(&req.body, failure)) return std::nullopt;
+      if (!Decode(&req, failure)) return std::nullopt;
       return req;
     }
     if (cl != nullptr) {
@@ -394,6 +461,7 @@ class RequestReader {
       progress_.body(length);
       if (!continue_if_asked() || !ReadExactly(length, &req.body, failure)) return std::nullopt;
     }
+    if (!Decode(&req, failure)) return std::nullopt;
     return req;
   }
 
@@ -403,6 +471,39 @@ class RequestReader {
     const ssize_t n = stream_->Read(chunk, sizeof(chunk));
     if (n <= 0) return false;
     buf_.append(chunk, static_cast<size_t>(n));
+    return true;
+  }
+
+  // The body without its Content-Encoding (gzip or deflate), within the same limit; the header is
+  // dropped once it is applied.
+  bool Decode(HttpRequest* req, ReadFailure* failure) {
+    auto it = std::find_if(req->headers.begin(), req->headers.end(),
+                           [](const auto& h) { return h.first == "content-encoding"; });
+    if (it == req->headers.end()) return true;
+    const std::vector<std::string> codings = HeaderList(&it->second);
+    std::string coding = codings.size() == 1 ? codings[0] : "";
+    if (coding == "identity") {
+      req->headers.erase(it);
+      return true;
+    }
+    if (coding != "gzip" && coding != "x-gzip" && coding != "deflate") {
+      *failure = {415, absl::StrCat("Content-Encoding '", it->second,
+                                    "' (gzip, deflate or identity, one of them)")};
+      return false;
+    }
+    std::string plain;
+    switch (Inflate(req->body, coding != "deflate", max_body_, &plain)) {
+      case Inflated::kOk:
+        break;
+      case Inflated::kTooLarge:
+        *failure = {413, absl::StrCat("request body inflates past the ", max_body_, "-byte limit")};
+        return false;
+      case Inflated::kMalformed:
+        *failure = {400, absl::StrCat("request body is not valid ", coding)};
+        return false;
+    }
+    req->body = std::move(plain);
+    req->headers.erase(it);
     return true;
   }
 
@@ -662,6 +763,8 @@ constexpr double kMinBytesPerSecond = 64 * 1024;
 constexpr absl::Duration kMaxHandshake = absl::Seconds(10);
 // How long an early error's close reads and drops the rest of the request.
 constexpr absl::Duration kLinger = absl::Seconds(2);
+// Responses this large are gzipped for a client that accepts it.
+constexpr size_t kGzipFrom = 1024;
 // How long a response being written when the server stops may still take.
 constexpr absl::Duration kStopWrite = absl::Seconds(1);
 
@@ -956,6 +1059,15 @@ class HttpServer::Impl {
         {
           absl::MutexLock lock(&mu_);
           if (draining_) keep_alive = false;
+        }
+        if (response.body.size() >= kGzipFrom) {
+          response.headers.emplace_back("Vary", "Accept-Encoding");
+          if (AcceptsGzip(req->Header("accept-encoding"))) {
+            if (std::string zipped = Gzip(response.body); !zipped.empty()) {
+              response.body = std::move(zipped);
+              response.headers.emplace_back("Content-Encoding", "gzip");
+            }
+          }
         }
         const std::string bytes = FormatResponse(
             response, req->method == "HEAD",

@@ -1,7 +1,9 @@
 // An HTTP/1.1 server for request/response APIs (the Open Inference Protocol's REST form,
 // kserve_http.h): one thread per connection up to a bound, persistent connections and pipelined
-// requests, Content-Length and chunked request bodies, `Expect: 100-continue`, HEAD, and TLS (and
-// mutual TLS) on the same files as the gRPC ports, followed on disk as they are.
+// requests, Content-Length and chunked request bodies, `Expect: 100-continue`, HEAD, gzip and
+// deflate request bodies (Content-Encoding; inflated within the body limit) and gzip responses
+// of 1 KiB or more (Accept-Encoding), and TLS (and mutual TLS) on the same files as the gRPC
+// ports, followed on disk as they are.
 //
 // Why not civetweb (Debian's libcivetweb): it starts its threads with a fixed, small stack, which
 // pthread_create refuses in a process whose libraries (LibTorch) need more static TLS than fits

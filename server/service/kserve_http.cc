@@ -268,10 +268,6 @@ class KServeHttp {
       : channel_(std::move(channel)), stub_(inference::GRPCInferenceService::NewStub(channel_)) {}
 
   HttpResponse Handle(const HttpRequest& req) {
-    if (const std::string* enc = req.Header("content-encoding");
-        enc != nullptr && !absl::EqualsIgnoreCase(*enc, "identity")) {
-      return Error(415, absl::StrCat("Content-Encoding '", *enc, "' is not supported (send identity)"));
-    }
     std::vector<std::string> seg;
     for (absl::string_view s : absl::StrSplit(req.path, '/')) {
       std::string decoded;
