@@ -133,13 +133,7 @@ double Mib(int64_t bytes) { return static_cast<double>(bytes) / (1 << 20); }
 
 int Run() {
   std::string binary = absl::GetFlag(FLAGS_collabserve);
-  if (binary.empty()) {
-    char self[4096];
-    const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
-    std::string dir = n > 0 ? std::string(self, n) : std::string("./overload_bench");
-    dir = dir.substr(0, dir.rfind('/'));
-    binary = dir + "/collabserve";
-  }
+  if (binary.empty()) binary = collabserve::testing::SiblingBinary("collabserve");
   char tmpl[] = "/tmp/collabserve-overload-bench-XXXXXX";
   if (mkdtemp(tmpl) == nullptr) {
     std::fprintf(stderr, "cannot create a temporary directory\n");

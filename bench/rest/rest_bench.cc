@@ -193,12 +193,7 @@ double Median(std::vector<double> v) { return Percentile(std::move(v), 0.5); }
 
 int Run() {
   std::string binary = absl::GetFlag(FLAGS_collabserve);
-  if (binary.empty()) {
-    char self[4096];
-    const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
-    std::string dir = n > 0 ? std::string(self, n) : std::string("./rest_bench");
-    binary = dir.substr(0, dir.rfind('/')) + "/collabserve";
-  }
+  if (binary.empty()) binary = collabserve::testing::SiblingBinary("collabserve");
   char tmpl[] = "/tmp/collabserve-rest-bench-XXXXXX";
   if (mkdtemp(tmpl) == nullptr) {
     std::fprintf(stderr, "cannot create a temporary directory\n");
@@ -309,11 +304,12 @@ int Run() {
       return 1;
     }
     struct Way {
+      explicit Way(const char* n) : name(n) {}
       const char* name;
       std::vector<double> rate, cpu, ratio, latencies;
       int64_t failed = 0;
     };
-    Way ways[3] = {{"grpc"}, {"rest-json"}, {"rest-bin"}};
+    Way ways[3] = {Way("grpc"), Way("rest-json"), Way("rest-bin")};
     for (int round = 0; round < rounds; ++round) {
       Result r[3] = {RunLoops(server.pid(), clients, phase / rounds, grpc_way),
                      RunLoops(server.pid(), clients, phase / rounds, json_way),

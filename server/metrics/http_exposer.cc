@@ -1,9 +1,6 @@
 #include "server/metrics/http_exposer.h"
 
-#include <arpa/inet.h>
 #include <fcntl.h>
-#include <netdb.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -14,6 +11,8 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "server/util/listen.h"
+#include "server/util/status_macros.h"
 
 namespace collabserve::metrics {
 namespace {
@@ -34,44 +33,9 @@ void WriteAll(int fd, const std::string& data) {
 
 absl::StatusOr<std::unique_ptr<HttpExposer>> HttpExposer::Start(const std::string& host, int port,
                                                                 BodyFn body, Handler other) {
-  const std::string where = absl::StrCat(host, ":", port);
-  // "[::]" as gRPC's addresses write it: getaddrinfo takes the literal without brackets.
-  const std::string name = host.size() > 2 && host.front() == '[' && host.back() == ']'
-                               ? host.substr(1, host.size() - 2)
-                               : host;
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
-  addrinfo* res = nullptr;
-  const std::string port_str = std::to_string(port);
-  int rc = ::getaddrinfo(name.empty() ? nullptr : name.c_str(), port_str.c_str(), &hints, &res);
-  if (rc != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("metrics address ", where, ": ", ::gai_strerror(rc)));
-  }
-  int fd = ::socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) {
-    ::freeaddrinfo(res);
-    return absl::UnavailableError(absl::StrCat("metrics socket: ", std::strerror(errno)));
-  }
-  int one = 1;
-  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  if (::bind(fd, res->ai_addr, res->ai_addrlen) != 0 || ::listen(fd, 64) != 0) {
-    const int err = errno;
-    ::freeaddrinfo(res);
-    ::close(fd);
-    return absl::UnavailableError(
-        absl::StrCat("cannot serve metrics on ", where, ": ", std::strerror(err)));
-  }
-  ::freeaddrinfo(res);
-  sockaddr_storage bound{};
-  socklen_t len = sizeof(bound);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &len);
-  const int bound_port =
-      bound.ss_family == AF_INET6
-          ? ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port)
-          : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+  ASSIGN_OR_RETURN(const util::ListeningSocket listening, util::ListenTcp(host, port, "metrics", 64));
+  const int fd = listening.fd;
+  const int bound_port = listening.port;
   int wake[2];
   if (::pipe2(wake, O_CLOEXEC) != 0) {
     ::close(fd);

@@ -1,8 +1,6 @@
 #include "server/service/http_server.h"
 
-#include <arpa/inet.h>
 #include <fcntl.h>
-#include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <openssl/err.h>
@@ -42,6 +40,7 @@
 #include "prometheus/collectable.h"
 #include "prometheus/metric_family.h"
 #include "server/util/files.h"
+#include "server/util/listen.h"
 #include "server/util/status_macros.h"
 
 namespace collabserve::service {
@@ -1143,46 +1142,10 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(HttpServerOptions 
     ssl = std::make_unique<SslContextFollower>(options.tls);
     RETURN_IF_ERROR(ssl->Init());
   }
-  const std::string where = absl::StrCat(options.host, ":", options.port);
-  const std::string& host = options.host;
-  const std::string name = host.size() > 2 && host.front() == '[' && host.back() == ']'
-                               ? host.substr(1, host.size() - 2)
-                               : host;
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
-  addrinfo* res = nullptr;
-  const std::string port_str = std::to_string(options.port);
-  if (int rc = ::getaddrinfo(name.empty() ? nullptr : name.c_str(), port_str.c_str(), &hints, &res);
-      rc != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("HTTP address ", where, ": ", ::gai_strerror(rc)));
-  }
-  const int fd = ::socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) {
-    ::freeaddrinfo(res);
-    return absl::UnavailableError(absl::StrCat("HTTP socket: ", std::strerror(errno)));
-  }
-  int one = 1;
-  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  if (res->ai_family == AF_INET6) {
-    int zero = 0;  // "::" takes IPv4 too, as gRPC's listener does
-    ::setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof(zero));
-  }
-  if (::bind(fd, res->ai_addr, res->ai_addrlen) != 0 || ::listen(fd, 128) != 0) {
-    const int err = errno;
-    ::freeaddrinfo(res);
-    ::close(fd);
-    return absl::UnavailableError(
-        absl::StrCat("cannot serve HTTP on ", where, ": ", std::strerror(err)));
-  }
-  ::freeaddrinfo(res);
-  sockaddr_storage bound{};
-  socklen_t len = sizeof(bound);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &len);
-  const int bound_port = bound.ss_family == AF_INET6
-                             ? ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port)
-                             : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+  ASSIGN_OR_RETURN(const util::ListeningSocket listening,
+                   util::ListenTcp(options.host, options.port, "HTTP"));
+  const int fd = listening.fd;
+  const int bound_port = listening.port;
   int wake[2];
   if (::pipe2(wake, O_CLOEXEC) != 0) {
     ::close(fd);

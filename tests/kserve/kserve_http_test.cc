@@ -138,7 +138,9 @@ class Client {
       const size_t colon = lines[i].find(':');
       std::string name = absl::AsciiStrToLower(lines[i].substr(0, colon));
       std::string value(absl::StripAsciiWhitespace(lines[i].substr(colon + 1)));
-      if (name == "content-length") EXPECT_TRUE(absl::SimpleAtoi(value, &length));
+      if (name == "content-length") {
+        EXPECT_TRUE(absl::SimpleAtoi(value, &length));
+      }
       r.headers.emplace_back(std::move(name), std::move(value));
     }
     if (r.code != 100 && !head_only_) {

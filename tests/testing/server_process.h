@@ -30,6 +30,14 @@ inline std::string BinaryPath(const std::string& name) {
   return absl::StrCat(dir != nullptr ? dir : ".", "/bin/", name);
 }
 
+// bin/<name> next to this executable (a benchmark's default server: build/bin/collabserve).
+inline std::string SiblingBinary(const std::string& name) {
+  char self[4096];
+  const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  const std::string path = n > 0 ? std::string(self, static_cast<size_t>(n)) : std::string("./x");
+  return path.substr(0, path.rfind('/') + 1) + name;
+}
+
 class ServerProcess {
  public:
   // Starts collabserve with `args`; blocks until it prints a line that starts with `until`
