@@ -8,13 +8,14 @@
 #include <cstring>
 #include <map>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include <google/protobuf/descriptor.h>
 #include <google/protobuf/message.h>
-#include <google/protobuf/reflection.h>
+#include <google/protobuf/util/json_util.h>
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/ascii.h"
@@ -31,7 +32,6 @@ namespace {
 
 using google::protobuf::FieldDescriptor;
 using google::protobuf::Message;
-using google::protobuf::Reflection;
 using json = nlohmann::json;
 
 constexpr char kBinaryHeader[] = "inference-header-content-length";
@@ -46,70 +46,68 @@ json FloatJson(float f) {
   return json(std::strtod(buf, nullptr));
 }
 
-json ProtoJson(const Message& m);
+void Retype(json* j, const google::protobuf::Descriptor* d);
 
-json FieldJson(const Message& m, const FieldDescriptor* f, int index) {
-  const Reflection* r = m.GetReflection();
-  const bool rep = index >= 0;
+void RetypeValue(json* v, const FieldDescriptor* f) {
   switch (f->cpp_type()) {
-    case FieldDescriptor::CPPTYPE_INT32:
-      return rep ? r->GetRepeatedInt32(m, f, index) : r->GetInt32(m, f);
     case FieldDescriptor::CPPTYPE_INT64:
-      return rep ? r->GetRepeatedInt64(m, f, index) : r->GetInt64(m, f);
-    case FieldDescriptor::CPPTYPE_UINT32:
-      return rep ? r->GetRepeatedUInt32(m, f, index) : r->GetUInt32(m, f);
+      if (int64_t n; v->is_string() && absl::SimpleAtoi(v->get<std::string>(), &n)) *v = n;
+      break;
     case FieldDescriptor::CPPTYPE_UINT64:
-      return rep ? r->GetRepeatedUInt64(m, f, index) : r->GetUInt64(m, f);
-    case FieldDescriptor::CPPTYPE_DOUBLE:
-      return rep ? r->GetRepeatedDouble(m, f, index) : r->GetDouble(m, f);
-    case FieldDescriptor::CPPTYPE_FLOAT:
-      return FloatJson(rep ? r->GetRepeatedFloat(m, f, index) : r->GetFloat(m, f));
-    case FieldDescriptor::CPPTYPE_BOOL:
-      return rep ? r->GetRepeatedBool(m, f, index) : r->GetBool(m, f);
-    case FieldDescriptor::CPPTYPE_ENUM:
-      return (rep ? r->GetRepeatedEnum(m, f, index) : r->GetEnum(m, f))->name();
-    case FieldDescriptor::CPPTYPE_STRING:
-      return rep ? r->GetRepeatedString(m, f, index) : r->GetString(m, f);
+      if (uint64_t n; v->is_string() && absl::SimpleAtoi(v->get<std::string>(), &n)) *v = n;
+      break;
     case FieldDescriptor::CPPTYPE_MESSAGE:
-      return ProtoJson(rep ? r->GetRepeatedMessage(m, f, index) : r->GetMessage(m, f));
+      Retype(v, f->message_type());
+      break;
+    default:
+      break;
   }
-  return nullptr;
 }
 
-// A message as JSON: field names as in the .proto, 64-bit integers as numbers, enums by name,
-// maps as objects, a oneof only as its set member, and an InferParameter as its value.
-json ProtoJson(const Message& m) {
-  const Reflection* r = m.GetReflection();
-  const auto* d = m.GetDescriptor();
+// protobuf's JSON of a message of type `d`, made what REST clients read: 64-bit integers as
+// numbers (proto3's JSON writes them as strings), an InferParameter as its value.
+void Retype(json* j, const google::protobuf::Descriptor* d) {
+  if (!j->is_object()) return;
   if (d == inference::InferParameter::descriptor()) {
-    std::vector<const FieldDescriptor*> set;
-    r->ListFields(m, &set);
-    return set.empty() ? json(nullptr) : FieldJson(m, set[0], -1);
+    if (j->size() != 1) {
+      *j = nullptr;
+      return;
+    }
+    const std::string key = j->begin().key();
+    json value = j->begin().value();
+    if (const FieldDescriptor* f = d->FindFieldByName(key)) RetypeValue(&value, f);
+    *j = std::move(value);
+    return;
   }
-  json out = json::object();
-  for (int i = 0; i < d->field_count(); ++i) {
-    const FieldDescriptor* f = d->field(i);
+  for (auto& [key, value] : j->items()) {
+    const FieldDescriptor* f = d->FindFieldByName(key);
+    if (f == nullptr) continue;
     if (f->is_map()) {
-      json obj = json::object();
-      const FieldDescriptor* key = f->message_type()->map_key();
-      const FieldDescriptor* value = f->message_type()->map_value();
-      for (int j = 0; j < r->FieldSize(m, f); ++j) {
-        const Message& entry = r->GetRepeatedMessage(m, f, j);
-        json k = FieldJson(entry, key, -1);
-        obj[k.is_string() ? k.get<std::string>() : k.dump()] = FieldJson(entry, value, -1);
-      }
-      out[f->name()] = std::move(obj);
+      const FieldDescriptor* mapped = f->message_type()->map_value();
+      for (auto& [k, v] : value.items()) RetypeValue(&v, mapped);
     } else if (f->is_repeated()) {
-      json arr = json::array();
-      for (int j = 0; j < r->FieldSize(m, f); ++j) arr.push_back(FieldJson(m, f, j));
-      out[f->name()] = std::move(arr);
-    } else if (f->containing_oneof() != nullptr || f->cpp_type() == FieldDescriptor::CPPTYPE_MESSAGE) {
-      if (r->HasField(m, f)) out[f->name()] = FieldJson(m, f, -1);
+      for (json& e : value) RetypeValue(&e, f);
     } else {
-      out[f->name()] = FieldJson(m, f, -1);
+      RetypeValue(&value, f);
     }
   }
-  return out;
+}
+
+// A message as JSON: field names as in the .proto, every scalar field (defaults too), 64-bit
+// integers as numbers, enums by name, maps as objects, a oneof as its set member, an InferParameter
+// as its value. Through protobuf's JSON writer, which works from the wire format: reflection over
+// a map field (its lazily built repeated view) crashed under ThreadSanitizer.
+json ProtoJson(const Message& m) {
+  google::protobuf::util::JsonPrintOptions options;
+  options.preserve_proto_field_names = true;
+  options.always_print_primitive_fields = true;
+  std::string text;
+  if (!google::protobuf::util::MessageToJsonString(m, &text, options).ok()) {
+    throw std::runtime_error(absl::StrCat("cannot write ", m.GetTypeName(), " as JSON"));
+  }
+  json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  Retype(&j, m.GetDescriptor());
+  return j;
 }
 
 std::string Dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
