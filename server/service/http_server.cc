@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <climits>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -233,14 +234,16 @@ struct ReadFailure {
 enum class Inflated { kOk, kMalformed, kTooLarge };
 
 Inflated Inflate(const std::string& in, bool gzip, int64_t max, std::string* out) {
+  out->clear();
+  if (in.empty()) return Inflated::kOk;  // no body to decode
+  if (in.size() > UINT_MAX) return Inflated::kTooLarge;
   z_stream zs{};
   if (inflateInit2(&zs, gzip ? 16 + MAX_WBITS : MAX_WBITS) != Z_OK) return Inflated::kMalformed;
   zs.next_in = reinterpret_cast<Bytef*>(const_cast<char*>(in.data()));
   zs.avail_in = static_cast<uInt>(in.size());
-  out->clear();
   char chunk[65536];
   int rc = Z_OK;
-  while (rc == Z_OK) {
+  for (;;) {
     zs.next_out = reinterpret_cast<Bytef*>(chunk);
     zs.avail_out = sizeof(chunk);
     rc = inflate(&zs, Z_NO_FLUSH);
@@ -250,7 +253,12 @@ Inflated Inflate(const std::string& in, bool gzip, int64_t max, std::string* out
       inflateEnd(&zs);
       return Inflated::kTooLarge;  // a small body that inflates past the limit: refused early
     }
-    if (rc == Z_OK && zs.avail_in == 0 && zs.avail_out != 0) break;  // truncated
+    if (rc == Z_STREAM_END) {
+      // RFC 1952: a gzip body may hold several members, one after another.
+      if (!gzip || zs.avail_in == 0 || inflateReset(&zs) != Z_OK) break;
+      continue;
+    }
+    if (zs.avail_in == 0 && zs.avail_out != 0) break;  // truncated
   }
   const bool whole = rc == Z_STREAM_END && zs.avail_in == 0;
   inflateEnd(&zs);
@@ -260,6 +268,7 @@ Inflated Inflate(const std::string& in, bool gzip, int64_t max, std::string* out
 // A response body in gzip (level 1: the network on which this pays is slow, the CPU is shared
 // with inference).
 std::string Gzip(const std::string& in) {
+  if (in.size() > UINT_MAX) return "";  // not worth a chunked loop: sent as it is
   z_stream zs{};
   if (deflateInit2(&zs, 1, Z_DEFLATED, 16 + MAX_WBITS, 8, Z_DEFAULT_STRATEGY) != Z_OK) return "";
   std::string out(deflateBound(&zs, in.size()), '\0');
@@ -274,24 +283,26 @@ std::string Gzip(const std::string& in) {
 }
 
 // Whether an Accept-Encoding value takes gzip ("gzip", "x-gzip" or "*", without q=0).
+// A coding named explicitly wins over "*" (RFC 9110 12.5.3).
 bool AcceptsGzip(const std::string* value) {
   if (value == nullptr) return false;
+  std::optional<bool> named, star;
   for (absl::string_view item : absl::StrSplit(*value, ',')) {
     std::vector<absl::string_view> parts = absl::StrSplit(item, ';');
     const absl::string_view name = absl::StripAsciiWhitespace(parts[0]);
-    if (!absl::EqualsIgnoreCase(name, "gzip") && !absl::EqualsIgnoreCase(name, "x-gzip") &&
-        name != "*") {
-      continue;
-    }
     bool zero = false;
     for (size_t i = 1; i < parts.size(); ++i) {
       const absl::string_view p = absl::StripAsciiWhitespace(parts[i]);
       double q = 1;
       if (absl::StartsWithIgnoreCase(p, "q=") && absl::SimpleAtod(p.substr(2), &q)) zero = q <= 0;
     }
-    if (!zero) return true;
+    if (absl::EqualsIgnoreCase(name, "gzip") || absl::EqualsIgnoreCase(name, "x-gzip")) {
+      named = named.value_or(false) || !zero;
+    } else if (name == "*") {
+      star = !zero;
+    }
   }
-  return false;
+  return named.has_value() ? *named : star.value_or(false);
 }
 
 // What the reader tells the connection as it goes, for the watchdog's deadlines.
@@ -476,17 +487,24 @@ class RequestReader {
   // The body without its Content-Encoding (gzip or deflate), within the same limit; the header is
   // dropped once it is applied.
   bool Decode(HttpRequest* req, ReadFailure* failure) {
-    auto it = std::find_if(req->headers.begin(), req->headers.end(),
-                           [](const auto& h) { return h.first == "content-encoding"; });
-    if (it == req->headers.end()) return true;
-    const std::vector<std::string> codings = HeaderList(&it->second);
-    std::string coding = codings.size() == 1 ? codings[0] : "";
-    if (coding == "identity") {
-      req->headers.erase(it);
-      return true;
+    // Every Content-Encoding line, as one list (RFC 9110 5.3), then the header goes.
+    std::string joined;
+    bool any = false;
+    for (auto it = req->headers.begin(); it != req->headers.end();) {
+      if (it->first != "content-encoding") {
+        ++it;
+        continue;
+      }
+      absl::StrAppend(&joined, any ? ", " : "", it->second);
+      any = true;
+      it = req->headers.erase(it);
     }
+    if (!any) return true;
+    const std::vector<std::string> codings = HeaderList(&joined);
+    const std::string coding = codings.size() == 1 ? codings[0] : "";
+    if (coding == "identity") return true;
     if (coding != "gzip" && coding != "x-gzip" && coding != "deflate") {
-      *failure = {415, absl::StrCat("Content-Encoding '", it->second,
+      *failure = {415, absl::StrCat("Content-Encoding '", joined,
                                     "' (gzip, deflate or identity, one of them)")};
       return false;
     }
@@ -502,7 +520,6 @@ class RequestReader {
         return false;
     }
     req->body = std::move(plain);
-    req->headers.erase(it);
     return true;
   }
 
@@ -1059,7 +1076,7 @@ class HttpServer::Impl {
           absl::MutexLock lock(&mu_);
           if (draining_) keep_alive = false;
         }
-        if (response.body.size() >= kGzipFrom) {
+        if (response.compressible && response.body.size() >= kGzipFrom) {
           response.headers.emplace_back("Vary", "Accept-Encoding");
           if (AcceptsGzip(req->Header("accept-encoding"))) {
             if (std::string zipped = Gzip(response.body); !zipped.empty()) {

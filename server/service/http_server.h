@@ -2,8 +2,8 @@
 // kserve_http.h): one thread per connection up to a bound, persistent connections and pipelined
 // requests, Content-Length and chunked request bodies, `Expect: 100-continue`, HEAD, gzip and
 // deflate request bodies (Content-Encoding; inflated within the body limit) and gzip responses
-// of 1 KiB or more (Accept-Encoding), and TLS (and mutual TLS) on the same files as the gRPC
-// ports, followed on disk as they are.
+// that the handler marks compressible (HttpResponse), and TLS (and mutual TLS) on the same files
+// as the gRPC ports, followed on disk as they are.
 //
 // Why not civetweb (Debian's libcivetweb): it starts its threads with a fixed, small stack, which
 // pthread_create refuses in a process whose libraries (LibTorch) need more static TLS than fits
@@ -48,6 +48,9 @@ struct HttpResponse {
   std::string content_type = "application/json";
   std::string body;
   std::vector<std::pair<std::string, std::string>> headers;  // extra ones
+  // Gzipped (1 KiB or more) for a client whose Accept-Encoding takes gzip. Off by default: some
+  // clients ask for gzip and then read the raw body (tritonclient.http.aio outside infer).
+  bool compressible = false;
 };
 
 // Called on the connection's thread, one request at a time per connection, concurrently across

@@ -106,6 +106,7 @@ json ProtoJson(const Message& m) {
     throw std::runtime_error(absl::StrCat("cannot write ", m.GetTypeName(), " as JSON"));
   }
   json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) throw std::runtime_error(absl::StrCat(m.GetTypeName(), "'s JSON does not parse"));
   Retype(&j, m.GetDescriptor());
   return j;
 }
@@ -576,14 +577,23 @@ class KServeHttp {
 
     json out{{"model_name", resp.model_name()}, {"model_version", resp.model_version()}};
     if (!resp.id().empty()) out["id"] = resp.id();
-    if (resp.parameters_size() > 0) out["parameters"] = ProtoJson(resp)["parameters"];
+    if (resp.parameters_size() > 0) {
+      inference::ModelInferResponse only;  // not the outputs' bytes too
+      *only.mutable_parameters() = resp.parameters();
+      out["parameters"] = ProtoJson(only)["parameters"];
+    }
     json tensors = json::array();
     std::string tail;
     bool any_binary = false;
     for (int i = 0; i < resp.outputs_size(); ++i) {
       const auto& o = resp.outputs(i);
       json t{{"name", o.name()}, {"datatype", o.datatype()}, {"shape", json(std::vector<int64_t>(o.shape().begin(), o.shape().end()))}};
-      json params = ProtoJson(o)["parameters"];
+      json params = json::object();
+      if (o.parameters_size() > 0) {
+        inference::ModelInferResponse::InferOutputTensor only;
+        *only.mutable_parameters() = o.parameters();
+        params = ProtoJson(only)["parameters"];
+      }
       const std::string& raw =
           i < resp.raw_output_contents_size() ? resp.raw_output_contents(i) : std::string();
       auto it = binary_by_name.find(o.name());
@@ -605,6 +615,7 @@ class KServeHttp {
     }
     out["outputs"] = std::move(tensors);
     HttpResponse r = JsonResponse(200, out);
+    r.compressible = true;  // what Triton compresses, and what its clients decompress
     if (any_binary) {
       r.headers.emplace_back("Inference-Header-Content-Length", std::to_string(r.body.size()));
       r.content_type = "application/octet-stream";

@@ -186,7 +186,7 @@ check(JSON.stringify(dep(template(['admin.token=' + 'a'.repeat(32)])).spec.templ
   const init = dep(fixed).spec.template.spec.initContainers;
   check(init && init.length === 1 && init[0].command.join(' ') ===
     'find /models ( ! -user 2000 -o ! -group 3000 ) -exec chown --no-dereference 2000:3000 {} +' &&
-    init[0].securityContext.runAsUser === 0 && init[0].securityContext.capabilities.add.join(',') === 'CHOWN,DAC_READ_SEARCH' &&
+    init[0].securityContext.runAsUser === 0 && init[0].securityContext.capabilities.add.join(',') === 'CHOWN,DAC_OVERRIDE' && init[0].resources.limits.memory === '128Mi' &&
     init[0].volumeMounts[0].mountPath === '/models' && init[0].image === ctr(fixed).image,
     `persistence.fixOwnership chowns the repository to runAsUser:runAsGroup; got ${JSON.stringify(init)}`);
   check(!dep(template(['persistence.fixOwnership=true', 'server.modelRepository='])).spec.template.spec.initContainers,

@@ -622,7 +622,7 @@ std::string Compress(const std::string& in, bool gzip) {
 std::string Gunzip(const std::string& in) {
   z_stream zs{};
   EXPECT_EQ(inflateInit2(&zs, 16 + MAX_WBITS), Z_OK);
-  std::string out(1 << 20, '\0');
+  std::string out(4 << 20, '\0');
   zs.next_in = reinterpret_cast<Bytef*>(const_cast<char*>(in.data()));
   zs.avail_in = static_cast<uInt>(in.size());
   zs.next_out = reinterpret_cast<Bytef*>(out.data());
@@ -643,21 +643,44 @@ TEST_F(KServeHttpTest, CompressedBodiesAsTritonsClientSendsAndAsksForThem) {
     ASSERT_EQ(r.code, 200) << coding << ": " << r.body;
     EXPECT_EQ(r.Json(), want) << coding;
   }
-  // A gzip response of 1 KiB or more for a client that asks (response_compression_algorithm),
-  // none for q=0, none for a small one.
-  const Reply config = Call(port_, "GET", "/v2/models/three/config");
-  ASSERT_GE(config.body.size(), 1024u);
-  Reply zipped = Call(port_, "GET", "/v2/models/three/config", "", "Accept-Encoding: deflate, gzip\r\n");
+  // A gzipped inference answer of 1 KiB or more for a client that asks
+  // (response_compression_algorithm); none for q=0, where gzip is named with q=0 beside "*", for
+  // a small answer, nor for the other routes, whose raw body tritonclient.http.aio parses as it is.
+  // Eight inputs and a long id (echoed): over 1 KiB of answer.
+  std::string eight = absl::StrCat(R"({"id":")", std::string(400, 'q'),
+                                   R"(","inputs":[{"name":"text","shape":[8],"datatype":"BYTES","data":[)");
+  for (int i = 0; i < 8; ++i) absl::StrAppend(&eight, i ? "," : "", "\"text number ", i, "\"");
+  eight += "]}]}";
+  const Reply big = Call(port_, "POST", "/v2/models/three/infer", eight);
+  ASSERT_EQ(big.code, 200) << big.body;
+  ASSERT_GE(big.body.size(), 1024u);
+  Reply zipped = Call(port_, "POST", "/v2/models/three/infer", eight, "Accept-Encoding: deflate, gzip\r\n");
   ASSERT_EQ(zipped.code, 200);
   EXPECT_EQ(zipped.Header("content-encoding"), "gzip");
   EXPECT_EQ(zipped.Header("vary"), "Accept-Encoding");
-  EXPECT_LT(zipped.body.size(), config.body.size());
-  EXPECT_EQ(Gunzip(zipped.body), config.body);
-  Reply plain = Call(port_, "GET", "/v2/models/three/config", "", "Accept-Encoding: gzip;q=0\r\n");
-  EXPECT_EQ(plain.Header("content-encoding"), "");
-  EXPECT_EQ(plain.body, config.body);
-  Reply small = Call(port_, "GET", "/v2/health/live", "", "Accept-Encoding: gzip\r\n");
-  EXPECT_EQ(small.Header("content-encoding"), "");
+  EXPECT_LT(zipped.body.size(), big.body.size());
+  EXPECT_EQ(Gunzip(zipped.body), big.body);
+  for (const char* refused : {"gzip;q=0", "gzip;q=0, *", "identity"}) {
+    Reply plain = Call(port_, "POST", "/v2/models/three/infer", eight,
+                       absl::StrCat("Accept-Encoding: ", refused, "\r\n"));
+    EXPECT_EQ(plain.Header("content-encoding"), "") << refused;
+    EXPECT_EQ(plain.body, big.body) << refused;
+  }
+  EXPECT_EQ(Call(port_, "POST", "/v2/models/three/infer", eight, "Accept-Encoding: *\r\n").Header("content-encoding"),
+            "gzip");
+  const Reply config = Call(port_, "GET", "/v2/models/three/config", "", "Accept-Encoding: gzip\r\n");
+  ASSERT_GE(config.body.size(), 1024u);
+  EXPECT_EQ(config.Header("content-encoding"), "");
+  EXPECT_EQ(config.Json()["name"], "three");
+  EXPECT_EQ(Call(port_, "POST", "/v2/models/three/infer", kTwoTexts, "Accept-Encoding: gzip\r\n")
+                .Header("content-encoding"), "");
+  // Several gzip members in one body (RFC 1952), and an empty body that names a coding.
+  const std::string body = kTwoTexts;
+  Reply members = Call(port_, "POST", "/v2/models/three/infer",
+                       Compress(body.substr(0, 30), true) + Compress(body.substr(30), true),
+                       "Content-Encoding: gzip\r\n");
+  EXPECT_EQ(members.code, 200) << members.body;
+  EXPECT_EQ(Call(port_, "POST", "/v2/repository/index", "", "Content-Encoding: gzip\r\n").code, 200);
   // A small body that inflates past the limit (1 MiB here) is refused; so is one that is not
   // what it says, and a coding not served.
   Reply bomb = Call(port_, "POST", "/v2/models/three/infer", Compress(std::string(4 << 20, ' '), true),

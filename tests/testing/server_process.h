@@ -30,7 +30,7 @@ inline std::string BinaryPath(const std::string& name) {
   return absl::StrCat(dir != nullptr ? dir : ".", "/bin/", name);
 }
 
-// bin/<name> next to this executable (a benchmark's default server: build/bin/collabserve).
+// <name> in this executable's directory (a benchmark's default server: build/bin/collabserve).
 inline std::string SiblingBinary(const std::string& name) {
   char self[4096];
   const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
