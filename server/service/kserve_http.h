@@ -33,7 +33,9 @@
 // order, each laid out as raw_input_contents; an output with the parameter "binary_data": true (or
 // every output, with the request parameter "binary_data_output": true) is sent the same way after
 // the JSON, with "binary_data_size" in its parameters, the same header, and the type
-// application/octet-stream. Errors name the field ("inputs[1].data[2]: not a string").
+// application/octet-stream. Errors name the field ("inputs[1].data[2]: not a string"). Inference
+// answers alone are compressible (http_server.h): gzipped for a client that asks, as Triton does;
+// the binary extension's header then still counts the uncompressed JSON.
 #ifndef COLLABSERVE_SERVER_SERVICE_KSERVE_HTTP_H_
 #define COLLABSERVE_SERVER_SERVICE_KSERVE_HTTP_H_
 
