@@ -19,21 +19,6 @@
 namespace collabserve::metrics {
 namespace {
 
-prometheus::MetricFamily OneValue(const char* name, const char* help, prometheus::MetricType type,
-                                  double value) {
-  prometheus::MetricFamily f;
-  f.name = name;
-  f.help = help;
-  f.type = type;
-  prometheus::ClientMetric m;
-  if (type == prometheus::MetricType::Counter) {
-    m.counter.value = value;
-  } else {
-    m.gauge.value = value;
-  }
-  f.metric.push_back(std::move(m));
-  return f;
-}
 
 prometheus::ClientMetric Labelled(const char* label, const char* value, double gauge) {
   prometheus::ClientMetric m;
@@ -81,30 +66,30 @@ class ProcessCollectableImpl : public prometheus::Collectable {
     std::vector<prometheus::MetricFamily> families = registry_->Collect();
     // The names and meanings every Prometheus client library's process collector uses.
     if (absl::StatusOr<util::ProcessStats> p = util::ReadProcessStats(); p.ok()) {
-      families.push_back(OneValue("process_cpu_seconds_total",
+      families.push_back(OneValueFamily("process_cpu_seconds_total",
                                   "Total user and system CPU time spent in seconds.",
                                   MetricType::Counter, p->cpu_seconds));
       if (p->start_time) {
-        families.push_back(OneValue(
+        families.push_back(OneValueFamily(
             "process_start_time_seconds", "Start time of the process since unix epoch in seconds.",
             MetricType::Gauge, static_cast<double>(absl::ToUnixMicros(*p->start_time)) / 1e6));
       }
-      families.push_back(OneValue("process_virtual_memory_bytes",
+      families.push_back(OneValueFamily("process_virtual_memory_bytes",
                                   "Virtual memory size in bytes.", MetricType::Gauge,
                                   static_cast<double>(p->virtual_bytes)));
-      families.push_back(OneValue("process_resident_memory_bytes",
+      families.push_back(OneValueFamily("process_resident_memory_bytes",
                                   "Resident memory size in bytes.", MetricType::Gauge,
                                   static_cast<double>(p->resident_bytes)));
       if (p->open_fds >= 0) {
-        families.push_back(OneValue("process_open_fds", "Number of open file descriptors.",
+        families.push_back(OneValueFamily("process_open_fds", "Number of open file descriptors.",
                                     MetricType::Gauge, static_cast<double>(p->open_fds)));
       }
       if (p->max_fds > 0) {
-        families.push_back(OneValue("process_max_fds",
+        families.push_back(OneValueFamily("process_max_fds",
                                     "Maximum number of open file descriptors.",
                                     MetricType::Gauge, static_cast<double>(p->max_fds)));
       }
-      families.push_back(OneValue("process_threads", "Number of OS threads in the process.",
+      families.push_back(OneValueFamily("process_threads", "Number of OS threads in the process.",
                                   MetricType::Gauge, static_cast<double>(p->threads)));
     }
     prometheus::MetricFamily kept;
@@ -186,6 +171,22 @@ void SetPassArenaBytesSource(std::function<int64_t()> source) {
 
 void SetGpuMemorySource(std::function<std::optional<GpuMemoryReading>()> source) {
   Families().sources.gpu_memory.Set(std::move(source));
+}
+
+prometheus::MetricFamily OneValueFamily(const char* name, const char* help, prometheus::MetricType type,
+                                  double value) {
+  prometheus::MetricFamily f;
+  f.name = name;
+  f.help = help;
+  f.type = type;
+  prometheus::ClientMetric m;
+  if (type == prometheus::MetricType::Counter) {
+    m.counter.value = value;
+  } else {
+    m.gauge.value = value;
+  }
+  f.metric.push_back(std::move(m));
+  return f;
 }
 
 }  // namespace collabserve::metrics

@@ -9,6 +9,8 @@
 #include <optional>
 #include <string>
 
+#include "prometheus/metric_family.h"
+
 namespace prometheus {
 class Collectable;
 }  // namespace prometheus
@@ -31,6 +33,11 @@ void CountRepositoryLoadFailure(const std::string& model, const std::string& rea
 // below), part="allocator" the freed pages of the allocator's retaining arena
 // (util::RetainingArenaFreeBytes; absent without jemalloc).
 std::shared_ptr<prometheus::Collectable> ProcessCollectable();
+
+// A family of one unlabelled sample: `value` as a counter or a gauge (for collectables that
+// export counts they keep themselves).
+prometheus::MetricFamily OneValueFamily(const char* name, const char* help,
+                                        prometheus::MetricType type, double value);
 
 // Sets what part="arena" reads at each scrape (the service sets model::PassArenaResidentBytes; this
 // library does not link the model). Thread-safe; a later call replaces the source.

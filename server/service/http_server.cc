@@ -40,6 +40,7 @@
 #include "prometheus/client_metric.h"
 #include "prometheus/collectable.h"
 #include "prometheus/metric_family.h"
+#include "server/metrics/process_metrics.h"
 #include "server/util/files.h"
 #include "server/util/listen.h"
 #include "server/util/status_macros.h"
@@ -740,17 +741,7 @@ class HttpCollectable : public prometheus::Collectable {
       }
     }
     auto add = [&out](const char* name, const char* help, prometheus::MetricType type, double v) {
-      prometheus::MetricFamily& f = out.emplace_back();
-      f.name = name;
-      f.help = help;
-      f.type = type;
-      prometheus::ClientMetric m;
-      if (type == prometheus::MetricType::Gauge) {
-        m.gauge.value = v;
-      } else {
-        m.counter.value = v;
-      }
-      f.metric.push_back(std::move(m));
+      out.push_back(metrics::OneValueFamily(name, help, type, v));
     };
     add("collabserve_http_connections", "Connections open to the REST endpoint.",
         prometheus::MetricType::Gauge, static_cast<double>(counters_->open.load()));

@@ -1,4 +1,5 @@
 #include "server/service/kserve_http.h"
+#include "server/service/kserve_tensors.h"
 
 #include <algorithm>
 #include <charconv>
@@ -188,12 +189,6 @@ bool ToParameters(const json& obj, const std::string& where,
   return true;
 }
 
-void AppendRawBytes(const std::string& s, std::string* raw) {
-  const uint32_t n = static_cast<uint32_t>(s.size());
-  for (int k = 0; k < 4; ++k) raw->push_back(static_cast<char>((n >> (8 * k)) & 0xff));
-  *raw += s;
-}
-
 // A BYTES tensor's JSON data (flat or nested arrays of strings, at most kMaxNesting deep) in the
 // raw layout. Iterative: the depth of a request's arrays must not be the depth of this stack.
 constexpr int kMaxNesting = 32;
@@ -234,11 +229,13 @@ bool FlattenBytes(const json& data, const std::string& where, std::string* raw, 
   return true;
 }
 
-// A raw output as JSON data; false for a datatype that is not written as JSON here.
-bool RawToJson(const std::string& datatype, const std::string& raw, json* data) {
+// A raw output of `count` elements as JSON data; false for a datatype that is not written as
+// JSON here, or bytes that are not `count` elements of it.
+bool RawToJson(const std::string& name, const std::string& datatype, int64_t count,
+               const std::string& raw, json* data) {
   *data = json::array();
   if (datatype == "FP32") {
-    if (raw.size() % 4 != 0) return false;
+    if (raw.size() != static_cast<size_t>(count) * 4) return false;
     for (size_t i = 0; i < raw.size(); i += 4) {
       float f;
       std::memcpy(&f, raw.data() + i, 4);  // little-endian hosts only (x86-64, aarch64)
@@ -247,15 +244,9 @@ bool RawToJson(const std::string& datatype, const std::string& raw, json* data) 
     return true;
   }
   if (datatype == "BYTES") {
-    size_t pos = 0;
-    while (pos < raw.size()) {
-      if (raw.size() - pos < 4) return false;
-      const auto* p = reinterpret_cast<const unsigned char*>(raw.data() + pos);
-      const uint32_t n = p[0] | (p[1] << 8) | (p[2] << 16) | (static_cast<uint32_t>(p[3]) << 24);
-      if (raw.size() - pos - 4 < n) return false;
-      data->push_back(raw.substr(pos + 4, n));
-      pos += 4 + n;
-    }
+    std::vector<std::string> elements;
+    if (!DecodeRawBytes(raw, count, name, &elements).ok()) return false;
+    for (std::string& e : elements) data->push_back(std::move(e));
     return true;
   }
   return false;
@@ -604,7 +595,9 @@ class KServeHttp {
         tail += raw;
       } else {
         json data;
-        if (!RawToJson(o.datatype(), raw, &data)) {
+        int64_t count = 1;
+        for (int64_t d : o.shape()) count *= d;
+        if (!RawToJson(o.name(), o.datatype(), count, raw, &data)) {
           return Error(500, absl::StrCat("output ", o.name(), ": cannot write ", o.datatype(),
                                          " data as JSON (ask for it as binary_data)"));
         }

@@ -1,4 +1,5 @@
 #include "server/service/kserve_service.h"
+#include "server/service/kserve_tensors.h"
 
 #include <algorithm>
 #include <chrono>
@@ -96,47 +97,6 @@ absl::StatusOr<std::shared_ptr<ModelServable>> Resolve(repository::ModelReposito
   return std::static_pointer_cast<ModelServable>(std::move(s));
 }
 
-// Splits raw BYTES contents (each element: 4-byte little-endian length, then the bytes) into
-// exactly `count` elements.
-absl::Status DecodeRawBytes(const std::string& raw, int64_t count, const std::string& name,
-                            std::vector<std::string>* out) {
-  out->clear();
-  size_t pos = 0;
-  for (int64_t i = 0; i < count; ++i) {
-    if (raw.size() - pos < 4) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "input '", name, "': raw_input_contents ends after ", i, " of ", count,
-          " BYTES elements (each element is a 4-byte little-endian length, then its bytes)"));
-    }
-    const auto* p = reinterpret_cast<const unsigned char*>(raw.data() + pos);
-    const uint32_t len = static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8) |
-                         (static_cast<uint32_t>(p[2]) << 16) | (static_cast<uint32_t>(p[3]) << 24);
-    pos += 4;
-    if (len > raw.size() - pos) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "input '", name, "': element ", i, " of raw_input_contents claims ", len,
-          " bytes but only ", raw.size() - pos, " remain"));
-    }
-    out->emplace_back(raw, pos, len);
-    pos += len;
-  }
-  if (pos != raw.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "input '", name, "': raw_input_contents has ", raw.size() - pos,
-        " bytes left over after the ", count, " BYTES elements its shape ",
-        "calls for (each element is a 4-byte little-endian length, then its bytes)"));
-  }
-  return absl::OkStatus();
-}
-
-void AppendRawBytes(const std::string& element, std::string* raw) {
-  const uint32_t len = static_cast<uint32_t>(element.size());
-  const char prefix[4] = {static_cast<char>(len & 0xff), static_cast<char>((len >> 8) & 0xff),
-                          static_cast<char>((len >> 16) & 0xff),
-                          static_cast<char>((len >> 24) & 0xff)};
-  raw->append(prefix, 4);
-  raw->append(element);
-}
 
 // The elements of one BYTES input tensor of shape [N] or [N, 1], 1 <= N <= max_elements (checked
 // before anything is decoded).
@@ -835,6 +795,46 @@ grpc::ServerUnaryReactor* KServeService::ModelInfer(grpc::CallbackServerContext*
       },
       servable);
   return reactor;
+}
+
+absl::Status DecodeRawBytes(const std::string& raw, int64_t count, const std::string& name,
+                            std::vector<std::string>* out) {
+  out->clear();
+  size_t pos = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    if (raw.size() - pos < 4) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "input '", name, "': raw_input_contents ends after ", i, " of ", count,
+          " BYTES elements (each element is a 4-byte little-endian length, then its bytes)"));
+    }
+    const auto* p = reinterpret_cast<const unsigned char*>(raw.data() + pos);
+    const uint32_t len = static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8) |
+                         (static_cast<uint32_t>(p[2]) << 16) | (static_cast<uint32_t>(p[3]) << 24);
+    pos += 4;
+    if (len > raw.size() - pos) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "input '", name, "': element ", i, " of raw_input_contents claims ", len,
+          " bytes but only ", raw.size() - pos, " remain"));
+    }
+    out->emplace_back(raw, pos, len);
+    pos += len;
+  }
+  if (pos != raw.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "input '", name, "': raw_input_contents has ", raw.size() - pos,
+        " bytes left over after the ", count, " BYTES elements its shape ",
+        "calls for (each element is a 4-byte little-endian length, then its bytes)"));
+  }
+  return absl::OkStatus();
+}
+
+void AppendRawBytes(const std::string& element, std::string* raw) {
+  const uint32_t len = static_cast<uint32_t>(element.size());
+  const char prefix[4] = {static_cast<char>(len & 0xff), static_cast<char>((len >> 8) & 0xff),
+                          static_cast<char>((len >> 16) & 0xff),
+                          static_cast<char>((len >> 24) & 0xff)};
+  raw->append(prefix, 4);
+  raw->append(element);
 }
 
 }  // namespace collabserve::service
