@@ -675,6 +675,27 @@ const std::string* HttpRequest::Header(std::string_view name) const {
   return nullptr;
 }
 
+bool PercentDecodeSegment(std::string_view in, std::string* out) {
+  out->clear();
+  for (size_t i = 0; i < in.size(); ++i) {
+    if (in[i] != '%') {
+      out->push_back(in[i]);
+      continue;
+    }
+    int value = 0;
+    if (i + 2 >= in.size() || !absl::ascii_isxdigit(in[i + 1]) || !absl::ascii_isxdigit(in[i + 2])) {
+      return false;
+    }
+    for (int k = 1; k <= 2; ++k) {
+      const char c = in[i + k];
+      value = value * 16 + (absl::ascii_isdigit(c) ? c - '0' : (c | 0x20) - 'a' + 10);
+    }
+    out->push_back(static_cast<char>(value));
+    i += 2;
+  }
+  return true;
+}
+
 const char* HttpReason(int code) {
   switch (code) {
     case 100: return "Continue";

@@ -78,6 +78,10 @@ struct HttpServerOptions {
 // --http_max_connections 1-65536, --http_idle_timeout_s 0.001-86400); the TLS files are not read.
 absl::Status CheckHttpServerOptions(const HttpServerOptions& options);
 
+// Percent-decodes one segment of a request's path (HttpRequest::path keeps the escapes) into
+// `out`; false for a malformed escape.
+bool PercentDecodeSegment(std::string_view in, std::string* out);
+
 // "HTTP/1.1 <code> <reason>": the reason phrase of the codes this server and its handlers use.
 const char* HttpReason(int code);
 

@@ -129,27 +129,6 @@ HttpResponse FromStatus(const grpc::Status& s) {
   return Error(HttpCodeForGrpc(s.error_code()), s.error_message());
 }
 
-// Percent-decoding of one path segment; false for a malformed escape.
-bool PercentDecode(absl::string_view in, std::string* out) {
-  out->clear();
-  for (size_t i = 0; i < in.size(); ++i) {
-    if (in[i] != '%') {
-      out->push_back(in[i]);
-      continue;
-    }
-    int value = 0;
-    if (i + 2 >= in.size() || !absl::ascii_isxdigit(in[i + 1]) || !absl::ascii_isxdigit(in[i + 2])) {
-      return false;
-    }
-    for (int k = 1; k <= 2; ++k) {
-      const char c = in[i + k];
-      value = value * 16 + (absl::ascii_isdigit(c) ? c - '0' : (c | 0x20) - 'a' + 10);
-    }
-    out->push_back(static_cast<char>(value));
-    i += 2;
-  }
-  return true;
-}
 
 // A JSON parameter as an InferParameter; false (with `why`) for another JSON type.
 bool ToParameter(const json& v, inference::InferParameter* p, std::string* why) {
@@ -261,7 +240,9 @@ class KServeHttp {
     std::vector<std::string> seg;
     for (absl::string_view s : absl::StrSplit(req.path, '/')) {
       std::string decoded;
-      if (!PercentDecode(s, &decoded)) return Error(400, absl::StrCat("malformed escape in path ", req.path));
+      if (!PercentDecodeSegment(std::string_view(s.data(), s.size()), &decoded)) {
+        return Error(400, absl::StrCat("malformed escape in path ", req.path));
+      }
       seg.push_back(std::move(decoded));
     }
     // seg[0] is "" (the path starts with '/'); a trailing '/' leaves an empty last segment.
@@ -545,24 +526,13 @@ class KServeHttp {
     // does not wait on an answer nobody reads.
     grpc::ClientContext ctx;
     inference::ModelInferResponse resp;
-    absl::Mutex mu;
-    std::optional<grpc::Status> done;
-    stub_->async()->ModelInfer(&ctx, &req, &resp, [&mu, &done](grpc::Status s) {
-      absl::MutexLock lock(&mu);
-      done = std::move(s);
-    });
     bool cancelled = false;
-    {
-      absl::MutexLock lock(&mu);
-      auto finished = [&done]() { return done.has_value(); };
-      while (!mu.AwaitWithTimeout(absl::Condition(&finished), absl::Milliseconds(50))) {
-        if (!cancelled && http.client_gone()) {
-          ctx.TryCancel();
-          cancelled = true;
-        }
-      }
-    }
-    const grpc::Status s = *done;
+    const grpc::Status s = AwaitUnlessClientGone(
+        http, &ctx,
+        [&](std::function<void(grpc::Status)> done) {
+          stub_->async()->ModelInfer(&ctx, &req, &resp, std::move(done));
+        },
+        &cancelled);
     if (cancelled) return Error(499, "the client closed the connection");
     if (!s.ok()) return FromStatus(s);
 
@@ -622,6 +592,27 @@ class KServeHttp {
 };
 
 }  // namespace
+
+grpc::Status AwaitUnlessClientGone(const HttpRequest& http, grpc::ClientContext* ctx,
+                                   const std::function<void(std::function<void(grpc::Status)>)>& start,
+                                   bool* client_gone) {
+  absl::Mutex mu;
+  std::optional<grpc::Status> done;
+  start([&mu, &done](grpc::Status s) {
+    absl::MutexLock lock(&mu);
+    done = std::move(s);
+  });
+  *client_gone = false;
+  absl::MutexLock lock(&mu);
+  auto finished = [&done]() { return done.has_value(); };
+  while (!mu.AwaitWithTimeout(absl::Condition(&finished), absl::Milliseconds(50))) {
+    if (!*client_gone && http.client_gone()) {
+      ctx->TryCancel();
+      *client_gone = true;
+    }
+  }
+  return *std::move(done);
+}
 
 int HttpCodeForGrpc(int grpc_code) {
   switch (static_cast<grpc::StatusCode>(grpc_code)) {

@@ -39,18 +39,28 @@
 #ifndef COLLABSERVE_SERVER_SERVICE_KSERVE_HTTP_H_
 #define COLLABSERVE_SERVER_SERVICE_KSERVE_HTTP_H_
 
+#include <functional>
 #include <memory>
 
+#include "grpcpp/support/status.h"
 #include "server/service/http_server.h"
 
 namespace grpc {
 class Channel;
+class ClientContext;
 }  // namespace grpc
 
 namespace collabserve::service {
 
 // The HTTP code for a gRPC status code (grpc-gateway's table).
 int HttpCodeForGrpc(int grpc_code);
+
+// Waits for the asynchronous call on `ctx` that `start` begins (handing it the function to call
+// with the call's status), polling http.client_gone() every 50 ms meanwhile: once the client has
+// gone the call is cancelled and *client_gone set. Returns the call's status.
+grpc::Status AwaitUnlessClientGone(const HttpRequest& http, grpc::ClientContext* ctx,
+                                   const std::function<void(std::function<void(grpc::Status)>)>& start,
+                                   bool* client_gone);
 
 // The handler that answers the routes above through `channel` (Server::InProcessChannel(), or any
 // channel to a server with the KServe service). Thread-safe; the channel must stay usable while

@@ -33,7 +33,7 @@
 #include "server/model/demo_model.h"
 #include "server/service/admin_server.h"
 #include "server/service/http_server.h"
-#include "server/service/kserve_http.h"
+#include "server/service/tei_http.h"
 #include "server/service/kserve_service.h"
 #include "server/service/server.h"
 #include "server/tools/log_flags.h"
@@ -46,8 +46,12 @@ ABSL_FLAG(std::string, host, "0.0.0.0",
 ABSL_FLAG(int, port, 8500, "gRPC port (0 = pick a free one; printed on stdout)");
 ABSL_FLAG(int, metrics_port, 9090, "Prometheus /metrics port (0 = pick, printed; -1 = off)");
 ABSL_FLAG(int, http_port, 8000,
-          "HTTP/REST port of the Open Inference Protocol (KServe v2, Triton's /v2 routes; TLS as "
-          "the gRPC port) (0 = pick, printed; -1 = off)");
+          "HTTP/REST port: the Open Inference Protocol (KServe v2, Triton's /v2 routes) and "
+          "text-embeddings-inference's routes (/predict, /rerank, /info, /health); TLS as the gRPC "
+          "port (0 = pick, printed; -1 = off)");
+ABSL_FLAG(std::string, http_default_model, "",
+          "the model text-embeddings-inference's routes at the root serve (/predict...; "
+          "/models/NAME/predict names one); empty = the only model served");
 ABSL_FLAG(int, http_max_connections, 256,
           "HTTP connections open at once (a thread each); one more is answered 503 and closed");
 ABSL_FLAG(double, http_idle_timeout_s, 60,
@@ -405,7 +409,8 @@ int Run(int argc, char** argv, int cpus) {
   kserve_options.server_version = o.build_version;
   collabserve::service::KServeService kserve(kserve_options);
   o.extra_services.push_back(&kserve);
-  // The REST form of the same protocol (--http_port), over the server's in-process channel.
+  // The REST form of the same protocol and text-embeddings-inference's API (--http_port), over
+  // the server's in-process channel.
   collabserve::service::HttpServerOptions http_options;
   http_options.host = o.host;
   http_options.port = absl::GetFlag(FLAGS_http_port);
@@ -433,8 +438,15 @@ int Run(int argc, char** argv, int cpus) {
   // flight then fail UNAVAILABLE, 503).
   std::unique_ptr<collabserve::service::HttpServer> http;
   if (s.ok() && http_options.port >= 0) {
+    collabserve::service::TeiHttpOptions tei;
+    tei.default_model = absl::GetFlag(FLAGS_http_default_model);
+    tei.version = o.build_version;
+    tei.max_concurrent_requests = http_options.max_connections;
+    tei.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
+    tei.max_batch_requests = absl::GetFlag(FLAGS_max_batch_size);
+    tei.max_client_batch_size = o.inference.max_inputs_per_request;
     auto started = collabserve::service::HttpServer::Start(
-        http_options, collabserve::service::NewKServeHttpHandler(server.InProcessChannel()));
+        http_options, collabserve::service::NewHttpApiHandler(server.InProcessChannel(), tei));
     if (started.ok()) {
       http = *std::move(started);
       server.metrics().AddCollectable(http->NewCollectable());

@@ -197,6 +197,16 @@ TEST(CollabserveBinaryTest, ServesTheDemoModelWithoutARepository) {
   ASSERT_TRUE(answer.contains("outputs")) << out;
   EXPECT_EQ(answer["outputs"][2]["name"], "label") << out;
   EXPECT_EQ(answer["outputs"][2]["data"][0], "mail") << out;
+  // And its curl of text-embeddings-inference's /predict: every label, best first.
+  const size_t tei_at = readme->find("\ncurl -s localhost:8000/predict ");
+  ASSERT_NE(tei_at, std::string::npos) << "README.md lost its text-embeddings-inference example";
+  curl = readme->substr(tei_at + 1, readme->find('\n', tei_at + 1) - tei_at - 1);
+  curl = curl.substr(0, curl.find("  #"));
+  curl.replace(curl.find("localhost:8000"), 14, absl::StrCat("127.0.0.1:", server.http_port()));
+  ASSERT_EQ(RunCommand(curl + " --max-time 30", &out), 0) << curl;
+  const nlohmann::json predictions = nlohmann::json::parse(out, nullptr, false);
+  ASSERT_TRUE(predictions.is_array() && predictions.size() > 1) << out;
+  EXPECT_EQ(predictions[0]["label"], "mail") << out;
   EXPECT_EQ(server.Terminate(), 0);
   // ... which goes with it.
   EXPECT_FALSE(std::filesystem::exists(repository)) << repository << " was left behind";

@@ -1,0 +1,389 @@
+// text-embeddings-inference's routes end to end: a real Server with tiny checkpoints, the HTTP
+// server on 127.0.0.1:0 with the handler of --http_port (NewHttpApiHandler), driven over raw
+// sockets. /predict and /rerank must agree with Classify over gRPC to the bit, in TEI's shapes;
+// errors must carry TEI's error_type under TEI's code.
+#include "server/service/tei_http.h"
+
+#include <algorithm>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "collabserve/v1/inference.grpc.pb.h"
+#include "gmock/gmock.h"
+#include "grpcpp/client_context.h"
+#include "grpcpp/create_channel.h"
+#include "gtest/gtest.h"
+#include "server/model/checkpoint_maker.h"
+#include "server/service/http_server.h"
+#include "server/service/kserve_service.h"
+#include "server/service/server.h"
+#include "tests/kserve/raw_http_client.h"
+#include "tests/service/local_server_options.h"
+#include "tests/service/test_util.h"
+
+namespace collabserve::service {
+namespace {
+
+using ::collabserve::testing::MakeTinyModel;
+using ::collabserve::testing::TempDir;
+using ::testing::HasSubstr;
+using json = nlohmann::json;
+
+class TeiHttpTest : public ::testing::Test {
+ protected:
+  // Models "three" (3 labels) and "scorer" (1 label: a re-ranker), and "tiny" (2) when `tiny`.
+  void MakeModels(bool tiny) {
+    model::MakeOptions three;
+    three.labels = 3;
+    three.label_names = {"sports", "politics", "tech"};
+    three.seed = 6;
+    ASSERT_TRUE(model::MakeCheckpoint(repo_.path() + "/three/1", three).ok());
+    if (tiny) MakeTinyModel(repo_.path() + "/tiny/1", 1);
+  }
+  void MakeScorer(const std::string& root) {
+    model::MakeOptions scorer;
+    scorer.labels = 1;
+    scorer.label_names = {"relevance"};
+    scorer.seed = 9;
+    ASSERT_TRUE(model::MakeCheckpoint(root + "/scorer/1", scorer).ok());
+  }
+  static TeiHttpOptions Serving(const std::string& default_model) {
+    TeiHttpOptions o;
+    o.default_model = default_model;
+    return o;
+  }
+  void TearDown() override {
+    http_.reset();
+    if (server_) server_->Shutdown();
+  }
+
+  void Start(TeiHttpOptions tei = {}, bool load = true) {
+    ServerOptions o = testing::LocalServerOptions(repo_.path());
+    o.inference.max_inputs_per_request = 8;
+    o.torch_version = "test";
+    o.extra_services.push_back(&kserve_);
+    server_ = std::make_unique<Server>(o);
+    absl::Status s = server_->StartServing();
+    ASSERT_TRUE(s.ok()) << s;
+    HttpServerOptions http;
+    http.host = "127.0.0.1";
+    http.port = 0;
+    auto started = HttpServer::Start(http, NewHttpApiHandler(server_->InProcessChannel(), tei));
+    ASSERT_TRUE(started.ok()) << started.status();
+    http_ = *std::move(started);
+    port_ = http_->port();
+    stub_ = v1::Inference::NewStub(grpc::CreateChannel(absl::StrCat("127.0.0.1:", server_->port()),
+                                                       grpc::InsecureChannelCredentials()));
+    if (load) LoadModels();
+  }
+  void LoadModels() {
+    absl::Status s = server_->LoadModels();
+    ASSERT_TRUE(s.ok()) << s;
+    kserve_.Attach(&server_->inference_service(), server_->repository(), &server_->metrics());
+  }
+  // Classify over gRPC with every label's score.
+  v1::ClassifyResponse Classify(const std::string& model,
+                                const std::vector<std::pair<std::string, std::string>>& inputs,
+                                bool raw_scores = false) {
+    v1::ClassifyRequest req;
+    req.set_model_name(model);
+    req.mutable_options()->set_top_k(100);
+    req.mutable_options()->set_raw_scores(raw_scores);
+    for (const auto& [text, pair] : inputs) {
+      v1::Input* in = req.add_inputs();
+      in->set_text(text);
+      if (!pair.empty()) in->set_text_pair(pair);
+    }
+    v1::ClassifyResponse resp;
+    grpc::ClientContext ctx;
+    grpc::Status s = stub_->Classify(&ctx, req, &resp);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return resp;
+  }
+  // TEI's predictions of one input: every label, best first, as Classify scores them.
+  static json Predictions(const v1::Result& r) {
+    json out = json::array();
+    for (const v1::LabelScore& ls : r.top_k())
+      out.push_back({{"score", ls.score()}, {"label", ls.label()}});
+    return out;
+  }
+  // The scores and labels of TEI predictions, the scores read back as floats.
+  static json Floats(json predictions) {
+    for (json& p : predictions) p["score"] = static_cast<float>(p["score"].get<double>());
+    return predictions;
+  }
+
+  TempDir repo_;
+  KServeService kserve_;
+  std::unique_ptr<Server> server_;
+  std::unique_ptr<HttpServer> http_;
+  std::unique_ptr<v1::Inference::Stub> stub_;
+  int port_ = 0;
+};
+
+TEST_F(TeiHttpTest, PredictAgreesWithClassifyInEveryInputForm) {
+  MakeModels(/*tiny=*/false);
+  Start();
+  // One text: a flat list of every label, best first.
+  Reply r = Call(port_, "POST", "/predict", R"({"inputs":"a fine film about football"})");
+  ASSERT_EQ(r.code, 200) << r.body;
+  EXPECT_EQ(r.Header("content-type"), "application/json");
+  v1::ClassifyResponse want = Classify("three", {{"a fine film about football", ""}});
+  ASSERT_EQ(r.Json().size(), 3u);
+  EXPECT_EQ(Floats(r.Json()), Predictions(want.results(0)));
+  EXPECT_GE(r.Json()[0]["score"], r.Json()[1]["score"]);
+  EXPECT_GE(r.Json()[1]["score"], r.Json()[2]["score"]);
+  EXPECT_EQ(r.Header("x-compute-tokens"), std::to_string(want.num_tokens()));
+  EXPECT_EQ(r.Header("x-compute-characters"), "26");
+  for (const char* h :
+       {"x-total-time", "x-tokenization-time", "x-queue-time", "x-inference-time"}) {
+    EXPECT_FALSE(r.Header(h).empty()) << h;
+  }
+
+  // An array whose first element is a string is one pair (TEI's rule), still a flat list.
+  r = Call(port_, "POST", "/predict", R"({"inputs":["the match", "ended in a draw"]})");
+  ASSERT_EQ(r.code, 200) << r.body;
+  want = Classify("three", {{"the match", "ended in a draw"}});
+  EXPECT_EQ(Floats(r.Json()), Predictions(want.results(0)));
+
+  // A batch of singles and pairs: one list per input, in order; raw_scores gives logits.
+  r = Call(port_, "POST", "/predict",
+           R"({"inputs":[["the match"],["the vote","in parliament"]],"raw_scores":true,)"
+           R"("truncate":null,"truncation_direction":"Right","parameters":{"top_k":1}})");
+  ASSERT_EQ(r.code, 200) << r.body;
+  want = Classify("three", {{"the match", ""}, {"the vote", "in parliament"}}, /*raw_scores=*/true);
+  ASSERT_EQ(r.Json().size(), 2u);
+  EXPECT_EQ(Floats(r.Json()[0]), Predictions(want.results(0)));
+  EXPECT_EQ(Floats(r.Json()[1]), Predictions(want.results(1)));
+  EXPECT_EQ(r.Json()[0][0]["score"].get<double>(), want.results(0).top_k(0).score());
+
+  // The same routes under /models/NAME; POST / and /invocations are /predict for a classifier.
+  const std::string one = R"({"inputs":"a fine film about football"})";
+  want = Classify("three", {{"a fine film about football", ""}});
+  for (const char* path :
+       {"/models/three/predict", "/", "/invocations", "/models/three", "/models/three/"}) {
+    r = Call(port_, "POST", path, one);
+    ASSERT_EQ(r.code, 200) << path << ": " << r.body;
+    EXPECT_EQ(Floats(r.Json()), Predictions(want.results(0))) << path;
+  }
+}
+
+TEST_F(TeiHttpTest, RerankScoresQueryTextPairsBestFirst) {
+  MakeModels(/*tiny=*/false);
+  MakeScorer(repo_.path());
+  Start(Serving("scorer"));
+  const std::vector<std::string> texts = {"a goal in the last minute", "a recipe for bread",
+                                          "the league table", "rain tomorrow"};
+  std::vector<std::pair<std::string, std::string>> pairs;
+  for (const auto& t : texts) pairs.emplace_back("football results", t);
+  v1::ClassifyResponse want = Classify("scorer", pairs);
+  std::vector<int> order = {0, 1, 2, 3};
+  std::stable_sort(order.begin(), order.end(), [&want](int a, int b) {
+    return want.results(a).score() > want.results(b).score();
+  });
+  const std::string body =
+      absl::StrCat(R"({"query":"football results","texts":[")", absl::StrJoin(texts, R"(",")"),
+                   R"("],"return_text":true})");
+  for (const char* path : {"/rerank", "/", "/models/scorer/rerank", "/models/scorer/invocations"}) {
+    Reply r = Call(port_, "POST", path, body);
+    ASSERT_EQ(r.code, 200) << path << ": " << r.body;
+    json got = r.Json();
+    ASSERT_EQ(got.size(), 4u) << path;
+    for (int i = 0; i < 4; ++i) {
+      EXPECT_EQ(got[i]["index"], order[i]) << path;
+      EXPECT_EQ(static_cast<float>(got[i]["score"].get<double>()), want.results(order[i]).score());
+      EXPECT_EQ(got[i]["text"], texts[order[i]]);
+    }
+    // A one-label model's score is its sigmoid, as TEI's re-rankers give it.
+    EXPECT_GT(got[0]["score"].get<double>(), 0.0);
+    EXPECT_LT(got[0]["score"].get<double>(), 1.0);
+  }
+  // Without return_text, no text; /predict on a re-ranker is a one-element list.
+  Reply r = Call(port_, "POST", "/rerank", R"({"query":"q","texts":["a"]})");
+  ASSERT_EQ(r.code, 200) << r.body;
+  EXPECT_FALSE(r.Json()[0].contains("text"));
+  r = Call(port_, "POST", "/predict", R"({"inputs":["q","a"]})");
+  ASSERT_EQ(r.code, 200) << r.body;
+  ASSERT_EQ(r.Json().size(), 1u);
+  EXPECT_EQ(r.Json()[0]["label"], "relevance");
+
+  // A classifier is not a re-ranker; no texts is Empty.
+  r = Call(port_, "POST", "/models/three/rerank", R"({"query":"q","texts":["a"]})");
+  EXPECT_EQ(r.code, 424) << r.body;
+  EXPECT_EQ(r.Json()["error_type"], "Backend");
+  EXPECT_THAT(r.Json()["error"].get<std::string>(), HasSubstr("not a re-ranker"));
+  r = Call(port_, "POST", "/rerank", R"({"query":"q","texts":[]})");
+  EXPECT_EQ(r.code, 400) << r.body;
+  EXPECT_EQ(r.Json()["error_type"], "Empty");
+  r = Call(port_, "POST", "/rerank", R"({"query":"q","texts":["a",3]})");
+  EXPECT_EQ(r.code, 422) << r.body;
+  EXPECT_EQ(r.Json()["error"], "texts[1]: not a string");
+}
+
+TEST_F(TeiHttpTest, InfoDescribesTheModelAsTeiDoes) {
+  MakeModels(/*tiny=*/false);
+  MakeScorer(repo_.path());
+  TeiHttpOptions tei;
+  tei.default_model = "three";
+  tei.version = "9.9.9";
+  tei.max_concurrent_requests = 7;
+  tei.max_batch_tokens = 1234;
+  tei.max_batch_requests = 5;
+  tei.max_client_batch_size = 8;
+  Start(tei);
+  Reply r = Call(port_, "GET", "/info");
+  ASSERT_EQ(r.code, 200) << r.body;
+  json info = r.Json();
+  EXPECT_EQ(info["model_id"], "three");
+  EXPECT_EQ(info["served_model_name"], "three");
+  EXPECT_EQ(info["model_dtype"], "float32");
+  EXPECT_TRUE(info["model_sha"].is_null());
+  EXPECT_EQ(info["model_type"],
+            json::parse(R"({"classifier":{"id2label":{"0":"sports","1":"politics","2":"tech"},)"
+                        R"("label2id":{"sports":0,"politics":1,"tech":2}}})"));
+  EXPECT_GT(info["max_input_length"].get<int>(), 2);
+  EXPECT_EQ(info["max_concurrent_requests"], 7);
+  EXPECT_EQ(info["max_batch_tokens"], 1234);
+  EXPECT_EQ(info["max_batch_requests"], 5);
+  EXPECT_EQ(info["max_client_batch_size"], 8);
+  EXPECT_EQ(info["auto_truncate"], true);
+  EXPECT_EQ(info["version"], "9.9.9");
+  for (const char* key : {"tokenization_workers", "sha", "docker_label"}) {
+    EXPECT_TRUE(info.contains(key) && info[key].is_null()) << key;
+  }
+  r = Call(port_, "GET", "/models/scorer/info");
+  ASSERT_EQ(r.code, 200) << r.body;
+  EXPECT_EQ(
+      r.Json()["model_type"],
+      json::parse(R"({"reranker":{"id2label":{"0":"relevance"},"label2id":{"relevance":0}}})"));
+  r = Call(port_, "GET", "/models/nope/info");
+  EXPECT_EQ(r.code, 404) << r.body;
+  EXPECT_EQ(r.Json()["error_type"], "Validation");
+}
+
+TEST_F(TeiHttpTest, HealthFollowsTheModelBeingServed) {
+  MakeModels(/*tiny=*/false);
+  Start({}, /*load=*/false);
+  // Nothing served yet: 503 at the root (no model to choose) and for a named one.
+  for (const char* path : {"/health", "/ping", "/", "/models/three/health"}) {
+    Reply r = Call(port_, "GET", path);
+    EXPECT_EQ(r.code, 503) << path << ": " << r.body;
+    EXPECT_EQ(r.Json()["error_type"], "Unhealthy") << path;
+  }
+  Reply r = Call(port_, "POST", "/predict", R"({"inputs":"a"})");
+  EXPECT_EQ(r.code, 503) << r.body;
+  LoadModels();
+  for (const char* path : {"/health", "/ping", "/", "/models/three/health", "/models/three/"}) {
+    r = Call(port_, "GET", path);
+    EXPECT_EQ(r.code, 200) << path << ": " << r.body;
+    EXPECT_EQ(r.body, "") << path;
+  }
+  r = Call(port_, "HEAD", "/health");
+  EXPECT_EQ(r.code, 200);
+  r = Call(port_, "GET", "/models/nope/health");
+  EXPECT_EQ(r.code, 503) << r.body;
+  // The KServe routes stay on /v2.
+  r = Call(port_, "GET", "/v2/health/ready");
+  EXPECT_EQ(r.code, 200) << r.body;
+  EXPECT_EQ(r.Json()["ready"], true);
+}
+
+TEST_F(TeiHttpTest, TheRootRoutesServeTheOnlyModelOrTheDefault) {
+  MakeModels(/*tiny=*/true);
+  Start();
+  // Two models and no default: the root cannot choose, and says how to.
+  Reply r = Call(port_, "POST", "/predict", R"({"inputs":"a"})");
+  EXPECT_EQ(r.code, 400) << r.body;
+  EXPECT_THAT(
+      r.Json()["error"].get<std::string>(),
+      ::testing::AllOf(HasSubstr("2 models are served (three, tiny)"),
+                       HasSubstr("/models/NAME/predict"), HasSubstr("--http_default_model")));
+  r = Call(port_, "GET", "/health");
+  EXPECT_EQ(r.code, 400) << r.body;
+  r = Call(port_, "POST", "/models/tiny/predict", R"({"inputs":"a"})");
+  ASSERT_EQ(r.code, 200) << r.body;
+  EXPECT_EQ(r.Json().size(), 2u);
+  r = Call(port_, "POST", "/models/t%69ny/predict", R"({"inputs":"a"})");
+  EXPECT_EQ(r.code, 200) << r.body;
+  r = Call(port_, "POST", "/models/nope/predict", R"({"inputs":"a"})");
+  EXPECT_EQ(r.code, 404) << r.body;
+  EXPECT_THAT(r.Json()["error"].get<std::string>(), HasSubstr("nope"));
+
+  // With the default named, the root serves it.
+  http_.reset();
+  server_->Shutdown();
+  server_.reset();
+  Start(Serving("tiny"));
+  r = Call(port_, "POST", "/predict", R"({"inputs":"a"})");
+  ASSERT_EQ(r.code, 200) << r.body;
+  EXPECT_EQ(r.Json().size(), 2u);
+  EXPECT_EQ(Call(port_, "GET", "/info").Json()["model_id"], "tiny");
+}
+
+TEST_F(TeiHttpTest, BadRequestsGetTeisErrorTypesAndCodes) {
+  MakeModels(/*tiny=*/false);
+  Start();
+  struct Case {
+    const char* method;
+    const char* path;
+    std::string body;
+    int code;
+    const char* type;
+    const char* message;  // a part of the error
+  };
+  const std::string nine = absl::StrCat(
+      R"({"inputs":[)", absl::StrJoin(std::vector<std::string>(9, R"(["a"])"), ","), "]}");
+  std::string long_text;
+  for (int i = 0; i < 600; ++i) long_text += "word ";
+  const std::vector<Case> cases = {
+      {"POST", "/predict", R"({"inputs":""})", 400, "Empty", "`inputs` cannot be empty"},
+      {"POST", "/predict", R"({"inputs":[["a"],[""]]})", 400, "Empty", "`inputs` cannot be empty"},
+      {"POST", "/predict", R"({"inputs":["",""]})", 400, "Empty", "`inputs` cannot be empty"},
+      {"POST", "/predict", R"({"inputs":[]})", 422, "Validation", "inputs: an empty array"},
+      {"POST", "/predict", R"({"inputs":["a","b","c"]})", 422, "Validation",
+       "inputs: not an array of 1 or 2"},
+      {"POST", "/predict", R"({"inputs":[["a"],"b"]})", 422, "Validation",
+       "inputs[1]: not an array"},
+      {"POST", "/predict", R"({"inputs":[["a",1]]})", 422, "Validation",
+       "inputs[0][1]: not a string"},
+      {"POST", "/predict", R"({"inputs":7})", 422, "Validation",
+       "inputs: not a string or an array"},
+      {"POST", "/predict", R"({"text":"a"})", 422, "Validation", "inputs: missing"},
+      {"POST", "/predict", R"(["a"])", 422, "Validation", "not a JSON object"},
+      {"POST", "/predict", "{inputs", 400, "Validation", "not JSON"},
+      {"POST", "/predict", R"({"inputs":"a","truncate":"yes"})", 422, "Validation",
+       "truncate: not a bool"},
+      {"POST", "/predict", R"({"inputs":"a","raw_scores":1})", 422, "Validation",
+       "raw_scores: not a bool"},
+      {"POST", "/predict", R"({"inputs":"a","truncation_direction":"left"})", 422, "Validation",
+       "left is not supported"},
+      {"POST", "/predict", nine, 422, "Validation", "more than the limit of 8"},
+      {"POST", "/predict", absl::StrCat(R"({"inputs":")", long_text, R"(","truncate":false})"), 422,
+       "Validation", "over max_length 512"},
+      {"GET", "/predict", "", 405, "Validation", "use POST"},
+      {"POST", "/info", "{}", 405, "Validation", "use GET"},
+      {"GET", "/embed", "", 404, "Validation", "no such endpoint: GET /embed"},
+      {"GET", "/models/", "", 404, "Validation", "no such endpoint"},
+      {"GET", "/models/a%zz/info", "", 400, "Validation", "malformed escape"},
+  };
+  for (const Case& c : cases) {
+    Reply r = Call(port_, c.method, c.path, c.body);
+    EXPECT_EQ(r.code, c.code) << c.method << " " << c.path << " " << c.body.substr(0, 80) << ": "
+                              << r.body;
+    json j = r.Json();
+    EXPECT_EQ(j["error_type"], c.type) << c.path << " " << c.body.substr(0, 80);
+    EXPECT_THAT(j["error"].get<std::string>(), HasSubstr(c.message)) << c.body.substr(0, 80);
+  }
+  // Truncation is on unless refused, as TEI's --auto-truncate.
+  Reply r = Call(port_, "POST", "/predict", absl::StrCat(R"({"inputs":")", long_text, R"("})"));
+  EXPECT_EQ(r.code, 200) << r.body.substr(0, 200);
+  EXPECT_EQ(Call(port_, "GET", "/predict").Header("allow"), "POST");
+}
+
+}  // namespace
+}  // namespace collabserve::service
