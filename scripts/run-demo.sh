@@ -16,4 +16,10 @@ fi
 echo "run-demo: serving the demo model on :$port (metrics :$metrics_port)."
 echo "run-demo: try: $build_dir/bin/collabctl --address=127.0.0.1:$port classify --model=demo 'a 3D racing game with split-screen multiplayer'"
 echo "run-demo: or over REST (--http_port, 8000): curl -s localhost:8000/v2/models/demo/infer -d '{\"inputs\":[{\"name\":\"text\",\"shape\":[1],\"datatype\":\"BYTES\",\"data\":[\"IMAP and POP3 mail server\"]}]}'"
-exec "$bin" --port="$port" --metrics_port="$metrics_port" "$@"
+echo "run-demo: or text-embeddings-inference's API: curl -s localhost:8000/predict -d '{\"inputs\":\"IMAP and POP3 mail server\"}'"
+# The demo's own repository gains models (an upload); its root TEI routes keep serving "demo".
+default_model=(--http_default_model=demo)
+for arg in "$@"; do
+  [[ "$arg" == --model_repository* ]] && default_model=()
+done
+exec "$bin" --port="$port" --metrics_port="$metrics_port" "${default_model[@]}" "$@"

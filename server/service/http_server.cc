@@ -711,6 +711,8 @@ const char* HttpReason(int code) {
     case 411: return "Length Required";
     case 413: return "Content Too Large";
     case 415: return "Unsupported Media Type";
+    case 422: return "Unprocessable Content";
+    case 424: return "Failed Dependency";
     case 429: return "Too Many Requests";
     case 431: return "Request Header Fields Too Large";
     case 499: return "Client Closed Request";

@@ -37,16 +37,6 @@ using json = nlohmann::json;
 
 constexpr char kBinaryHeader[] = "inference-header-content-length";
 
-// The JSON value of a float: its shortest decimal form, so that 0.1f prints as 0.1 and not as the
-// double it widens to.
-json FloatJson(float f) {
-  char buf[32];
-  auto [end, ec] = std::to_chars(buf, buf + sizeof(buf), f);
-  if (ec != std::errc() || !std::isfinite(f)) return json(static_cast<double>(f));
-  *end = '\0';
-  return json(std::strtod(buf, nullptr));
-}
-
 void Retype(json* j, const google::protobuf::Descriptor* d);
 
 void RetypeValue(json* v, const FieldDescriptor* f) {
@@ -128,7 +118,6 @@ HttpResponse Error(int code, const std::string& message) {
 HttpResponse FromStatus(const grpc::Status& s) {
   return Error(HttpCodeForGrpc(s.error_code()), s.error_message());
 }
-
 
 // A JSON parameter as an InferParameter; false (with `why`) for another JSON type.
 bool ToParameter(const json& v, inference::InferParameter* p, std::string* why) {
@@ -218,7 +207,7 @@ bool RawToJson(const std::string& name, const std::string& datatype, int64_t cou
     for (size_t i = 0; i < raw.size(); i += 4) {
       float f;
       std::memcpy(&f, raw.data() + i, 4);  // little-endian hosts only (x86-64, aarch64)
-      data->push_back(FloatJson(f));
+      data->push_back(ShortestDouble(f));
     }
     return true;
   }
@@ -592,6 +581,14 @@ class KServeHttp {
 };
 
 }  // namespace
+
+double ShortestDouble(float f) {
+  char buf[32];
+  auto [end, ec] = std::to_chars(buf, buf + sizeof(buf), f);
+  if (ec != std::errc() || !std::isfinite(f)) return static_cast<double>(f);
+  *end = '\0';
+  return std::strtod(buf, nullptr);
+}
 
 grpc::Status AwaitUnlessClientGone(const HttpRequest& http, grpc::ClientContext* ctx,
                                    const std::function<void(std::function<void(grpc::Status)>)>& start,

@@ -55,6 +55,10 @@ namespace collabserve::service {
 // The HTTP code for a gRPC status code (grpc-gateway's table).
 int HttpCodeForGrpc(int grpc_code);
 
+// The double whose shortest decimal form is the float's, for a JSON writer (which prints a double's
+// shortest form): 0.1f is written 0.1, not the 0.10000000149011612 it widens to.
+double ShortestDouble(float f);
+
 // Waits for the asynchronous call on `ctx` that `start` begins (handing it the function to call
 // with the call's status), polling http.client_gone() every 50 ms meanwhile: once the client has
 // gone the call is cancelled and *client_gone set. Returns the call's status.

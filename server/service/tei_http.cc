@@ -237,8 +237,9 @@ class TeiHttp {
     return r;
   }
 
-  // The model the root routes serve: --http_default_model, or the only one served. Sets `model`,
-  // or returns the refusal.
+  // The model the root routes serve: --http_default_model, or the only one the server knows (on
+  // disk or served: a second model loading does not change what the root means). Sets `model`, or
+  // returns the refusal.
   std::optional<HttpResponse> DefaultModel(std::string* model) {
     if (!options_.default_model.empty()) {
       *model = options_.default_model;
@@ -248,19 +249,32 @@ class TeiHttp {
     v1::ListModelsResponse resp;
     grpc::Status s = inference_->ListModels(&ctx, {}, &resp);
     if (!s.ok()) return FromStatus(s);
-    std::vector<std::string> served;
-    for (const v1::ModelSummary& m : resp.models()) {
-      if (m.versions_size() > 0) served.push_back(m.name());
-    }
-    if (served.size() == 1) {
-      *model = served[0];
+    std::vector<std::string> known;
+    for (const v1::ModelSummary& m : resp.models()) known.push_back(m.name());
+    if (known.size() == 1) {
+      *model = known[0];
       return std::nullopt;
     }
-    if (served.empty()) return Error(503, kUnhealthy, "no model is served yet");
+    if (known.empty()) return Error(503, kUnhealthy, "no model is served yet");
     return Error(400, kValidation,
-                 absl::StrCat(served.size(), " models are served (", absl::StrJoin(served, ", "),
+                 absl::StrCat(known.size(), " models are served (", absl::StrJoin(known, ", "),
                               "): name one in the path, /models/NAME/predict, or start the "
                               "server with --http_default_model"));
+  }
+
+  // A call's refusal; NOT_FOUND for a model the server knows (loading, or no version served
+  // now) is 503 Unhealthy, which TEI's clients retry, rather than 404.
+  HttpResponse Refusal(const std::string& model, const grpc::Status& s) {
+    if (s.error_code() == grpc::StatusCode::NOT_FOUND) {
+      grpc::ClientContext ctx;
+      v1::ListModelsResponse resp;
+      if (inference_->ListModels(&ctx, {}, &resp).ok()) {
+        for (const v1::ModelSummary& m : resp.models()) {
+          if (m.name() == model) return Error(503, kUnhealthy, s.error_message());
+        }
+      }
+    }
+    return FromStatus(s);
   }
 
   HttpResponse Health(const std::string& model) {
@@ -284,7 +298,7 @@ class TeiHttp {
     req.set_model_name(model);
     v1::ModelMetadata resp;
     grpc::Status s = inference_->GetModel(&ctx, req, &resp);
-    if (!s.ok()) return FromStatus(s);
+    if (!s.ok()) return Refusal(model, s);
     *out = std::move(resp);
     return HttpResponse();
   }
@@ -311,7 +325,7 @@ class TeiHttp {
                      {"max_batch_requests", options_.max_batch_requests},
                      {"max_client_batch_size", options_.max_client_batch_size},
                      {"auto_truncate", true},
-                     {"tokenization_workers", nullptr},
+                     {"tokenization_workers", options_.tokenization_workers},
                      {"version", options_.version},
                      {"sha", nullptr},
                      {"docker_label", nullptr}});
@@ -330,7 +344,12 @@ class TeiHttp {
         },
         &client_gone);
     if (client_gone) return Error(499, kBackend, "the client closed the connection");
-    if (!s.ok()) return FromStatus(s);
+    if (!s.ok()) return Refusal(req.model_name(), s);
+    if (resp->results_size() != req.inputs_size()) {
+      return Error(424, kBackend,
+                   absl::StrCat("Classify answered ", resp->results_size(), " results for ",
+                                req.inputs_size(), " inputs"));
+    }
     return std::nullopt;
   }
 
@@ -359,7 +378,7 @@ class TeiHttp {
     for (const v1::Result& r : resp.results()) {
       json predictions = json::array();
       for (const v1::LabelScore& ls : r.top_k()) {
-        predictions.push_back({{"score", ls.score()}, {"label", ls.label()}});
+        predictions.push_back({{"score", ShortestDouble(ls.score())}, {"label", ls.label()}});
       }
       out.push_back(std::move(predictions));
     }
@@ -409,7 +428,7 @@ class TeiHttp {
     });
     json out = json::array();
     for (int i : order) {
-      json item{{"index", i}, {"score", resp.results(i).score()}};
+      json item{{"index", i}, {"score", ShortestDouble(resp.results(i).score())}};
       if (return_text) item["text"] = texts[i];
       out.push_back(std::move(item));
     }

@@ -5,18 +5,21 @@
 // batching, metrics and messages are the gRPC port's.
 //
 // TEI serves one model. The routes at the root serve TeiHttpOptions::default_model
-// (--http_default_model), or, when that is "", the one model the server serves (with several, they
-// answer 400 naming them and the flag); the same routes under /models/M serve model M (a base URL
-// http://host:8000/models/M). Its newest served version answers.
+// (--http_default_model), or, when that is "", the one model the server knows, served or not (with
+// several, they answer 400 naming them and the flag: set it wherever a second model may come); the
+// same routes under /models/M serve model M (a base URL http://host:8000/models/M). Its newest
+// served version answers.
 //
-//   GET  /health, /ping, /      200 with an empty body when the model has a version served, else
-//                               503 {"error":"unhealthy","error_type":"Unhealthy"} (HEAD too)
+//   GET  /health, /ping, /      200 with an empty body when the model has a version served and
+//                               the server is ready (KServe's ModelReady: not while it starts,
+//                               drains or after its GPU failed), else 503 {"error":"unhealthy",
+//                               "error_type":"Unhealthy"} (HEAD too)
 //   GET  /info                  {"model_id","model_sha":null,"model_dtype","served_model_name",
 //                                "model_type":{"classifier"|"reranker":{"id2label","label2id"}},
 //                                "max_concurrent_requests","max_input_length","max_batch_tokens",
 //                                "max_batch_requests","max_client_batch_size","auto_truncate":true,
-//                                "tokenization_workers":null,"version","sha":null,
-//                                "docker_label":null}; "reranker" for a one-label model
+//                                "tokenization_workers","version","sha":null,"docker_label":null};
+//                               "reranker" for a one-label model
 //   POST /predict               {"inputs": "a" | ["a", "pair"] | [["a"], ["b", "pair"], ...],
 //                                "truncate"?: bool, "truncation_direction"?: "right",
 //                                "raw_scores"?: bool}
@@ -33,16 +36,18 @@
 // probabilities, as Classify gives them: softmax over the labels, but per-label sigmoid for a
 // multi_label_classification model, sigmoid for one label, the value for a regression model;
 // "raw_scores": true gives the logits. Inputs are cut from the right ("truncation_direction":
-// "left" is refused). Each answer carries TEI's headers x-compute-tokens, x-total-time,
-// x-tokenization-time, x-queue-time and x-inference-time (milliseconds).
+// "left" is refused), and a pair's first text must not be empty (Classify refuses it: 422). Each
+// answer of /predict and /rerank carries TEI's headers x-compute-characters, x-compute-tokens,
+// x-total-time, x-tokenization-time, x-queue-time and x-inference-time (milliseconds).
 //
 // Errors are TEI's {"error": "...", "error_type": "..."}: "Empty" 400 for an empty text (or no
 // texts to rerank), "Validation" 422 for a malformed request and what Classify refuses as
-// INVALID_ARGUMENT (too many inputs, too long without truncation, ...), 404 for an unknown model,
-// 400 for a body that is not JSON or a model the root routes cannot choose; "Overloaded" 429
-// (RESOURCE_EXHAUSTED); "Unhealthy" 503 (UNAVAILABLE: loading, draining, a failed GPU); "Backend"
-// with grpc-gateway's code otherwise (kserve_http.h). A request whose client goes away is
-// cancelled (499), as on the KServe routes.
+// INVALID_ARGUMENT (too many inputs, too long without truncation, ...), 404 for a model the server
+// does not know, 400 for a body that is not JSON or a model the root routes cannot choose;
+// "Overloaded" 429 (RESOURCE_EXHAUSTED: the queue is full); "Unhealthy" 503 for a known model with
+// no version served yet, and UNAVAILABLE (starting, draining, a failed GPU); "Backend" 424 for a
+// classifier asked to rerank, and grpc-gateway's code otherwise (kserve_http.h). A request whose
+// client goes away is cancelled (499), as on the KServe routes.
 #ifndef COLLABSERVE_SERVER_SERVICE_TEI_HTTP_H_
 #define COLLABSERVE_SERVER_SERVICE_TEI_HTTP_H_
 
@@ -66,10 +71,14 @@ struct TeiHttpOptions {
   int64_t max_batch_tokens = 16384;      // --max_batch_tokens
   int max_batch_requests = 32;           // --max_batch_size
   int max_client_batch_size = 64;        // --max_inputs_per_request
+  // Inputs tokenized at once: tokenization runs on each request's own thread (main: the usable
+  // CPUs).
+  int tokenization_workers = 1;
 };
 
 // The handler that answers the routes above through `channel` (Server::InProcessChannel(), or any
-// channel to a server with collabserve.v1.Inference). Thread-safe.
+// channel to a server with collabserve.v1.Inference and KServe's GRPCInferenceService, which
+// /health asks). Thread-safe.
 HttpHandler NewTeiHttpHandler(std::shared_ptr<grpc::Channel> channel, TeiHttpOptions options);
 
 // The handler of --http_port: the KServe routes (kserve_http.h) for /v2 and the paths under it,

@@ -33,9 +33,9 @@
 #include "server/model/demo_model.h"
 #include "server/service/admin_server.h"
 #include "server/service/http_server.h"
-#include "server/service/tei_http.h"
 #include "server/service/kserve_service.h"
 #include "server/service/server.h"
+#include "server/service/tei_http.h"
 #include "server/tools/log_flags.h"
 #include "server/util/files.h"
 #include "server/util/process_env.h"
@@ -445,6 +445,7 @@ int Run(int argc, char** argv, int cpus) {
     tei.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
     tei.max_batch_requests = absl::GetFlag(FLAGS_max_batch_size);
     tei.max_client_batch_size = o.inference.max_inputs_per_request;
+    tei.tokenization_workers = util::UsableCpus();
     auto started = collabserve::service::HttpServer::Start(
         http_options, collabserve::service::NewHttpApiHandler(server.InProcessChannel(), tei));
     if (started.ok()) {

@@ -5,14 +5,18 @@
 #include "server/service/tei_http.h"
 
 #include <algorithm>
+#include <filesystem>
+#include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
 #include "collabserve/v1/inference.grpc.pb.h"
 #include "gmock/gmock.h"
 #include "grpcpp/client_context.h"
@@ -20,7 +24,9 @@
 #include "gtest/gtest.h"
 #include "server/model/checkpoint_maker.h"
 #include "server/service/http_server.h"
+#include "server/service/kserve_http.h"
 #include "server/service/kserve_service.h"
+#include "server/service/model_servable.h"
 #include "server/service/server.h"
 #include "tests/kserve/raw_http_client.h"
 #include "tests/service/local_server_options.h"
@@ -58,6 +64,7 @@ class TeiHttpTest : public ::testing::Test {
     return o;
   }
   void TearDown() override {
+    gate_.Open();
     http_.reset();
     if (server_) server_->Shutdown();
   }
@@ -65,6 +72,8 @@ class TeiHttpTest : public ::testing::Test {
   void Start(TeiHttpOptions tei = {}, bool load = true) {
     ServerOptions o = testing::LocalServerOptions(repo_.path());
     o.inference.max_inputs_per_request = 8;
+    o.servable.batching.max_queue_size = 4;
+    o.servable.before_batch_hook = [this] { gate_.Pass(); };
     o.torch_version = "test";
     o.extra_services.push_back(&kserve_);
     server_ = std::make_unique<Server>(o);
@@ -119,6 +128,7 @@ class TeiHttpTest : public ::testing::Test {
   }
 
   TempDir repo_;
+  testing::Gate gate_;  // every batch passes it: closed, it holds forward passes back
   KServeService kserve_;
   std::unique_ptr<Server> server_;
   std::unique_ptr<HttpServer> http_;
@@ -160,7 +170,9 @@ TEST_F(TeiHttpTest, PredictAgreesWithClassifyInEveryInputForm) {
   ASSERT_EQ(r.Json().size(), 2u);
   EXPECT_EQ(Floats(r.Json()[0]), Predictions(want.results(0)));
   EXPECT_EQ(Floats(r.Json()[1]), Predictions(want.results(1)));
-  EXPECT_EQ(r.Json()[0][0]["score"].get<double>(), want.results(0).top_k(0).score());
+  // Written in the float's shortest form (0.7444537, not the double it widens to).
+  EXPECT_EQ(r.Json()[0][0]["score"].get<double>(),
+            ShortestDouble(want.results(0).top_k(0).score()));
 
   // The same routes under /models/NAME; POST / and /invocations are /predict for a classifier.
   const std::string one = R"({"inputs":"a fine film about football"})";
@@ -223,6 +235,16 @@ TEST_F(TeiHttpTest, RerankScoresQueryTextPairsBestFirst) {
   r = Call(port_, "POST", "/rerank", R"({"query":"q","texts":["a",3]})");
   EXPECT_EQ(r.code, 422) << r.body;
   EXPECT_EQ(r.Json()["error"], "texts[1]: not a string");
+  r = Call(port_, "POST", "/rerank", R"({"query":"q","texts":["a"],"return_text":1})");
+  EXPECT_EQ(r.code, 422) << r.body;
+  EXPECT_EQ(r.Json()["error"], "return_text: not a bool");
+  // raw_scores: the logit, for the same pair.
+  const v1::ClassifyResponse logits = Classify("scorer", {{"q", "a"}}, /*raw_scores=*/true);
+  r = Call(port_, "POST", "/rerank",
+           R"({"query":"q","texts":["a"],"raw_scores":true,"truncate":true})");
+  ASSERT_EQ(r.code, 200) << r.body;
+  EXPECT_EQ(static_cast<float>(r.Json()[0]["score"].get<double>()), logits.results(0).score());
+  EXPECT_EQ(r.Header("x-compute-characters"), "2");
 }
 
 TEST_F(TeiHttpTest, InfoDescribesTheModelAsTeiDoes) {
@@ -235,6 +257,7 @@ TEST_F(TeiHttpTest, InfoDescribesTheModelAsTeiDoes) {
   tei.max_batch_tokens = 1234;
   tei.max_batch_requests = 5;
   tei.max_client_batch_size = 8;
+  tei.tokenization_workers = 3;
   Start(tei);
   Reply r = Call(port_, "GET", "/info");
   ASSERT_EQ(r.code, 200) << r.body;
@@ -253,7 +276,8 @@ TEST_F(TeiHttpTest, InfoDescribesTheModelAsTeiDoes) {
   EXPECT_EQ(info["max_client_batch_size"], 8);
   EXPECT_EQ(info["auto_truncate"], true);
   EXPECT_EQ(info["version"], "9.9.9");
-  for (const char* key : {"tokenization_workers", "sha", "docker_label"}) {
+  EXPECT_EQ(info["tokenization_workers"], 3);
+  for (const char* key : {"sha", "docker_label"}) {
     EXPECT_TRUE(info.contains(key) && info[key].is_null()) << key;
   }
   r = Call(port_, "GET", "/models/scorer/info");
@@ -275,6 +299,14 @@ TEST_F(TeiHttpTest, HealthFollowsTheModelBeingServed) {
     EXPECT_EQ(r.code, 503) << path << ": " << r.body;
     EXPECT_EQ(r.Json()["error_type"], "Unhealthy") << path;
   }
+  {
+    Client head(port_);
+    head.HeadOnly(true);
+    ASSERT_TRUE(head.Send(Request("HEAD", "/health")));
+    std::optional<Reply> h = head.Read();
+    ASSERT_TRUE(h);
+    EXPECT_EQ(h->code, 503);
+  }
   Reply r = Call(port_, "POST", "/predict", R"({"inputs":"a"})");
   EXPECT_EQ(r.code, 503) << r.body;
   LoadModels();
@@ -283,8 +315,18 @@ TEST_F(TeiHttpTest, HealthFollowsTheModelBeingServed) {
     EXPECT_EQ(r.code, 200) << path << ": " << r.body;
     EXPECT_EQ(r.body, "") << path;
   }
-  r = Call(port_, "HEAD", "/health");
-  EXPECT_EQ(r.code, 200);
+  {
+    Client head(port_);
+    head.HeadOnly(true);
+    ASSERT_TRUE(head.Send(Request("HEAD", "/health") + Request("HEAD", "/predict")));
+    std::optional<Reply> h = head.Read();
+    ASSERT_TRUE(h);
+    EXPECT_EQ(h->code, 200);
+    h = head.Read();  // a POST route
+    ASSERT_TRUE(h);
+    EXPECT_EQ(h->code, 405);
+    EXPECT_EQ(h->Header("allow"), "POST");
+  }
   r = Call(port_, "GET", "/models/nope/health");
   EXPECT_EQ(r.code, 503) << r.body;
   // The KServe routes stay on /v2.
@@ -313,6 +355,12 @@ TEST_F(TeiHttpTest, TheRootRoutesServeTheOnlyModelOrTheDefault) {
   r = Call(port_, "POST", "/models/nope/predict", R"({"inputs":"a"})");
   EXPECT_EQ(r.code, 404) << r.body;
   EXPECT_THAT(r.Json()["error"].get<std::string>(), HasSubstr("nope"));
+  r = Call(port_, "POST", "/models/tiny/predict/extra", R"({"inputs":"a"})");
+  EXPECT_EQ(r.code, 404) << r.body;
+  r = Call(port_, "POST", "/models//predict", R"({"inputs":"a"})");
+  EXPECT_EQ(r.code, 404) << r.body;
+  r = Call(port_, "POST", "/models/tiny/predict?verbose=1", R"({"inputs":"a"})");
+  EXPECT_EQ(r.code, 200) << r.body;
 
   // With the default named, the root serves it.
   http_.reset();
@@ -323,6 +371,60 @@ TEST_F(TeiHttpTest, TheRootRoutesServeTheOnlyModelOrTheDefault) {
   ASSERT_EQ(r.code, 200) << r.body;
   EXPECT_EQ(r.Json().size(), 2u);
   EXPECT_EQ(Call(port_, "GET", "/info").Json()["model_id"], "tiny");
+}
+
+TEST_F(TeiHttpTest, AModelOnDiskThatIsNotServedIsUnhealthyAndStillCountsAtTheRoot) {
+  MakeModels(/*tiny=*/false);
+  ASSERT_TRUE(std::filesystem::create_directories(repo_.path() + "/broken/1"));
+  { std::ofstream(repo_.path() + "/broken/1/config.json") << "{not json"; }
+  Start();
+  // The root does not quietly pick the one model served while another is known.
+  Reply r = Call(port_, "POST", "/predict", R"({"inputs":"a"})");
+  EXPECT_EQ(r.code, 400) << r.body;
+  EXPECT_THAT(r.Json()["error"].get<std::string>(), HasSubstr("(broken, three)"));
+  // The broken one: 503 (TEI's clients retry it), not an unknown model's 404.
+  for (const char* path : {"/models/broken/predict", "/models/broken/info"}) {
+    const bool post = absl::EndsWith(path, "predict");
+    r = Call(port_, post ? "POST" : "GET", path, post ? R"({"inputs":"a"})" : "");
+    EXPECT_EQ(r.code, 503) << path << ": " << r.body;
+    EXPECT_EQ(r.Json()["error_type"], "Unhealthy") << path;
+  }
+  EXPECT_EQ(Call(port_, "GET", "/models/broken/health").code, 503);
+  EXPECT_EQ(Call(port_, "POST", "/models/three/predict", R"({"inputs":"a"})").code, 200);
+}
+
+TEST_F(TeiHttpTest, ALeavingClientCancelsAndAFullQueueIsOverloaded) {
+  MakeModels(/*tiny=*/false);
+  Start();
+  gate_.Close();
+  {
+    Client leaving(port_);
+    ASSERT_TRUE(leaving.Send(Request("POST", "/predict", R"({"inputs":"a"})")));
+    ASSERT_TRUE(gate_.WaitForArrivals(1));
+  }  // closed while its forward pass is held
+  // The handler does not wait for the pass: the call is cancelled and the connection ends.
+  EXPECT_TRUE(testing::Eventually([&] { return http_->connections() == 0; }));
+  // The pass still held, the queue (4 inputs) fills, and one more input is refused.
+  Client queued(port_);
+  ASSERT_TRUE(queued.Send(Request("POST", "/predict", R"({"inputs":[["b"],["c"],["d"],["e"]]})")));
+  auto servable = server_->repository()->Get("three");
+  ASSERT_TRUE(servable.ok()) << servable.status();
+  ASSERT_TRUE(testing::Eventually([&] {
+    return std::static_pointer_cast<ModelServable>(*servable)->scheduler_stats().tasks_scheduled ==
+           5;
+  }));
+  Reply r;
+  ASSERT_TRUE(testing::Eventually([&] {
+    r = Call(port_, "POST", "/predict", R"({"inputs":"f"})");
+    return r.code == 429;
+  })) << r.code
+      << " " << r.body;
+  EXPECT_EQ(r.Json()["error_type"], "Overloaded");
+  gate_.Open();
+  std::optional<Reply> b = queued.Read();
+  ASSERT_TRUE(b);
+  EXPECT_EQ(b->code, 200) << b->body;
+  EXPECT_EQ(b->Json().size(), 4u);
 }
 
 TEST_F(TeiHttpTest, BadRequestsGetTeisErrorTypesAndCodes) {
@@ -362,6 +464,10 @@ TEST_F(TeiHttpTest, BadRequestsGetTeisErrorTypesAndCodes) {
        "raw_scores: not a bool"},
       {"POST", "/predict", R"({"inputs":"a","truncation_direction":"left"})", 422, "Validation",
        "left is not supported"},
+      {"POST", "/predict", R"({"inputs":"a","truncation_direction":"Left"})", 422, "Validation",
+       "left is not supported"},
+      {"POST", "/predict", R"({"inputs":"a","truncation_direction":"middle"})", 422, "Validation",
+       "truncation_direction: not"},
       {"POST", "/predict", nine, 422, "Validation", "more than the limit of 8"},
       {"POST", "/predict", absl::StrCat(R"({"inputs":")", long_text, R"(","truncate":false})"), 422,
        "Validation", "over max_length 512"},
