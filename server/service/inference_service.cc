@@ -71,11 +71,15 @@ struct Encoded {
   model::TokenizedInput input;
   bool truncated = false;
   int num_tokens_before_truncation = 0;
+  // With EncodeOptions::offsets (Tokenize): text::Encoding's.
+  std::vector<std::pair<int32_t, int32_t>> offsets;
+  std::vector<uint8_t> special_tokens_mask;
 };
 
-// Tokenizes input `index` for `servable`'s model; with !truncate an over-long input is an error.
+// Tokenizes input `index` for `servable`'s model, up to its max length (options.max_length is
+// set here); with !options.truncate an over-long input is an error.
 absl::StatusOr<Encoded> EncodeInput(const ModelServable& servable, const v1::Input& in, int index,
-                                    bool truncate) {
+                                    text::EncodeOptions options) {
   const int max_length = servable.info().max_length;
   if (in.has_text_pair() && servable.info().type_vocab_size < 2) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -85,7 +89,8 @@ absl::StatusOr<Encoded> EncodeInput(const ModelServable& servable, const v1::Inp
   }
   std::optional<std::string_view> pair;
   if (in.has_text_pair()) pair = in.text_pair();
-  auto enc = servable.engine().tokenizer().Encode(in.text(), pair, max_length, truncate);
+  options.max_length = max_length;
+  auto enc = servable.engine().tokenizer().Encode(in.text(), pair, options);
   if (!enc.ok()) {
     return util::Prefixed(enc.status(), absl::StrCat("inputs[", index, "]: "));
   }
@@ -94,6 +99,8 @@ absl::StatusOr<Encoded> EncodeInput(const ModelServable& servable, const v1::Inp
   out.input.token_type_ids.assign(enc->token_type_ids.begin(), enc->token_type_ids.end());
   out.truncated = enc->truncated;
   out.num_tokens_before_truncation = enc->num_tokens_before_truncation;
+  out.offsets = std::move(enc->offsets);
+  out.special_tokens_mask = std::move(enc->special_tokens_mask);
   if (static_cast<int>(out.input.input_ids.size()) > max_length) {
     return absl::InvalidArgumentError(absl::StrCat(
         "inputs[", index, "] has ", out.input.input_ids.size(), " tokens, more than model ",
@@ -464,7 +471,9 @@ void InferenceService::StartClassify(const v1::ClassifyRequest& request, absl::T
   encoded.reserve(n);
   int64_t total_tokens = 0;
   for (int i = 0; i < n; ++i) {
-    auto e = EncodeInput(*servable, request.inputs(i), i, truncate);
+    text::EncodeOptions eo;
+    eo.truncate = truncate;
+    auto e = EncodeInput(*servable, request.inputs(i), i, eo);
     if (!e.ok()) return reject(e.status(), model, version);
     total_tokens += static_cast<int64_t>(e->input.input_ids.size());
     encoded.push_back(std::move(e).value());
@@ -591,10 +600,13 @@ grpc::ServerUnaryReactor* InferenceService::Tokenize(grpc::CallbackServerContext
     auto servable = Resolve(repository_.load(std::memory_order_acquire), request->model_name(),
                             OptionalVersion(request->has_model_version(), request->model_version()));
     if (!servable.ok()) return ToGrpcStatus(servable.status());
-    const bool truncate = !request->has_truncate() || request->truncate();
+    text::EncodeOptions eo;
+    eo.truncate = !request->has_truncate() || request->truncate();
+    eo.add_special_tokens = !request->has_add_special_tokens() || request->add_special_tokens();
+    eo.offsets = true;
     const auto& tokenizer = (*servable)->engine().tokenizer();
     for (int i = 0; i < request->inputs_size(); ++i) {
-      auto e = EncodeInput(**servable, request->inputs(i), i, truncate);
+      auto e = EncodeInput(**servable, request->inputs(i), i, eo);
       if (!e.ok()) return ToGrpcStatus(e.status());
       v1::Tokens* t = response->add_results();
       for (int32_t id : e->input.input_ids) {
@@ -602,6 +614,12 @@ grpc::ServerUnaryReactor* InferenceService::Tokenize(grpc::CallbackServerContext
         t->add_tokens(std::string(tokenizer.IdToToken(id)));
       }
       for (int32_t id : e->input.token_type_ids) t->add_token_type_ids(id);
+      for (const auto& [start, end] : e->offsets) {
+        v1::TokenOffset* o = t->add_offsets();
+        o->set_start(start);
+        o->set_end(end);
+      }
+      for (uint8_t special : e->special_tokens_mask) t->add_special_tokens_mask(special != 0);
       t->set_truncated(e->truncated);
       t->set_num_tokens_before_truncation(e->num_tokens_before_truncation);
     }

@@ -185,7 +185,7 @@ class TeiHttp {
     }
     const bool get = req.method == "GET" || req.method == "HEAD";
     const bool post = req.method == "POST";
-    enum { kHealth, kInfo, kPredict, kRerank, kEither } route;
+    enum { kHealth, kInfo, kPredict, kRerank, kEither, kTokenize } route;
     if (rest == "/health" || rest == "/ping") {
       if (!get) return NotAllowed("GET, HEAD");
       route = kHealth;
@@ -195,9 +195,13 @@ class TeiHttp {
     } else if (rest == "/info") {
       if (!get) return NotAllowed("GET, HEAD");
       route = kInfo;
-    } else if (rest == "/predict" || rest == "/rerank" || rest == "/invocations") {
+    } else if (rest == "/predict" || rest == "/rerank" || rest == "/invocations" ||
+               rest == "/tokenize") {
       if (!post) return NotAllowed("POST");
-      route = rest == "/predict" ? kPredict : rest == "/rerank" ? kRerank : kEither;
+      route = rest == "/predict"    ? kPredict
+              : rest == "/rerank"   ? kRerank
+              : rest == "/tokenize" ? kTokenize
+                                    : kEither;
     } else {
       return NotFound(req);
     }
@@ -211,6 +215,7 @@ class TeiHttp {
     if (body.is_discarded()) return Error(400, kValidation, "the request body is not JSON");
     if (!body.is_object()) return Error(422, kValidation, "the request body is not a JSON object");
     if (route == kPredict) return Predict(req, model, body);
+    if (route == kTokenize) return Tokenize(model, body);
     std::optional<v1::ModelMetadata> metadata;
     if (HttpResponse r = Metadata(model, &metadata); !metadata) return r;
     const bool reranker = metadata->labels_size() == 1;
@@ -385,6 +390,73 @@ class TeiHttp {
     HttpResponse r = Json(200, batch ? out : out.at(0));
     AddComputeHeaders(resp, chars, &r);
     return r;
+  }
+
+  HttpResponse Tokenize(const std::string& model, const json& body) {
+    if (!body.contains("inputs")) return Error(422, kValidation, "inputs: missing");
+    const json& inputs = body["inputs"];
+    std::vector<std::string> texts;
+    if (inputs.is_string()) {
+      texts.push_back(inputs.get<std::string>());
+    } else if (inputs.is_array()) {
+      if (inputs.empty()) return Error(400, kEmpty, "`inputs` cannot be empty");
+      for (size_t i = 0; i < inputs.size(); ++i) {
+        if (!inputs[i].is_string()) {
+          return Error(422, kValidation, absl::StrCat("inputs[", i, "]: not a string"));
+        }
+        texts.push_back(inputs[i].get<std::string>());
+      }
+    } else {
+      return Error(422, kValidation, "inputs: not a string or an array of strings");
+    }
+    v1::TokenizeRequest req;
+    req.set_model_name(model);
+    req.set_truncate(false);  // TEI's /tokenize cuts nothing
+    if (auto it = body.find("add_special_tokens"); it != body.end()) {
+      if (!it->is_boolean()) return Error(422, kValidation, "add_special_tokens: not a bool");
+      req.set_add_special_tokens(it->get<bool>());
+    }
+    if (auto it = body.find("prompt_name"); it != body.end() && !it->is_null()) {
+      return Error(422, kValidation,
+                   "prompt_name: this model has no sentence-transformers prompts");
+    }
+    for (const std::string& t : texts) {
+      if (t.empty()) return Error(400, kEmpty, "`inputs` cannot be empty");
+      req.add_inputs()->set_text(t);
+    }
+    grpc::ClientContext ctx;
+    v1::TokenizeResponse resp;
+    grpc::Status s = inference_->Tokenize(&ctx, req, &resp);
+    if (!s.ok()) return Refusal(model, s);
+    if (resp.results_size() != req.inputs_size()) {
+      return Error(424, kBackend,
+                   absl::StrCat("Tokenize answered ", resp.results_size(), " results for ",
+                                req.inputs_size(), " inputs"));
+    }
+    json out = json::array();
+    for (int i = 0; i < resp.results_size(); ++i) {
+      const v1::Tokens& t = resp.results(i);
+      const std::string& text = texts[i];
+      json tokens = json::array();
+      for (int k = 0; k < t.input_ids_size(); ++k) {
+        const bool special = k < t.special_tokens_mask_size() && t.special_tokens_mask(k);
+        json token{{"id", t.input_ids(k)}, {"special", special}};
+        if (special || k >= t.offsets_size()) {
+          token["text"] = k < t.tokens_size() ? t.tokens(k) : "";
+          token["start"] = nullptr;
+          token["stop"] = nullptr;
+        } else {
+          const auto start = static_cast<size_t>(std::max(0, t.offsets(k).start()));
+          const auto stop = static_cast<size_t>(std::max(t.offsets(k).start(), t.offsets(k).end()));
+          token["text"] = text.substr(std::min(start, text.size()), stop - start);
+          token["start"] = start;
+          token["stop"] = stop;
+        }
+        tokens.push_back(std::move(token));
+      }
+      out.push_back(std::move(tokens));
+    }
+    return Json(200, out);
   }
 
   HttpResponse Rerank(const HttpRequest& http, const std::string& model, const json& body) {

@@ -28,6 +28,15 @@
 //   POST /rerank                {"query","texts":[...],"truncate"?,"truncation_direction"?,
 //                                "raw_scores"?,"return_text"?} (one-label models)
 //                               -> [{"index","score","text"?}, ...] best first
+//   POST /tokenize              {"inputs": "a" | ["a", "b", ...], "add_special_tokens"?: bool
+//                                (default true), "prompt_name"?: null}
+//                               -> one list per text (a single one too) of {"id","text",
+//                               "special","start","stop"}: the [CLS]/[SEP] added are special, with
+//                               their token as text and null start/stop; any other token has the
+//                               bytes [start, stop) of its text it came from (Hugging Face's
+//                               offsets) and those bytes as text. Nothing is cut: a text longer
+//                               than the model's max length is refused (422), where TEI tokenizes
+//                               it whole
 //   POST /, /invocations        /rerank for a one-label model, else /predict
 //
 // As in TEI: an array whose first element is a string is one pair, so a batch of single texts is

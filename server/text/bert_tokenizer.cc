@@ -411,7 +411,8 @@ const std::string& BertTokenizer::IdToToken(int32_t id) const {
 }
 
 void BertTokenizer::AppendSegmentIds(const char32_t* begin, const char32_t* end,
-                                     std::vector<int32_t>* ids) const {
+                                     std::vector<int32_t>* ids, const uint32_t* bytes,
+                                     std::vector<std::pair<int32_t, int32_t>>* offsets) const {
   if (begin == end) return;
   BertNormalizerOptions norm;
   norm.handle_chinese_chars = options_.tokenize_chinese_chars;
@@ -425,23 +426,66 @@ void BertTokenizer::AppendSegmentIds(const char32_t* begin, const char32_t* end,
   ScratchGuard g2(&words);
   ScratchGuard g3(&word);
   ScratchGuard g4(&scratch);
-  BertNormalize(begin, end, norm, &normalized);
+  if (offsets == nullptr) {
+    BertNormalize(begin, end, norm, &normalized);
+    BertPreTokenize(normalized.data(), normalized.size(), &words);
+    for (const auto& [b, e] : words) {
+      word.clear();
+      for (size_t i = b; i < e; ++i) AppendUtf8(normalized[i], &word);
+      wordpiece_.Tokenize(word, e - b, ids, &scratch);
+    }
+    return;
+  }
+  // With offsets: each normalized code point's source, and each piece's end in its word, take a
+  // piece back to the bytes of the code points it came from (first to last, as Hugging Face's
+  // NormalizedString maps a normalized range back).
+  std::vector<uint32_t> sources;
+  BertNormalize(begin, end, norm, &normalized, &sources);
   BertPreTokenize(normalized.data(), normalized.size(), &words);
+  std::vector<size_t> starts, ends;  // byte offset in `word` of each of its code points; piece ends
   for (const auto& [b, e] : words) {
     word.clear();
-    for (size_t i = b; i < e; ++i) AppendUtf8(normalized[i], &word);
-    wordpiece_.Tokenize(word, e - b, ids, &scratch);
+    starts.clear();
+    for (size_t i = b; i < e; ++i) {
+      starts.push_back(word.size());
+      AppendUtf8(normalized[i], &word);
+    }
+    ends.clear();
+    wordpiece_.Tokenize(word, e - b, ids, &scratch, &ends);
+    size_t piece_start = 0;  // in bytes of `word`
+    for (size_t piece_end : ends) {
+      const size_t first = std::lower_bound(starts.begin(), starts.end(), piece_start) - starts.begin();
+      const size_t last = std::lower_bound(starts.begin(), starts.end(), piece_end) - starts.begin();
+      const uint32_t from = sources[b + first], to = sources[b + last - 1];
+      offsets->emplace_back(static_cast<int32_t>(bytes[from]),
+                            static_cast<int32_t>(bytes[std::max(from, to) + 1]));
+      piece_start = piece_end;
+    }
   }
 }
 
 absl::Status BertTokenizer::AppendIds(std::string_view text, std::string_view what,
-                                      std::vector<int32_t>* ids) const {
+                                      std::vector<int32_t>* ids,
+                                      std::vector<std::pair<int32_t, int32_t>>* offsets) const {
   thread_local std::vector<char32_t> cps;
   ScratchGuard guard(&cps);
   absl::Status s = DecodeUtf8(text, &cps);
   if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat(AV(what), ": ", s.message()));
   const char32_t* data = cps.data();
   const size_t n = cps.size();
+  // With offsets: the byte offset of each code point, and of the end.
+  std::vector<uint32_t> bytes;
+  if (offsets != nullptr) {
+    bytes.reserve(n + 1);
+    for (size_t b = 0; b < text.size(); ++b) {
+      if ((static_cast<uint8_t>(text[b]) & 0xC0) != 0x80) bytes.push_back(static_cast<uint32_t>(b));
+    }
+    bytes.push_back(static_cast<uint32_t>(text.size()));
+  }
+  auto segment = [&](size_t from, size_t to) {
+    AppendSegmentIds(data + from, data + to, ids, offsets != nullptr ? bytes.data() + from : nullptr,
+                     offsets);
+  };
   // Special tokens: leftmost match first, the longest at that position (Hugging Face's
   // AddedVocabulary uses Aho-Corasick with LeftmostLongest); the text between is tokenized
   // normally.
@@ -460,12 +504,15 @@ absl::Status BertTokenizer::AppendIds(std::string_view text, std::string_view wh
       ++i;
       continue;
     }
-    AppendSegmentIds(data + segment_start, data + i, ids);
+    segment(segment_start, i);
     ids->push_back(best_id);
+    if (offsets != nullptr) {
+      offsets->emplace_back(static_cast<int32_t>(bytes[i]), static_cast<int32_t>(bytes[i + best_len]));
+    }
     i += best_len;
     segment_start = i;
   }
-  AppendSegmentIds(data + segment_start, data + n, ids);
+  segment(segment_start, n);
   return absl::OkStatus();
 }
 
@@ -486,11 +533,25 @@ absl::StatusOr<std::vector<std::string>> BertTokenizer::Tokenize(std::string_vie
 absl::StatusOr<Encoding> BertTokenizer::Encode(std::string_view text,
                                                std::optional<std::string_view> text_pair,
                                                int max_length, bool truncate) const {
+  EncodeOptions options;
+  options.max_length = max_length;
+  options.truncate = truncate;
+  return Encode(text, text_pair, options);
+}
+
+absl::StatusOr<Encoding> BertTokenizer::Encode(std::string_view text,
+                                               std::optional<std::string_view> text_pair,
+                                               const EncodeOptions& options) const {
+  using Offsets = std::vector<std::pair<int32_t, int32_t>>;
   std::vector<int32_t> a, b;
-  RETURN_IF_ERROR(AppendIds(text, "text", &a));
-  if (text_pair) RETURN_IF_ERROR(AppendIds(*text_pair, "text_pair", &b));
-  const size_t limit = static_cast<size_t>(max_length > 0 ? max_length : options_.model_max_length);
-  const size_t added = text_pair ? 3 : 2;
+  Offsets a_offsets, b_offsets;
+  RETURN_IF_ERROR(AppendIds(text, "text", &a, options.offsets ? &a_offsets : nullptr));
+  if (text_pair) {
+    RETURN_IF_ERROR(AppendIds(*text_pair, "text_pair", &b, options.offsets ? &b_offsets : nullptr));
+  }
+  const size_t limit = static_cast<size_t>(options.max_length > 0 ? options.max_length
+                                                                  : options_.model_max_length);
+  const size_t added = !options.add_special_tokens ? 0 : text_pair ? 3 : 2;
   if (limit < added) {
     return absl::InvalidArgumentError(absl::StrCat("max_length ", limit, " leaves no room for the ",
                                                    added, " special tokens of ",
@@ -500,10 +561,11 @@ absl::StatusOr<Encoding> BertTokenizer::Encode(std::string_view text,
   const size_t total = a.size() + b.size() + added;
   enc.num_tokens_before_truncation = static_cast<int>(total);
   if (total > limit) {
-    if (!truncate) {
+    if (!options.truncate) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "the input is ", total, " tokens long (special tokens included), over max_length ", limit,
-          max_length > 0 ? "" : " (model_max_length)", ", and truncation is off"));
+          "the input is ", total, " tokens long",
+          added > 0 ? " (special tokens included)" : "", ", over max_length ", limit,
+          options.max_length > 0 ? "" : " (model_max_length)", ", and truncation is off"));
     }
     // tokenizers' truncate_encodings (utils/truncation.rs) with max_length - added special tokens.
     const size_t max = limit - added;
@@ -524,16 +586,34 @@ absl::StatusOr<Encoding> BertTokenizer::Encode(std::string_view text,
     }
     if (n1 < a.size()) a.resize(n1);
     if (n2 < b.size()) b.resize(n2);
+    if (options.offsets) {
+      a_offsets.resize(a.size());
+      b_offsets.resize(b.size());
+    }
     enc.truncated = true;
   }
+  // [CLS] a [SEP] (b [SEP]), or a (b) without the special tokens; each part's offsets and mask.
+  auto add = [&](const std::vector<int32_t>& ids, const Offsets& offsets) {
+    enc.input_ids.insert(enc.input_ids.end(), ids.begin(), ids.end());
+    if (!options.offsets) return;
+    enc.offsets.insert(enc.offsets.end(), offsets.begin(), offsets.end());
+    enc.special_tokens_mask.resize(enc.input_ids.size(), 0);
+  };
+  auto special = [&](int32_t id) {
+    if (!options.add_special_tokens) return;
+    enc.input_ids.push_back(id);
+    if (!options.offsets) return;
+    enc.offsets.emplace_back(0, 0);
+    enc.special_tokens_mask.push_back(1);
+  };
   enc.input_ids.reserve(a.size() + b.size() + added);
-  enc.input_ids.push_back(cls_id_);
-  enc.input_ids.insert(enc.input_ids.end(), a.begin(), a.end());
-  enc.input_ids.push_back(sep_id_);
+  special(cls_id_);
+  add(a, a_offsets);
+  special(sep_id_);
   enc.token_type_ids.assign(enc.input_ids.size(), 0);
   if (text_pair) {
-    enc.input_ids.insert(enc.input_ids.end(), b.begin(), b.end());
-    enc.input_ids.push_back(sep_id_);
+    add(b, b_offsets);
+    special(sep_id_);
     enc.token_type_ids.resize(enc.input_ids.size(), 1);
   }
   return enc;

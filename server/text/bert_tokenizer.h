@@ -42,6 +42,23 @@ struct Encoding {
   bool truncated = false;
   // Length of input_ids (special tokens included) had nothing been truncated.
   int num_tokens_before_truncation = 0;
+  // With EncodeOptions::offsets, one per id: the bytes [first, second) of its own text (text or
+  // text_pair) it was tokenized from, Hugging Face's offsets (in bytes, as its Rust crate gives
+  // them); (0, 0) for the [CLS] and [SEP] that Encode adds, which special_tokens_mask marks 1 (a
+  // special token written in the text is 0 there and has its span, as in Hugging Face).
+  std::vector<std::pair<int32_t, int32_t>> offsets;
+  std::vector<uint8_t> special_tokens_mask;
+};
+
+struct EncodeOptions {
+  // Counts the special tokens; <= 0 means the tokenizer's model_max_length.
+  int max_length = 0;
+  // When the result would be longer than max_length: cut it (true) or refuse it (Encode).
+  bool truncate = true;
+  // false: no [CLS] and [SEP] (Hugging Face's add_special_tokens=False); max_length counts none.
+  bool add_special_tokens = true;
+  // Fill Encoding::offsets and special_tokens_mask.
+  bool offsets = false;
 };
 
 // Immutable after creation; all methods are thread-safe.
@@ -95,6 +112,9 @@ class BertTokenizer {
   // for a pair) or either text is not valid UTF-8.
   absl::StatusOr<Encoding> Encode(std::string_view text, std::optional<std::string_view> text_pair,
                                   int max_length = 0, bool truncate = true) const;
+  // The same with EncodeOptions: also without [CLS]/[SEP], and with offsets.
+  absl::StatusOr<Encoding> Encode(std::string_view text, std::optional<std::string_view> text_pair,
+                                  const EncodeOptions& options) const;
 
   int32_t cls_id() const { return cls_id_; }
   int32_t sep_id() const { return sep_id_; }
@@ -112,10 +132,15 @@ class BertTokenizer {
 
  private:
   BertTokenizer(std::vector<std::string> vocab, TokenizerOptions options, int32_t unk_id);
-  absl::Status AppendIds(std::string_view text, std::string_view what,
-                         std::vector<int32_t>* ids) const;
-  void AppendSegmentIds(const char32_t* begin, const char32_t* end,
-                        std::vector<int32_t>* ids) const;
+  // Appends the ids of `text` (and, with `offsets`, their byte spans in it).
+  absl::Status AppendIds(std::string_view text, std::string_view what, std::vector<int32_t>* ids,
+                         std::vector<std::pair<int32_t, int32_t>>* offsets = nullptr) const;
+  // Appends the ids of code points [begin, end) of a text; with `offsets`, their byte spans too,
+  // `bytes[i]` being the byte offset in the text of code point begin[i] (bytes[end - begin] its
+  // end).
+  void AppendSegmentIds(const char32_t* begin, const char32_t* end, std::vector<int32_t>* ids,
+                        const uint32_t* bytes = nullptr,
+                        std::vector<std::pair<int32_t, int32_t>>* offsets = nullptr) const;
 
   std::vector<std::string> vocab_;
   TokenizerOptions options_;

@@ -1,6 +1,8 @@
 #include "server/text/unicode.h"
 
 #include <algorithm>
+#include <tuple>
+#include <utility>
 #include <array>
 #include <map>
 
@@ -84,7 +86,7 @@ uint8_t CanonicalCombiningClass(char32_t c) {
   return (it != end && it->cp == c) ? it->ccc : 0;
 }
 
-void CanonicalOrder(char32_t* begin, char32_t* end) {
+void CanonicalOrder(char32_t* begin, char32_t* end, uint32_t* payload) {
   char32_t* p = begin;
   while (p != end) {
     if (CanonicalCombiningClass(*p) == 0) {
@@ -93,10 +95,18 @@ void CanonicalOrder(char32_t* begin, char32_t* end) {
     }
     char32_t* run_end = p;
     while (run_end != end && CanonicalCombiningClass(*run_end) != 0) ++run_end;
-    if (run_end - p > 1) {
+    if (run_end - p > 1 && payload == nullptr) {
       std::stable_sort(p, run_end, [](char32_t a, char32_t b) {
         return CanonicalCombiningClass(a) < CanonicalCombiningClass(b);
       });
+    } else if (run_end - p > 1) {
+      uint32_t* values = payload + (p - begin);
+      std::vector<std::pair<char32_t, uint32_t>> run;
+      for (char32_t* q = p; q != run_end; ++q) run.emplace_back(*q, values[q - p]);
+      std::stable_sort(run.begin(), run.end(), [](const auto& a, const auto& b) {
+        return CanonicalCombiningClass(a.first) < CanonicalCombiningClass(b.first);
+      });
+      for (size_t i = 0; i < run.size(); ++i) std::tie(p[i], values[i]) = run[i];
     }
     p = run_end;
   }

@@ -29,8 +29,8 @@ void AppendDecomposition(char32_t c, std::vector<char32_t>* out);
 uint8_t CanonicalCombiningClass(char32_t c);
 
 // Sorts each run of non-starters in [begin, end) by combining class, stably: the canonical ordering
-// step of NFD.
-void CanonicalOrder(char32_t* begin, char32_t* end);
+// step of NFD. With `payload`, the values payload[0, end - begin) move with their code points.
+void CanonicalOrder(char32_t* begin, char32_t* end, uint32_t* payload = nullptr);
 
 // Appends Rust's char::to_lowercase(c): one to three code points.
 void AppendLowercase(char32_t c, std::vector<char32_t>* out);

@@ -27,12 +27,14 @@ int32_t WordPiece::TokenToId(const std::string& token) const {
 }
 
 void WordPiece::Tokenize(std::string_view word, size_t num_chars, std::vector<int32_t>* ids,
-                         std::string* scratch) const {
+                         std::string* scratch, std::vector<size_t>* piece_ends) const {
   if (num_chars > max_input_chars_per_word_) {
     ids->push_back(unk_id_);
+    if (piece_ends != nullptr) piece_ends->push_back(word.size());
     return;
   }
   const size_t first = ids->size();
+  const size_t first_end = piece_ends != nullptr ? piece_ends->size() : 0;
   size_t start = 0;
   while (start < word.size()) {
     // The longest candidate that could be in the vocabulary, cut back to a code point boundary.
@@ -58,9 +60,14 @@ void WordPiece::Tokenize(std::string_view word, size_t num_chars, std::vector<in
     if (found < 0) {
       ids->resize(first);
       ids->push_back(unk_id_);
+      if (piece_ends != nullptr) {
+        piece_ends->resize(first_end);
+        piece_ends->push_back(word.size());
+      }
       return;
     }
     ids->push_back(found);
+    if (piece_ends != nullptr) piece_ends->push_back(end);
     start = end;
   }
 }

@@ -23,8 +23,10 @@ class WordPiece {
   // prefix, then repeatedly the longest "##"-prefixed continuation. The whole word becomes the
   // single unk id when it has more than max_input_chars_per_word code points or some part has no
   // match. `scratch` is a caller-owned buffer reused across calls to avoid allocations.
+  // With `piece_ends`, also appends the byte offset in `word` where each piece ends (the unk id:
+  // the word's end).
   void Tokenize(std::string_view word, size_t num_chars, std::vector<int32_t>* ids,
-                std::string* scratch) const;
+                std::string* scratch, std::vector<size_t>* piece_ends = nullptr) const;
 
   // The id of `token`, or -1.
   int32_t TokenToId(const std::string& token) const;

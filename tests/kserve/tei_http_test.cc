@@ -10,6 +10,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -245,6 +246,58 @@ TEST_F(TeiHttpTest, RerankScoresQueryTextPairsBestFirst) {
   ASSERT_EQ(r.code, 200) << r.body;
   EXPECT_EQ(static_cast<float>(r.Json()[0]["score"].get<double>()), logits.results(0).score());
   EXPECT_EQ(r.Header("x-compute-characters"), "2");
+}
+
+TEST_F(TeiHttpTest, TokenizeGivesEachTokensBytesInItsText) {
+  MakeModels(/*tiny=*/false);
+  Start();
+  // One text: the special tokens with null spans, each other token its bytes and their text.
+  Reply r = Call(port_, "POST", "/tokenize", R"({"inputs":"Éclair [SEP] x"})");
+  ASSERT_EQ(r.code, 200) << r.body;
+  const json want = json::parse(R"([[
+      {"id":101,"text":"[CLS]","special":true,"start":null,"stop":null},
+      {"id":14925,"text":"Éc","special":false,"start":0,"stop":3},
+      {"id":19771,"text":"lai","special":false,"start":3,"stop":6},
+      {"id":2099,"text":"r","special":false,"start":6,"stop":7},
+      {"id":102,"text":"[SEP]","special":false,"start":8,"stop":13},
+      {"id":1060,"text":"x","special":false,"start":14,"stop":15},
+      {"id":102,"text":"[SEP]","special":true,"start":null,"stop":null}]])");
+  EXPECT_EQ(r.Json(), want) << r.body;
+  // The ids are Tokenize's over gRPC.
+  v1::TokenizeRequest treq;
+  treq.set_model_name("three");
+  treq.add_inputs()->set_text("Éclair [SEP] x");
+  v1::TokenizeResponse tresp;
+  grpc::ClientContext ctx;
+  ASSERT_TRUE(stub_->Tokenize(&ctx, treq, &tresp).ok());
+  ASSERT_EQ(tresp.results(0).input_ids_size(), 7);
+  for (int k = 0; k < 7; ++k) EXPECT_EQ(r.Json()[0][k]["id"], tresp.results(0).input_ids(k));
+
+  // A batch (an array of strings: TEI takes no pairs here), without the special tokens.
+  r = Call(port_, "POST", "/models/three/tokenize",
+           R"({"inputs":["a b","c"],"add_special_tokens":false,"prompt_name":null})");
+  ASSERT_EQ(r.code, 200) << r.body;
+  EXPECT_EQ(r.Json(), json::parse(R"([
+      [{"id":1037,"text":"a","special":false,"start":0,"stop":1},
+       {"id":1038,"text":"b","special":false,"start":2,"stop":3}],
+      [{"id":1039,"text":"c","special":false,"start":0,"stop":1}]])"));
+
+  // Errors: an empty text, no texts, a prompt, a text past the max length (nothing is cut).
+  std::string long_text;
+  for (int i = 0; i < 600; ++i) long_text += "word ";
+  const std::vector<std::tuple<std::string, int, std::string>> cases = {
+      {R"({"inputs":""})", 400, "`inputs` cannot be empty"},
+      {R"({"inputs":[]})", 400, "`inputs` cannot be empty"},
+      {R"({"inputs":["a",1]})", 422, "inputs[1]: not a string"},
+      {R"({"inputs":"a","add_special_tokens":"no"})", 422, "add_special_tokens: not a bool"},
+      {R"({"inputs":"a","prompt_name":"query"})", 422, "no sentence-transformers prompts"},
+      {absl::StrCat(R"({"inputs":")", long_text, R"("})"), 422, "truncation is off"},
+  };
+  for (const auto& [body, code, message] : cases) {
+    r = Call(port_, "POST", "/tokenize", body);
+    EXPECT_EQ(r.code, code) << body.substr(0, 80) << ": " << r.body.substr(0, 200);
+    EXPECT_THAT(r.Json()["error"].get<std::string>(), HasSubstr(message)) << body.substr(0, 80);
+  }
 }
 
 TEST_F(TeiHttpTest, InfoDescribesTheModelAsTeiDoes) {

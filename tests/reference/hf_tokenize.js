@@ -7,8 +7,10 @@
 //   node hf_tokenize.js --vocab VOCAB [--lowercase 0|1] [--strip-accents 0|1] [--split-special-tokens]
 //        < in.jsonl > out.jsonl
 //     Each input line is {"text": ..., "text_pair"?: ..., "max_length"?: N}; each output line is
-//     {"ids": [...], "type_ids": [...], "normalized": [text, text_pair?]} (or {"error": "..."}), in
-//     the same order; "normalized" is the BertNormalizer output of each whole text.
+//     {"ids": [...], "type_ids": [...], "offsets": [[start, end], ...], "special": [0|1, ...],
+//     "normalized": [text, text_pair?]} (or {"error": "..."}), in the same order; "offsets" are
+//     each token's span in its own text in code points (the binding's encode gives char offsets),
+//     "special" the special tokens mask, "normalized" the BertNormalizer output of each whole text.
 //   node hf_tokenize.js --probe > table.txt
 //     For every Unicode scalar value whose behaviour is not the default one, prints
 //     "HEX\tCLASS\tN11\tN10\tN01\tN00\tR" where CLASS is w (whitespace: dropped by the
@@ -105,7 +107,8 @@ async function encodeAll(args) {
       const enc = await tokenizer.encode(req.text, pair);
       const normalized = [normalizer.normalizeString(req.text)];
       if (pair !== null) normalized.push(normalizer.normalizeString(pair));
-      result = {ids: enc.getIds(), type_ids: enc.getTypeIds(), normalized};
+      result = {ids: enc.getIds(), type_ids: enc.getTypeIds(), offsets: enc.getOffsets(),
+                special: enc.getSpecialTokensMask(), normalized};
     } catch (e) {
       result = {error: String(e && e.message ? e.message : e)};
     }

@@ -498,6 +498,19 @@ TEST_F(ServerTest, TokenizeListModelsAndGetModel) {
   ASSERT_EQ(tresp.results_size(), 1);
   EXPECT_THAT(std::vector<std::string>(tresp.results(0).tokens().begin(), tresp.results(0).tokens().end()),
               ::testing::ElementsAre("[CLS]", "hello", "world", "[SEP]"));
+  // Each token's bytes in its text ((0, 0) for the special tokens added, which the mask marks).
+  std::vector<std::pair<int, int>> offsets;
+  for (const v1::TokenOffset& o : tresp.results(0).offsets()) offsets.emplace_back(o.start(), o.end());
+  EXPECT_THAT(offsets, ::testing::ElementsAre(std::pair(0, 0), std::pair(0, 5), std::pair(6, 11),
+                                              std::pair(0, 0)));
+  EXPECT_THAT(tresp.results(0).special_tokens_mask(), ::testing::ElementsAre(true, false, false, true));
+  // Without the special tokens: the word pieces alone.
+  treq.set_add_special_tokens(false);
+  grpc::ClientContext c0;
+  v1::TokenizeResponse bare;
+  ASSERT_TRUE(stub_->Tokenize(&c0, treq, &bare).ok());
+  EXPECT_THAT(bare.results(0).input_ids(), ::testing::ElementsAre(7592, 2088));
+  EXPECT_THAT(bare.results(0).special_tokens_mask(), ::testing::ElementsAre(false, false));
 
   grpc::ClientContext c2;
   v1::ListModelsResponse lresp;

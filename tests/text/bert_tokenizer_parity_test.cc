@@ -1,10 +1,11 @@
 // Parity with Hugging Face tokenizers: the corpora in tests/reference/tokenizer_corpus*.jsonl and
 // every Unicode scalar value are run through tests/reference/hf_tokenize.js (the Rust crate through
-// its Node binding) and through BertTokenizer, and the ids must be identical. Without node or the
+// its Node binding) and through BertTokenizer, and the ids (and each token's span) must be identical. Without node or the
 // npm module this test fails: parity is a release criterion, not an optional extra.
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -145,7 +146,36 @@ void CheckCorpus(const Config& c, const BertTokenizer& tokenizer, const std::str
                     << "\n  reference normalized: " << want["normalized"].dump()
                     << "\n  ours:                 " << nlohmann::json(normalized).dump();
     } else if (got->input_ids == want_ids && got->token_type_ids == want_types) {
-      ++identical;
+      // The offsets path tokenizes the same and gives Hugging Face's spans: ours are bytes of the
+      // token's own text, the binding's code points.
+      EncodeOptions eo;
+      eo.max_length = max_length;
+      eo.offsets = true;
+      auto spans = tokenizer.Encode(text, pair ? std::optional<std::string_view>(*pair) : std::nullopt, eo);
+      ASSERT_TRUE(spans.ok()) << spans.status();
+      EXPECT_EQ(spans->input_ids, want_ids) << "line " << i + 1;
+      std::vector<std::pair<int32_t, int32_t>> chars;
+      for (size_t t = 0; t < spans->offsets.size(); ++t) {
+        const std::string& own = spans->token_type_ids[t] == 0 ? text : *pair;
+        auto to_chars = [&own](int32_t byte) {
+          return static_cast<int32_t>(std::count_if(own.begin(), own.begin() + byte, [](char ch) {
+            return (static_cast<uint8_t>(ch) & 0xC0) != 0x80;
+          }));
+        };
+        chars.emplace_back(to_chars(spans->offsets[t].first), to_chars(spans->offsets[t].second));
+      }
+      const auto want_offsets = want["offsets"].get<std::vector<std::pair<int32_t, int32_t>>>();
+      const auto want_special = want["special"].get<std::vector<uint8_t>>();
+      if (chars == want_offsets && spans->special_tokens_mask == want_special) {
+        ++identical;
+      } else {
+        ++differing;
+        ADD_FAILURE() << c.name << " line " << i + 1 << ": " << inputs[i]
+                      << "\n  reference offsets: " << want["offsets"].dump() << " special "
+                      << want["special"].dump() << "\n  ours (chars):      "
+                      << nlohmann::json(chars).dump() << " special "
+                      << nlohmann::json(spans->special_tokens_mask).dump();
+      }
     } else {
       ++differing;
       ADD_FAILURE()

@@ -101,6 +101,46 @@ TEST_F(BertTokenizerTest, EncodesSinglesAndPairs) {
   EXPECT_THAT(e->input_ids, ElementsAre(101, 102, 102));
 }
 
+TEST_F(BertTokenizerTest, OffsetsAreBytesOfEachTokensOwnText) {
+  EncodeOptions o;
+  o.offsets = true;
+  // "É" is two bytes and normalizes to "e" ("ec", "##la", "##ir"); a word piece spans only its own
+  // bytes; a special token written in the text has its span and is not in the mask.
+  auto e = tokenizer_->Encode("Éclair unaffable [SEP]", "x", o);
+  ASSERT_TRUE(e.ok()) << e.status();
+  using P = std::pair<int32_t, int32_t>;
+  EXPECT_THAT(e->offsets, ElementsAre(P(0, 0), P(0, 3), P(3, 6), P(6, 7), P(8, 11), P(11, 14),
+                                      P(14, 17), P(18, 23), P(0, 0), P(0, 1), P(0, 0)));
+  EXPECT_THAT(e->special_tokens_mask, ElementsAre(1, 0, 0, 0, 0, 0, 0, 0, 1, 0, 1));
+  EXPECT_EQ(e->input_ids, tokenizer_->Encode("Éclair unaffable [SEP]", "x")->input_ids);
+  // Truncation cuts the offsets with the ids; without offsets none are filled.
+  o.max_length = 4;
+  e = tokenizer_->Encode("Éclair unaffable", std::nullopt, o);
+  ASSERT_TRUE(e.ok());
+  EXPECT_THAT(e->offsets, ElementsAre(P(0, 0), P(0, 3), P(3, 6), P(0, 0)));
+  EXPECT_TRUE(tokenizer_->Encode("a", std::nullopt)->offsets.empty());
+}
+
+TEST_F(BertTokenizerTest, WithoutSpecialTokensMaxLengthCountsNone) {
+  EncodeOptions o;
+  o.add_special_tokens = false;
+  o.offsets = true;
+  auto e = tokenizer_->Encode("i like", "strawberries", o);
+  ASSERT_TRUE(e.ok()) << e.status();
+  EXPECT_THAT(e->input_ids, ElementsAre(1045, 2066, 13137, 20968));
+  EXPECT_THAT(e->token_type_ids, ElementsAre(0, 0, 1, 1));
+  EXPECT_THAT(e->special_tokens_mask, ElementsAre(0, 0, 0, 0));
+  o.max_length = 2;
+  e = tokenizer_->Encode("a b c", std::nullopt, o);
+  ASSERT_TRUE(e.ok());
+  EXPECT_THAT(e->input_ids, ElementsAre(1037, 1038));
+  EXPECT_EQ(e->num_tokens_before_truncation, 3);
+  o.truncate = false;
+  e = tokenizer_->Encode("a b c", std::nullopt, o);
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(e.status().message(), HasSubstr("the input is 3 tokens long, over max_length 2"));
+}
+
 // Lengths of the two sides after Encode(a words, b words, max_length) with single-piece words.
 std::pair<size_t, size_t> PairLengths(const BertTokenizer& t, int a, int b, int max_length) {
   std::string x, y;
