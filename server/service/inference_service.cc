@@ -108,7 +108,9 @@ absl::StatusOr<Encoded> EncodeInput(const ModelServable& servable, const v1::Inp
         "; shorten it or leave options.truncate unset (true)"));
   }
   // What the forward pass would refuse is refused here, for this request alone: in a batch it
-  // would fail every caller's inputs.
+  // would fail every caller's inputs. Word pieces without the special tokens (Tokenize's
+  // add_special_tokens=false) are no model input: none of them, for one, is a valid answer.
+  if (!options.add_special_tokens) return out;
   if (absl::Status s = servable.engine().CheckInput(out.input); !s.ok()) {
     return util::Prefixed(s, absl::StrCat("inputs[", index, "]: model ",
                                           servable.id().DebugString(), " cannot take it: "));
@@ -622,6 +624,36 @@ grpc::ServerUnaryReactor* InferenceService::Tokenize(grpc::CallbackServerContext
       for (uint8_t special : e->special_tokens_mask) t->add_special_tokens_mask(special != 0);
       t->set_truncated(e->truncated);
       t->set_num_tokens_before_truncation(e->num_tokens_before_truncation);
+    }
+    response->set_model_version((*servable)->id().version);
+    return grpc::Status::OK;
+  });
+}
+
+grpc::ServerUnaryReactor* InferenceService::Decode(grpc::CallbackServerContext* context,
+                                                   const v1::DecodeRequest* request,
+                                                   v1::DecodeResponse* response) {
+  return FinishUnary(context, [&]() -> grpc::Status {
+    if (grpc::Status serving = CheckServing(); !serving.ok()) return serving;
+    if (request->sequences().empty() ||
+        request->sequences_size() > options_.max_inputs_per_request) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          absl::StrCat("the request has ", request->sequences_size(),
+                                       " sequences; send 1 to ", options_.max_inputs_per_request,
+                                       " (--max_inputs_per_request)"));
+    }
+    auto servable = Resolve(repository_.load(std::memory_order_acquire), request->model_name(),
+                            OptionalVersion(request->has_model_version(), request->model_version()));
+    if (!servable.ok()) return ToGrpcStatus(servable.status());
+    const bool skip = !request->has_skip_special_tokens() || request->skip_special_tokens();
+    const auto& tokenizer = (*servable)->engine().tokenizer();
+    for (int i = 0; i < request->sequences_size(); ++i) {
+      const auto& ids = request->sequences(i).ids();
+      auto text = tokenizer.Decode(std::vector<int32_t>(ids.begin(), ids.end()), skip);
+      if (!text.ok()) {
+        return ToGrpcStatus(util::Prefixed(text.status(), absl::StrCat("sequences[", i, "].")));
+      }
+      response->add_texts(*std::move(text));
     }
     response->set_model_version((*servable)->id().version);
     return grpc::Status::OK;

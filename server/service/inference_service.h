@@ -98,6 +98,9 @@ class InferenceService final : public v1::Inference::CallbackService {
   grpc::ServerUnaryReactor* Tokenize(grpc::CallbackServerContext* context,
                                      const v1::TokenizeRequest* request,
                                      v1::TokenizeResponse* response) override;
+  grpc::ServerUnaryReactor* Decode(grpc::CallbackServerContext* context,
+                                   const v1::DecodeRequest* request,
+                                   v1::DecodeResponse* response) override;
   grpc::ServerUnaryReactor* ListModels(grpc::CallbackServerContext* context,
                                        const v1::ListModelsRequest* request,
                                        v1::ListModelsResponse* response) override;

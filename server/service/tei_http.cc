@@ -1,6 +1,7 @@
 #include "server/service/tei_http.h"
 
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <functional>
 #include <limits>
@@ -185,7 +186,7 @@ class TeiHttp {
     }
     const bool get = req.method == "GET" || req.method == "HEAD";
     const bool post = req.method == "POST";
-    enum { kHealth, kInfo, kPredict, kRerank, kEither, kTokenize } route;
+    enum { kHealth, kInfo, kPredict, kRerank, kEither, kTokenize, kDecode } route;
     if (rest == "/health" || rest == "/ping") {
       if (!get) return NotAllowed("GET, HEAD");
       route = kHealth;
@@ -196,11 +197,12 @@ class TeiHttp {
       if (!get) return NotAllowed("GET, HEAD");
       route = kInfo;
     } else if (rest == "/predict" || rest == "/rerank" || rest == "/invocations" ||
-               rest == "/tokenize") {
+               rest == "/tokenize" || rest == "/decode") {
       if (!post) return NotAllowed("POST");
       route = rest == "/predict"    ? kPredict
               : rest == "/rerank"   ? kRerank
               : rest == "/tokenize" ? kTokenize
+              : rest == "/decode"   ? kDecode
                                     : kEither;
     } else {
       return NotFound(req);
@@ -216,6 +218,7 @@ class TeiHttp {
     if (!body.is_object()) return Error(422, kValidation, "the request body is not a JSON object");
     if (route == kPredict) return Predict(req, model, body);
     if (route == kTokenize) return Tokenize(model, body);
+    if (route == kDecode) return Decode(model, body);
     std::optional<v1::ModelMetadata> metadata;
     if (HttpResponse r = Metadata(model, &metadata); !metadata) return r;
     const bool reranker = metadata->labels_size() == 1;
@@ -262,7 +265,7 @@ class TeiHttp {
     }
     if (known.empty()) return Error(503, kUnhealthy, "no model is served yet");
     return Error(400, kValidation,
-                 absl::StrCat(known.size(), " models are served (", absl::StrJoin(known, ", "),
+                 absl::StrCat(known.size(), " models are known (", absl::StrJoin(known, ", "),
                               "): name one in the path, /models/NAME/predict, or start the "
                               "server with --http_default_model"));
   }
@@ -457,6 +460,39 @@ class TeiHttp {
       out.push_back(std::move(tokens));
     }
     return Json(200, out);
+  }
+
+  HttpResponse Decode(const std::string& model, const json& body) {
+    if (!body.contains("ids") || !body["ids"].is_array()) {
+      return Error(422, kValidation, "ids: missing, or not an array of ids or of arrays of ids");
+    }
+    const json& ids = body["ids"];
+    if (ids.empty()) return Error(400, kEmpty, "`input_ids` cannot be empty");
+    v1::DecodeRequest req;
+    req.set_model_name(model);
+    if (auto it = body.find("skip_special_tokens"); it != body.end()) {
+      if (!it->is_boolean()) return Error(422, kValidation, "skip_special_tokens: not a bool");
+      req.set_skip_special_tokens(it->get<bool>());
+    }
+    // One sequence of ids, or (its first element an array) a batch of them.
+    const bool batch = ids[0].is_array();
+    for (size_t i = 0; i < (batch ? ids.size() : 1); ++i) {
+      const json& seq = batch ? ids[i] : ids;
+      const std::string where = batch ? absl::StrCat("ids[", i, "]") : "ids";
+      if (!seq.is_array()) return Error(422, kValidation, absl::StrCat(where, ": not an array"));
+      v1::TokenIds* out = req.add_sequences();
+      for (size_t k = 0; k < seq.size(); ++k) {
+        if (!seq[k].is_number_unsigned() || seq[k].get<uint64_t>() > INT32_MAX) {
+          return Error(422, kValidation, absl::StrCat(where, "[", k, "]: not a token id"));
+        }
+        out->add_ids(seq[k].get<int32_t>());
+      }
+    }
+    grpc::ClientContext ctx;
+    v1::DecodeResponse resp;
+    grpc::Status s = inference_->Decode(&ctx, req, &resp);
+    if (!s.ok()) return Refusal(model, s);
+    return Json(200, json(std::vector<std::string>(resp.texts().begin(), resp.texts().end())));
   }
 
   HttpResponse Rerank(const HttpRequest& http, const std::string& model, const json& body) {

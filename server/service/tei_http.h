@@ -37,6 +37,9 @@
 //                               offsets) and those bytes as text. Nothing is cut: a text longer
 //                               than the model's max length is refused (422), where TEI tokenizes
 //                               it whole
+//   POST /decode                {"ids": [101, 2054, ...] | [[...], ...], "skip_special_tokens"?:
+//                               bool (default true)} -> ["text", ...], one per sequence (Decode:
+//                               Hugging Face's decode; an id outside the vocabulary is refused)
 //   POST /, /invocations        /rerank for a one-label model, else /predict
 //
 // As in TEI: an array whose first element is a string is one pair, so a batch of single texts is
@@ -54,7 +57,8 @@
 // INVALID_ARGUMENT (too many inputs, too long without truncation, ...), 404 for a model the server
 // does not know, 400 for a body that is not JSON or a model the root routes cannot choose;
 // "Overloaded" 429 (RESOURCE_EXHAUSTED: the queue is full); "Unhealthy" 503 for a known model with
-// no version served yet, and UNAVAILABLE (starting, draining, a failed GPU); "Backend" 424 for a
+// no version served (loading; also one whose files stay broken: its load error is the message),
+// and UNAVAILABLE (starting, draining, a failed GPU); "Backend" 424 for a
 // classifier asked to rerank, and grpc-gateway's code otherwise (kserve_http.h). A request whose
 // client goes away is cancelled (499), as on the KServe routes.
 #ifndef COLLABSERVE_SERVER_SERVICE_TEI_HTTP_H_

@@ -22,7 +22,7 @@ struct BertNormalizerOptions {
 // `out` must not alias the input. With `sources`, also appends to it, for each code point appended
 // to `out`, the index in [begin, end) of the input code point it came from (the alignment that
 // Hugging Face's NormalizedString keeps for offsets); `sources` must hold as many entries as `out`
-// on entry. Thread-safe; allocates only to grow `out` and `sources`.
+// on entry. Thread-safe; without `sources` it allocates only to grow `out`.
 void BertNormalize(const char32_t* begin, const char32_t* end, const BertNormalizerOptions& options,
                    std::vector<char32_t>* out, std::vector<uint32_t>* sources = nullptr);
 

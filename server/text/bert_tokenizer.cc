@@ -344,6 +344,12 @@ absl::StatusOr<std::unique_ptr<BertTokenizer>> BertTokenizer::Create(std::vector
       special_tokens.emplace_back(std::u32string(cps.begin(), cps.end()), id);
     }
   }
+  // Copied before `options` moves into the tokenizer (`specials` and `extra` point into it).
+  std::vector<std::string> special_strings;
+  for (int k = 0; k < 5; ++k) {
+    if (ids[k] >= 0) special_strings.push_back(*specials[k].second);
+  }
+  for (const auto& [token, id] : extra) special_strings.push_back(*token);
   auto tokenizer = std::unique_ptr<BertTokenizer>(
       new BertTokenizer(std::move(vocab), std::move(options), ids[0]));
   tokenizer->sep_id_ = ids[1];
@@ -351,6 +357,7 @@ absl::StatusOr<std::unique_ptr<BertTokenizer>> BertTokenizer::Create(std::vector
   tokenizer->cls_id_ = ids[3];
   tokenizer->mask_id_ = ids[4];
   tokenizer->special_tokens_ = std::move(special_tokens);
+  tokenizer->special_strings_ = std::move(special_strings);
   return tokenizer;
 }
 
@@ -454,11 +461,13 @@ void BertTokenizer::AppendSegmentIds(const char32_t* begin, const char32_t* end,
     wordpiece_.Tokenize(word, e - b, ids, &scratch, &ends);
     size_t piece_start = 0;  // in bytes of `word`
     for (size_t piece_end : ends) {
-      const size_t first = std::lower_bound(starts.begin(), starts.end(), piece_start) - starts.begin();
+      // The piece's code points [first, last) of the word (pieces are never empty).
+      const size_t first =
+          std::lower_bound(starts.begin(), starts.end(), piece_start) - starts.begin();
       const size_t last = std::lower_bound(starts.begin(), starts.end(), piece_end) - starts.begin();
+      // Sources never decrease along the normalized text (NFD keeps each position's source).
       const uint32_t from = sources[b + first], to = sources[b + last - 1];
-      offsets->emplace_back(static_cast<int32_t>(bytes[from]),
-                            static_cast<int32_t>(bytes[std::max(from, to) + 1]));
+      offsets->emplace_back(static_cast<int32_t>(bytes[from]), static_cast<int32_t>(bytes[to + 1]));
       piece_start = piece_end;
     }
   }
@@ -507,13 +516,52 @@ absl::Status BertTokenizer::AppendIds(std::string_view text, std::string_view wh
     segment(segment_start, i);
     ids->push_back(best_id);
     if (offsets != nullptr) {
-      offsets->emplace_back(static_cast<int32_t>(bytes[i]), static_cast<int32_t>(bytes[i + best_len]));
+      offsets->emplace_back(static_cast<int32_t>(bytes[i]),
+                            static_cast<int32_t>(bytes[i + best_len]));
     }
     i += best_len;
     segment_start = i;
   }
   segment(segment_start, n);
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> BertTokenizer::Decode(const std::vector<int32_t>& ids,
+                                                 bool skip_special_tokens) const {
+  std::string out, piece;
+  bool first = true;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (ids[i] < 0 || static_cast<size_t>(ids[i]) >= vocab_.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("ids[", i, "] is ", ids[i],
+                                                     ", not an id of this vocabulary (0 to ",
+                                                     vocab_.size() - 1, ")"));
+    }
+    const std::string& token = vocab_[ids[i]];
+    if (skip_special_tokens && std::find(special_strings_.begin(), special_strings_.end(),
+                                         token) != special_strings_.end()) {
+      continue;
+    }
+    // tokenizers' decoders/wordpiece.rs: decode_chain, then cleanup on each token.
+    if (first) {
+      piece = token;
+    } else if (token.compare(0, 2, "##") == 0) {
+      piece = token.substr(2);
+    } else {
+      piece = " " + token;
+    }
+    first = false;
+    for (const auto& [from, to] : {std::pair<std::string_view, std::string_view>{" .", "."},
+                                   {" ?", "?"}, {" !", "!"}, {" ,", ","}, {" ' ", "'"},
+                                   {" n't", "n't"}, {" 'm", "'m"}, {" do not", " don't"},
+                                   {" 's", "'s"}, {" 've", "'ve"}, {" 're", "'re"}}) {
+      for (size_t at = piece.find(from); at != std::string::npos; at = piece.find(from, at)) {
+        piece.replace(at, from.size(), to);
+        at += to.size();
+      }
+    }
+    out += piece;
+  }
+  return out;
 }
 
 absl::StatusOr<std::vector<int32_t>> BertTokenizer::TokenizeToIds(std::string_view text) const {

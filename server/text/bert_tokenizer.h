@@ -116,6 +116,14 @@ class BertTokenizer {
   absl::StatusOr<Encoding> Encode(std::string_view text, std::optional<std::string_view> text_pair,
                                   const EncodeOptions& options) const;
 
+  // The text of `ids`, as Hugging Face's tokenizer.decode with BertTokenizerFast's decoder
+  // (WordPiece, "##", cleanup): each token after the first joined with a space, or without its
+  // "##" to the one before; " .", " ?", " !", " ," and " ' " closed up in each token. With
+  // `skip_special_tokens`, the special tokens (the five and the additional ones) are left out.
+  // INVALID_ARGUMENT naming an id outside [0, vocab_size()) (Hugging Face drops it silently).
+  absl::StatusOr<std::string> Decode(const std::vector<int32_t>& ids,
+                                     bool skip_special_tokens = true) const;
+
   int32_t cls_id() const { return cls_id_; }
   int32_t sep_id() const { return sep_id_; }
   int32_t pad_id() const { return pad_id_; }
@@ -149,6 +157,9 @@ class BertTokenizer {
   // Special tokens matched in the input (empty when split_special_tokens), as UTF-32 with their
   // ids.
   std::vector<std::pair<std::u32string, int32_t>> special_tokens_;
+  // Every special token (the five and the additional ones) whether matched in the input or not,
+  // for Decode.
+  std::vector<std::string> special_strings_;
 };
 
 }  // namespace collabserve::text

@@ -1,10 +1,10 @@
 #include "server/text/unicode.h"
 
 #include <algorithm>
-#include <tuple>
-#include <utility>
 #include <array>
 #include <map>
+#include <tuple>
+#include <utility>
 
 namespace collabserve::text::unicode {
 namespace {

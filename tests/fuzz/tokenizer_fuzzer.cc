@@ -1,6 +1,6 @@
 // Fuzzes BertTokenizer with arbitrary bytes (valid and invalid UTF-8) and the real bert-base-uncased
 // vocabulary. Input: byte 0 = flags (bit 0: encode a pair, bit 1: truncate, bits 2-3: which of four
-// tokenizer option sets), byte 1 = max_length (0: model_max_length), byte 2 = where to split the
+// tokenizer option sets, bit 4: the offsets check without special tokens), byte 1 = max_length (0: model_max_length), byte 2 = where to split the
 // rest into text and text_pair (as a fraction of 255), then the text.
 // Checks: Encode succeeds exactly when the text is well-formed UTF-8 (by an independent validator,
 // the well-formed byte sequences of Unicode Table 3-7) and the length fits or truncation is on; the
@@ -127,6 +127,48 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
   } else if (pos != ids.size()) {
     Fail("token type of a single text");
+  }
+  // The offsets path: the same ids, one span per id within its own text on code point
+  // boundaries, (0, 0) and the mask for the [CLS]/[SEP] added; without the special tokens, the
+  // word pieces alone.
+  collabserve::text::EncodeOptions eo;
+  eo.max_length = max_length;
+  eo.truncate = truncate;
+  eo.offsets = true;
+  eo.add_special_tokens = !(data[0] & 16);
+  auto spans = tok.Encode(a, pair ? std::optional<std::string_view>(b) : std::nullopt, eo);
+  if (!spans.ok()) {
+    if (eo.add_special_tokens) Fail("Encode with offsets refused what Encode took");
+    return 0;
+  }
+  if (eo.add_special_tokens && spans->input_ids != ids) Fail("offsets change the ids");
+  if (!eo.add_special_tokens && !spans->truncated) {
+    std::vector<int32_t> pieces = *ids_a;
+    pieces.insert(pieces.end(), ids_b.begin(), ids_b.end());
+    if (spans->input_ids != pieces) Fail("without special tokens: not the word pieces alone");
+  }
+  if (spans->offsets.size() != spans->input_ids.size() ||
+      spans->special_tokens_mask.size() != spans->input_ids.size()) {
+    Fail("one offset and one mask entry per id");
+  }
+  auto boundary = [](std::string_view t, int32_t at) {
+    return at == static_cast<int32_t>(t.size()) || (static_cast<uint8_t>(t[at]) & 0xC0) != 0x80;
+  };
+  for (size_t i = 0; i < spans->input_ids.size(); ++i) {
+    const auto [start, end] = spans->offsets[i];
+    const bool added = eo.add_special_tokens &&
+                       (i == 0 || i + 1 == spans->input_ids.size() ||
+                        (pair && spans->token_type_ids[i] == 0 && spans->token_type_ids[i + 1] == 1));
+    if (spans->special_tokens_mask[i] != (added ? 1 : 0)) Fail("special tokens mask");
+    if (added) {
+      if (start != 0 || end != 0) Fail("an added special token's span is not (0, 0)");
+      continue;
+    }
+    const std::string_view own = spans->token_type_ids[i] == 0 ? a : b;
+    if (start < 0 || start >= end || end > static_cast<int32_t>(own.size()) ||
+        !boundary(own, start) || !boundary(own, end)) {
+      Fail("a token's span is not a non-empty run of whole code points of its text");
+    }
   }
   return 0;
 }

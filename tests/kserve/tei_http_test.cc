@@ -282,6 +282,11 @@ TEST_F(TeiHttpTest, TokenizeGivesEachTokensBytesInItsText) {
        {"id":1038,"text":"b","special":false,"start":2,"stop":3}],
       [{"id":1039,"text":"c","special":false,"start":0,"stop":1}]])"));
 
+  // A text of no word pieces, without the special tokens: no tokens (not an error).
+  r = Call(port_, "POST", "/tokenize", R"({"inputs":" \u0001 ","add_special_tokens":false})");
+  ASSERT_EQ(r.code, 200) << r.body;
+  EXPECT_EQ(r.Json(), json::parse("[[]]"));
+
   // Errors: an empty text, no texts, a prompt, a text past the max length (nothing is cut).
   std::string long_text;
   for (int i = 0; i < 600; ++i) long_text += "word ";
@@ -297,6 +302,32 @@ TEST_F(TeiHttpTest, TokenizeGivesEachTokensBytesInItsText) {
     r = Call(port_, "POST", "/tokenize", body);
     EXPECT_EQ(r.code, code) << body.substr(0, 80) << ": " << r.body.substr(0, 200);
     EXPECT_THAT(r.Json()["error"].get<std::string>(), HasSubstr(message)) << body.substr(0, 80);
+  }
+}
+
+TEST_F(TeiHttpTest, DecodeTurnsIdsBackIntoText) {
+  MakeModels(/*tiny=*/false);
+  Start();
+  // One sequence: a list of one text; the special tokens left out unless asked for.
+  Reply r = Call(port_, "POST", "/decode", R"({"ids":[101,14925,19771,2099,1012,102]})");
+  ASSERT_EQ(r.code, 200) << r.body;
+  EXPECT_EQ(r.Json(), json::parse(R"(["eclair."])"));
+  r = Call(port_, "POST", "/models/three/decode",
+           R"({"ids":[[101,1037],[1038,102],[]],"skip_special_tokens":false})");
+  ASSERT_EQ(r.code, 200) << r.body;
+  EXPECT_EQ(r.Json(), json::parse(R"(["[CLS] a","b [SEP]",""])"));
+  const std::vector<std::tuple<std::string, int, std::string>> cases = {
+      {R"({"ids":[]})", 400, "`input_ids` cannot be empty"},
+      {R"({"ids":"101"})", 422, "ids: missing, or not an array"},
+      {R"({"ids":[101,-1]})", 422, "ids[1]: not a token id"},
+      {R"({"ids":[[101],3]})", 422, "ids[1]: not an array"},
+      {R"({"ids":[101],"skip_special_tokens":1})", 422, "skip_special_tokens: not a bool"},
+      {R"({"ids":[[1],[99999]]})", 422, "sequences[1].ids[0] is 99999, not an id"},
+  };
+  for (const auto& [body, code, message] : cases) {
+    r = Call(port_, "POST", "/decode", body);
+    EXPECT_EQ(r.code, code) << body << ": " << r.body;
+    EXPECT_THAT(r.Json()["error"].get<std::string>(), HasSubstr(message)) << body;
   }
 }
 
@@ -396,7 +427,7 @@ TEST_F(TeiHttpTest, TheRootRoutesServeTheOnlyModelOrTheDefault) {
   EXPECT_EQ(r.code, 400) << r.body;
   EXPECT_THAT(
       r.Json()["error"].get<std::string>(),
-      ::testing::AllOf(HasSubstr("2 models are served (three, tiny)"),
+      ::testing::AllOf(HasSubstr("2 models are known (three, tiny)"),
                        HasSubstr("/models/NAME/predict"), HasSubstr("--http_default_model")));
   r = Call(port_, "GET", "/health");
   EXPECT_EQ(r.code, 400) << r.body;

@@ -10,7 +10,9 @@
 //     {"ids": [...], "type_ids": [...], "offsets": [[start, end], ...], "special": [0|1, ...],
 //     "normalized": [text, text_pair?]} (or {"error": "..."}), in the same order; "offsets" are
 //     each token's span in its own text in code points (the binding's encode gives char offsets),
-//     "special" the special tokens mask, "normalized" the BertNormalizer output of each whole text.
+//     "special" the special tokens mask, "normalized" the BertNormalizer output of each whole text,
+//     "decoded" and "decoded_all" tokenizer.decode of the ids (WordPiece decoder, "##", cleanup)
+//     without and with the special tokens.
 //   node hf_tokenize.js --probe > table.txt
 //     For every Unicode scalar value whose behaviour is not the default one, prints
 //     "HEX\tCLASS\tN11\tN10\tN01\tN00\tR" where CLASS is w (whitespace: dropped by the
@@ -90,7 +92,17 @@ async function encodeAll(args) {
     return v;
   };
   tokenizer.setPostProcessor(tk.bertProcessing(['[SEP]', id('[SEP]')], ['[CLS]', id('[CLS]')]));
+  tokenizer.setDecoder(tk.wordPieceDecoder('##', true));
   if (!args.splitSpecial) tokenizer.addSpecialTokens(['[PAD]', '[UNK]', '[CLS]', '[SEP]', '[MASK]']);
+  // Decoding knows the special tokens even when encoding splits them (BertTokenizerFast's
+  // split_special_tokens only changes how text is matched): a decoder with them added.
+  let decoder = tokenizer;
+  if (args.splitSpecial) {
+    decoder = new tk.Tokenizer(await tk.WordPiece.fromFile(args.vocab, {unkToken: '[UNK]',
+        continuingSubwordPrefix: '##', maxInputCharsPerWord: 100}));
+    decoder.setDecoder(tk.wordPieceDecoder('##', true));
+    decoder.addSpecialTokens(['[PAD]', '[UNK]', '[CLS]', '[SEP]', '[MASK]']);
+  }
 
   const rl = readline.createInterface({input: process.stdin, crlfDelay: Infinity});
   for await (const line of rl) {
@@ -108,7 +120,9 @@ async function encodeAll(args) {
       const normalized = [normalizer.normalizeString(req.text)];
       if (pair !== null) normalized.push(normalizer.normalizeString(pair));
       result = {ids: enc.getIds(), type_ids: enc.getTypeIds(), offsets: enc.getOffsets(),
-                special: enc.getSpecialTokensMask(), normalized};
+                special: enc.getSpecialTokensMask(), normalized,
+                decoded: await decoder.decode(enc.getIds(), true),
+                decoded_all: await decoder.decode(enc.getIds(), false)};
     } catch (e) {
       result = {error: String(e && e.message ? e.message : e)};
     }

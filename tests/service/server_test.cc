@@ -511,6 +511,22 @@ TEST_F(ServerTest, TokenizeListModelsAndGetModel) {
   ASSERT_TRUE(stub_->Tokenize(&c0, treq, &bare).ok());
   EXPECT_THAT(bare.results(0).input_ids(), ::testing::ElementsAre(7592, 2088));
   EXPECT_THAT(bare.results(0).special_tokens_mask(), ::testing::ElementsAre(false, false));
+  // Decode: the ids back to text, the special tokens left out unless asked for.
+  v1::DecodeRequest dreq;
+  dreq.set_model_name("tiny");
+  dreq.add_sequences()->mutable_ids()->Assign(tresp.results(0).input_ids().begin(),
+                                              tresp.results(0).input_ids().end());
+  dreq.add_sequences();
+  v1::DecodeResponse dresp;
+  grpc::ClientContext cd;
+  ASSERT_TRUE(stub_->Decode(&cd, dreq, &dresp).ok());
+  EXPECT_THAT(dresp.texts(), ::testing::ElementsAre("hello world", ""));
+  dreq.set_skip_special_tokens(false);
+  dreq.mutable_sequences(1)->add_ids(-1);
+  grpc::ClientContext cd2;
+  grpc::Status ds = stub_->Decode(&cd2, dreq, &dresp);
+  EXPECT_EQ(ds.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(ds.error_message(), HasSubstr("sequences[1].ids[0] is -1"));
 
   grpc::ClientContext c2;
   v1::ListModelsResponse lresp;

@@ -1,8 +1,10 @@
 #include "server/text/bert_normalizer.h"
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/text/utf8.h"
 
@@ -58,6 +60,44 @@ TEST(BertNormalizerTest, LowercasesCharacterByCharacter) {
   EXPECT_EQ(Normalize("İx"), "ix");  // NFD + strip first, then lowercase
   EXPECT_EQ(Normalize("STRAẞE"), "straße");
   EXPECT_EQ(Normalize("HeLLo", false, false), "HeLLo");
+}
+
+// The input code point each normalized one came from, with the options as Normalize's.
+std::vector<uint32_t> Sources(const std::u32string& text, bool lowercase = true,
+                              bool strip_accents = true) {
+  std::vector<char32_t> out, plain;
+  std::vector<uint32_t> sources;
+  BertNormalizerOptions o;
+  o.lowercase = lowercase;
+  o.strip_accents = strip_accents;
+  BertNormalize(text.data(), text.data() + text.size(), o, &out, &sources);
+  BertNormalize(text.data(), text.data() + text.size(), o, &plain);
+  EXPECT_EQ(out, plain) << "the sources change the text";
+  EXPECT_EQ(sources.size(), out.size());
+  return sources;
+}
+
+TEST(BertNormalizerTest, SourcesAreHuggingFacesAlignments) {
+  using ::testing::ElementsAre;
+  // Removed characters leave no trace; a decomposition's marks, dropped, neither.
+  EXPECT_THAT(Sources(U"a\u0001b\u00E9"), ElementsAre(0, 2, 3));
+  // CJK spaces and a lowercase that lengthens (İ -> i + U+0307) keep their character's source.
+  EXPECT_THAT(Sources(U"x\u4E2Dy"), ElementsAre(0, 1, 1, 1, 2));
+  EXPECT_THAT(Sources(U"\u0130x", true, false), ElementsAre(0, 0, 1));
+  std::vector<char32_t> out;
+  std::vector<uint32_t> sources;
+  const std::u32string hangul = U"\uAC01";  // a syllable: three jamo, one source
+  BertNormalizerOptions nfd;
+  nfd.lowercase = false;
+  BertNormalize(hangul.data(), hangul.data() + 1, nfd, &out, &sources);
+  EXPECT_THAT(sources, ElementsAre(0, 0, 0));
+  // Reordering moves each code point's role, not its source: Ä's NFD gives A and a new U+0308
+  // (230), which sorts after U+1D172 (216) and U+1D16D (226); each position that "replaces" takes
+  // the next character's source, so U+1D16D gets U+0308's (2), as Hugging Face aligns it. The
+  // sources never decrease.
+  const std::vector<uint32_t> mixed = Sources(U"\u00C4\U0001D172\u0308\U0001D16D x");
+  EXPECT_TRUE(std::is_sorted(mixed.begin(), mixed.end()));
+  EXPECT_THAT(mixed, ElementsAre(0, 1, 2, 4, 5));
 }
 
 }  // namespace

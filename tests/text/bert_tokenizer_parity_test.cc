@@ -1,6 +1,7 @@
 // Parity with Hugging Face tokenizers: the corpora in tests/reference/tokenizer_corpus*.jsonl and
 // every Unicode scalar value are run through tests/reference/hf_tokenize.js (the Rust crate through
-// its Node binding) and through BertTokenizer, and the ids (and each token's span) must be identical. Without node or the
+// its Node binding) and through BertTokenizer: the ids, each token's span, and the text decoded
+// from the ids must be identical. Without node or the
 // npm module this test fails: parity is a release criterion, not an optional extra.
 #include <sys/wait.h>
 #include <unistd.h>
@@ -166,6 +167,12 @@ void CheckCorpus(const Config& c, const BertTokenizer& tokenizer, const std::str
       }
       const auto want_offsets = want["offsets"].get<std::vector<std::pair<int32_t, int32_t>>>();
       const auto want_special = want["special"].get<std::vector<uint8_t>>();
+      // Decode, without and with the special tokens.
+      const auto decoded = tokenizer.Decode(want_ids, /*skip_special_tokens=*/true);
+      const auto decoded_all = tokenizer.Decode(want_ids, /*skip_special_tokens=*/false);
+      ASSERT_TRUE(decoded.ok() && decoded_all.ok()) << decoded.status() << decoded_all.status();
+      EXPECT_EQ(*decoded, want["decoded"].get<std::string>()) << c.name << " line " << i + 1;
+      EXPECT_EQ(*decoded_all, want["decoded_all"].get<std::string>()) << c.name << " line " << i + 1;
       if (chars == want_offsets && spans->special_tokens_mask == want_special) {
         ++identical;
       } else {

@@ -104,7 +104,7 @@ TEST_F(BertTokenizerTest, EncodesSinglesAndPairs) {
 TEST_F(BertTokenizerTest, OffsetsAreBytesOfEachTokensOwnText) {
   EncodeOptions o;
   o.offsets = true;
-  // "É" is two bytes and normalizes to "e" ("ec", "##la", "##ir"); a word piece spans only its own
+  // "É" is two bytes and normalizes to "e" ("ec", "##lai", "##r"); a word piece spans only its own
   // bytes; a special token written in the text has its span and is not in the mask.
   auto e = tokenizer_->Encode("Éclair unaffable [SEP]", "x", o);
   ASSERT_TRUE(e.ok()) << e.status();
@@ -139,6 +139,18 @@ TEST_F(BertTokenizerTest, WithoutSpecialTokensMaxLengthCountsNone) {
   e = tokenizer_->Encode("a b c", std::nullopt, o);
   EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(e.status().message(), HasSubstr("the input is 3 tokens long, over max_length 2"));
+}
+
+TEST_F(BertTokenizerTest, DecodesAsHuggingFace) {
+  // Outputs of Hugging Face's tokenizer.decode (WordPiece decoder, cleanup) on the same ids.
+  const std::vector<int32_t> ids = {101, 2129, 1005, 1055, 1996, 1012, 19771, 2099, 102, 100};
+  EXPECT_EQ(*tokenizer_->Decode(ids), "how ' s the.lair");
+  EXPECT_EQ(*tokenizer_->Decode({19771, 101, 2129, 1005, 1055, 102}, false),
+            "##lai [CLS] how ' s [SEP]");
+  EXPECT_EQ(*tokenizer_->Decode({}), "");
+  auto bad = tokenizer_->Decode({101, 30522});
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.status().message(), HasSubstr("ids[1] is 30522, not an id of this vocabulary"));
 }
 
 // Lengths of the two sides after Encode(a words, b words, max_length) with single-piece words.

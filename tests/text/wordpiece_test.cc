@@ -55,5 +55,24 @@ TEST(WordPieceDuplicatesTest, LaterIdWins) {
   EXPECT_EQ(wp.TokenToId("c"), -1);
 }
 
+TEST_F(WordPieceTest, PieceEndsAreByteOffsetsInTheWord) {
+  auto ends = [this](const std::string& word, size_t chars) {
+    std::vector<int32_t> ids;
+    std::vector<size_t> out = {7};  // appends
+    std::string scratch;
+    wp_.Tokenize(word, chars, &ids, &scratch, &out);
+    EXPECT_EQ(out.size(), ids.size() + 1) << word;
+    out.erase(out.begin());
+    return out;
+  };
+  EXPECT_THAT(ends("unaffable", 9), ElementsAre(2, 5, 9));
+  EXPECT_THAT(ends("ééé", 3), ElementsAre(2, 4, 6));
+  // An unknown word, also after a partial match, is one piece: the whole word.
+  EXPECT_THAT(ends("bananax", 7), ElementsAre(7));
+  std::string e101;
+  for (int i = 0; i < 101; ++i) e101 += "é";
+  EXPECT_THAT(ends(e101, 101), ElementsAre(202));
+}
+
 }  // namespace
 }  // namespace collabserve::text
