@@ -48,6 +48,7 @@
 #include "server/service/server.h"
 #include "server/util/files.h"
 #include "tests/kserve/raw_http_client.h"
+#include "tests/kserve/rest_test_server.h"
 #include "tests/service/local_server_options.h"
 #include "tests/service/test_util.h"
 
@@ -83,7 +84,7 @@ double Sample(const HttpServer& http, const std::string& name, const std::string
   return 0;
 }
 
-class KServeHttpTest : public ::testing::Test {
+class KServeHttpTest : public RestTestServer {
  protected:
   void SetUp() override {
     MakeTinyModel(repo_.path() + "/tiny/1", 1);
@@ -93,46 +94,16 @@ class KServeHttpTest : public ::testing::Test {
     three.seed = 6;
     ASSERT_TRUE(model::MakeCheckpoint(repo_.path() + "/three/1", three).ok());
   }
-  void TearDown() override {
-    gate_.Open();
-    http_.reset();
-    if (server_) server_->Shutdown();
-  }
-
   void Start(HttpServerOptions http = {}, bool load = true) {
-    ServerOptions o = testing::LocalServerOptions(repo_.path());
+    ServerOptions o = BaseOptions();
     o.max_message_bytes = 1 << 20;
-    o.inference.max_inputs_per_request = 8;
-    o.torch_version = "test";
-    o.servable.before_batch_hook = [this] { gate_.Pass(); };
-    o.extra_services.push_back(&kserve_);
-    server_ = std::make_unique<Server>(o);
-    absl::Status s = server_->StartServing();
-    ASSERT_TRUE(s.ok()) << s;
-    http.host = "127.0.0.1";
-    http.port = 0;
     if (http.max_body_bytes == (16 << 20)) http.max_body_bytes = o.max_message_bytes;
-    auto started = HttpServer::Start(http, NewKServeHttpHandler(server_->InProcessChannel()));
-    ASSERT_TRUE(started.ok()) << started.status();
-    http_ = *std::move(started);
-    port_ = http_->port();
-    stub_ = inference::GRPCInferenceService::NewStub(grpc::CreateChannel(
-        absl::StrCat("127.0.0.1:", server_->port()), grpc::InsecureChannelCredentials()));
-    if (load) LoadModels();
-  }
-  void LoadModels() {
-    absl::Status s = server_->LoadModels();
-    ASSERT_TRUE(s.ok()) << s;
-    kserve_.Attach(&server_->inference_service(), server_->repository(), &server_->metrics());
+    StartWith(std::move(o), http, NewKServeHttpHandler, load);
+    stub_ = inference::GRPCInferenceService::NewStub(
+        grpc::CreateChannel(GrpcAddress(), grpc::InsecureChannelCredentials()));
   }
 
-  TempDir repo_;
-  testing::Gate gate_;  // every batch passes it: closed, it holds forward passes back
-  KServeService kserve_;
-  std::unique_ptr<Server> server_;
-  std::unique_ptr<HttpServer> http_;
   std::unique_ptr<inference::GRPCInferenceService::Stub> stub_;
-  int port_ = 0;
 };
 
 const char kTwoTexts[] =

@@ -30,6 +30,7 @@
 #include "server/service/model_servable.h"
 #include "server/service/server.h"
 #include "tests/kserve/raw_http_client.h"
+#include "tests/kserve/rest_test_server.h"
 #include "tests/service/local_server_options.h"
 #include "tests/service/test_util.h"
 
@@ -41,7 +42,7 @@ using ::collabserve::testing::TempDir;
 using ::testing::HasSubstr;
 using json = nlohmann::json;
 
-class TeiHttpTest : public ::testing::Test {
+class TeiHttpTest : public RestTestServer {
  protected:
   // Models "three" (3 labels) and "scorer" (1 label: a re-ranker), and "tiny" (2) when `tiny`.
   void MakeModels(bool tiny) {
@@ -64,37 +65,17 @@ class TeiHttpTest : public ::testing::Test {
     o.default_model = default_model;
     return o;
   }
-  void TearDown() override {
-    gate_.Open();
-    http_.reset();
-    if (server_) server_->Shutdown();
-  }
-
   void Start(TeiHttpOptions tei = {}, bool load = true) {
-    ServerOptions o = testing::LocalServerOptions(repo_.path());
-    o.inference.max_inputs_per_request = 8;
+    ServerOptions o = BaseOptions();
     o.servable.batching.max_queue_size = 4;
-    o.servable.before_batch_hook = [this] { gate_.Pass(); };
-    o.torch_version = "test";
-    o.extra_services.push_back(&kserve_);
-    server_ = std::make_unique<Server>(o);
-    absl::Status s = server_->StartServing();
-    ASSERT_TRUE(s.ok()) << s;
-    HttpServerOptions http;
-    http.host = "127.0.0.1";
-    http.port = 0;
-    auto started = HttpServer::Start(http, NewHttpApiHandler(server_->InProcessChannel(), tei));
-    ASSERT_TRUE(started.ok()) << started.status();
-    http_ = *std::move(started);
-    port_ = http_->port();
-    stub_ = v1::Inference::NewStub(grpc::CreateChannel(absl::StrCat("127.0.0.1:", server_->port()),
-                                                       grpc::InsecureChannelCredentials()));
-    if (load) LoadModels();
-  }
-  void LoadModels() {
-    absl::Status s = server_->LoadModels();
-    ASSERT_TRUE(s.ok()) << s;
-    kserve_.Attach(&server_->inference_service(), server_->repository(), &server_->metrics());
+    StartWith(
+        std::move(o), {},
+        [&tei](std::shared_ptr<grpc::Channel> channel) {
+          return NewHttpApiHandler(std::move(channel), tei);
+        },
+        load);
+    stub_ = v1::Inference::NewStub(
+        grpc::CreateChannel(GrpcAddress(), grpc::InsecureChannelCredentials()));
   }
   // Classify over gRPC with every label's score.
   v1::ClassifyResponse Classify(const std::string& model,
@@ -128,13 +109,7 @@ class TeiHttpTest : public ::testing::Test {
     return predictions;
   }
 
-  TempDir repo_;
-  testing::Gate gate_;  // every batch passes it: closed, it holds forward passes back
-  KServeService kserve_;
-  std::unique_ptr<Server> server_;
-  std::unique_ptr<HttpServer> http_;
   std::unique_ptr<v1::Inference::Stub> stub_;
-  int port_ = 0;
 };
 
 TEST_F(TeiHttpTest, PredictAgreesWithClassifyInEveryInputForm) {
