@@ -649,7 +649,16 @@ grpc::ServerUnaryReactor* InferenceService::Decode(grpc::CallbackServerContext* 
     const auto& tokenizer = (*servable)->engine().tokenizer();
     for (int i = 0; i < request->sequences_size(); ++i) {
       const auto& ids = request->sequences(i).ids();
-      auto text = tokenizer.Decode(std::vector<int32_t>(ids.begin(), ids.end()), skip);
+      // A text decoded may be as long as a text sent (--max_text_bytes), and it has at most one
+      // token a byte.
+      if (ids.size() > options_.max_text_bytes) {
+        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                            absl::StrCat("sequences[", i, "] has ", ids.size(),
+                                         " ids, more than the limit of ", options_.max_text_bytes,
+                                         " (--max_text_bytes)"));
+      }
+      auto text = tokenizer.Decode(std::vector<int32_t>(ids.begin(), ids.end()), skip,
+                                   static_cast<size_t>(options_.max_text_bytes));
       if (!text.ok()) {
         return ToGrpcStatus(util::Prefixed(text.status(), absl::StrCat("sequences[", i, "].")));
       }

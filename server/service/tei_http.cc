@@ -1,7 +1,6 @@
 #include "server/service/tei_http.h"
 
 #include <algorithm>
-#include <climits>
 #include <cstdint>
 #include <functional>
 #include <limits>
@@ -480,9 +479,11 @@ class TeiHttp {
       const json& seq = batch ? ids[i] : ids;
       const std::string where = batch ? absl::StrCat("ids[", i, "]") : "ids";
       if (!seq.is_array()) return Error(422, kValidation, absl::StrCat(where, ": not an array"));
+      if (seq.empty()) return Error(400, kEmpty, "`input_ids` cannot be empty");
       v1::TokenIds* out = req.add_sequences();
       for (size_t k = 0; k < seq.size(); ++k) {
-        if (!seq[k].is_number_unsigned() || seq[k].get<uint64_t>() > INT32_MAX) {
+        if (!seq[k].is_number_unsigned() ||
+            seq[k].get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int32_t>::max())) {
           return Error(422, kValidation, absl::StrCat(where, "[", k, "]: not a token id"));
         }
         out->add_ids(seq[k].get<int32_t>());
@@ -492,6 +493,11 @@ class TeiHttp {
     v1::DecodeResponse resp;
     grpc::Status s = inference_->Decode(&ctx, req, &resp);
     if (!s.ok()) return Refusal(model, s);
+    if (resp.texts_size() != req.sequences_size()) {
+      return Error(424, kBackend,
+                   absl::StrCat("Decode answered ", resp.texts_size(), " texts for ",
+                                req.sequences_size(), " sequences"));
+    }
     return Json(200, json(std::vector<std::string>(resp.texts().begin(), resp.texts().end())));
   }
 

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <limits>
+#include <string_view>
+#include <unordered_map>
 #include <utility>
 
 #include "absl/strings/numbers.h"
@@ -344,12 +346,24 @@ absl::StatusOr<std::unique_ptr<BertTokenizer>> BertTokenizer::Create(std::vector
       special_tokens.emplace_back(std::u32string(cps.begin(), cps.end()), id);
     }
   }
-  // Copied before `options` moves into the tokenizer (`specials` and `extra` point into it).
-  std::vector<std::string> special_strings;
-  for (int k = 0; k < 5; ++k) {
-    if (ids[k] >= 0) special_strings.push_back(*specials[k].second);
+  // Read before `options` moves into the tokenizer (`specials` and `extra` point into it).
+  std::vector<uint8_t> id_flags(vocab.size(), 0);
+  {
+    std::unordered_map<std::string_view, size_t> last;  // a token's last line
+    for (size_t i = 0; i < vocab.size(); ++i) last[vocab[i]] = i;
+    std::vector<std::string_view> special_strings;
+    for (int k = 0; k < 5; ++k) {
+      if (ids[k] >= 0) special_strings.push_back(*specials[k].second);
+    }
+    for (const auto& [token, id] : extra) special_strings.push_back(*token);
+    for (size_t i = 0; i < vocab.size(); ++i) {
+      if (last[vocab[i]] != i) id_flags[i] |= kShadowedId;
+      if (std::find(special_strings.begin(), special_strings.end(), vocab[i]) !=
+          special_strings.end()) {
+        id_flags[i] |= kSpecialId;
+      }
+    }
   }
-  for (const auto& [token, id] : extra) special_strings.push_back(*token);
   auto tokenizer = std::unique_ptr<BertTokenizer>(
       new BertTokenizer(std::move(vocab), std::move(options), ids[0]));
   tokenizer->sep_id_ = ids[1];
@@ -357,7 +371,7 @@ absl::StatusOr<std::unique_ptr<BertTokenizer>> BertTokenizer::Create(std::vector
   tokenizer->cls_id_ = ids[3];
   tokenizer->mask_id_ = ids[4];
   tokenizer->special_tokens_ = std::move(special_tokens);
-  tokenizer->special_strings_ = std::move(special_strings);
+  tokenizer->id_flags_ = std::move(id_flags);
   return tokenizer;
 }
 
@@ -527,7 +541,7 @@ absl::Status BertTokenizer::AppendIds(std::string_view text, std::string_view wh
 }
 
 absl::StatusOr<std::string> BertTokenizer::Decode(const std::vector<int32_t>& ids,
-                                                 bool skip_special_tokens) const {
+                                                 bool skip_special_tokens, size_t max_bytes) const {
   std::string out, piece;
   bool first = true;
   for (size_t i = 0; i < ids.size(); ++i) {
@@ -537,10 +551,12 @@ absl::StatusOr<std::string> BertTokenizer::Decode(const std::vector<int32_t>& id
                                                      vocab_.size() - 1, ")"));
     }
     const std::string& token = vocab_[ids[i]];
-    if (skip_special_tokens && std::find(special_strings_.begin(), special_strings_.end(),
-                                         token) != special_strings_.end()) {
-      continue;
+    if (id_flags_[ids[i]] & kShadowedId) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "ids[", i, "] is ", ids[i], ", whose token \"", Cut(token), "\" has the later id ",
+          wordpiece_.TokenToId(token), " in this vocabulary: the tokenizer never gives ", ids[i]));
     }
+    if (skip_special_tokens && (id_flags_[ids[i]] & kSpecialId)) continue;
     // tokenizers' decoders/wordpiece.rs: decode_chain, then cleanup on each token.
     if (first) {
       piece = token;
@@ -560,6 +576,11 @@ absl::StatusOr<std::string> BertTokenizer::Decode(const std::vector<int32_t>& id
       }
     }
     out += piece;
+    if (out.size() > max_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat("the text of ids[0, ", i + 1, ") is ",
+                                                     out.size(), " bytes, over the limit of ",
+                                                     max_bytes));
+    }
   }
   return out;
 }

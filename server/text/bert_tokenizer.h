@@ -5,6 +5,7 @@
 #define COLLABSERVE_SERVER_TEXT_BERT_TOKENIZER_H_
 
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -118,11 +119,15 @@ class BertTokenizer {
 
   // The text of `ids`, as Hugging Face's tokenizer.decode with BertTokenizerFast's decoder
   // (WordPiece, "##", cleanup): each token after the first joined with a space, or without its
-  // "##" to the one before; " .", " ?", " !", " ," and " ' " closed up in each token. With
-  // `skip_special_tokens`, the special tokens (the five and the additional ones) are left out.
-  // INVALID_ARGUMENT naming an id outside [0, vocab_size()) (Hugging Face drops it silently).
+  // "##" to the one before; within each token (so only where a token starts with the space added
+  // before it) " ." " ?" " !" " ," " ' " " n't" " 'm" " do not" " 's" " 've" " 're" closed up as
+  // tokenizers' cleanup does. With `skip_special_tokens`, the special tokens (the five and the
+  // additional ones) are left out. INVALID_ARGUMENT, naming it, for an id outside
+  // [0, vocab_size()) or one that a later line of the vocabulary shadows (Hugging Face drops both
+  // silently), or once the text would pass `max_bytes`.
   absl::StatusOr<std::string> Decode(const std::vector<int32_t>& ids,
-                                     bool skip_special_tokens = true) const;
+                                     bool skip_special_tokens = true,
+                                     size_t max_bytes = std::numeric_limits<size_t>::max()) const;
 
   int32_t cls_id() const { return cls_id_; }
   int32_t sep_id() const { return sep_id_; }
@@ -157,9 +162,11 @@ class BertTokenizer {
   // Special tokens matched in the input (empty when split_special_tokens), as UTF-32 with their
   // ids.
   std::vector<std::pair<std::u32string, int32_t>> special_tokens_;
-  // Every special token (the five and the additional ones) whether matched in the input or not,
-  // for Decode.
-  std::vector<std::string> special_strings_;
+  // For Decode, per id: kSpecialId if its token is a special token (the five and the additional
+  // ones, matched in the input or not), kShadowedId if a later line of the vocabulary has the same
+  // token.
+  static constexpr uint8_t kSpecialId = 1, kShadowedId = 2;
+  std::vector<uint8_t> id_flags_;
 };
 
 }  // namespace collabserve::text

@@ -1,6 +1,6 @@
 // Fuzzes BertTokenizer with arbitrary bytes (valid and invalid UTF-8) and the real bert-base-uncased
 // vocabulary. Input: byte 0 = flags (bit 0: encode a pair, bit 1: truncate, bits 2-3: which of four
-// tokenizer option sets, bit 4: the offsets check without special tokens), byte 1 = max_length (0: model_max_length), byte 2 = where to split the
+// option sets, bit 4: the offsets check without special tokens), byte 1 = max_length (0: model_max_length), byte 2 = where to split the
 // rest into text and text_pair (as a fraction of 255), then the text.
 // Checks: Encode succeeds exactly when the text is well-formed UTF-8 (by an independent validator,
 // the well-formed byte sequences of Unicode Table 3-7) and the length fits or truncation is on; the
@@ -137,28 +137,46 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   eo.offsets = true;
   eo.add_special_tokens = !(data[0] & 16);
   auto spans = tok.Encode(a, pair ? std::optional<std::string_view>(b) : std::nullopt, eo);
-  if (!spans.ok()) {
-    if (eo.add_special_tokens) Fail("Encode with offsets refused what Encode took");
-    return 0;
-  }
+  // Without the special tokens the word pieces fit wherever they fit with them.
+  if (!spans.ok()) Fail("Encode with offsets refused what Encode took");
   if (eo.add_special_tokens && spans->input_ids != ids) Fail("offsets change the ids");
-  if (!eo.add_special_tokens && !spans->truncated) {
-    std::vector<int32_t> pieces = *ids_a;
-    pieces.insert(pieces.end(), ids_b.begin(), ids_b.end());
-    if (spans->input_ids != pieces) Fail("without special tokens: not the word pieces alone");
+  if (!eo.add_special_tokens) {
+    const size_t pieces = ids_a->size() + ids_b.size();
+    if (spans->num_tokens_before_truncation != static_cast<int>(pieces)) {
+      Fail("without special tokens: num_tokens_before_truncation");
+    }
+    if (spans->truncated != (pieces > limit) || spans->input_ids.size() > limit) {
+      Fail("without special tokens: truncation");
+    }
+    // Each segment a prefix of its word pieces, in order (all of them when nothing was cut).
+    size_t n_a = 0;
+    while (n_a < spans->input_ids.size() && spans->token_type_ids[n_a] == 0) ++n_a;
+    if (n_a > ids_a->size() ||
+        !std::equal(spans->input_ids.begin(), spans->input_ids.begin() + n_a, ids_a->begin()) ||
+        spans->input_ids.size() - n_a > ids_b.size() ||
+        !std::equal(spans->input_ids.begin() + n_a, spans->input_ids.end(), ids_b.begin()) ||
+        (!spans->truncated && spans->input_ids.size() != pieces)) {
+      Fail("without special tokens: not the word pieces alone");
+    }
   }
   if (spans->offsets.size() != spans->input_ids.size() ||
-      spans->special_tokens_mask.size() != spans->input_ids.size()) {
-    Fail("one offset and one mask entry per id");
+      spans->special_tokens_mask.size() != spans->input_ids.size() ||
+      spans->token_type_ids.size() != spans->input_ids.size()) {
+    Fail("one offset, mask entry and token type per id");
+  }
+  // Decode takes every id Encode gives, with and without the special tokens.
+  if (!tok.Decode(spans->input_ids, true).ok() || !tok.Decode(spans->input_ids, false).ok()) {
+    Fail("Decode refused ids Encode gave");
   }
   auto boundary = [](std::string_view t, int32_t at) {
     return at == static_cast<int32_t>(t.size()) || (static_cast<uint8_t>(t[at]) & 0xC0) != 0x80;
   };
   for (size_t i = 0; i < spans->input_ids.size(); ++i) {
     const auto [start, end] = spans->offsets[i];
-    const bool added = eo.add_special_tokens &&
-                       (i == 0 || i + 1 == spans->input_ids.size() ||
-                        (pair && spans->token_type_ids[i] == 0 && spans->token_type_ids[i + 1] == 1));
+    const bool added =
+        eo.add_special_tokens &&
+        (i == 0 || i + 1 == spans->input_ids.size() ||
+         (pair && spans->token_type_ids[i] == 0 && spans->token_type_ids[i + 1] == 1));
     if (spans->special_tokens_mask[i] != (added ? 1 : 0)) Fail("special tokens mask");
     if (added) {
       if (start != 0 || end != 0) Fail("an added special token's span is not (0, 0)");

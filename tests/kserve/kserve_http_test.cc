@@ -98,7 +98,7 @@ class KServeHttpTest : public RestTestServer {
     ServerOptions o = BaseOptions();
     o.max_message_bytes = 1 << 20;
     if (http.max_body_bytes == (16 << 20)) http.max_body_bytes = o.max_message_bytes;
-    StartWith(std::move(o), http, NewKServeHttpHandler, load);
+    ASSERT_NO_FATAL_FAILURE(StartWith(std::move(o), http, NewKServeHttpHandler, load));
     stub_ = inference::GRPCInferenceService::NewStub(
         grpc::CreateChannel(GrpcAddress(), grpc::InsecureChannelCredentials()));
   }

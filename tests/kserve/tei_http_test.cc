@@ -68,12 +68,12 @@ class TeiHttpTest : public RestTestServer {
   void Start(TeiHttpOptions tei = {}, bool load = true) {
     ServerOptions o = BaseOptions();
     o.servable.batching.max_queue_size = 4;
-    StartWith(
+    ASSERT_NO_FATAL_FAILURE(StartWith(
         std::move(o), {},
-        [&tei](std::shared_ptr<grpc::Channel> channel) {
+        [tei](std::shared_ptr<grpc::Channel> channel) {
           return NewHttpApiHandler(std::move(channel), tei);
         },
-        load);
+        load));
     stub_ = v1::Inference::NewStub(
         grpc::CreateChannel(GrpcAddress(), grpc::InsecureChannelCredentials()));
   }
@@ -288,11 +288,14 @@ TEST_F(TeiHttpTest, DecodeTurnsIdsBackIntoText) {
   ASSERT_EQ(r.code, 200) << r.body;
   EXPECT_EQ(r.Json(), json::parse(R"(["eclair."])"));
   r = Call(port_, "POST", "/models/three/decode",
-           R"({"ids":[[101,1037],[1038,102],[]],"skip_special_tokens":false})");
+           R"({"ids":[[101,1037],[1038,102]],"skip_special_tokens":false})");
   ASSERT_EQ(r.code, 200) << r.body;
-  EXPECT_EQ(r.Json(), json::parse(R"(["[CLS] a","b [SEP]",""])"));
+  EXPECT_EQ(r.Json(), json::parse(R"(["[CLS] a","b [SEP]"])"));
   const std::vector<std::tuple<std::string, int, std::string>> cases = {
       {R"({"ids":[]})", 400, "`input_ids` cannot be empty"},
+      {R"({"ids":[[101],[]]})", 400, "`input_ids` cannot be empty"},
+      {R"({"ids":[1.0]})", 422, "ids[0]: not a token id"},
+      {R"({"ids":[2147483648]})", 422, "ids[0]: not a token id"},
       {R"({"ids":"101"})", 422, "ids: missing, or not an array"},
       {R"({"ids":[101,-1]})", 422, "ids[1]: not a token id"},
       {R"({"ids":[[101],3]})", 422, "ids[1]: not an array"},

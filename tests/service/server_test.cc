@@ -527,6 +527,20 @@ TEST_F(ServerTest, TokenizeListModelsAndGetModel) {
   grpc::Status ds = stub_->Decode(&cd2, dreq, &dresp);
   EXPECT_EQ(ds.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(ds.error_message(), HasSubstr("sequences[1].ids[0] is -1"));
+  // A text decoded is bounded as a text sent is (--max_text_bytes).
+  v1::DecodeRequest big;
+  big.set_model_name("tiny");
+  auto* seq = big.add_sequences();
+  for (int i = 0; i < 70000; ++i) seq->add_ids(2088);
+  grpc::ClientContext cd3;
+  ds = stub_->Decode(&cd3, big, &dresp);
+  EXPECT_EQ(ds.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(ds.error_message(), HasSubstr("70000 ids, more than the limit of 65536"));
+  seq->mutable_ids()->Truncate(20000);  // "world" 20,000 times: ~120 KB of text
+  grpc::ClientContext cd4;
+  ds = stub_->Decode(&cd4, big, &dresp);
+  EXPECT_EQ(ds.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(ds.error_message(), HasSubstr("over the limit of 65536"));
 
   grpc::ClientContext c2;
   v1::ListModelsResponse lresp;

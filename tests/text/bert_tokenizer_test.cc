@@ -153,6 +153,25 @@ TEST_F(BertTokenizerTest, DecodesAsHuggingFace) {
   EXPECT_THAT(bad.status().message(), HasSubstr("ids[1] is 30522, not an id of this vocabulary"));
 }
 
+TEST(BertTokenizerDecodeTest, RefusesShadowedIdsAndLongTextsAndSkipsAdditionalSpecialTokens) {
+  // "dup" twice: Hugging Face maps it to its last id and never gives (nor decodes) the first.
+  TokenizerOptions o;
+  o.additional_special_tokens = {"[E1]"};
+  auto t = BertTokenizer::Create(
+      {"[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "dup", "x", "dup", "[E1]", "##y"}, o);
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(*(*t)->Decode({2, 7, 6, 9, 8, 3}), "dup xy");
+  EXPECT_EQ(*(*t)->Decode({2, 7, 8, 3}, false), "[CLS] dup [E1] [SEP]");
+  auto shadowed = (*t)->Decode({6, 5});
+  EXPECT_EQ(shadowed.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(shadowed.status().message(),
+              HasSubstr("ids[1] is 5, whose token \"dup\" has the later id 7"));
+  auto longer = (*t)->Decode({6, 6, 6, 6}, true, /*max_bytes=*/6);
+  EXPECT_EQ(longer.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(longer.status().message(), HasSubstr("7 bytes, over the limit of 6"));
+  EXPECT_EQ(*(*t)->Decode({6, 6, 6}, true, 5), "x x x");
+}
+
 // Lengths of the two sides after Encode(a words, b words, max_length) with single-piece words.
 std::pair<size_t, size_t> PairLengths(const BertTokenizer& t, int a, int b, int max_length) {
   std::string x, y;
