@@ -235,8 +235,8 @@ class TeiHttp {
     return Error(404, kValidation,
                  absl::StrCat("no such endpoint: ", req.method, " ", req.path,
                               " (text-embeddings-inference's routes: /health, /info, /predict, "
-                              "/rerank, and the same under /models/NAME; Open Inference "
-                              "Protocol's under /v2)"));
+                              "/rerank, /tokenize, /decode, and the same under /models/NAME; "
+                              "the Open Inference Protocol's under /v2)"));
   }
   static HttpResponse NotAllowed(const char* allow) {
     HttpResponse r = Error(405, kValidation, absl::StrCat("method not allowed here; use ", allow));
@@ -252,12 +252,8 @@ class TeiHttp {
       *model = options_.default_model;
       return std::nullopt;
     }
-    grpc::ClientContext ctx;
-    v1::ListModelsResponse resp;
-    grpc::Status s = inference_->ListModels(&ctx, {}, &resp);
-    if (!s.ok()) return FromStatus(s);
     std::vector<std::string> known;
-    for (const v1::ModelSummary& m : resp.models()) known.push_back(m.name());
+    if (grpc::Status s = KnownModels(&known); !s.ok()) return FromStatus(s);
     if (known.size() == 1) {
       *model = known[0];
       return std::nullopt;
@@ -272,16 +268,21 @@ class TeiHttp {
   // A call's refusal; NOT_FOUND for a model the server knows (loading, or no version served
   // now) is 503 Unhealthy, which TEI's clients retry, rather than 404.
   HttpResponse Refusal(const std::string& model, const grpc::Status& s) {
-    if (s.error_code() == grpc::StatusCode::NOT_FOUND) {
-      grpc::ClientContext ctx;
-      v1::ListModelsResponse resp;
-      if (inference_->ListModels(&ctx, {}, &resp).ok()) {
-        for (const v1::ModelSummary& m : resp.models()) {
-          if (m.name() == model) return Error(503, kUnhealthy, s.error_message());
-        }
-      }
+    std::vector<std::string> known;
+    if (s.error_code() == grpc::StatusCode::NOT_FOUND && KnownModels(&known).ok() &&
+        std::find(known.begin(), known.end(), model) != known.end()) {
+      return Error(503, kUnhealthy, s.error_message());
     }
     return FromStatus(s);
+  }
+
+  // The models the server knows, served or not (ListModels).
+  grpc::Status KnownModels(std::vector<std::string>* names) {
+    grpc::ClientContext ctx;
+    v1::ListModelsResponse resp;
+    grpc::Status s = inference_->ListModels(&ctx, {}, &resp);
+    for (const v1::ModelSummary& m : resp.models()) names->push_back(m.name());
+    return s;
   }
 
   HttpResponse Health(const std::string& model) {
