@@ -1061,9 +1061,10 @@ class HttpServer::Impl {
         if (!req) {
           if (failure.code != 0) {
             Enter(c, Phase::kWriting, idle);
+            // Counted before it is written: a client that has read it finds it counted.
+            counters_->Responded(failure.code);
             if (stream.WriteAll(
                     FormatResponse(ErrorResponse(failure.code, failure.message), false, "close"))) {
-              counters_->Responded(failure.code);
               linger = true;
             }
           }
@@ -1103,8 +1104,8 @@ class HttpServer::Impl {
             response, req->method == "HEAD",
             !keep_alive ? "close" : version_1_0 ? "keep-alive" : nullptr);
         Enter(c, Phase::kWriting, idle + TransferTime(bytes.size()));
+        counters_->Responded(response.code);  // before the write, as above
         if (!stream.WriteAll(bytes)) break;
-        counters_->Responded(response.code);
         {
           absl::MutexLock lock(&mu_);
           c->served = true;

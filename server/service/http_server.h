@@ -116,8 +116,9 @@ class HttpServer {
 
   // What the server has done, read at each scrape (it may outlive the server; its counts then
   // stay as they were):
-  //   collabserve_http_responses_total{code}       responses sent, by status code (errors
-  //                                                answered before a request was read whole too)
+  //   collabserve_http_responses_total{code}       responses, by status code, counted as their
+  //                                                write begins (errors answered before a
+  //                                                request was read whole too)
   //   collabserve_http_connections                 connections open
   //   collabserve_http_connections_refused_total   connections refused at --http_max_connections
   //                                                (or a thread that could not start)
