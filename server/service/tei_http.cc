@@ -218,14 +218,14 @@ class TeiHttp {
     if (route == kPredict) return Predict(req, model, body);
     if (route == kTokenize) return Tokenize(model, body);
     if (route == kDecode) return Decode(model, body);
-    std::optional<v1::ModelMetadata> metadata;
-    if (HttpResponse r = Metadata(model, &metadata); !metadata) return r;
-    const bool reranker = metadata->labels_size() == 1;
+    v1::ModelMetadata metadata;
+    if (auto refused = Metadata(model, &metadata)) return *std::move(refused);
+    const bool reranker = metadata.labels_size() == 1;
     if (route == kEither) return reranker ? Rerank(req, model, body) : Predict(req, model, body);
     if (!reranker) {
       return Error(424, kBackend,
                    absl::StrCat("model ", model, " is not a re-ranker model: it has ",
-                                metadata->labels_size(), " labels, and /rerank needs one"));
+                                metadata.labels_size(), " labels, and /rerank needs one"));
     }
     return Rerank(req, model, body);
   }
@@ -276,6 +276,17 @@ class TeiHttp {
     return FromStatus(s);
   }
 
+  // A call's outcome: its refusal, or 424 when it answered `got` items for `want` asked (a
+  // broken contract, never a client's fault); nullopt when it answered as asked.
+  std::optional<HttpResponse> Answered(const char* call, const std::string& model,
+                                       const grpc::Status& s, int got, int want) {
+    if (!s.ok()) return Refusal(model, s);
+    if (got != want) {
+      return Error(424, kBackend, absl::StrCat(call, " answered ", got, " items for ", want));
+    }
+    return std::nullopt;
+  }
+
   // The models the server knows, served or not (ListModels).
   grpc::Status KnownModels(std::vector<std::string>* names) {
     grpc::ClientContext ctx;
@@ -300,43 +311,41 @@ class TeiHttp {
   }
 
   // Sets `out` to the newest served version's metadata, or returns the refusal.
-  HttpResponse Metadata(const std::string& model, std::optional<v1::ModelMetadata>* out) {
+  std::optional<HttpResponse> Metadata(const std::string& model, v1::ModelMetadata* out) {
     grpc::ClientContext ctx;
     v1::GetModelRequest req;
     req.set_model_name(model);
-    v1::ModelMetadata resp;
-    grpc::Status s = inference_->GetModel(&ctx, req, &resp);
+    grpc::Status s = inference_->GetModel(&ctx, req, out);
     if (!s.ok()) return Refusal(model, s);
-    *out = std::move(resp);
-    return HttpResponse();
+    return std::nullopt;
   }
 
   HttpResponse Info(const std::string& model) {
-    std::optional<v1::ModelMetadata> m;
-    if (HttpResponse r = Metadata(model, &m); !m) return r;
+    v1::ModelMetadata metadata;
+    if (auto refused = Metadata(model, &metadata)) return *std::move(refused);
     json id2label = json::object(), label2id = json::object();
-    for (int i = 0; i < m->labels_size(); ++i) {
-      id2label[std::to_string(i)] = m->labels(i);
-      label2id[m->labels(i)] = i;
+    for (int i = 0; i < metadata.labels_size(); ++i) {
+      id2label[std::to_string(i)] = metadata.labels(i);
+      label2id[metadata.labels(i)] = i;
     }
     json labels{{"id2label", std::move(id2label)}, {"label2id", std::move(label2id)}};
-    return Json(200,
-                json{{"model_id", m->name()},
-                     {"model_sha", nullptr},
-                     {"model_dtype", m->dtype()},
-                     {"served_model_name", m->name()},
-                     {"model_type",
-                      {{m->labels_size() == 1 ? "reranker" : "classifier", std::move(labels)}}},
-                     {"max_concurrent_requests", options_.max_concurrent_requests},
-                     {"max_input_length", m->max_length()},
-                     {"max_batch_tokens", options_.max_batch_tokens},
-                     {"max_batch_requests", options_.max_batch_requests},
-                     {"max_client_batch_size", options_.max_client_batch_size},
-                     {"auto_truncate", true},
-                     {"tokenization_workers", options_.tokenization_workers},
-                     {"version", options_.version},
-                     {"sha", nullptr},
-                     {"docker_label", nullptr}});
+    return Json(
+        200, json{{"model_id", metadata.name()},
+                  {"model_sha", nullptr},
+                  {"model_dtype", metadata.dtype()},
+                  {"served_model_name", metadata.name()},
+                  {"model_type",
+                   {{metadata.labels_size() == 1 ? "reranker" : "classifier", std::move(labels)}}},
+                  {"max_concurrent_requests", options_.max_concurrent_requests},
+                  {"max_input_length", metadata.max_length()},
+                  {"max_batch_tokens", options_.max_batch_tokens},
+                  {"max_batch_requests", options_.max_batch_requests},
+                  {"max_client_batch_size", options_.max_client_batch_size},
+                  {"auto_truncate", true},
+                  {"tokenization_workers", options_.tokenization_workers},
+                  {"version", options_.version},
+                  {"sha", nullptr},
+                  {"docker_label", nullptr}});
   }
 
   // Classify over the in-process channel, cancelled if the client goes away. Sets `resp`, or
@@ -352,13 +361,7 @@ class TeiHttp {
         },
         &client_gone);
     if (client_gone) return Error(499, kBackend, "the client closed the connection");
-    if (!s.ok()) return Refusal(req.model_name(), s);
-    if (resp->results_size() != req.inputs_size()) {
-      return Error(424, kBackend,
-                   absl::StrCat("Classify answered ", resp->results_size(), " results for ",
-                                req.inputs_size(), " inputs"));
-    }
-    return std::nullopt;
+    return Answered("Classify", req.model_name(), s, resp->results_size(), req.inputs_size());
   }
 
   HttpResponse Predict(const HttpRequest& http, const std::string& model, const json& body) {
@@ -430,11 +433,8 @@ class TeiHttp {
     grpc::ClientContext ctx;
     v1::TokenizeResponse resp;
     grpc::Status s = inference_->Tokenize(&ctx, req, &resp);
-    if (!s.ok()) return Refusal(model, s);
-    if (resp.results_size() != req.inputs_size()) {
-      return Error(424, kBackend,
-                   absl::StrCat("Tokenize answered ", resp.results_size(), " results for ",
-                                req.inputs_size(), " inputs"));
+    if (auto refused = Answered("Tokenize", model, s, resp.results_size(), req.inputs_size())) {
+      return *std::move(refused);
     }
     json out = json::array();
     for (int i = 0; i < resp.results_size(); ++i) {
@@ -493,11 +493,8 @@ class TeiHttp {
     grpc::ClientContext ctx;
     v1::DecodeResponse resp;
     grpc::Status s = inference_->Decode(&ctx, req, &resp);
-    if (!s.ok()) return Refusal(model, s);
-    if (resp.texts_size() != req.sequences_size()) {
-      return Error(424, kBackend,
-                   absl::StrCat("Decode answered ", resp.texts_size(), " texts for ",
-                                req.sequences_size(), " sequences"));
+    if (auto refused = Answered("Decode", model, s, resp.texts_size(), req.sequences_size())) {
+      return *std::move(refused);
     }
     return Json(200, json(std::vector<std::string>(resp.texts().begin(), resp.texts().end())));
   }
